@@ -1,0 +1,107 @@
+//! The admin HTTP server: health, readiness, Prometheus metrics and debug views.
+//!
+//! - `/healthz`: the process is up;
+//! - `/readyz`: 200 once the first snapshot is built (503 before);
+//! - `/metrics`: Prometheus text;
+//! - `/debug/snapshot`: every resource of the current snapshot with its version;
+//! - `/debug/clients`: every connected Envoy, its subscriptions and ACK/NACK state.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
+use crate::xds::server::Clients;
+use crate::xds::{ResourceType, Snapshot};
+
+#[derive(Clone)]
+pub struct AdminState {
+    pub metrics: Arc<Metrics>,
+    pub clients: Arc<Clients>,
+    /// `None` until the first snapshot is built.
+    pub snapshots: watch::Receiver<Option<Arc<Snapshot>>>,
+}
+
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/debug/snapshot", get(snapshot))
+        .route("/debug/clients", get(clients))
+        .with_state(state)
+}
+
+pub async fn serve(
+    listener: TcpListener,
+    state: AdminState,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+}
+
+async fn readyz(State(state): State<AdminState>) -> Response {
+    match &*state.snapshots.borrow() {
+        Some(s) => (StatusCode::OK, format!("ready: snapshot {}\n", s.version())).into_response(),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: no snapshot built yet\n",
+        )
+            .into_response(),
+    }
+}
+
+async fn metrics(State(state): State<AdminState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn snapshot(State(state): State<AdminState>) -> Response {
+    let Some(snapshot) = state.snapshots.borrow().clone() else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"error": "no snapshot yet"})),
+        )
+            .into_response();
+    };
+    let mut types = serde_json::Map::new();
+    for ty in ResourceType::ALL {
+        let resources: Vec<_> = snapshot
+            .resources(ty)
+            .values()
+            .map(|r| {
+                json!({
+                    "name": &*r.name,
+                    "version": &*r.version,
+                    "cluster_refs": r.cluster_refs.iter().map(|c| &**c).collect::<Vec<_>>(),
+                    "resource": r.render(),
+                })
+            })
+            .collect();
+        types.insert(
+            ty.label().into(),
+            json!({"type_url": ty.type_url(), "resources": resources}),
+        );
+    }
+    Json(json!({"version": snapshot.version(), "types": types})).into_response()
+}
+
+async fn clients(State(state): State<AdminState>) -> Response {
+    Json(json!({"clients": state.clients.report()})).into_response()
+}

@@ -1,0 +1,447 @@
+//! Configuration: the `ray-xds` command line, its `RAY_XDS_*` environment variables and
+//! the `ray-xds.yaml` config file, validated once into a typed [`Config`].
+//!
+//! Precedence: a flag or its environment variable beats the config file, which beats the
+//! built-in default. A config file that cannot be read or parsed is an error naming the
+//! file, the line and the field; nothing starts with a half-understood config.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use serde::Deserialize;
+
+/// An xDS control plane that keeps Envoy in front of Ray Serve routing around dying Ray nodes.
+#[derive(Debug, Parser)]
+#[command(name = "ray-xds", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the control plane: watch the source, serve ADS to Envoy, serve the admin API.
+    Serve(ServeArgs),
+}
+
+/// Flags of `ray-xds serve`. Each overrides the matching config-file field.
+#[derive(Debug, Args, Default, Clone)]
+pub struct ServeArgs {
+    /// Config file (YAML). Relative paths inside it are relative to the file's folder.
+    #[arg(long, short = 'c', env = "RAY_XDS_CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// Address the xDS (ADS gRPC) server listens on [config: xds.listen; default 127.0.0.1:18000].
+    #[arg(long, env = "RAY_XDS_XDS_LISTEN")]
+    pub xds_listen: Option<SocketAddr>,
+
+    /// Address the admin HTTP server (/healthz, /readyz, /metrics, /debug/*) listens on
+    /// [config: admin.listen; default 127.0.0.1:19000].
+    #[arg(long, env = "RAY_XDS_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+
+    /// IP address of the Envoy HTTP listener that ray-xds configures
+    /// [config: gateway.http_listener.address; default 0.0.0.0].
+    #[arg(long, env = "RAY_XDS_GATEWAY_ADDRESS")]
+    pub gateway_address: Option<IpAddr>,
+
+    /// Port of the Envoy HTTP listener that ray-xds configures
+    /// [config: gateway.http_listener.port; default 10000].
+    #[arg(long, env = "RAY_XDS_GATEWAY_PORT")]
+    pub gateway_port: Option<u16>,
+
+    /// How long Envoy keeps an idle upstream connection to a Ray proxy. Must stay below
+    /// Ray Serve's keep-alive (90 s in Ray 2.60)
+    /// [config: gateway.upstream_idle_timeout; default 60s].
+    #[arg(long, env = "RAY_XDS_UPSTREAM_IDLE_TIMEOUT", value_parser = humantime::parse_duration)]
+    pub upstream_idle_timeout: Option<Duration>,
+
+    /// Connect timeout from Envoy to a Ray proxy [config: gateway.connect_timeout; default 1s].
+    #[arg(long, env = "RAY_XDS_CONNECT_TIMEOUT", value_parser = humantime::parse_duration)]
+    pub connect_timeout: Option<Duration>,
+
+    /// services.yaml of the file source [config: source.file.path].
+    #[arg(long, env = "RAY_XDS_SOURCE_FILE")]
+    pub source_file: Option<PathBuf>,
+
+    /// How often the file source re-reads its file even without a change notification
+    /// [config: source.file.poll_interval; default 1s].
+    #[arg(long, env = "RAY_XDS_SOURCE_FILE_POLL_INTERVAL", value_parser = humantime::parse_duration)]
+    pub source_file_poll_interval: Option<Duration>,
+
+    /// Largest gRPC message accepted from an xDS client [config: xds.max_message_bytes;
+    /// default 4194304].
+    #[arg(long, env = "RAY_XDS_XDS_MAX_MESSAGE_BYTES")]
+    pub xds_max_message_bytes: Option<usize>,
+}
+
+/// The validated configuration the runtime runs with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub xds_listen: SocketAddr,
+    pub xds_max_message_bytes: usize,
+    pub admin_listen: SocketAddr,
+    pub gateway: GatewaySettings,
+    pub source: SourceConfig,
+}
+
+/// What `translate` needs to know about the Envoy it configures.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatewaySettings {
+    pub listener_address: IpAddr,
+    pub listener_port: u16,
+    pub upstream_idle_timeout: Duration,
+    pub connect_timeout: Duration,
+}
+
+impl Default for GatewaySettings {
+    fn default() -> Self {
+        GatewaySettings {
+            listener_address: IpAddr::from([0, 0, 0, 0]),
+            listener_port: 10000,
+            upstream_idle_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum SourceConfig {
+    File {
+        path: PathBuf,
+        poll_interval: Duration,
+    },
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        file: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{file}: {location}field `{field}`: {message}")]
+    Parse {
+        file: PathBuf,
+        location: String,
+        field: String,
+        message: String,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+// ---- the config file's shape ----
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    #[serde(default)]
+    xds: XdsSection,
+    #[serde(default)]
+    admin: AdminSection,
+    #[serde(default)]
+    gateway: GatewaySection,
+    #[serde(default)]
+    source: Option<SourceSection>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct XdsSection {
+    listen: Option<SocketAddr>,
+    max_message_bytes: Option<usize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdminSection {
+    listen: Option<SocketAddr>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GatewaySection {
+    #[serde(default)]
+    http_listener: ListenerSection,
+    #[serde(default, with = "humantime_serde")]
+    upstream_idle_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    connect_timeout: Option<Duration>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListenerSection {
+    address: Option<IpAddr>,
+    port: Option<u16>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SourceSection {
+    file: Option<FileSourceSection>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileSourceSection {
+    path: PathBuf,
+    #[serde(default, with = "humantime_serde")]
+    poll_interval: Option<Duration>,
+}
+
+/// Deserializes YAML, reporting errors with the file, line, column and field path.
+pub fn parse_yaml<T: serde::de::DeserializeOwned>(
+    file: &Path,
+    text: &str,
+) -> Result<T, ConfigError> {
+    let de = serde_yaml::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(de).map_err(|err| {
+        let field = err.path().to_string();
+        let inner = err.into_inner();
+        let location = inner
+            .location()
+            .map(|l| format!("line {}, column {}: ", l.line(), l.column()))
+            .unwrap_or_default();
+        // serde_yaml appends " at line L column C"; we already said where.
+        let mut message = inner.to_string();
+        if let Some(at) = message.find(" at line ") {
+            message.truncate(at);
+        }
+        ConfigError::Parse {
+            file: file.to_path_buf(),
+            location,
+            field: if field == "." {
+                "(top level)".into()
+            } else {
+                field
+            },
+            message,
+        }
+    })
+}
+
+impl Config {
+    /// Reads the config file named by the flags (if any) and applies the flags over it.
+    pub fn load(args: &ServeArgs) -> Result<Config, ConfigError> {
+        let (file, base_dir) = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    file: path.clone(),
+                    source,
+                })?;
+                let parsed: FileConfig = if text.trim().is_empty() {
+                    FileConfig::default()
+                } else {
+                    parse_yaml(path, &text)?
+                };
+                let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+                (parsed, dir)
+            }
+            None => (FileConfig::default(), PathBuf::new()),
+        };
+        let defaults = GatewaySettings::default();
+        let gateway = GatewaySettings {
+            listener_address: args
+                .gateway_address
+                .or(file.gateway.http_listener.address)
+                .unwrap_or(defaults.listener_address),
+            listener_port: args
+                .gateway_port
+                .or(file.gateway.http_listener.port)
+                .unwrap_or(defaults.listener_port),
+            upstream_idle_timeout: args
+                .upstream_idle_timeout
+                .or(file.gateway.upstream_idle_timeout)
+                .unwrap_or(defaults.upstream_idle_timeout),
+            connect_timeout: args
+                .connect_timeout
+                .or(file.gateway.connect_timeout)
+                .unwrap_or(defaults.connect_timeout),
+        };
+        if gateway.upstream_idle_timeout.is_zero()
+            || gateway.upstream_idle_timeout >= Duration::from_secs(90)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "gateway.upstream_idle_timeout is {}: it must be above 0 and below Ray Serve's 90s keep-alive, or Envoy reuses connections the proxy is closing",
+                humantime::format_duration(gateway.upstream_idle_timeout)
+            )));
+        }
+        if gateway.connect_timeout.is_zero() {
+            return Err(ConfigError::Invalid(
+                "gateway.connect_timeout must be above 0".into(),
+            ));
+        }
+        let file_source = file.source.and_then(|s| s.file);
+        let source_path = match (&args.source_file, &file_source) {
+            (Some(p), _) => p.clone(),
+            (None, Some(f)) => base_dir.join(&f.path),
+            (None, None) => return Err(ConfigError::Invalid(
+                "no source configured: set source.file.path in the config file, or --source-file"
+                    .into(),
+            )),
+        };
+        let poll_interval = args
+            .source_file_poll_interval
+            .or(file_source.as_ref().and_then(|f| f.poll_interval))
+            .unwrap_or(Duration::from_secs(1));
+        if poll_interval.is_zero() {
+            return Err(ConfigError::Invalid(
+                "source.file.poll_interval must be above 0".into(),
+            ));
+        }
+        Ok(Config {
+            xds_listen: args
+                .xds_listen
+                .or(file.xds.listen)
+                .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 18000))),
+            xds_max_message_bytes: args
+                .xds_max_message_bytes
+                .or(file.xds.max_message_bytes)
+                .unwrap_or(4 * 1024 * 1024),
+            admin_listen: args
+                .admin_listen
+                .or(file.admin.listen)
+                .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 19000))),
+            gateway,
+            source: SourceConfig::File {
+                path: source_path,
+                poll_interval,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn write(text: &str) -> tempfile::NamedTempFile {
+        let mut f = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+        f
+    }
+
+    fn load(text: &str) -> Result<Config, ConfigError> {
+        let f = write(text);
+        Config::load(&ServeArgs {
+            config: Some(f.path().to_path_buf()),
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn reads_the_documented_shape() {
+        let c = load(
+            "xds:   { listen: 127.0.0.1:18001 }\nadmin: { listen: 127.0.0.1:19001 }\ngateway:\n  http_listener: { address: 0.0.0.0, port: 10001 }\nsource:\n  file: { path: services.yaml }\n",
+        )
+        .unwrap();
+        assert_eq!(c.xds_listen, "127.0.0.1:18001".parse().unwrap());
+        assert_eq!(c.admin_listen, "127.0.0.1:19001".parse().unwrap());
+        assert_eq!(c.gateway.listener_port, 10001);
+        assert_eq!(c.gateway.upstream_idle_timeout, Duration::from_secs(60));
+        let SourceConfig::File { path, .. } = &c.source;
+        assert!(path.ends_with("services.yaml"));
+        assert!(
+            path.is_absolute(),
+            "relative to the config file's folder: {path:?}"
+        );
+    }
+
+    #[test]
+    fn flags_beat_the_file() {
+        let f = write("xds: { listen: 127.0.0.1:18001 }\nsource: { file: { path: a.yaml } }\n");
+        let c = Config::load(&ServeArgs {
+            config: Some(f.path().to_path_buf()),
+            xds_listen: Some("127.0.0.1:1".parse().unwrap()),
+            source_file: Some("b.yaml".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(c.xds_listen.port(), 1);
+        assert_eq!(
+            c.source,
+            SourceConfig::File {
+                path: "b.yaml".into(),
+                poll_interval: Duration::from_secs(1)
+            }
+        );
+    }
+
+    #[test]
+    fn a_bad_value_names_file_line_and_field() {
+        let err = load("xds:\n  listen: not-an-address\nsource: { file: { path: a.yaml } }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(".yaml: line 2, column 11: field `xds.listen`"),
+            "{err}"
+        );
+        assert!(err.contains("invalid socket address"), "{err}");
+    }
+
+    #[test]
+    fn an_unknown_field_is_named() {
+        let err = load("gateway:\n  http_listener: { port: 1, adress: 0.0.0.0 }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 2"), "{err}");
+        assert!(err.contains("gateway.http_listener.adress"), "{err}");
+        assert!(err.contains("unknown field `adress`"), "{err}");
+    }
+
+    #[test]
+    fn rejects_idle_timeout_at_or_above_ray_keepalive() {
+        let err =
+            load("gateway: { upstream_idle_timeout: 90s }\nsource: { file: { path: a.yaml } }\n")
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("upstream_idle_timeout"), "{err}");
+        let err = load("gateway: { upstream_idle_timeout: soon }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("gateway.upstream_idle_timeout"), "{err}");
+    }
+
+    #[test]
+    fn a_missing_file_and_a_missing_source_are_errors() {
+        let err = Config::load(&ServeArgs {
+            config: Some("/nonexistent/ray-xds.yaml".into()),
+            ..Default::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("/nonexistent/ray-xds.yaml: cannot read"),
+            "{err}"
+        );
+        assert!(load("xds: {}\n")
+            .unwrap_err()
+            .to_string()
+            .contains("no source configured"));
+    }
+
+    #[test]
+    fn cli_help_documents_every_flag_and_its_env() {
+        use clap::CommandFactory;
+        let mut cmd = Cli::command();
+        let serve = cmd.find_subcommand_mut("serve").unwrap();
+        let help = serve.render_long_help().to_string();
+        for env in [
+            "RAY_XDS_CONFIG",
+            "RAY_XDS_XDS_LISTEN",
+            "RAY_XDS_ADMIN_LISTEN",
+            "RAY_XDS_GATEWAY_ADDRESS",
+            "RAY_XDS_GATEWAY_PORT",
+            "RAY_XDS_UPSTREAM_IDLE_TIMEOUT",
+            "RAY_XDS_SOURCE_FILE",
+        ] {
+            assert!(help.contains(env), "{env} missing from --help");
+        }
+    }
+}

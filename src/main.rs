@@ -1,0 +1,52 @@
+//! The `ray-xds` binary: parse the command line, start the runtime, stop on a signal.
+
+use clap::Parser;
+use ray_xds::config::{Cli, Command, Config};
+use tokio_util::sync::CancellationToken;
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RAY_XDS_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let Command::Serve(args) = Cli::parse().command;
+    let config = match Config::load(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("ray-xds: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let shutdown = CancellationToken::new();
+    tokio::spawn(stop_on_signal(shutdown.clone()));
+    let result = match ray_xds::runtime::start(config, shutdown).await {
+        Ok(running) => running.wait().await,
+        Err(e) => Err(e),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ray-xds: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn stop_on_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!("shutting down");
+    shutdown.cancel();
+}

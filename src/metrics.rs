@@ -1,0 +1,177 @@
+//! Prometheus metrics, served on the admin port's `/metrics`.
+//!
+//! One [`Metrics`] is shared by every part; label sets are small and fixed (protocol,
+//! xDS type, source), never per-client or per-resource, so cardinality stays bounded.
+
+use std::sync::Mutex;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProtocolLabels {
+    pub protocol: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TypeLabels {
+    pub protocol: &'static str,
+    pub r#type: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    pub source: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub protocol: &'static str,
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VersionLabels {
+    pub version: String,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub streams: Family<ProtocolLabels, Gauge>,
+    pub subscriptions: Family<TypeLabels, Gauge>,
+    pub pushes: Family<TypeLabels, Counter>,
+    pub pushed_resources: Family<TypeLabels, Counter>,
+    pub acks: Family<TypeLabels, Counter>,
+    pub nacks: Family<TypeLabels, Counter>,
+    pub stream_errors: Family<ReasonLabels, Counter>,
+    pub snapshots: Counter,
+    pub snapshot_resources: Gauge,
+    snapshot_info: Family<VersionLabels, Gauge>,
+    current_version: Mutex<String>,
+    pub translate_seconds: Histogram,
+    pub source_rejected: Family<SourceLabels, Counter>,
+    pub source_updates: Family<SourceLabels, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut m = Metrics {
+            streams: Family::default(),
+            subscriptions: Family::default(),
+            pushes: Family::default(),
+            pushed_resources: Family::default(),
+            acks: Family::default(),
+            nacks: Family::default(),
+            stream_errors: Family::default(),
+            snapshots: Counter::default(),
+            snapshot_resources: Gauge::default(),
+            snapshot_info: Family::default(),
+            current_version: Mutex::new(String::new()),
+            translate_seconds: Histogram::new(exponential_buckets(0.000_01, 4.0, 10)),
+            source_rejected: Family::default(),
+            source_updates: Family::default(),
+            registry: Registry::with_prefix("ray_xds"),
+        };
+        let registry = &mut m.registry;
+        registry.register("xds_streams", "Connected ADS streams", m.streams.clone());
+        registry.register(
+            "xds_subscriptions",
+            "Connected ADS streams subscribed to each resource type",
+            m.subscriptions.clone(),
+        );
+        registry.register("xds_pushes", "Discovery responses sent", m.pushes.clone());
+        registry.register(
+            "xds_pushed_resources",
+            "Resources carried by discovery responses",
+            m.pushed_resources.clone(),
+        );
+        registry.register("xds_acks", "Responses the client accepted", m.acks.clone());
+        registry.register(
+            "xds_nacks",
+            "Responses the client rejected",
+            m.nacks.clone(),
+        );
+        registry.register(
+            "xds_stream_errors",
+            "Streams ended by a client error (bad message, unknown type, too large)",
+            m.stream_errors.clone(),
+        );
+        registry.register("snapshots", "Snapshots published", m.snapshots.clone());
+        registry.register(
+            "snapshot_resources",
+            "Resources in the current snapshot",
+            m.snapshot_resources.clone(),
+        );
+        registry.register(
+            "snapshot_info",
+            "The current snapshot's version (a content hash) as a label",
+            m.snapshot_info.clone(),
+        );
+        registry.register(
+            "translate_seconds",
+            "Time to translate the model into Envoy resources",
+            m.translate_seconds.clone(),
+        );
+        registry.register(
+            "source_rejected",
+            "Source inputs refused (unreadable, malformed or invalid); the last good state was kept",
+            m.source_rejected.clone(),
+        );
+        registry.register(
+            "source_updates",
+            "Valid new models published by a source",
+            m.source_updates.clone(),
+        );
+        m
+    }
+
+    pub fn source_rejected(&self, source: &'static str) {
+        self.source_rejected
+            .get_or_create(&SourceLabels { source })
+            .inc();
+    }
+
+    pub fn type_labels(protocol: &'static str, ty: &'static str) -> TypeLabels {
+        TypeLabels {
+            protocol,
+            r#type: ty,
+        }
+    }
+
+    pub fn set_snapshot_version(&self, version: &str) {
+        let mut current = self
+            .current_version
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if !current.is_empty() {
+            self.snapshot_info.remove(&VersionLabels {
+                version: current.clone(),
+            });
+        }
+        self.snapshot_info
+            .get_or_create(&VersionLabels {
+                version: version.to_string(),
+            })
+            .set(1);
+        *current = version.to_string();
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}

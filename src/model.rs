@@ -1,0 +1,353 @@
+//! The domain model: what ray-xds knows about RayServices, free of Kubernetes and
+//! protobuf types.
+//!
+//! Sources (the file source now, Kubernetes later) build a [`Model`] and hand it to the
+//! pipeline; `translate` turns it into Envoy resources. A `Model` is always valid:
+//! [`Model::new`] checks the invariants that Envoy would otherwise reject (unique
+//! virtual-host domains, an active cluster that exists, IP endpoints), so a bad input is
+//! refused at the source and the last good model keeps being served.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::SocketAddr;
+
+/// Every RayService ray-xds routes to, sorted by `(namespace, name)`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Model {
+    services: Vec<RayService>,
+}
+
+/// One RayService: a set of hosts served by its active RayCluster, with an optional
+/// pending cluster that an upgrade is bringing up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RayService {
+    pub namespace: String,
+    pub name: String,
+    /// Virtual-host domains (`*` matches any host).
+    pub hosts: Vec<String>,
+    pub active_cluster: String,
+    pub pending_cluster: Option<String>,
+    /// Sorted by name.
+    pub clusters: Vec<RayCluster>,
+}
+
+/// One RayCluster and the Ray Serve HTTP proxies it runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RayCluster {
+    pub name: String,
+    /// Base URL of the Ray dashboard (`http://host:8265`), when known.
+    pub dashboard: Option<String>,
+    /// Sorted by address.
+    pub proxies: Vec<Proxy>,
+}
+
+/// A Ray Serve HTTP proxy: one per Ray node that runs one.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Proxy {
+    pub address: SocketAddr,
+    pub node_type: NodeType,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum NodeType {
+    Head,
+    Worker,
+}
+
+impl NodeType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeType::Head => "head",
+            NodeType::Worker => "worker",
+        }
+    }
+}
+
+/// Why a set of RayServices cannot become a [`Model`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelError {
+    #[error("rayservice {service}: {reason}")]
+    InvalidService { service: String, reason: String },
+    #[error("rayservice {service} and {other} both claim host {host:?}; each host must route to one RayService")]
+    DuplicateHost {
+        service: String,
+        other: String,
+        host: String,
+    },
+    #[error("rayservice {service} is defined twice")]
+    DuplicateService { service: String },
+}
+
+impl RayService {
+    /// `<namespace>/<name>`: the identity used in logs, virtual-host and cluster names.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+
+    pub fn cluster(&self, name: &str) -> Option<&RayCluster> {
+        self.clusters.iter().find(|c| c.name == name)
+    }
+
+    /// The Envoy cluster name of one of this service's RayClusters.
+    pub fn envoy_cluster_name(&self, cluster: &str) -> String {
+        format!("{}/{}/{}", self.namespace, self.name, cluster)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        for (what, value) in [("namespace", &self.namespace), ("name", &self.name)] {
+            if !is_dns_label(value) {
+                return Err(format!(
+                    "{what} {value:?} is not a DNS label (lowercase letters, digits and '-', at most 63)"
+                ));
+            }
+        }
+        if self.hosts.is_empty() {
+            return Err("hosts is empty: it would be unreachable".into());
+        }
+        let mut seen = BTreeSet::new();
+        for host in &self.hosts {
+            validate_host(host)?;
+            if !seen.insert(host.to_ascii_lowercase()) {
+                return Err(format!("host {host:?} is listed twice"));
+            }
+        }
+        let mut names = BTreeSet::new();
+        for cluster in &self.clusters {
+            if !is_dns_label(&cluster.name) {
+                return Err(format!(
+                    "cluster name {:?} is not a DNS label",
+                    cluster.name
+                ));
+            }
+            if !names.insert(cluster.name.as_str()) {
+                return Err(format!("cluster {} is defined twice", cluster.name));
+            }
+            let mut addrs = BTreeSet::new();
+            for proxy in &cluster.proxies {
+                if !addrs.insert(proxy.address) {
+                    return Err(format!(
+                        "cluster {}: proxy {} is listed twice",
+                        cluster.name, proxy.address
+                    ));
+                }
+            }
+        }
+        if self.cluster(&self.active_cluster).is_none() {
+            return Err(format!(
+                "active_cluster {:?} is not one of its clusters",
+                self.active_cluster
+            ));
+        }
+        if let Some(pending) = &self.pending_cluster {
+            if pending == &self.active_cluster {
+                return Err(format!(
+                    "pending_cluster {pending:?} is also the active cluster"
+                ));
+            }
+            if self.cluster(pending).is_none() {
+                return Err(format!(
+                    "pending_cluster {pending:?} is not one of its clusters"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Model {
+    /// Builds a model, checking every invariant. Order of the input does not matter:
+    /// the model is sorted so that equal inputs give equal models (and equal versions).
+    pub fn new(mut services: Vec<RayService>) -> Result<Model, ModelError> {
+        for service in &mut services {
+            service.clusters.sort_by(|a, b| a.name.cmp(&b.name));
+            for cluster in &mut service.clusters {
+                cluster.proxies.sort();
+            }
+        }
+        services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+        let mut hosts: BTreeMap<String, String> = BTreeMap::new();
+        for (i, service) in services.iter().enumerate() {
+            if i > 0
+                && services[i - 1].namespace == service.namespace
+                && services[i - 1].name == service.name
+            {
+                return Err(ModelError::DuplicateService {
+                    service: service.key(),
+                });
+            }
+            service
+                .validate()
+                .map_err(|reason| ModelError::InvalidService {
+                    service: service.key(),
+                    reason,
+                })?;
+            for host in &service.hosts {
+                if let Some(other) = hosts.insert(host.to_ascii_lowercase(), service.key()) {
+                    return Err(ModelError::DuplicateHost {
+                        service: service.key(),
+                        other,
+                        host: host.clone(),
+                    });
+                }
+            }
+        }
+        Ok(Model { services })
+    }
+
+    pub fn services(&self) -> &[RayService] {
+        &self.services
+    }
+}
+
+impl fmt::Display for NodeType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// Envoy accepts `*`, a prefix wildcard (`*.example.com`), a suffix wildcard
+/// (`example.*`) or a plain host, optionally with a port.
+fn validate_host(host: &str) -> Result<(), String> {
+    if host == "*" {
+        return Ok(());
+    }
+    let body = host
+        .strip_prefix('*')
+        .or_else(|| host.strip_suffix('*'))
+        .unwrap_or(host);
+    let ok = !body.is_empty()
+        && !body.contains('*')
+        && body
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'_'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "host {host:?} is not a valid virtual-host domain (a name, '*', '*.suffix' or 'prefix.*')"
+        ))
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+
+    /// A RayService with one cluster of `proxies` ports on 127.0.0.1 (the first is head).
+    pub fn service(name: &str, cluster: &str, ports: &[u16]) -> RayService {
+        RayService {
+            namespace: "default".into(),
+            name: name.into(),
+            hosts: vec![format!("{name}.example")],
+            active_cluster: cluster.into(),
+            pending_cluster: None,
+            clusters: vec![RayCluster {
+                name: cluster.into(),
+                dashboard: None,
+                proxies: ports
+                    .iter()
+                    .enumerate()
+                    .map(|(i, port)| Proxy {
+                        address: SocketAddr::from(([127, 0, 0, 1], *port)),
+                        node_type: if i == 0 {
+                            NodeType::Head
+                        } else {
+                            NodeType::Worker
+                        },
+                    })
+                    .collect(),
+            }],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::service;
+    use super::*;
+
+    #[test]
+    fn sorts_so_equal_inputs_give_equal_models() {
+        let a = service("a", "a1", &[8001, 8000]);
+        let b = service("b", "b1", &[9000]);
+        let m1 = Model::new(vec![a.clone(), b.clone()]).unwrap();
+        let m2 = Model::new(vec![b, a]).unwrap();
+        assert_eq!(m1, m2);
+        assert_eq!(m1.services()[0].clusters[0].proxies[0].address.port(), 8000);
+    }
+
+    #[test]
+    fn rejects_a_host_claimed_by_two_services() {
+        let a = service("a", "a1", &[8000]);
+        let mut b = service("b", "b1", &[9000]);
+        b.hosts = vec!["A.example".into()];
+        let err = Model::new(vec![a, b]).unwrap_err();
+        assert!(matches!(err, ModelError::DuplicateHost { .. }), "{err}");
+    }
+
+    #[test]
+    fn rejects_unknown_active_and_pending_clusters() {
+        let mut a = service("a", "a1", &[8000]);
+        a.active_cluster = "nope".into();
+        assert!(Model::new(vec![a])
+            .unwrap_err()
+            .to_string()
+            .contains("active_cluster"));
+        let mut a = service("a", "a1", &[8000]);
+        a.pending_cluster = Some("gone".into());
+        assert!(Model::new(vec![a])
+            .unwrap_err()
+            .to_string()
+            .contains("pending_cluster"));
+        let mut a = service("a", "a1", &[8000]);
+        a.pending_cluster = Some("a1".into());
+        assert!(Model::new(vec![a])
+            .unwrap_err()
+            .to_string()
+            .contains("also the active"));
+    }
+
+    #[test]
+    fn rejects_bad_names_hosts_and_duplicates() {
+        let mut a = service("a", "a1", &[8000]);
+        a.name = "Bad_Name".into();
+        assert!(Model::new(vec![a]).is_err());
+        let mut a = service("a", "a1", &[8000]);
+        a.hosts = vec!["*.*".into()];
+        assert!(Model::new(vec![a]).is_err());
+        let mut a = service("a", "a1", &[8000]);
+        a.hosts = vec![];
+        assert!(Model::new(vec![a]).is_err());
+        let a = service("a", "a1", &[8000, 8000]);
+        assert!(Model::new(vec![a])
+            .unwrap_err()
+            .to_string()
+            .contains("twice"));
+        let a = service("a", "a1", &[8000]);
+        let err = Model::new(vec![a.clone(), a]).unwrap_err();
+        assert_eq!(
+            err,
+            ModelError::DuplicateService {
+                service: "default/a".into()
+            }
+        );
+    }
+
+    #[test]
+    fn accepts_wildcards_envoy_accepts() {
+        for host in ["*", "*.example.com", "api.*", "svc.ns:8080"] {
+            let mut a = service("a", "a1", &[8000]);
+            a.hosts = vec![host.into()];
+            assert!(Model::new(vec![a]).is_ok(), "{host}");
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! A simulated Ray Serve: HTTP proxies that answer like Ray 2.60's, for tests and the demo.
+//!
+//! Each proxy serves what a real Ray Serve proxy serves (see the captures in
+//! `tests/fixtures/ray-serve-2.60/`): `GET /-/healthz` → 200 `success`,
+//! `GET /-/routes` → 200 JSON `{route_prefix: app}`, and application routes, which here
+//! answer with which cluster, proxy and application served them. Paths that match no
+//! route prefix get 404 as in Ray.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::model::NodeType;
+
+/// What one simulated proxy is.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    pub cluster: String,
+    pub node_type: NodeType,
+    /// Route prefix → application name, e.g. `{"/": "hello"}`.
+    pub routes: BTreeMap<String, String>,
+}
+
+/// The body of an application response: who served it.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct Served {
+    pub cluster: String,
+    pub proxy: String,
+    pub node_type: String,
+    pub app: String,
+    pub method: String,
+    pub path: String,
+    pub body_bytes: usize,
+}
+
+struct ProxyState {
+    config: ProxyConfig,
+    address: SocketAddr,
+}
+
+/// Serves one proxy on `listener` until `shutdown`.
+pub async fn serve_proxy(
+    listener: TcpListener,
+    config: ProxyConfig,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let address = listener.local_addr()?;
+    let state = Arc::new(ProxyState { config, address });
+    let app = Router::new()
+        .route("/-/healthz", get(healthz))
+        .route("/-/routes", get(routes))
+        .fallback(application)
+        .layer(axum::middleware::map_response(uvicorn_header))
+        .with_state(state);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+}
+
+async fn uvicorn_header(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .insert(header::SERVER, HeaderValue::from_static("uvicorn"));
+    response
+}
+
+async fn healthz() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        "success",
+    )
+        .into_response()
+}
+
+async fn routes(State(state): State<Arc<ProxyState>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        serde_json::to_string(&state.config.routes).unwrap_or_default(),
+    )
+        .into_response()
+}
+
+/// The longest route prefix matching `path`, as Ray Serve's proxy picks it.
+pub fn match_route<'a>(routes: &'a BTreeMap<String, String>, path: &str) -> Option<&'a str> {
+    routes
+        .iter()
+        .filter(|(prefix, _)| {
+            let p = prefix.trim_end_matches('/');
+            p.is_empty() || path == p || path.starts_with(&format!("{p}/"))
+        })
+        .max_by_key(|(prefix, _)| prefix.len())
+        .map(|(_, app)| app.as_str())
+}
+
+async fn application(State(state): State<Arc<ProxyState>>, request: Request) -> Response {
+    let method = request.method().to_string();
+    let path = request.uri().path().to_string();
+    let Some(app) = match_route(&state.config.routes, &path).map(str::to_owned) else {
+        return (
+            StatusCode::NOT_FOUND,
+            format!("Path '{path}' not found. Ping http://.../-/routes for available routes."),
+        )
+            .into_response();
+    };
+    let body: Bytes = match axum::body::to_bytes(request.into_body(), 16 * 1024 * 1024).await {
+        Ok(b) => b,
+        Err(_) => return StatusCode::PAYLOAD_TOO_LARGE.into_response(),
+    };
+    let served = Served {
+        cluster: state.config.cluster.clone(),
+        proxy: state.address.to_string(),
+        node_type: state.config.node_type.as_str().into(),
+        app,
+        method,
+        path,
+        body_bytes: body.len(),
+    };
+    axum::Json(served).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn longest_prefix_wins() {
+        let routes: BTreeMap<String, String> = [
+            ("/".into(), "root".into()),
+            ("/hello".into(), "hello".into()),
+        ]
+        .into();
+        assert_eq!(match_route(&routes, "/hello"), Some("hello"));
+        assert_eq!(match_route(&routes, "/hello/x"), Some("hello"));
+        assert_eq!(match_route(&routes, "/helloworld"), Some("root"));
+        let only: BTreeMap<String, String> = [("/hello".into(), "hello".into())].into();
+        assert_eq!(match_route(&only, "/other"), None);
+    }
+}

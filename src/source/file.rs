@@ -1,0 +1,315 @@
+//! The file source: `services.yaml` describes RayServices for machines without
+//! Kubernetes (VMs, a laptop, the demo, the benchmarks).
+//!
+//! The file is watched with inotify (through `notify`, watching the folder so editors'
+//! atomic renames and ConfigMap symlink swaps are seen) and re-read on a poll interval as
+//! a fallback. A change is parsed into a [`Model`]; a parse or validation failure is
+//! logged with its reason and counted, and the last good model keeps being served.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{parse_yaml, ConfigError};
+use crate::metrics::Metrics;
+use crate::model::{Model, NodeType, Proxy, RayCluster, RayService};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ServicesFile {
+    #[serde(default)]
+    rayservices: Vec<ServiceSpec>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ServiceSpec {
+    name: String,
+    #[serde(default = "default_namespace")]
+    namespace: String,
+    /// Defaults to `<name>.<namespace>` and `<name>.<namespace>.svc`, as in Kubernetes.
+    hosts: Option<Vec<String>>,
+    active_cluster: String,
+    pending_cluster: Option<String>,
+    clusters: Vec<ClusterSpec>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterSpec {
+    name: String,
+    dashboard: Option<String>,
+    #[serde(default)]
+    proxies: Vec<ProxySpec>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProxySpec {
+    /// `ip:port`: Envoy's EDS takes IP endpoints only.
+    address: std::net::SocketAddr,
+    node_type: NodeTypeSpec,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum NodeTypeSpec {
+    Head,
+    Worker,
+}
+
+fn default_namespace() -> String {
+    "default".into()
+}
+
+/// Parses the text of a services file into a valid [`Model`].
+pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
+    let parsed: ServicesFile = if text.trim().is_empty() {
+        ServicesFile {
+            rayservices: Vec::new(),
+        }
+    } else {
+        parse_yaml(file, text)?
+    };
+    let services = parsed
+        .rayservices
+        .into_iter()
+        .map(|s| RayService {
+            hosts: s.hosts.unwrap_or_else(|| {
+                vec![
+                    format!("{}.{}", s.name, s.namespace),
+                    format!("{}.{}.svc", s.name, s.namespace),
+                ]
+            }),
+            namespace: s.namespace,
+            name: s.name,
+            active_cluster: s.active_cluster,
+            pending_cluster: s.pending_cluster,
+            clusters: s
+                .clusters
+                .into_iter()
+                .map(|c| RayCluster {
+                    name: c.name,
+                    dashboard: c.dashboard,
+                    proxies: c
+                        .proxies
+                        .into_iter()
+                        .map(|p| Proxy {
+                            address: p.address,
+                            node_type: match p.node_type {
+                                NodeTypeSpec::Head => NodeType::Head,
+                                NodeTypeSpec::Worker => NodeType::Worker,
+                            },
+                        })
+                        .collect(),
+                })
+                .collect(),
+        })
+        .collect();
+    Model::new(services).map_err(|e| ConfigError::Invalid(format!("{}: {e}", file.display())))
+}
+
+/// Reads and parses the file once (used at start-up, where a bad file is fatal).
+pub fn load(path: &Path) -> Result<(Model, Vec<u8>), ConfigError> {
+    let bytes = std::fs::read(path).map_err(|source| ConfigError::Read {
+        file: path.to_path_buf(),
+        source,
+    })?;
+    let text = String::from_utf8_lossy(&bytes);
+    Ok((parse(path, &text)?, bytes))
+}
+
+/// Watches the file and publishes every valid new model; returns when `shutdown` fires.
+pub struct FileSource {
+    pub path: PathBuf,
+    pub poll_interval: Duration,
+    pub metrics: Arc<Metrics>,
+}
+
+impl FileSource {
+    pub async fn run(
+        self,
+        mut last_bytes: Vec<u8>,
+        models: watch::Sender<Arc<Model>>,
+        shutdown: CancellationToken,
+    ) {
+        let (tx, mut changed) = mpsc::channel::<()>(1);
+        // Keep the watcher alive for as long as we run; without it the poll still works.
+        let _watcher = self.watch_folder(tx);
+        let mut poll = tokio::time::interval(self.poll_interval);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = poll.tick() => {}
+                Some(()) = changed.recv() => {}
+            }
+            let bytes = match tokio::fs::read(&self.path).await {
+                Ok(b) => b,
+                Err(err) => {
+                    if last_bytes != b"\0unreadable" {
+                        tracing::warn!(path = %self.path.display(), error = %err, "cannot read services file; keeping the last good state");
+                        self.metrics.source_rejected("file");
+                        last_bytes = b"\0unreadable".to_vec();
+                    }
+                    continue;
+                }
+            };
+            if bytes == last_bytes {
+                continue;
+            }
+            last_bytes = bytes;
+            match parse(&self.path, &String::from_utf8_lossy(&last_bytes)) {
+                Ok(model) => {
+                    tracing::info!(path = %self.path.display(), services = model.services().len(), "services file changed");
+                    models.send_if_modified(|current| {
+                        if **current == model {
+                            false
+                        } else {
+                            *current = Arc::new(model);
+                            true
+                        }
+                    });
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, "invalid services file; keeping the last good state");
+                    self.metrics.source_rejected("file");
+                }
+            }
+        }
+    }
+
+    fn watch_folder(&self, tx: mpsc::Sender<()>) -> Option<notify::RecommendedWatcher> {
+        use notify::Watcher;
+        let folder = match self.path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let handler = move |event: notify::Result<notify::Event>| {
+            if let Ok(event) = event {
+                // Any change in the folder may matter (ConfigMaps swap a `..data` symlink);
+                // re-reading is cheap and deduplicated by content.
+                if !event.kind.is_access() {
+                    let _ = tx.try_send(());
+                }
+            }
+        };
+        let mut watcher = match notify::recommended_watcher(handler) {
+            Ok(w) => w,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot watch the services file; polling only");
+                return None;
+            }
+        };
+        if let Err(err) = watcher.watch(&folder, notify::RecursiveMode::NonRecursive) {
+            tracing::warn!(folder = %folder.display(), error = %err, "cannot watch the services folder; polling only");
+            return None;
+        }
+        Some(watcher)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"
+rayservices:
+  - name: demo
+    namespace: default
+    hosts: ["*"]
+    active_cluster: demo-a
+    pending_cluster: demo-b
+    clusters:
+      - name: demo-a
+        dashboard: http://127.0.0.1:8265
+        proxies:
+          - { address: 127.0.0.1:8000, node_type: head }
+          - { address: 127.0.0.1:8001, node_type: worker }
+      - name: demo-b
+        proxies: [ { address: 127.0.0.1:8100, node_type: head } ]
+"#;
+
+    #[test]
+    fn parses_the_documented_example() {
+        let model = parse(Path::new("services.yaml"), EXAMPLE).unwrap();
+        let s = &model.services()[0];
+        assert_eq!(s.key(), "default/demo");
+        assert_eq!(s.hosts, vec!["*"]);
+        assert_eq!(s.pending_cluster.as_deref(), Some("demo-b"));
+        assert_eq!(s.clusters[0].proxies.len(), 2);
+        assert_eq!(s.clusters[0].proxies[1].node_type, NodeType::Worker);
+        assert_eq!(
+            s.clusters[0].dashboard.as_deref(),
+            Some("http://127.0.0.1:8265")
+        );
+    }
+
+    #[test]
+    fn hosts_default_to_kubernetes_service_names() {
+        let model = parse(
+            Path::new("s.yaml"),
+            "rayservices:\n- name: x\n  namespace: ml\n  active_cluster: c\n  clusters: [{name: c}]\n",
+        )
+        .unwrap();
+        assert_eq!(model.services()[0].hosts, vec!["x.ml", "x.ml.svc"]);
+    }
+
+    #[test]
+    fn an_empty_file_is_an_empty_model() {
+        assert!(parse(Path::new("s.yaml"), "  \n")
+            .unwrap()
+            .services()
+            .is_empty());
+        assert!(parse(Path::new("s.yaml"), "rayservices: []")
+            .unwrap()
+            .services()
+            .is_empty());
+    }
+
+    #[test]
+    fn bad_input_names_line_and_field() {
+        let bad_addr = EXAMPLE.replace("127.0.0.1:8001", "localhost:8001");
+        let err = parse(Path::new("services.yaml"), &bad_addr)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("services.yaml: line 13"), "{err}");
+        assert!(
+            err.contains("rayservices[0].clusters[0].proxies[1].address"),
+            "{err}"
+        );
+
+        let bad_type = EXAMPLE.replace("node_type: worker", "node_type: gpu");
+        let err = parse(Path::new("services.yaml"), &bad_type)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("node_type"), "{err}");
+        assert!(err.contains("unknown variant `gpu`"), "{err}");
+
+        let err = parse(Path::new("services.yaml"), "rayservices: [{name: a}]")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("missing field `active_cluster`"), "{err}");
+
+        let err = parse(Path::new("services.yaml"), ": : :")
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("services.yaml: "), "{err}");
+    }
+
+    #[test]
+    fn model_invariants_are_enforced() {
+        let bad = EXAMPLE.replace("active_cluster: demo-a", "active_cluster: demo-z");
+        let err = parse(Path::new("services.yaml"), &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("services.yaml: rayservice default/demo: active_cluster"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,326 @@
+//! `translate`: the pure function from a [`Model`] to the Envoy resources that serve it.
+//!
+//! Synchronous, no I/O, no clock: the same model and settings always give the same
+//! resources, byte for byte, so resource versions (content hashes) are stable across
+//! restarts and replicas. What it produces:
+//!
+//! - one listener, [`LISTENER_NAME`], whose HTTP connection manager takes its routes over RDS;
+//! - one route configuration, [`ROUTE_CONFIG_NAME`], with a virtual host per RayService;
+//! - one EDS cluster per RayCluster, named `<namespace>/<rayservice>/<raycluster>`;
+//! - one ClusterLoadAssignment per cluster, with an endpoint per Ray Serve proxy.
+//!
+//! Routes go to the active cluster through `weighted_clusters`, so that a later
+//! switchover only changes weights.
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::cluster::v3 as cluster;
+use envoy_types::pb::envoy::config::core::v3 as core;
+use envoy_types::pb::envoy::config::endpoint::v3 as endpoint;
+use envoy_types::pb::envoy::config::listener::v3 as listener;
+use envoy_types::pb::envoy::config::route::v3 as route;
+use envoy_types::pb::envoy::extensions::filters::http::router::v3::Router;
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3 as hcm;
+use envoy_types::pb::envoy::extensions::upstreams::http::v3 as upstream_http;
+use envoy_types::pb::google::protobuf;
+use envoy_types::util::pack_any;
+
+use crate::config::GatewaySettings;
+use crate::model::{Model, RayService};
+
+pub const LISTENER_NAME: &str = "ray-serve-http";
+pub const ROUTE_CONFIG_NAME: &str = "ray-serve-http";
+/// Filter-metadata namespace under which endpoints carry ray-xds facts (node type).
+pub const METADATA_NAMESPACE: &str = "ray-xds";
+
+/// The Envoy resources for one model, typed, before encoding.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Resources {
+    pub clusters: Vec<cluster::Cluster>,
+    pub endpoints: Vec<endpoint::ClusterLoadAssignment>,
+    pub listeners: Vec<listener::Listener>,
+    pub routes: Vec<route::RouteConfiguration>,
+}
+
+pub fn translate(model: &Model, gateway: &GatewaySettings) -> Resources {
+    let mut out = Resources {
+        listeners: vec![http_listener(gateway)],
+        ..Default::default()
+    };
+    let mut virtual_hosts = Vec::new();
+    for service in model.services() {
+        for ray_cluster in &service.clusters {
+            let name = service.envoy_cluster_name(&ray_cluster.name);
+            out.clusters.push(eds_cluster(&name, gateway));
+            out.endpoints.push(load_assignment(&name, ray_cluster));
+        }
+        virtual_hosts.push(virtual_host(service));
+    }
+    out.routes.push(route::RouteConfiguration {
+        name: ROUTE_CONFIG_NAME.into(),
+        virtual_hosts,
+        // Every cluster a route names is one we send; skip Envoy's own check so a route
+        // never fails validation during the moment a cluster is still warming.
+        validate_clusters: Some(protobuf::BoolValue { value: false }),
+        ..Default::default()
+    });
+    out
+}
+
+fn duration(d: Duration) -> protobuf::Duration {
+    protobuf::Duration {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+fn ads() -> core::ConfigSource {
+    core::ConfigSource {
+        config_source_specifier: Some(core::config_source::ConfigSourceSpecifier::Ads(
+            core::AggregatedConfigSource {},
+        )),
+        resource_api_version: core::ApiVersion::V3 as i32,
+        ..Default::default()
+    }
+}
+
+fn socket_address(ip: String, port: u16) -> core::Address {
+    core::Address {
+        address: Some(core::address::Address::SocketAddress(core::SocketAddress {
+            address: ip,
+            port_specifier: Some(core::socket_address::PortSpecifier::PortValue(port as u32)),
+            ..Default::default()
+        })),
+    }
+}
+
+fn http_listener(gateway: &GatewaySettings) -> listener::Listener {
+    let manager = hcm::HttpConnectionManager {
+        stat_prefix: "ray_serve_http".into(),
+        codec_type: hcm::http_connection_manager::CodecType::Auto as i32,
+        route_specifier: Some(hcm::http_connection_manager::RouteSpecifier::Rds(
+            hcm::Rds {
+                config_source: Some(ads()),
+                route_config_name: ROUTE_CONFIG_NAME.into(),
+            },
+        )),
+        http_filters: vec![hcm::HttpFilter {
+            name: "envoy.filters.http.router".into(),
+            config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(
+                Router::default(),
+            ))),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    listener::Listener {
+        name: LISTENER_NAME.into(),
+        address: Some(socket_address(
+            gateway.listener_address.to_string(),
+            gateway.listener_port,
+        )),
+        filter_chains: vec![listener::FilterChain {
+            filters: vec![listener::Filter {
+                name: "envoy.filters.network.http_connection_manager".into(),
+                config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(manager))),
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn eds_cluster(name: &str, gateway: &GatewaySettings) -> cluster::Cluster {
+    let protocol = upstream_http::HttpProtocolOptions {
+        common_http_protocol_options: Some(core::HttpProtocolOptions {
+            // Below Ray Serve's keep-alive, so Envoy closes idle connections first and never
+            // reuses one the proxy is closing.
+            idle_timeout: Some(duration(gateway.upstream_idle_timeout)),
+            ..Default::default()
+        }),
+        upstream_protocol_options: Some(
+            upstream_http::http_protocol_options::UpstreamProtocolOptions::ExplicitHttpConfig(
+                upstream_http::http_protocol_options::ExplicitHttpConfig {
+                    protocol_config: Some(
+                        upstream_http::http_protocol_options::explicit_http_config::ProtocolConfig::HttpProtocolOptions(
+                            core::Http1ProtocolOptions::default(),
+                        ),
+                    ),
+                },
+            ),
+        ),
+        ..Default::default()
+    };
+    cluster::Cluster {
+        name: name.into(),
+        cluster_discovery_type: Some(cluster::cluster::ClusterDiscoveryType::Type(
+            cluster::cluster::DiscoveryType::Eds as i32,
+        )),
+        eds_cluster_config: Some(cluster::cluster::EdsClusterConfig {
+            eds_config: Some(ads()),
+            service_name: String::new(),
+        }),
+        connect_timeout: Some(duration(gateway.connect_timeout)),
+        typed_extension_protocol_options: [(
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions".to_string(),
+            pack_any(protocol),
+        )]
+        .into_iter()
+        .collect(),
+        common_lb_config: Some(cluster::cluster::CommonLbConfig {
+            // Health changes from EDS apply at once instead of being merged for 1 s.
+            update_merge_window: Some(duration(Duration::ZERO)),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn load_assignment(
+    name: &str,
+    ray_cluster: &crate::model::RayCluster,
+) -> endpoint::ClusterLoadAssignment {
+    let lb_endpoints = ray_cluster
+        .proxies
+        .iter()
+        .map(|proxy| endpoint::LbEndpoint {
+            host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(
+                endpoint::Endpoint {
+                    address: Some(socket_address(
+                        proxy.address.ip().to_string(),
+                        proxy.address.port(),
+                    )),
+                    hostname: proxy.address.to_string(),
+                    ..Default::default()
+                },
+            )),
+            health_status: core::HealthStatus::Unknown as i32,
+            metadata: Some(core::Metadata {
+                filter_metadata: [(
+                    METADATA_NAMESPACE.to_string(),
+                    protobuf::Struct {
+                        fields: [(
+                            "node_type".to_string(),
+                            protobuf::Value {
+                                kind: Some(protobuf::value::Kind::StringValue(
+                                    proxy.node_type.as_str().into(),
+                                )),
+                            },
+                        )]
+                        .into_iter()
+                        .collect(),
+                    },
+                )]
+                .into_iter()
+                .collect(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .collect();
+    endpoint::ClusterLoadAssignment {
+        cluster_name: name.into(),
+        endpoints: vec![endpoint::LocalityLbEndpoints {
+            lb_endpoints,
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn virtual_host(service: &RayService) -> route::VirtualHost {
+    let active = service.envoy_cluster_name(&service.active_cluster);
+    route::VirtualHost {
+        name: service.key(),
+        domains: service.hosts.clone(),
+        routes: vec![route::Route {
+            name: "default".into(),
+            r#match: Some(route::RouteMatch {
+                path_specifier: Some(route::route_match::PathSpecifier::Prefix("/".into())),
+                ..Default::default()
+            }),
+            action: Some(route::route::Action::Route(route::RouteAction {
+                cluster_specifier: Some(route::route_action::ClusterSpecifier::WeightedClusters(
+                    route::WeightedCluster {
+                        clusters: vec![route::weighted_cluster::ClusterWeight {
+                            name: active,
+                            weight: Some(protobuf::UInt32Value { value: 100 }),
+                            ..Default::default()
+                        }],
+                        ..Default::default()
+                    },
+                )),
+                // Ray Serve calls may stream for minutes: no overall deadline.
+                timeout: Some(duration(Duration::ZERO)),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// The clusters a route configuration sends traffic to.
+pub fn referenced_clusters(config: &route::RouteConfiguration) -> Vec<String> {
+    let mut names = Vec::new();
+    for vh in &config.virtual_hosts {
+        for r in &vh.routes {
+            if let Some(route::route::Action::Route(action)) = &r.action {
+                match &action.cluster_specifier {
+                    Some(route::route_action::ClusterSpecifier::Cluster(name)) => {
+                        names.push(name.clone())
+                    }
+                    Some(route::route_action::ClusterSpecifier::WeightedClusters(w)) => {
+                        names.extend(w.clusters.iter().map(|c| c.name.clone()))
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::test_support::service;
+
+    #[test]
+    fn one_cluster_and_assignment_per_ray_cluster() {
+        let mut a = service("a", "a1", &[8000, 8001]);
+        let extra = service("a", "a2", &[8100]).clusters.remove(0);
+        a.clusters.push(extra);
+        a.pending_cluster = Some("a2".into());
+        let model = Model::new(vec![a, service("b", "b1", &[9000])]).unwrap();
+        let r = translate(&model, &GatewaySettings::default());
+        let names: Vec<_> = r.clusters.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["default/a/a1", "default/a/a2", "default/b/b1"]);
+        assert_eq!(r.endpoints.len(), 3);
+        assert_eq!(r.endpoints[0].endpoints[0].lb_endpoints.len(), 2);
+        assert_eq!(r.listeners.len(), 1);
+        assert_eq!(r.routes[0].virtual_hosts.len(), 2);
+        // For now the route goes to the active cluster only.
+        assert_eq!(
+            referenced_clusters(&r.routes[0]),
+            ["default/a/a1", "default/b/b1"]
+        );
+    }
+
+    #[test]
+    fn is_deterministic() {
+        let model = Model::new(vec![service("a", "a1", &[8000, 8001])]).unwrap();
+        let g = GatewaySettings::default();
+        assert_eq!(translate(&model, &g), translate(&model, &g));
+    }
+
+    #[test]
+    fn an_empty_model_still_has_the_listener_and_route() {
+        let r = translate(&Model::default(), &GatewaySettings::default());
+        assert_eq!(r.listeners.len(), 1);
+        assert_eq!(r.routes.len(), 1);
+        assert!(r.clusters.is_empty());
+    }
+}

@@ -1,0 +1,481 @@
+//! The delta (incremental) ADS state machine for one stream (`DeltaAggregatedResources`).
+//!
+//! Invariants:
+//! - subscriptions: `*` (or an empty first request, the legacy form) is a wildcard;
+//!   `resource_names_subscribe`/`unsubscribe` are honoured on every request, even one
+//!   with a stale nonce;
+//! - what the Envoy holds starts from `initial_resource_versions` on reconnect, so it is
+//!   sent only what changed, and told in `removed_resources` about what is gone;
+//! - at most one response per type is in flight; an ACK commits what it carried, a NACK
+//!   commits nothing and marks each carried `(name, version)` rejected until it changes;
+//! - the same make-before-break ordering as state of the world ([`super::ordering`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource as DeltaResource,
+};
+
+use super::ordering::{desired, ClientHolds, Held, HeldMap};
+use super::snapshot::{ResourceMap, ResourceType, Snapshot};
+use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
+
+#[derive(Debug)]
+struct InFlight {
+    nonce: String,
+    sent: ResourceMap,
+    removed: Vec<Arc<str>>,
+}
+
+#[derive(Debug, Default)]
+struct TypeState {
+    subscribed: bool,
+    wildcard: bool,
+    names: BTreeSet<String>,
+    known: HeldMap,
+    in_flight: Option<InFlight>,
+    rejected: BTreeMap<Arc<str>, Arc<str>>,
+    last_acked_version: Option<String>,
+    last_nacked_version: Option<String>,
+    last_nack_message: Option<String>,
+    pushes: u64,
+    acks: u64,
+    nacks: u64,
+}
+
+impl TypeState {
+    fn wants(&self, name: &str) -> bool {
+        self.wildcard || self.names.contains(name)
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct DeltaStream {
+    types: [TypeState; 4],
+    next_nonce: u64,
+    node: Option<NodeInfo>,
+}
+
+impl DeltaStream {
+    pub fn new() -> DeltaStream {
+        DeltaStream::default()
+    }
+}
+
+impl AdsProtocol for DeltaStream {
+    type Request = DeltaDiscoveryRequest;
+    type Response = DeltaDiscoveryResponse;
+    const NAME: &'static str = "delta";
+
+    fn on_request(&mut self, req: DeltaDiscoveryRequest) -> Result<Event, ProtocolError> {
+        let ty = ResourceType::from_type_url(&req.type_url)
+            .ok_or_else(|| ProtocolError::UnknownType(req.type_url.clone()))?;
+        if self.node.is_none() {
+            if let Some(node) = &req.node {
+                self.node = Some(NodeInfo::from_node(node));
+            }
+        }
+        let st = &mut self.types[ty.index()];
+        if !st.subscribed {
+            st.subscribed = true;
+            st.wildcard = req.resource_names_subscribe.is_empty();
+            for (name, version) in &req.initial_resource_versions {
+                st.known.insert(
+                    name.as_str().into(),
+                    Held {
+                        version: version.as_str().into(),
+                        resource: None,
+                    },
+                );
+            }
+        }
+        for name in &req.resource_names_subscribe {
+            if name == "*" {
+                st.wildcard = true;
+            } else {
+                st.names.insert(name.clone());
+            }
+        }
+        for name in &req.resource_names_unsubscribe {
+            if name == "*" {
+                st.wildcard = false;
+            } else {
+                st.names.remove(name);
+            }
+            // The client forgets it; a later subscribe must send it again.
+            if !st.wants(name) {
+                st.known.remove(name.as_str());
+            }
+        }
+        if req.response_nonce.is_empty() {
+            return Ok(Event::Subscribed(ty));
+        }
+        let Some(f) = st.in_flight.take_if(|f| f.nonce == req.response_nonce) else {
+            return Ok(Event::Stale(ty));
+        };
+        let version = f.nonce.clone();
+        Ok(match &req.error_detail {
+            Some(status) => {
+                st.nacks += 1;
+                for (name, r) in &f.sent {
+                    st.rejected.insert(name.clone(), r.version.clone());
+                }
+                st.last_nacked_version = Some(version.clone());
+                st.last_nack_message = Some(status.message.clone());
+                Event::Nack {
+                    ty,
+                    version,
+                    message: status.message.clone(),
+                }
+            }
+            None => {
+                st.acks += 1;
+                for (name, r) in &f.sent {
+                    if st.wants(name) {
+                        st.known.insert(name.clone(), Held::sent(r));
+                    }
+                }
+                for name in &f.removed {
+                    st.known.remove(name);
+                }
+                st.last_acked_version = Some(version.clone());
+                Event::Ack { ty, version }
+            }
+        })
+    }
+
+    fn poll(&mut self, snapshot: &Snapshot) -> Vec<(ResourceType, usize, DeltaDiscoveryResponse)> {
+        let mut out = Vec::new();
+        for ty in ResourceType::ALL {
+            let (sent, removed) = {
+                let st = &self.types[ty.index()];
+                if !st.subscribed || st.in_flight.is_some() {
+                    continue;
+                }
+                let holds = ClientHolds {
+                    acked: [
+                        &self.types[0].known,
+                        &self.types[1].known,
+                        &self.types[2].known,
+                        &self.types[3].known,
+                    ],
+                    routes_in_flight: self.types[ResourceType::Route.index()]
+                        .in_flight
+                        .as_ref()
+                        .map(|f| &f.sent),
+                };
+                let wanted: BTreeMap<_, _> = desired(snapshot, ty, &holds)
+                    .into_iter()
+                    .filter(|(name, _)| st.wants(name))
+                    .collect();
+                let sent: ResourceMap = wanted
+                    .iter()
+                    .filter_map(|(name, d)| d.resource().map(|r| (name, r)))
+                    .filter(|(name, r)| {
+                        st.known.get(*name).is_none_or(|h| h.version != r.version)
+                            && st.rejected.get(*name) != Some(&r.version)
+                    })
+                    .map(|(name, r)| (name.clone(), r.clone()))
+                    .collect();
+                let removed: Vec<Arc<str>> = st
+                    .known
+                    .keys()
+                    .filter(|name| !wanted.contains_key(*name) && st.wants(name))
+                    .cloned()
+                    .collect();
+                (sent, removed)
+            };
+            if sent.is_empty() && removed.is_empty() {
+                continue;
+            }
+            self.next_nonce += 1;
+            let nonce = self.next_nonce.to_string();
+            let response = DeltaDiscoveryResponse {
+                system_version_info: snapshot.version().to_string(),
+                resources: sent
+                    .values()
+                    .map(|r| DeltaResource {
+                        name: r.name.to_string(),
+                        version: r.version.to_string(),
+                        resource: Some(r.body.clone()),
+                        ..Default::default()
+                    })
+                    .collect(),
+                type_url: ty.type_url().to_string(),
+                removed_resources: removed.iter().map(|n| n.to_string()).collect(),
+                nonce: nonce.clone(),
+                ..Default::default()
+            };
+            let st = &mut self.types[ty.index()];
+            st.pushes += 1;
+            out.push((ty, sent.len() + removed.len(), response));
+            st.in_flight = Some(InFlight {
+                nonce,
+                sent,
+                removed,
+            });
+        }
+        out
+    }
+
+    fn node(&self) -> Option<&NodeInfo> {
+        self.node.as_ref()
+    }
+
+    fn status(&self) -> Vec<(ResourceType, TypeStatus)> {
+        ResourceType::ALL
+            .iter()
+            .zip(&self.types)
+            .filter(|(_, st)| st.subscribed)
+            .map(|(ty, st)| {
+                let mut subscribed: Vec<String> = st.names.iter().cloned().collect();
+                if st.wildcard {
+                    subscribed.insert(0, "*".into());
+                }
+                let status = TypeStatus {
+                    subscribed,
+                    last_acked_version: st.last_acked_version.clone(),
+                    last_nacked_version: st.last_nacked_version.clone(),
+                    last_nack_message: st.last_nack_message.clone(),
+                    pushes: st.pushes,
+                    acks: st.acks,
+                    nacks: st.nacks,
+                    resources_held: st.known.len(),
+                };
+                (*ty, status)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::test_support::service;
+    use crate::xds::ordering::tests::snapshot_of;
+    use envoy_types::pb::google::rpc::Status;
+
+    fn subscribe(ty: ResourceType, names: &[&str]) -> DeltaDiscoveryRequest {
+        DeltaDiscoveryRequest {
+            type_url: ty.type_url().into(),
+            resource_names_subscribe: names.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn ack(r: &DeltaDiscoveryResponse) -> DeltaDiscoveryRequest {
+        DeltaDiscoveryRequest {
+            type_url: r.type_url.clone(),
+            response_nonce: r.nonce.clone(),
+            ..Default::default()
+        }
+    }
+
+    fn nack(r: &DeltaDiscoveryResponse) -> DeltaDiscoveryRequest {
+        DeltaDiscoveryRequest {
+            error_detail: Some(Status {
+                code: 3,
+                message: "bad cluster".into(),
+                details: vec![],
+            }),
+            ..ack(r)
+        }
+    }
+
+    fn names(r: &DeltaDiscoveryResponse) -> Vec<&str> {
+        r.resources.iter().map(|r| r.name.as_str()).collect()
+    }
+
+    const EDS: &str = "default/a/a1";
+
+    /// Subscribes like Envoy and ACKs until quiet.
+    fn converge(s: &mut DeltaStream, snap: &Snapshot, eds: &[&str]) {
+        s.on_request(subscribe(ResourceType::Cluster, &[])).unwrap();
+        s.on_request(subscribe(ResourceType::Listener, &[]))
+            .unwrap();
+        s.on_request(subscribe(ResourceType::Endpoints, eds))
+            .unwrap();
+        s.on_request(subscribe(ResourceType::Route, &["ray-serve-http"]))
+            .unwrap();
+        for _ in 0..10 {
+            let out = s.poll(snap);
+            if out.is_empty() {
+                return;
+            }
+            for (_, _, r) in out {
+                s.on_request(ack(&r)).unwrap();
+            }
+        }
+        panic!("did not converge");
+    }
+
+    #[test]
+    fn legacy_empty_first_request_is_a_wildcard() {
+        let snap = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ]);
+        let mut s = DeltaStream::new();
+        s.on_request(subscribe(ResourceType::Cluster, &[])).unwrap();
+        let r = s.poll(&snap).remove(0).2;
+        assert_eq!(names(&r), ["default/a/a1", "default/b/b1"]);
+        assert_eq!(r.system_version_info, snap.version());
+        let mut s = DeltaStream::new();
+        s.on_request(subscribe(ResourceType::Cluster, &["*"]))
+            .unwrap();
+        assert_eq!(s.poll(&snap).remove(0).2.resources.len(), 2);
+    }
+
+    #[test]
+    fn sends_only_what_changed() {
+        let snap1 = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ]);
+        let mut s = DeltaStream::new();
+        converge(&mut s, &snap1, &[EDS, "default/b/b1"]);
+        let snap2 = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9001]),
+        ]);
+        let out = s.poll(&snap2);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, ResourceType::Endpoints);
+        assert_eq!(names(&out[0].2), ["default/b/b1"]);
+        assert!(out[0].2.removed_resources.is_empty());
+    }
+
+    #[test]
+    fn initial_resource_versions_avoid_resending_and_reveal_removals() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = DeltaStream::new();
+        let mut req = subscribe(ResourceType::Cluster, &["*"]);
+        let current = &snap.resources(ResourceType::Cluster)[EDS];
+        req.initial_resource_versions
+            .insert(EDS.into(), current.version.to_string());
+        req.initial_resource_versions
+            .insert("default/gone/x".into(), "old".into());
+        s.on_request(req).unwrap();
+        let out = s.poll(&snap);
+        assert_eq!(out.len(), 1);
+        let r = &out[0].2;
+        assert!(r.resources.is_empty(), "a1 is already held");
+        assert_eq!(r.removed_resources, ["default/gone/x"]);
+    }
+
+    #[test]
+    fn unsubscribe_and_resubscribe() {
+        let snap = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ]);
+        let mut s = DeltaStream::new();
+        s.on_request(subscribe(ResourceType::Endpoints, &[EDS]))
+            .unwrap();
+        let r = s.poll(&snap).remove(0).2;
+        assert_eq!(names(&r), [EDS]);
+        // A subscription change rides on the ACK.
+        let mut req = ack(&r);
+        req.resource_names_subscribe = vec!["default/b/b1".into()];
+        s.on_request(req).unwrap();
+        let r = s.poll(&snap).remove(0).2;
+        assert_eq!(names(&r), ["default/b/b1"]);
+        s.on_request(ack(&r)).unwrap();
+        let mut req = subscribe(ResourceType::Endpoints, &[]);
+        req.resource_names_unsubscribe = vec![EDS.into()];
+        s.on_request(req).unwrap();
+        assert!(s.poll(&snap).is_empty(), "unsubscribing sends nothing");
+        s.on_request(subscribe(ResourceType::Endpoints, &[EDS]))
+            .unwrap();
+        assert_eq!(
+            names(&s.poll(&snap).remove(0).2),
+            [EDS],
+            "resubscribing sends it again"
+        );
+    }
+
+    #[test]
+    fn subscription_changes_count_even_with_a_stale_nonce() {
+        let snap = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ]);
+        let mut s = DeltaStream::new();
+        s.on_request(subscribe(ResourceType::Endpoints, &[EDS]))
+            .unwrap();
+        let r = s.poll(&snap).remove(0).2;
+        let mut stale = subscribe(ResourceType::Endpoints, &["default/b/b1"]);
+        stale.response_nonce = "12345".into();
+        assert_eq!(
+            s.on_request(stale).unwrap(),
+            Event::Stale(ResourceType::Endpoints)
+        );
+        s.on_request(ack(&r)).unwrap();
+        assert_eq!(names(&s.poll(&snap).remove(0).2), ["default/b/b1"]);
+    }
+
+    #[test]
+    fn a_nack_is_not_answered_with_the_same_resource() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = DeltaStream::new();
+        s.on_request(subscribe(ResourceType::Cluster, &["*"]))
+            .unwrap();
+        let r = s.poll(&snap).remove(0).2;
+        assert!(matches!(
+            s.on_request(nack(&r)).unwrap(),
+            Event::Nack { .. }
+        ));
+        assert!(s.poll(&snap).is_empty(), "no NACK loop");
+        assert_eq!(s.status()[0].1.nacks, 1);
+        let changed = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ]);
+        let r = s.poll(&changed).remove(0).2;
+        assert_eq!(
+            names(&r),
+            ["default/b/b1"],
+            "a1 unchanged stays rejected; b1 is new"
+        );
+    }
+
+    #[test]
+    fn removal_waits_until_no_held_route_names_the_cluster() {
+        let before = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = DeltaStream::new();
+        converge(&mut s, &before, &[EDS]);
+        let after = snapshot_of(vec![service("a", "a2", &[8100])]);
+        let out = s.poll(&after);
+        assert_eq!(out.len(), 1, "{out:?}");
+        let cds = &out[0].2;
+        assert_eq!(names(cds), ["default/a/a2"]);
+        assert!(
+            cds.removed_resources.is_empty(),
+            "the held route still names a1"
+        );
+        s.on_request(ack(cds)).unwrap();
+        let mut req = subscribe(ResourceType::Endpoints, &["default/a/a2"]);
+        req.response_nonce = String::new();
+        s.on_request(req).unwrap();
+        let out = s.poll(&after);
+        assert_eq!(
+            out.iter().map(|o| o.0).collect::<Vec<_>>(),
+            [ResourceType::Endpoints]
+        );
+        s.on_request(ack(&out[0].2)).unwrap();
+        let out = s.poll(&after);
+        assert_eq!(
+            out.iter().map(|o| o.0).collect::<Vec<_>>(),
+            [ResourceType::Route]
+        );
+        s.on_request(ack(&out[0].2)).unwrap();
+        let out = s.poll(&after);
+        assert_eq!(
+            out.iter().map(|o| o.0).collect::<Vec<_>>(),
+            [ResourceType::Cluster, ResourceType::Endpoints]
+        );
+        assert_eq!(out[0].2.removed_resources, ["default/a/a1"]);
+        assert_eq!(out[1].2.removed_resources, ["default/a/a1"]);
+    }
+}

@@ -1,0 +1,276 @@
+//! Versioned snapshots of Envoy resources, the unit the pipeline publishes and every
+//! xDS stream reads.
+//!
+//! Each resource is encoded once into an `Any` and shared by `Arc` among all streams.
+//! Its version is a hash of its type and encoded bytes, and the snapshot's version a
+//! hash of every resource version, so equal models give equal versions on any replica
+//! and after any restart.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use envoy_types::pb::google::protobuf::Any;
+use prost::{Message, Name};
+use sha2::{Digest, Sha256};
+
+use crate::translate::{referenced_clusters, Resources};
+
+/// The resource types ray-xds serves, in make-before-break push order: clusters before
+/// their endpoints before listeners before routes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ResourceType {
+    Cluster = 0,
+    Endpoints = 1,
+    Listener = 2,
+    Route = 3,
+}
+
+pub const CLUSTER_TYPE_URL: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+pub const ENDPOINTS_TYPE_URL: &str =
+    "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+pub const LISTENER_TYPE_URL: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+pub const ROUTE_TYPE_URL: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+
+impl ResourceType {
+    pub const ALL: [ResourceType; 4] = [
+        ResourceType::Cluster,
+        ResourceType::Endpoints,
+        ResourceType::Listener,
+        ResourceType::Route,
+    ];
+
+    pub fn type_url(self) -> &'static str {
+        match self {
+            ResourceType::Cluster => CLUSTER_TYPE_URL,
+            ResourceType::Endpoints => ENDPOINTS_TYPE_URL,
+            ResourceType::Listener => LISTENER_TYPE_URL,
+            ResourceType::Route => ROUTE_TYPE_URL,
+        }
+    }
+
+    pub fn from_type_url(url: &str) -> Option<ResourceType> {
+        ResourceType::ALL.into_iter().find(|t| t.type_url() == url)
+    }
+
+    /// Short name used in metrics and logs.
+    pub fn label(self) -> &'static str {
+        match self {
+            ResourceType::Cluster => "cds",
+            ResourceType::Endpoints => "eds",
+            ResourceType::Listener => "lds",
+            ResourceType::Route => "rds",
+        }
+    }
+
+    /// In state-of-the-world, a response of these types carries the complete set and a
+    /// missing resource means "removed"; the others are named subscriptions.
+    pub fn is_full_state(self) -> bool {
+        matches!(self, ResourceType::Cluster | ResourceType::Listener)
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for ResourceType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// One encoded resource.
+#[derive(Clone, PartialEq)]
+pub struct Resource {
+    pub name: Arc<str>,
+    pub version: Arc<str>,
+    pub body: Any,
+    /// Clusters this resource sends traffic to (route configurations only). A route is
+    /// sent to an Envoy only once that Envoy holds all of them, and a cluster is removed
+    /// from an Envoy only once no route it holds names it.
+    pub cluster_refs: Vec<Arc<str>>,
+}
+
+impl fmt::Debug for Resource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Resource")
+            .field("name", &self.name)
+            .field("version", &self.version)
+            .field("cluster_refs", &self.cluster_refs)
+            .finish()
+    }
+}
+
+impl Resource {
+    pub fn encode<M: Message + Name>(
+        name: &str,
+        message: &M,
+        cluster_refs: Vec<String>,
+    ) -> Resource {
+        let value = message.encode_to_vec();
+        let type_url = M::type_url();
+        let mut hash = Sha256::new();
+        hash.update(type_url.as_bytes());
+        hash.update([0]);
+        hash.update(&value);
+        Resource {
+            name: name.into(),
+            version: short_hex(&hash.finalize()).into(),
+            body: Any { type_url, value },
+            cluster_refs: cluster_refs.into_iter().map(Arc::from).collect(),
+        }
+    }
+
+    /// A human-readable rendering of the resource, decoded from its bytes, for `/debug`.
+    pub fn render(&self) -> String {
+        use envoy_types::pb::envoy::config::{cluster, endpoint, listener, route};
+        fn show<M: Message + Default + fmt::Debug>(bytes: &[u8]) -> String {
+            match M::decode(bytes) {
+                Ok(m) => format!("{m:#?}"),
+                Err(e) => format!("<undecodable: {e}>"),
+            }
+        }
+        let v = &self.body.value;
+        match ResourceType::from_type_url(&self.body.type_url) {
+            Some(ResourceType::Cluster) => show::<cluster::v3::Cluster>(v),
+            Some(ResourceType::Endpoints) => show::<endpoint::v3::ClusterLoadAssignment>(v),
+            Some(ResourceType::Listener) => show::<listener::v3::Listener>(v),
+            Some(ResourceType::Route) => show::<route::v3::RouteConfiguration>(v),
+            None => format!("<{} bytes of {}>", v.len(), self.body.type_url),
+        }
+    }
+}
+
+pub type ResourceMap = BTreeMap<Arc<str>, Arc<Resource>>;
+
+/// An immutable set of resources of every type, with a content-hash version.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    version: String,
+    by_type: [ResourceMap; 4],
+}
+
+impl Snapshot {
+    pub fn from_resources(resources: &Resources) -> Snapshot {
+        let mut by_type: [ResourceMap; 4] = Default::default();
+        let mut put = |ty: ResourceType, r: Resource| {
+            by_type[ty.index()].insert(r.name.clone(), Arc::new(r));
+        };
+        for c in &resources.clusters {
+            put(ResourceType::Cluster, Resource::encode(&c.name, c, vec![]));
+        }
+        for e in &resources.endpoints {
+            put(
+                ResourceType::Endpoints,
+                Resource::encode(&e.cluster_name, e, vec![]),
+            );
+        }
+        for l in &resources.listeners {
+            put(ResourceType::Listener, Resource::encode(&l.name, l, vec![]));
+        }
+        for r in &resources.routes {
+            put(
+                ResourceType::Route,
+                Resource::encode(&r.name, r, referenced_clusters(r)),
+            );
+        }
+        Snapshot::from_maps(by_type)
+    }
+
+    pub fn from_maps(by_type: [ResourceMap; 4]) -> Snapshot {
+        let mut hash = Sha256::new();
+        for (ty, map) in ResourceType::ALL.iter().zip(&by_type) {
+            hash.update(ty.type_url().as_bytes());
+            for r in map.values() {
+                hash.update(r.name.as_bytes());
+                hash.update([0]);
+                hash.update(r.version.as_bytes());
+                hash.update([0]);
+            }
+        }
+        Snapshot {
+            version: short_hex(&hash.finalize()),
+            by_type,
+        }
+    }
+
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    pub fn resources(&self, ty: ResourceType) -> &ResourceMap {
+        &self.by_type[ty.index()]
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_type.iter().map(BTreeMap::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A version for a set of `(name, version)` pairs: what a state-of-the-world response
+/// carries as `version_info`.
+pub fn set_version<'a>(items: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut hash = Sha256::new();
+    for (name, version) in items {
+        hash.update(name.as_bytes());
+        hash.update([0]);
+        hash.update(version.as_bytes());
+        hash.update([0]);
+    }
+    short_hex(&hash.finalize())
+}
+
+fn short_hex(bytes: &[u8]) -> String {
+    bytes[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::GatewaySettings;
+    use crate::model::test_support::service;
+    use crate::model::Model;
+    use crate::translate::translate;
+
+    #[test]
+    fn versions_are_content_hashes() {
+        let g = GatewaySettings::default();
+        let m1 = Model::new(vec![service("a", "a1", &[8000, 8001])]).unwrap();
+        let s1 = Snapshot::from_resources(&translate(&m1, &g));
+        let s1_again = Snapshot::from_resources(&translate(&m1, &g));
+        assert_eq!(s1.version(), s1_again.version());
+        assert_eq!(s1.version().len(), 16);
+
+        // Changing one endpoint changes that assignment's version and nothing else.
+        let m2 = Model::new(vec![service("a", "a1", &[8000, 8002])]).unwrap();
+        let s2 = Snapshot::from_resources(&translate(&m2, &g));
+        assert_ne!(s1.version(), s2.version());
+        for ty in ResourceType::ALL {
+            for (name, r) in s1.resources(ty) {
+                let same = s2.resources(ty)[name].version == r.version;
+                assert_eq!(same, ty != ResourceType::Endpoints, "{ty} {name}");
+            }
+        }
+    }
+
+    #[test]
+    fn routes_know_their_clusters() {
+        let m = Model::new(vec![service("a", "a1", &[8000])]).unwrap();
+        let s = Snapshot::from_resources(&translate(&m, &GatewaySettings::default()));
+        let route = s.resources(ResourceType::Route).values().next().unwrap();
+        assert_eq!(route.cluster_refs, vec![Arc::from("default/a/a1")]);
+    }
+
+    #[test]
+    fn type_urls_round_trip() {
+        for ty in ResourceType::ALL {
+            assert_eq!(ResourceType::from_type_url(ty.type_url()), Some(ty));
+        }
+        assert_eq!(ResourceType::from_type_url("type.googleapis.com/foo"), None);
+    }
+}

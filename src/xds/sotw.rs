@@ -1,0 +1,578 @@
+//! The state-of-the-world ADS state machine for one stream (`StreamAggregatedResources`).
+//!
+//! Invariants:
+//! - at most one response per type is in flight; the next waits for its ACK or NACK, so
+//!   a slow Envoy is only ever sent the latest state, never a queue of old ones;
+//! - an ACK is a request whose nonce is the one in flight and has no `error_detail`; a
+//!   request with any older nonce is stale and ignored;
+//! - a NACKed version is not sent again until the content (and so its version) changes;
+//! - clusters and listeners go as complete sets; endpoints and routes only for the
+//!   subscribed names, and only the ones whose version the Envoy does not hold;
+//! - `version_info` is a hash of what the Envoy will hold, so a reconnecting Envoy that
+//!   reports the version we would send is sent nothing.
+
+use std::collections::BTreeSet;
+
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+
+use super::ordering::{desired, ClientHolds, Held, HeldMap};
+use super::snapshot::{set_version, ResourceMap, ResourceType, Snapshot};
+use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Subscription {
+    Wildcard,
+    Names(BTreeSet<String>),
+}
+
+impl Subscription {
+    fn from_names(names: &[String]) -> Subscription {
+        if names.is_empty() || names.iter().any(|n| n == "*") {
+            Subscription::Wildcard
+        } else {
+            Subscription::Names(names.iter().cloned().collect())
+        }
+    }
+
+    fn wants(&self, name: &str) -> bool {
+        match self {
+            Subscription::Wildcard => true,
+            Subscription::Names(names) => names.contains(name),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct InFlight {
+    nonce: String,
+    version: String,
+    resources: ResourceMap,
+}
+
+#[derive(Debug, Default)]
+struct TypeState {
+    subscription: Option<Subscription>,
+    acked: HeldMap,
+    /// The version the Envoy holds ("" for none); on reconnect, the one it reports.
+    acked_version: String,
+    in_flight: Option<InFlight>,
+    last_nonce: Option<String>,
+    rejected_version: Option<String>,
+    last_nack_message: Option<String>,
+    pushes: u64,
+    acks: u64,
+    nacks: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct SotwStream {
+    types: [TypeState; 4],
+    next_nonce: u64,
+    node: Option<NodeInfo>,
+}
+
+impl SotwStream {
+    pub fn new() -> SotwStream {
+        SotwStream::default()
+    }
+}
+
+impl AdsProtocol for SotwStream {
+    type Request = DiscoveryRequest;
+    type Response = DiscoveryResponse;
+    const NAME: &'static str = "sotw";
+
+    fn on_request(&mut self, req: DiscoveryRequest) -> Result<Event, ProtocolError> {
+        let ty = ResourceType::from_type_url(&req.type_url)
+            .ok_or_else(|| ProtocolError::UnknownType(req.type_url.clone()))?;
+        if self.node.is_none() {
+            if let Some(node) = &req.node {
+                self.node = Some(NodeInfo::from_node(node));
+            }
+        }
+        let st = &mut self.types[ty.index()];
+        let subscription = Subscription::from_names(&req.resource_names);
+
+        let answers_latest = match &st.last_nonce {
+            // Nothing sent on this stream yet: whatever nonce it carries (one from a
+            // previous server), this is the initial request.
+            None => true,
+            Some(last) => req.response_nonce.is_empty() || *last == req.response_nonce,
+        };
+        if !answers_latest {
+            return Ok(Event::Stale(ty));
+        }
+        let in_flight = st
+            .in_flight
+            .take_if(|f| f.nonce == req.response_nonce && !req.response_nonce.is_empty());
+        let event = match in_flight {
+            Some(f) => match &req.error_detail {
+                Some(status) => {
+                    st.nacks += 1;
+                    st.last_nack_message = Some(status.message.clone());
+                    st.rejected_version = Some(f.version.clone());
+                    Event::Nack {
+                        ty,
+                        version: f.version,
+                        message: status.message.clone(),
+                    }
+                }
+                None => {
+                    st.acks += 1;
+                    if ty.is_full_state() {
+                        st.acked.clear();
+                    }
+                    for (name, r) in &f.resources {
+                        st.acked.insert(name.clone(), Held::sent(r));
+                    }
+                    st.acked_version = f.version.clone();
+                    Event::Ack {
+                        ty,
+                        version: f.version,
+                    }
+                }
+            },
+            None => {
+                if st.last_nonce.is_none() && st.acked_version.is_empty() {
+                    // A reconnecting Envoy reports what it holds.
+                    st.acked_version = req.version_info.clone();
+                }
+                Event::Subscribed(ty)
+            }
+        };
+        if let Subscription::Names(_) = &subscription {
+            st.acked.retain(|name, _| subscription.wants(name));
+        }
+        st.subscription = Some(subscription);
+        Ok(event)
+    }
+
+    fn poll(&mut self, snapshot: &Snapshot) -> Vec<(ResourceType, usize, DiscoveryResponse)> {
+        let mut out = Vec::new();
+        for ty in ResourceType::ALL {
+            let wanted = {
+                let st = &self.types[ty.index()];
+                let Some(subscription) = &st.subscription else {
+                    continue;
+                };
+                if st.in_flight.is_some() {
+                    continue;
+                }
+                let holds = ClientHolds {
+                    acked: [
+                        &self.types[0].acked,
+                        &self.types[1].acked,
+                        &self.types[2].acked,
+                        &self.types[3].acked,
+                    ],
+                    routes_in_flight: self.types[ResourceType::Route.index()]
+                        .in_flight
+                        .as_ref()
+                        .map(|f| &f.resources),
+                };
+                // State of the world cannot send a resource it has no body for.
+                let wanted: ResourceMap = desired(snapshot, ty, &holds)
+                    .into_iter()
+                    .filter(|(name, _)| subscription.wants(name))
+                    .filter_map(|(name, d)| d.resource().map(|r| (name, r.clone())))
+                    .collect();
+                wanted
+            };
+            let version = set_version(wanted.iter().map(|(n, r)| (&**n, &*r.version)));
+            let st = &mut self.types[ty.index()];
+            if version == st.acked_version {
+                st.acked = wanted
+                    .iter()
+                    .map(|(n, r)| (n.clone(), Held::sent(r)))
+                    .collect();
+                continue;
+            }
+            if st.rejected_version.as_deref() == Some(version.as_str()) {
+                continue;
+            }
+            let resources: ResourceMap = if ty.is_full_state() {
+                wanted
+            } else {
+                let changed: ResourceMap = wanted
+                    .into_iter()
+                    .filter(|(n, r)| st.acked.get(n).is_none_or(|h| h.version != r.version))
+                    .collect();
+                if changed.is_empty() {
+                    // Only unsubscriptions: the Envoy already holds everything it wants.
+                    st.acked_version = version;
+                    continue;
+                }
+                changed
+            };
+            self.next_nonce += 1;
+            let nonce = self.next_nonce.to_string();
+            let response = DiscoveryResponse {
+                version_info: version.clone(),
+                resources: resources.values().map(|r| r.body.clone()).collect(),
+                type_url: ty.type_url().to_string(),
+                nonce: nonce.clone(),
+                ..Default::default()
+            };
+            st.pushes += 1;
+            st.last_nonce = Some(nonce.clone());
+            out.push((ty, resources.len(), response));
+            st.in_flight = Some(InFlight {
+                nonce,
+                version,
+                resources,
+            });
+        }
+        out
+    }
+
+    fn node(&self) -> Option<&NodeInfo> {
+        self.node.as_ref()
+    }
+
+    fn status(&self) -> Vec<(ResourceType, TypeStatus)> {
+        ResourceType::ALL
+            .iter()
+            .zip(&self.types)
+            .filter(|(_, st)| st.subscription.is_some())
+            .map(|(ty, st)| {
+                let subscribed = match &st.subscription {
+                    Some(Subscription::Names(names)) => names.iter().cloned().collect(),
+                    _ => vec!["*".to_string()],
+                };
+                let status = TypeStatus {
+                    subscribed,
+                    last_acked_version: Some(st.acked_version.clone()).filter(|v| !v.is_empty()),
+                    last_nacked_version: st.rejected_version.clone(),
+                    last_nack_message: st.last_nack_message.clone(),
+                    pushes: st.pushes,
+                    acks: st.acks,
+                    nacks: st.nacks,
+                    resources_held: st.acked.len(),
+                };
+                (*ty, status)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::test_support::service;
+    use crate::xds::ordering::tests::snapshot_of;
+    use envoy_types::pb::google::rpc::Status;
+
+    fn request(ty: ResourceType, names: &[&str], version: &str, nonce: &str) -> DiscoveryRequest {
+        DiscoveryRequest {
+            type_url: ty.type_url().into(),
+            resource_names: names.iter().map(|s| s.to_string()).collect(),
+            version_info: version.into(),
+            response_nonce: nonce.into(),
+            ..Default::default()
+        }
+    }
+
+    fn ack(r: &DiscoveryResponse, names: &[&str]) -> DiscoveryRequest {
+        let ty = ResourceType::from_type_url(&r.type_url).unwrap();
+        request(ty, names, &r.version_info, &r.nonce)
+    }
+
+    fn nack(r: &DiscoveryResponse, names: &[&str], held_version: &str) -> DiscoveryRequest {
+        let mut req = ack(r, names);
+        req.version_info = held_version.into();
+        req.error_detail = Some(Status {
+            code: 3,
+            message: "rejected for a test".into(),
+            details: vec![],
+        });
+        req
+    }
+
+    const EDS: &str = "default/a/a1";
+    const RDS: &str = "ray-serve-http";
+
+    /// Drives a stream the way Envoy does until it holds everything; returns the last
+    /// response of each type.
+    fn converge(s: &mut SotwStream, snap: &Snapshot) -> Vec<DiscoveryResponse> {
+        let mut last: Vec<DiscoveryResponse> = Vec::new();
+        for _ in 0..10 {
+            let out = s.poll(snap);
+            if out.is_empty() {
+                break;
+            }
+            for (ty, _, r) in out {
+                let names: Vec<&str> = match ty {
+                    ResourceType::Endpoints => vec![EDS],
+                    ResourceType::Route => vec![RDS],
+                    _ => vec![],
+                };
+                assert_eq!(
+                    s.on_request(ack(&r, &names)).unwrap(),
+                    Event::Ack {
+                        ty,
+                        version: r.version_info.clone()
+                    }
+                );
+                last.retain(|l| l.type_url != r.type_url);
+                last.push(r);
+            }
+        }
+        last
+    }
+
+    #[test]
+    fn initial_sync_goes_in_make_before_break_order() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = SotwStream::new();
+        // Envoy asks for clusters and listeners (wildcard) first.
+        s.on_request(request(ResourceType::Cluster, &[], "", ""))
+            .unwrap();
+        s.on_request(request(ResourceType::Listener, &[], "", ""))
+            .unwrap();
+        let out = s.poll(&snap);
+        let types: Vec<_> = out.iter().map(|(t, _, _)| *t).collect();
+        assert_eq!(types, [ResourceType::Cluster, ResourceType::Listener]);
+        // Nothing more until something is ACKed.
+        assert!(s.poll(&snap).is_empty());
+        let (_, _, cds) = &out[0];
+        let (_, _, lds) = &out[1];
+        // The route is asked for but must wait for the cluster's endpoints.
+        s.on_request(ack(cds, &[])).unwrap();
+        s.on_request(ack(lds, &[])).unwrap();
+        s.on_request(request(ResourceType::Route, &[RDS], "", ""))
+            .unwrap();
+        assert!(
+            s.poll(&snap).is_empty(),
+            "route waits for the cluster to warm"
+        );
+        s.on_request(request(ResourceType::Endpoints, &[EDS], "", ""))
+            .unwrap();
+        let out = s.poll(&snap);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, ResourceType::Endpoints);
+        s.on_request(ack(&out[0].2, &[EDS])).unwrap();
+        let out = s.poll(&snap);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, ResourceType::Route);
+    }
+
+    #[test]
+    fn an_ack_needs_the_nonce_in_flight_and_stale_nonces_are_ignored() {
+        let snap1 = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let snap2 = snapshot_of(vec![service("a", "a1", &[8001])]);
+        let mut s = SotwStream::new();
+        s.on_request(request(ResourceType::Endpoints, &[EDS], "", ""))
+            .unwrap();
+        let first = s.poll(&snap1).remove(0).2;
+        // A request carrying a nonce we never sent is stale.
+        assert_eq!(
+            s.on_request(request(ResourceType::Endpoints, &[EDS], "x", "999"))
+                .unwrap(),
+            Event::Stale(ResourceType::Endpoints)
+        );
+        assert!(s.poll(&snap2).is_empty(), "still waiting for the ACK");
+        s.on_request(ack(&first, &[EDS])).unwrap();
+        let second = s.poll(&snap2).remove(0).2;
+        assert_ne!(second.version_info, first.version_info);
+        // An ACK of the older response now is stale.
+        assert_eq!(
+            s.on_request(ack(&first, &[EDS])).unwrap(),
+            Event::Stale(ResourceType::Endpoints)
+        );
+    }
+
+    #[test]
+    fn a_nacked_version_is_not_resent_until_content_changes() {
+        let snap1 = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = SotwStream::new();
+        s.on_request(request(ResourceType::Cluster, &[], "", ""))
+            .unwrap();
+        let r = s.poll(&snap1).remove(0).2;
+        let ev = s.on_request(nack(&r, &[], "")).unwrap();
+        assert!(matches!(
+            ev,
+            Event::Nack {
+                ty: ResourceType::Cluster,
+                ..
+            }
+        ));
+        for _ in 0..3 {
+            assert!(s.poll(&snap1).is_empty(), "no NACK loop");
+        }
+        let status = s.status();
+        assert_eq!(status[0].1.nacks, 1);
+        assert_eq!(
+            status[0].1.last_nacked_version.as_deref(),
+            Some(r.version_info.as_str())
+        );
+        // New content: sent again.
+        let snap2 = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ]);
+        let again = s.poll(&snap2);
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].2.resources.len(), 2);
+    }
+
+    #[test]
+    fn named_types_send_only_subscribed_and_changed_resources() {
+        let snap1 = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ]);
+        let mut s = SotwStream::new();
+        s.on_request(request(ResourceType::Endpoints, &[EDS], "", ""))
+            .unwrap();
+        let r = s.poll(&snap1).remove(0).2;
+        assert_eq!(r.resources.len(), 1, "only the subscribed name");
+        // Subscribing to one more name sends only that one.
+        s.on_request(ack(&r, &[EDS, "default/b/b1"])).unwrap();
+        let r2 = s.poll(&snap1).remove(0).2;
+        assert_eq!(r2.resources.len(), 1);
+        s.on_request(ack(&r2, &[EDS, "default/b/b1"])).unwrap();
+        // A change to b's endpoints sends b's assignment only.
+        let snap2 = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9001]),
+        ]);
+        let r3 = s.poll(&snap2).remove(0).2;
+        assert_eq!(r3.resources.len(), 1);
+        assert_eq!(
+            r3.resources[0],
+            snap2.resources(ResourceType::Endpoints)["default/b/b1"].body
+        );
+        s.on_request(ack(&r3, &[EDS, "default/b/b1"])).unwrap();
+        // Unsubscribing sends nothing.
+        s.on_request(request(
+            ResourceType::Endpoints,
+            &[EDS],
+            &r3.version_info,
+            &r3.nonce,
+        ))
+        .unwrap();
+        assert!(s.poll(&snap2).is_empty());
+        assert_eq!(s.status()[0].1.resources_held, 1);
+    }
+
+    #[test]
+    fn full_state_types_send_everything_and_an_empty_set_removes() {
+        let snap1 = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ]);
+        let mut s = SotwStream::new();
+        s.on_request(request(ResourceType::Cluster, &["*"], "", ""))
+            .unwrap();
+        let r = s.poll(&snap1).remove(0).2;
+        assert_eq!(r.resources.len(), 2);
+        s.on_request(ack(&r, &["*"])).unwrap();
+        let snap2 = snapshot_of(vec![]);
+        let r2 = s.poll(&snap2).remove(0).2;
+        assert!(r2.resources.is_empty(), "no route names them: both go");
+    }
+
+    #[test]
+    fn a_reconnecting_envoy_is_not_resent_what_it_has() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut first = SotwStream::new();
+        for (ty, names) in [
+            (ResourceType::Cluster, vec![]),
+            (ResourceType::Listener, vec![]),
+            (ResourceType::Endpoints, vec![EDS]),
+            (ResourceType::Route, vec![RDS]),
+        ] {
+            first.on_request(request(ty, &names, "", "")).unwrap();
+        }
+        let held = converge(&mut first, &snap);
+        assert_eq!(held.len(), 4);
+
+        // A new stream (a restarted server): Envoy reports its versions and old nonces.
+        let mut second = SotwStream::new();
+        for r in &held {
+            let ty = ResourceType::from_type_url(&r.type_url).unwrap();
+            let names: Vec<&str> = match ty {
+                ResourceType::Endpoints => vec![EDS],
+                ResourceType::Route => vec![RDS],
+                _ => vec![],
+            };
+            assert_eq!(
+                second.on_request(ack(r, &names)).unwrap(),
+                Event::Subscribed(ty)
+            );
+        }
+        assert!(second.poll(&snap).is_empty(), "nothing to re-send");
+        // And it still follows changes.
+        let changed = snapshot_of(vec![service("a", "a1", &[8001])]);
+        let out = second.poll(&changed);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, ResourceType::Endpoints);
+    }
+
+    #[test]
+    fn a_cluster_leaves_only_after_the_route_stops_naming_it() {
+        let before = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = SotwStream::new();
+        for (ty, names) in [
+            (ResourceType::Cluster, vec![]),
+            (ResourceType::Listener, vec![]),
+            (ResourceType::Endpoints, vec![EDS]),
+            (ResourceType::Route, vec![RDS]),
+        ] {
+            s.on_request(request(ty, &names, "", "")).unwrap();
+        }
+        converge(&mut s, &before);
+        // The service moves to a new cluster a2; a1 leaves the snapshot.
+        let after = snapshot_of(vec![service("a", "a2", &[8100])]);
+        let out = s.poll(&after);
+        assert_eq!(out.len(), 1);
+        let cds = &out[0].2;
+        assert_eq!(
+            cds.resources.len(),
+            2,
+            "a1 kept while the held route names it, a2 added"
+        );
+        s.on_request(ack(cds, &[])).unwrap();
+        // Envoy subscribes to a2's endpoints; the route waits for them.
+        let eds_names = [EDS, "default/a/a2"];
+        s.on_request(request(
+            ResourceType::Endpoints,
+            &eds_names,
+            &s.status()[1].1.last_acked_version.clone().unwrap(),
+            "",
+        ))
+        .unwrap();
+        let out = s.poll(&after);
+        assert_eq!(
+            out.iter().map(|o| o.0).collect::<Vec<_>>(),
+            [ResourceType::Endpoints]
+        );
+        s.on_request(ack(&out[0].2, &eds_names)).unwrap();
+        let out = s.poll(&after);
+        assert_eq!(
+            out.iter().map(|o| o.0).collect::<Vec<_>>(),
+            [ResourceType::Route]
+        );
+        s.on_request(ack(&out[0].2, &[RDS])).unwrap();
+        // Now nothing names a1: it goes.
+        let out = s.poll(&after);
+        assert_eq!(
+            out.iter().map(|o| o.0).collect::<Vec<_>>(),
+            [ResourceType::Cluster]
+        );
+        assert_eq!(out[0].2.resources.len(), 1);
+    }
+
+    #[test]
+    fn unknown_type_urls_are_refused() {
+        let mut s = SotwStream::new();
+        let err = s
+            .on_request(DiscoveryRequest {
+                type_url: "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+                    .into(),
+                ..Default::default()
+            })
+            .unwrap_err();
+        assert!(matches!(err, ProtocolError::UnknownType(_)));
+    }
+}
