@@ -181,3 +181,113 @@ async fn sotw_rejected_listener_is_nacked_once() {
 async fn delta_rejected_listener_is_nacked_once() {
     rejected_listener_is_nacked_once(Bootstrap::Delta).await;
 }
+
+/// ray-xds (the real binary) dies and comes back while Envoy carries traffic: no request
+/// fails, and the new process sends nothing the Envoy already holds.
+async fn restart_keeps_traffic_and_resends_nothing(bootstrap: Bootstrap) {
+    let a = SimCluster::start("demo-a", &[NodeType::Head, NodeType::Worker]).await;
+    let b = SimCluster::start("demo-b", &[NodeType::Head]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let services = dir.path().join("services.yaml");
+    std::fs::write(&services, services_yaml("demo-a", &[&a, &b])).unwrap();
+    let (xds_port, admin_port, gateway_port) = (free_port(), free_port(), free_port());
+    let config = dir.path().join("ray-xds.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "xds: {{ listen: 127.0.0.1:{xds_port} }}\nadmin: {{ listen: 127.0.0.1:{admin_port} }}\ngateway:\n  http_listener: {{ address: 127.0.0.1, port: {gateway_port} }}\nsource:\n  file: {{ path: services.yaml }}\n"
+        ),
+    )
+    .unwrap();
+    let admin: std::net::SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    let start_server = || {
+        spawn(
+            "ray-xds",
+            std::process::Command::new(env!("CARGO_BIN_EXE_ray-xds"))
+                .args(["serve", "--config"])
+                .arg(&config)
+                .env("RAY_XDS_LOG", "warn")
+                .stdout(std::process::Stdio::null()),
+        )
+    };
+    let mut server = start_server();
+    let envoy = Envoy::start(bootstrap, xds_port);
+    eventually("traffic flows", DEADLINE, || async {
+        through_envoy(gateway_port).await
+    })
+    .await;
+
+    // Steady load while the control plane goes away and comes back.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let load = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let (mut ok, mut failed) = (0u32, 0u32);
+            while !stop.is_cancelled() {
+                match through_envoy(gateway_port).await {
+                    Some(s) if s.cluster == "demo-a" => ok += 1,
+                    _ => failed += 1,
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            (ok, failed)
+        })
+    };
+    server.signal(libc::SIGKILL);
+    let _ = server.child.wait();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let _server = start_server();
+    let clients = eventually(
+        "Envoy reconnects and resubscribes to every type",
+        DEADLINE,
+        || async {
+            let text = admin_get(admin, "/debug/clients").await;
+            let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+            let types = v["clients"][0]["types"].as_object()?;
+            (types.len() == 4).then_some(v)
+        },
+    )
+    .await;
+    assert_eq!(clients["clients"][0]["protocol"], bootstrap.protocol());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.cancel();
+    let (ok, failed) = load.await.unwrap();
+    assert!(ok > 10, "the load ran: {ok}");
+    assert_eq!(
+        failed, 0,
+        "requests failed while ray-xds restarted ({ok} succeeded)"
+    );
+    let metrics = admin_get(admin, "/metrics").await;
+    let pushes: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("ray_xds_xds_pushes_total{") && !l.ends_with(" 0"))
+        .collect();
+    assert!(
+        pushes.is_empty(),
+        "the restarted server re-sent resources: {pushes:?}\n{clients}"
+    );
+
+    // The restarted server still follows changes.
+    write_atomic(&services, &services_yaml("demo-b", &[&a, &b]));
+    eventually(
+        "traffic moves to demo-b after the restart",
+        DEADLINE,
+        || async {
+            through_envoy(gateway_port)
+                .await
+                .filter(|s| s.cluster == "demo-b")
+        },
+    )
+    .await;
+    drop(envoy);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sotw_restart_keeps_traffic_and_resends_nothing() {
+    restart_keeps_traffic_and_resends_nothing(Bootstrap::Sotw).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delta_restart_keeps_traffic_and_resends_nothing() {
+    restart_keeps_traffic_and_resends_nothing(Bootstrap::Delta).await;
+}
