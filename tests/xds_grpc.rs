@@ -1,0 +1,458 @@
+//! The tonic server on port 0, driven by envoy-types' own ADS client, both protocols,
+//! including misbehaving clients.
+
+mod support;
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use ray_xds::model::NodeType;
+use ray_xds::xds::snapshot::{CLUSTER_TYPE_URL, ENDPOINTS_TYPE_URL};
+use support::*;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+
+const DEADLINE: Duration = Duration::from_secs(20);
+
+struct Server {
+    _dir: tempfile::TempDir,
+    services: std::path::PathBuf,
+    running: ray_xds::runtime::Running,
+    _cluster: SimCluster,
+}
+
+async fn server() -> Server {
+    let cluster = SimCluster::start("demo-a", &[NodeType::Head, NodeType::Worker]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let services = dir.path().join("services.yaml");
+    std::fs::write(&services, services_yaml("demo-a", &[&cluster])).unwrap();
+    let running = ray_xds::runtime::start(test_config(&services, free_port()), Default::default())
+        .await
+        .unwrap();
+    Server {
+        _dir: dir,
+        services,
+        running,
+        _cluster: cluster,
+    }
+}
+
+async fn client(s: &Server) -> AggregatedDiscoveryServiceClient<tonic::transport::Channel> {
+    AggregatedDiscoveryServiceClient::connect(format!("http://{}", s.running.xds_addr))
+        .await
+        .unwrap()
+}
+
+fn node(id: &str) -> Option<Node> {
+    Some(Node {
+        id: id.into(),
+        cluster: "test".into(),
+        ..Default::default()
+    })
+}
+
+async fn sotw_stream(s: &Server) -> (mpsc::Sender<DiscoveryRequest>, Streaming<DiscoveryResponse>) {
+    let (tx, rx) = mpsc::channel(16);
+    let responses = client(s)
+        .await
+        .stream_aggregated_resources(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (tx, responses)
+}
+
+async fn delta_stream(
+    s: &Server,
+) -> (
+    mpsc::Sender<DeltaDiscoveryRequest>,
+    Streaming<DeltaDiscoveryResponse>,
+) {
+    let (tx, rx) = mpsc::channel(16);
+    let responses = client(s)
+        .await
+        .delta_aggregated_resources(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (tx, responses)
+}
+
+async fn next<T>(responses: &mut Streaming<T>) -> T {
+    tokio::time::timeout(DEADLINE, responses.message())
+        .await
+        .expect("a response in time")
+        .unwrap()
+        .expect("stream open")
+}
+
+#[tokio::test]
+async fn sotw_client_gets_clusters_acks_and_follows_changes() {
+    let s = server().await;
+    let (tx, mut rx) = sotw_stream(&s).await;
+    tx.send(DiscoveryRequest {
+        node: node("sotw-1"),
+        type_url: CLUSTER_TYPE_URL.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let cds = next(&mut rx).await;
+    assert_eq!(cds.type_url, CLUSTER_TYPE_URL);
+    assert_eq!(cds.resources.len(), 1);
+    tx.send(DiscoveryRequest {
+        type_url: CLUSTER_TYPE_URL.into(),
+        version_info: cds.version_info.clone(),
+        response_nonce: cds.nonce.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let eds_name = "default/demo/demo-a".to_string();
+    tx.send(DiscoveryRequest {
+        type_url: ENDPOINTS_TYPE_URL.into(),
+        resource_names: vec![eds_name.clone()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let eds = next(&mut rx).await;
+    assert_eq!(eds.type_url, ENDPOINTS_TYPE_URL);
+    tx.send(DiscoveryRequest {
+        type_url: ENDPOINTS_TYPE_URL.into(),
+        resource_names: vec![eds_name.clone()],
+        version_info: eds.version_info.clone(),
+        response_nonce: eds.nonce.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+
+    let clients = eventually(
+        "the client shows in /debug/clients with its ACKs",
+        DEADLINE,
+        || async {
+            let text = admin_get(s.running.admin_addr, "/debug/clients").await;
+            let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+            let c = v["clients"]
+                .as_array()?
+                .iter()
+                .find(|c| c["node"]["id"] == "sotw-1")?
+                .clone();
+            (c["types"]["eds"]["acks"] == 1 && c["types"]["cds"]["acks"] == 1).then_some(c)
+        },
+    )
+    .await;
+    assert_eq!(clients["types"]["eds"]["subscribed"][0], eds_name);
+    assert_eq!(clients["types"]["cds"]["subscribed"][0], "*");
+    assert_eq!(
+        clients["types"]["eds"]["last_acked_version"],
+        eds.version_info
+    );
+
+    // A new proxy: only the endpoints change.
+    let other = SimCluster::start("demo-a", &[NodeType::Worker]).await;
+    let mut text = services_yaml("demo-a", &[&s._cluster]);
+    text += &other
+        .yaml()
+        .lines()
+        .skip(2)
+        .map(|l| format!("{l}\n"))
+        .collect::<String>();
+    write_atomic(&s.services, &text);
+    let update = next(&mut rx).await;
+    assert_eq!(update.type_url, ENDPOINTS_TYPE_URL, "only EDS changes");
+    assert_ne!(update.version_info, eds.version_info);
+    let metrics = admin_get(s.running.admin_addr, "/metrics").await;
+    assert_eq!(
+        metric(&metrics, "ray_xds_xds_streams{protocol=\"sotw\"}"),
+        1.0,
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn delta_client_gets_only_changes() {
+    let s = server().await;
+    let (tx, mut rx) = delta_stream(&s).await;
+    tx.send(DeltaDiscoveryRequest {
+        node: node("delta-1"),
+        type_url: ENDPOINTS_TYPE_URL.into(),
+        resource_names_subscribe: vec!["default/demo/demo-a".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let first = next(&mut rx).await;
+    assert_eq!(first.resources.len(), 1);
+    assert_eq!(first.resources[0].name, "default/demo/demo-a");
+    tx.send(DeltaDiscoveryRequest {
+        type_url: ENDPOINTS_TYPE_URL.into(),
+        response_nonce: first.nonce.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+
+    // A reconnecting client that already holds the current version is sent nothing;
+    // one with an outdated version gets the update.
+    let (tx2, mut rx2) = delta_stream(&s).await;
+    let mut req = DeltaDiscoveryRequest {
+        node: node("delta-2"),
+        type_url: ENDPOINTS_TYPE_URL.into(),
+        resource_names_subscribe: vec!["default/demo/demo-a".into()],
+        ..Default::default()
+    };
+    req.initial_resource_versions.insert(
+        "default/demo/demo-a".into(),
+        first.resources[0].version.clone(),
+    );
+    tx2.send(req).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), rx2.message())
+            .await
+            .is_err(),
+        "nothing to send to a client that holds the current version"
+    );
+
+    write_atomic(
+        &s.services,
+        &services_yaml(
+            "demo-a",
+            &[&SimCluster::start("demo-a", &[NodeType::Head]).await],
+        ),
+    );
+    let update = next(&mut rx).await;
+    assert_eq!(update.resources.len(), 1);
+    assert_ne!(update.resources[0].version, first.resources[0].version);
+    let update2 = next(&mut rx2).await;
+    assert_eq!(update2.resources[0].version, update.resources[0].version);
+}
+
+#[tokio::test]
+async fn an_unknown_type_url_ends_only_that_stream() {
+    let s = server().await;
+    let (good_tx, mut good_rx) = sotw_stream(&s).await;
+    good_tx
+        .send(DiscoveryRequest {
+            node: node("good"),
+            type_url: CLUSTER_TYPE_URL.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let cds = next(&mut good_rx).await;
+
+    let (bad_tx, mut bad_rx) = sotw_stream(&s).await;
+    bad_tx
+        .send(DiscoveryRequest {
+            type_url: "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let err = tokio::time::timeout(DEADLINE, bad_rx.message())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("unknown type_url"), "{err}");
+
+    // The good stream still works: ACK and get an update.
+    good_tx
+        .send(DiscoveryRequest {
+            type_url: CLUSTER_TYPE_URL.into(),
+            version_info: cds.version_info.clone(),
+            response_nonce: cds.nonce.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let b = SimCluster::start("demo-b", &[NodeType::Head]).await;
+    write_atomic(&s.services, &services_yaml("demo-a", &[&s._cluster, &b]));
+    let update = next(&mut good_rx).await;
+    assert_eq!(update.resources.len(), 2);
+    let m = admin_get(s.running.admin_addr, "/metrics").await;
+    assert_eq!(
+        metric(
+            &m,
+            "ray_xds_xds_stream_errors_total{protocol=\"sotw\",reason=\"unknown_type\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+}
+
+/// A message that is not a DiscoveryRequest: field 2 (`node`, a message) as a fixed64.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Garbage {
+    #[prost(fixed64, tag = "2")]
+    x: u64,
+}
+
+#[tokio::test]
+async fn garbage_and_oversized_messages_end_only_that_stream() {
+    let s = server().await;
+    let (good_tx, mut good_rx) = delta_stream(&s).await;
+    good_tx
+        .send(DeltaDiscoveryRequest {
+            node: node("good"),
+            type_url: CLUSTER_TYPE_URL.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let first = next(&mut good_rx).await;
+
+    // Garbage bytes, through tonic's generic client with our own codec.
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", s.running.xds_addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources",
+    );
+    let garbage = tokio_stream::iter(vec![Garbage { x: 42 }]).chain(tokio_stream::pending());
+    let result = grpc
+        .streaming::<_, Garbage, DiscoveryResponse, _>(
+            tonic::Request::new(garbage),
+            path,
+            tonic_prost::ProstCodec::default(),
+        )
+        .await;
+    let err = match result {
+        Ok(resp) => tokio::time::timeout(DEADLINE, resp.into_inner().message())
+            .await
+            .unwrap()
+            .unwrap_err(),
+        Err(e) => e,
+    };
+    assert_eq!(err.code(), tonic::Code::Internal, "{err}");
+
+    // An oversized request (more than the 4 MiB limit).
+    let (big_tx, mut big_rx) = sotw_stream(&s).await;
+    big_tx
+        .send(DiscoveryRequest {
+            type_url: ENDPOINTS_TYPE_URL.into(),
+            resource_names: (0..50_000).map(|i| format!("{i:0>100}")).collect(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let err = tokio::time::timeout(DEADLINE, big_rx.message())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::OutOfRange, "{err}");
+
+    // The good stream is unaffected.
+    good_tx
+        .send(DeltaDiscoveryRequest {
+            type_url: CLUSTER_TYPE_URL.into(),
+            response_nonce: first.nonce.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let b = SimCluster::start("demo-b", &[NodeType::Head]).await;
+    write_atomic(&s.services, &services_yaml("demo-a", &[&s._cluster, &b]));
+    let update = next(&mut good_rx).await;
+    assert_eq!(update.resources.len(), 1);
+    assert_eq!(update.resources[0].name, "default/demo/demo-b");
+    let m = admin_get(s.running.admin_addr, "/metrics").await;
+    assert_eq!(
+        metric(
+            &m,
+            "ray_xds_xds_stream_errors_total{protocol=\"sotw\",reason=\"bad_message\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "ray_xds_xds_stream_errors_total{protocol=\"sotw\",reason=\"too_large\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+}
+
+use tokio_stream::StreamExt;
+
+#[tokio::test]
+async fn a_stuck_client_does_not_delay_others() {
+    let s = server().await;
+    // The stuck client subscribes and then never reads or ACKs anything.
+    let mut stuck = Vec::new();
+    for i in 0..5 {
+        let (tx, rx) = sotw_stream(&s).await;
+        tx.send(DiscoveryRequest {
+            node: node(&format!("stuck-{i}")),
+            type_url: ENDPOINTS_TYPE_URL.into(),
+            resource_names: vec!["default/demo/demo-a".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        stuck.push((tx, rx));
+    }
+    let (tx, mut rx) = sotw_stream(&s).await;
+    let eds = "default/demo/demo-a".to_string();
+    tx.send(DiscoveryRequest {
+        node: node("live"),
+        type_url: ENDPOINTS_TYPE_URL.into(),
+        resource_names: vec![eds.clone()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut last = next(&mut rx).await;
+    // Many changes in a row: the live client follows each one it ACKs, ending on the latest.
+    let clusters: Vec<SimCluster> = {
+        let mut v = Vec::new();
+        for _ in 0..20 {
+            v.push(SimCluster::start("demo-a", &[NodeType::Head]).await);
+        }
+        v
+    };
+    for c in &clusters {
+        write_atomic(&s.services, &services_yaml("demo-a", &[c]));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let want = format!("{}", clusters.last().unwrap().proxies[0].0.port());
+    loop {
+        tx.send(DiscoveryRequest {
+            type_url: ENDPOINTS_TYPE_URL.into(),
+            resource_names: vec![eds.clone()],
+            version_info: last.version_info.clone(),
+            response_nonce: last.nonce.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let cla =
+            <ClusterLoadAssignment as prost::Message>::decode(&*last.resources[0].value).unwrap();
+        if format!("{cla:?}").contains(&want) {
+            break;
+        }
+        last = next(&mut rx).await;
+    }
+    // Each stuck stream holds at most one response per type.
+    let clients: serde_json::Value =
+        serde_json::from_str(&admin_get(s.running.admin_addr, "/debug/clients").await).unwrap();
+    for c in clients["clients"].as_array().unwrap() {
+        if c["node"]["id"].as_str().unwrap().starts_with("stuck") {
+            assert_eq!(c["types"]["eds"]["pushes"], 1, "{c}");
+        }
+    }
+}
