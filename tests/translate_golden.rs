@@ -1,0 +1,58 @@
+//! Golden files of the resources `translate` produces. A change to the output fails here
+//! until the golden file is regenerated (`UPDATE_GOLDEN=1 cargo test --test
+//! translate_golden`) and the diff is reviewed by eye.
+
+use std::path::{Path, PathBuf};
+
+use ray_xds::config::GatewaySettings;
+use ray_xds::source::file;
+use ray_xds::translate::translate;
+use ray_xds::xds::{ResourceType, Snapshot};
+
+fn golden(name: &str, services: &Path) {
+    let text = std::fs::read_to_string(services).unwrap();
+    let model = file::parse(services, &text).unwrap();
+    let snapshot = Snapshot::from_resources(&translate(&model, &GatewaySettings::default()));
+    let mut out = format!("# snapshot version {}\n", snapshot.version());
+    for ty in ResourceType::ALL {
+        for r in snapshot.resources(ty).values() {
+            out += &format!(
+                "\n# {} {} (version {})\n{}\n",
+                ty.label(),
+                r.name,
+                r.version,
+                r.render()
+            );
+        }
+    }
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden")
+        .join(format!("{name}.txt"));
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &out).unwrap();
+    }
+    let want = std::fs::read_to_string(&path)
+        .unwrap_or_else(|_| panic!("{} missing: run with UPDATE_GOLDEN=1", path.display()));
+    pretty_assertions::assert_eq!(
+        want,
+        out,
+        "translate output changed: review, then UPDATE_GOLDEN=1"
+    );
+}
+
+#[test]
+fn demo_example() {
+    golden(
+        "demo",
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/services.yaml"),
+    );
+}
+
+#[test]
+fn two_services_with_a_pending_cluster() {
+    golden(
+        "two-services",
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/two-services.yaml"),
+    );
+}
