@@ -105,7 +105,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let _ = models_tx;
 
     let (published_tx, published_rx) = watch::channel::<Option<Arc<Snapshot>>>(None);
-    let first = build_snapshot(&models_rx.borrow(), &config.gateway, &metrics);
+    let first = build_snapshot(&models_rx.borrow(), &config.gateway, &metrics, None);
     let (snapshots_tx, snapshots_rx) = watch::channel(first.clone());
     published_tx.send_replace(Some(first));
     {
@@ -170,9 +170,14 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     })
 }
 
-fn build_snapshot(model: &Model, gateway: &GatewaySettings, metrics: &Metrics) -> Arc<Snapshot> {
+fn build_snapshot(
+    model: &Model,
+    gateway: &GatewaySettings,
+    metrics: &Metrics,
+    previous: Option<&Snapshot>,
+) -> Arc<Snapshot> {
     let started = Instant::now();
-    let snapshot = Snapshot::from_resources(&translate(model, gateway));
+    let snapshot = Snapshot::from_resources_reusing(&translate(model, gateway), previous);
     metrics
         .translate_seconds
         .observe(started.elapsed().as_secs_f64());
@@ -207,7 +212,8 @@ async fn run_pipeline(
             .get_or_create(&SourceLabels { source: "file" })
             .inc();
         let model = models.borrow_and_update().clone();
-        let snapshot = build_snapshot(&model, &gateway, &metrics);
+        let previous = snapshots.borrow().clone();
+        let snapshot = build_snapshot(&model, &gateway, &metrics, Some(&previous));
         let changed = snapshots.send_if_modified(|current| {
             if current.version() == snapshot.version() {
                 false

@@ -17,7 +17,10 @@ use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource as DeltaResource,
 };
 
-use super::ordering::{desired, ClientHolds, Held, HeldMap};
+use super::ordering::{
+    changed_from, desired, is_whole_set, retain_names, same_names_change, take_budget, ClientHolds,
+    Held, Holding, RESPONSE_BUDGET_BYTES,
+};
 use super::snapshot::{ResourceMap, ResourceType, Snapshot};
 use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
 
@@ -26,6 +29,8 @@ struct InFlight {
     nonce: String,
     sent: ResourceMap,
     removed: Vec<Arc<str>>,
+    /// What the Envoy holds once it ACKs, when that is a snapshot's whole set.
+    then_whole: Option<Holding>,
 }
 
 #[derive(Debug, Default)]
@@ -33,7 +38,7 @@ struct TypeState {
     subscribed: bool,
     wildcard: bool,
     names: BTreeSet<String>,
-    known: HeldMap,
+    known: Holding,
     in_flight: Option<InFlight>,
     rejected: BTreeMap<Arc<str>, Arc<str>>,
     last_acked_version: Option<String>,
@@ -63,6 +68,114 @@ impl DeltaStream {
     }
 }
 
+impl DeltaStream {
+    fn poll_type(
+        &mut self,
+        ty: ResourceType,
+        snapshot: &Snapshot,
+    ) -> Option<(ResourceType, usize, DeltaDiscoveryResponse)> {
+        let st = &self.types[ty.index()];
+        if !st.subscribed || st.in_flight.is_some() || st.known.is_whole(snapshot, ty) {
+            return None;
+        }
+        if ty != ResourceType::Route {
+            if let Some(changed) = same_names_change(&st.known, snapshot.resources(ty)) {
+                let (sent, removed, whole) = (changed, Vec::new(), true);
+                return self.respond(ty, snapshot, sent, removed, whole);
+            }
+        }
+        let holds = ClientHolds {
+            acked: [
+                &self.types[0].known,
+                &self.types[1].known,
+                &self.types[2].known,
+                &self.types[3].known,
+            ],
+            routes_in_flight: self.types[ResourceType::Route.index()]
+                .in_flight
+                .as_ref()
+                .map(|f| &f.sent),
+        };
+        let mut wanted = desired(snapshot, ty, &holds);
+        if !st.wildcard {
+            wanted = retain_names(wanted, &st.names);
+        }
+        let wanted_bodies: ResourceMap = wanted
+            .iter()
+            .filter_map(|(n, d)| d.resource().map(|r| (n.clone(), r.clone())))
+            .collect();
+        let whole =
+            wanted_bodies.len() == wanted.len() && is_whole_set(&wanted_bodies, snapshot, ty);
+        let changed = changed_from(&wanted_bodies, &st.known);
+        let removed: Vec<Arc<str>> = st
+            .known
+            .iter()
+            .map(|(name, _, _)| name)
+            .filter(|name| !wanted.contains_key(*name) && st.wants(name))
+            .cloned()
+            .collect();
+        self.respond(ty, snapshot, changed, removed, whole)
+    }
+
+    /// Sends `changed` (within the response budget) and `removed`, skipping resources
+    /// whose version the Envoy rejected; `whole` says the Envoy then holds the
+    /// snapshot's whole set of `ty`.
+    fn respond(
+        &mut self,
+        ty: ResourceType,
+        snapshot: &Snapshot,
+        changed: ResourceMap,
+        removed: Vec<Arc<str>>,
+        mut whole: bool,
+    ) -> Option<(ResourceType, usize, DeltaDiscoveryResponse)> {
+        let st = &mut self.types[ty.index()];
+        let changed: ResourceMap = changed
+            .into_iter()
+            .filter(|(name, r)| {
+                let rejected = st.rejected.get(name) == Some(&r.version);
+                // The Envoy keeps its old version of a rejected resource.
+                whole &= !rejected;
+                !rejected
+            })
+            .collect();
+        if changed.is_empty() && removed.is_empty() {
+            if whole {
+                st.known = Holding::whole(snapshot, ty);
+            }
+            return None;
+        }
+        let (sent, complete) = take_budget(changed, RESPONSE_BUDGET_BYTES);
+        let then_whole = (whole && complete).then(|| Holding::whole(snapshot, ty));
+        self.next_nonce += 1;
+        let nonce = self.next_nonce.to_string();
+        let response = DeltaDiscoveryResponse {
+            system_version_info: snapshot.version().to_string(),
+            resources: sent
+                .values()
+                .map(|r| DeltaResource {
+                    name: r.name.to_string(),
+                    version: r.version.to_string(),
+                    resource: Some(r.body.clone()),
+                    ..Default::default()
+                })
+                .collect(),
+            type_url: ty.type_url().to_string(),
+            removed_resources: removed.iter().map(|n| n.to_string()).collect(),
+            nonce: nonce.clone(),
+            ..Default::default()
+        };
+        st.pushes += 1;
+        let count = sent.len() + removed.len();
+        st.in_flight = Some(InFlight {
+            nonce,
+            sent,
+            removed,
+            then_whole,
+        });
+        Some((ty, count, response))
+    }
+}
+
 impl AdsProtocol for DeltaStream {
     type Request = DeltaDiscoveryRequest;
     type Response = DeltaDiscoveryResponse;
@@ -80,8 +193,9 @@ impl AdsProtocol for DeltaStream {
         if !st.subscribed {
             st.subscribed = true;
             st.wildcard = req.resource_names_subscribe.is_empty();
+            let known = st.known.own();
             for (name, version) in &req.initial_resource_versions {
-                st.known.insert(
+                known.insert(
                     name.as_str().into(),
                     Held {
                         version: version.as_str().into(),
@@ -104,8 +218,8 @@ impl AdsProtocol for DeltaStream {
                 st.names.remove(name);
             }
             // The client forgets it; a later subscribe must send it again.
-            if !st.wants(name) {
-                st.known.remove(name.as_str());
+            if !st.wants(name) && st.known.contains(name) {
+                st.known.own().remove(name.as_str());
             }
         }
         if req.response_nonce.is_empty() {
@@ -131,13 +245,19 @@ impl AdsProtocol for DeltaStream {
             }
             None => {
                 st.acks += 1;
-                for (name, r) in &f.sent {
-                    if st.wants(name) {
-                        st.known.insert(name.clone(), Held::sent(r));
+                if let Some(whole) = f.then_whole {
+                    st.known = whole;
+                } else {
+                    let wants: Vec<bool> = f.sent.keys().map(|n| st.wants(n)).collect();
+                    let known = st.known.own();
+                    for ((name, r), wanted) in f.sent.iter().zip(wants) {
+                        if wanted {
+                            known.insert(name.clone(), Held::sent(r));
+                        }
                     }
-                }
-                for name in &f.removed {
-                    st.known.remove(name);
+                    for name in &f.removed {
+                        known.remove(name);
+                    }
                 }
                 st.last_acked_version = Some(version.clone());
                 Event::Ack { ty, version }
@@ -148,73 +268,9 @@ impl AdsProtocol for DeltaStream {
     fn poll(&mut self, snapshot: &Snapshot) -> Vec<(ResourceType, usize, DeltaDiscoveryResponse)> {
         let mut out = Vec::new();
         for ty in ResourceType::ALL {
-            let (sent, removed) = {
-                let st = &self.types[ty.index()];
-                if !st.subscribed || st.in_flight.is_some() {
-                    continue;
-                }
-                let holds = ClientHolds {
-                    acked: [
-                        &self.types[0].known,
-                        &self.types[1].known,
-                        &self.types[2].known,
-                        &self.types[3].known,
-                    ],
-                    routes_in_flight: self.types[ResourceType::Route.index()]
-                        .in_flight
-                        .as_ref()
-                        .map(|f| &f.sent),
-                };
-                let wanted: BTreeMap<_, _> = desired(snapshot, ty, &holds)
-                    .into_iter()
-                    .filter(|(name, _)| st.wants(name))
-                    .collect();
-                let sent: ResourceMap = wanted
-                    .iter()
-                    .filter_map(|(name, d)| d.resource().map(|r| (name, r)))
-                    .filter(|(name, r)| {
-                        st.known.get(*name).is_none_or(|h| h.version != r.version)
-                            && st.rejected.get(*name) != Some(&r.version)
-                    })
-                    .map(|(name, r)| (name.clone(), r.clone()))
-                    .collect();
-                let removed: Vec<Arc<str>> = st
-                    .known
-                    .keys()
-                    .filter(|name| !wanted.contains_key(*name) && st.wants(name))
-                    .cloned()
-                    .collect();
-                (sent, removed)
-            };
-            if sent.is_empty() && removed.is_empty() {
-                continue;
+            if let Some(response) = self.poll_type(ty, snapshot) {
+                out.push(response);
             }
-            self.next_nonce += 1;
-            let nonce = self.next_nonce.to_string();
-            let response = DeltaDiscoveryResponse {
-                system_version_info: snapshot.version().to_string(),
-                resources: sent
-                    .values()
-                    .map(|r| DeltaResource {
-                        name: r.name.to_string(),
-                        version: r.version.to_string(),
-                        resource: Some(r.body.clone()),
-                        ..Default::default()
-                    })
-                    .collect(),
-                type_url: ty.type_url().to_string(),
-                removed_resources: removed.iter().map(|n| n.to_string()).collect(),
-                nonce: nonce.clone(),
-                ..Default::default()
-            };
-            let st = &mut self.types[ty.index()];
-            st.pushes += 1;
-            out.push((ty, sent.len() + removed.len(), response));
-            st.in_flight = Some(InFlight {
-                nonce,
-                sent,
-                removed,
-            });
         }
         out
     }
@@ -437,6 +493,56 @@ mod tests {
             names(&r),
             ["default/b/b1"],
             "a1 unchanged stays rejected; b1 is new"
+        );
+    }
+
+    #[test]
+    fn a_large_initial_sync_is_split_and_ends_whole() {
+        let services: Vec<_> = (0..60)
+            .map(|i| {
+                let mut s = service(&format!("s{i}"), "c", &(8000..8020).collect::<Vec<u16>>());
+                s.hosts = vec![format!("s{i}.example")];
+                s
+            })
+            .collect();
+        let snap = snapshot_of(services);
+        let mut s = DeltaStream::new();
+        s.on_request(subscribe(ResourceType::Endpoints, &["*"]))
+            .unwrap();
+        let (mut received, mut responses) = (0, 0);
+        loop {
+            let mut out = s.poll(&snap);
+            if out.is_empty() {
+                break;
+            }
+            let r = out.remove(0).2;
+            let bytes: usize = r
+                .resources
+                .iter()
+                .map(|x| x.resource.as_ref().unwrap().value.len())
+                .sum();
+            assert!(r.resources.len() == 1 || bytes <= RESPONSE_BUDGET_BYTES);
+            received += r.resources.len();
+            responses += 1;
+            s.on_request(ack(&r)).unwrap();
+        }
+        assert_eq!(received, 60);
+        assert!(responses > 1);
+        assert!(s.types[1].known.is_whole(&snap, ResourceType::Endpoints));
+    }
+
+    #[test]
+    fn a_nacked_resource_keeps_the_stream_out_of_sync() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = DeltaStream::new();
+        s.on_request(subscribe(ResourceType::Cluster, &["*"]))
+            .unwrap();
+        let r = s.poll(&snap).remove(0).2;
+        s.on_request(nack(&r)).unwrap();
+        assert!(s.poll(&snap).is_empty());
+        assert!(
+            !s.types[0].known.is_whole(&snap, ResourceType::Cluster),
+            "the Envoy does not hold a1"
         );
     }
 

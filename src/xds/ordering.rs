@@ -31,6 +31,197 @@ impl Held {
 
 pub type HeldMap = BTreeMap<Arc<str>, Held>;
 
+/// One held resource as [`Holding::iter`] yields it: name, version, body when known.
+pub type HeldEntry<'a> = (&'a Arc<str>, &'a Arc<str>, Option<&'a Arc<Resource>>);
+
+/// Everything one Envoy holds of one type.
+#[derive(Clone, Debug)]
+pub enum Holding {
+    /// Exactly one snapshot's whole set of this type: a shared pointer, so an idle
+    /// stream in sync costs no per-resource memory.
+    Snapshot {
+        type_version: Arc<str>,
+        map: Arc<ResourceMap>,
+    },
+    /// Anything else, resource by resource.
+    Own(HeldMap),
+}
+
+impl Default for Holding {
+    fn default() -> Self {
+        Holding::Own(HeldMap::new())
+    }
+}
+
+impl Holding {
+    /// The Envoy holds `snapshot`'s whole set of `ty`.
+    pub fn whole(snapshot: &Snapshot, ty: ResourceType) -> Holding {
+        Holding::Snapshot {
+            type_version: snapshot.type_version(ty).clone(),
+            map: snapshot.shared(ty).clone(),
+        }
+    }
+
+    pub fn from_resources(resources: &ResourceMap) -> Holding {
+        Holding::Own(
+            resources
+                .iter()
+                .map(|(n, r)| (n.clone(), Held::sent(r)))
+                .collect(),
+        )
+    }
+
+    /// True when this is exactly the whole set of `ty` in `snapshot`.
+    pub fn is_whole(&self, snapshot: &Snapshot, ty: ResourceType) -> bool {
+        matches!(self, Holding::Snapshot { type_version, .. } if *type_version == *snapshot.type_version(ty))
+    }
+
+    pub fn version_of(&self, name: &str) -> Option<&Arc<str>> {
+        match self {
+            Holding::Snapshot { map, .. } => map.get(name).map(|r| &r.version),
+            Holding::Own(m) => m.get(name).map(|h| &h.version),
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<Held> {
+        match self {
+            Holding::Snapshot { map, .. } => map.get(name).map(Held::sent),
+            Holding::Own(m) => m.get(name).cloned(),
+        }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.version_of(name).is_some()
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Holding::Snapshot { map, .. } => map.len(),
+            Holding::Own(m) => m.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every held resource: name, version and (when known) body.
+    pub fn iter(&self) -> Box<dyn Iterator<Item = HeldEntry<'_>> + '_> {
+        match self {
+            Holding::Snapshot { map, .. } => {
+                Box::new(map.iter().map(|(n, r)| (n, &r.version, Some(r))))
+            }
+            Holding::Own(m) => {
+                Box::new(m.iter().map(|(n, h)| (n, &h.version, h.resource.as_ref())))
+            }
+        }
+    }
+
+    /// True when this holds the very map `current` (nothing held outside it).
+    fn is_whole_of(&self, current: &ResourceMap) -> bool {
+        matches!(self, Holding::Snapshot { map, .. } if std::ptr::eq(&**map, current))
+    }
+
+    /// The per-resource map, copied out of a shared snapshot set if need be.
+    pub fn own(&mut self) -> &mut HeldMap {
+        if let Holding::Snapshot { map, .. } = self {
+            *self = Holding::from_resources(map);
+        }
+        match self {
+            Holding::Own(m) => m,
+            Holding::Snapshot { .. } => unreachable!("converted above"),
+        }
+    }
+}
+
+/// Keeps the entries of `map` whose name is in `names`: a merge of two sorted sequences,
+/// linear, where per-name lookups would compare long shared prefixes again and again.
+pub fn retain_names<V>(
+    map: BTreeMap<Arc<str>, V>,
+    names: &BTreeSet<String>,
+) -> BTreeMap<Arc<str>, V> {
+    let mut wanted = names.iter().peekable();
+    map.into_iter()
+        .filter(|(name, _)| {
+            while wanted.next_if(|w| w.as_str() < &**name).is_some() {}
+            wanted.peek().is_some_and(|w| w.as_str() == &**name)
+        })
+        .collect()
+}
+
+/// The resources of `wanted` whose version `held` does not have (a linear merge).
+pub fn changed_from(wanted: &ResourceMap, held: &Holding) -> ResourceMap {
+    let mut held = held.iter().peekable();
+    wanted
+        .iter()
+        .filter(|(name, r)| {
+            while held.next_if(|(h, _, _)| **h < **name).is_some() {}
+            match held.peek() {
+                Some((h, v, _)) if **h == **name => !Arc::ptr_eq(v, &r.version) && **v != r.version,
+                _ => true,
+            }
+        })
+        .map(|(n, r)| (n.clone(), r.clone()))
+        .collect()
+}
+
+/// When `held` is a whole snapshot set with the same names as `current`'s set of `ty`,
+/// the resources that changed; `None` otherwise. The common case after a health or
+/// endpoint change, answered by pointer comparisons alone (snapshots share unchanged
+/// resources), with no retention or gating to consider: no name left, none is new.
+pub fn same_names_change(held: &Holding, current: &ResourceMap) -> Option<ResourceMap> {
+    let Holding::Snapshot { map: old, .. } = held else {
+        return None;
+    };
+    if old.len() != current.len() {
+        return None;
+    }
+    let mut changed = ResourceMap::new();
+    for ((old_name, old_r), (name, r)) in old.iter().zip(current.iter()) {
+        if Arc::ptr_eq(old_r, r) {
+            continue;
+        }
+        if old_name != name {
+            return None;
+        }
+        if old_r.version != r.version {
+            changed.insert(name.clone(), r.clone());
+        }
+    }
+    Some(changed)
+}
+
+/// Whether `wanted` is exactly the snapshot's whole set of `ty` (same resources).
+pub fn is_whole_set(wanted: &ResourceMap, snapshot: &Snapshot, ty: ResourceType) -> bool {
+    let all = snapshot.resources(ty);
+    wanted.len() == all.len()
+        && wanted
+            .iter()
+            .zip(all.iter())
+            .all(|((n1, r1), (n2, r2))| n1 == n2 && Arc::ptr_eq(r1, r2))
+}
+
+/// Takes resources from `changed`, in name order, until their encoded size passes
+/// `budget` bytes (at least one). Small responses keep per-stream gRPC buffers small:
+/// tonic keeps a stream's encode buffer at the size of the largest message it sent.
+pub fn take_budget(changed: ResourceMap, budget: usize) -> (ResourceMap, bool) {
+    let mut taken = ResourceMap::new();
+    let mut size = 0;
+    let total = changed.len();
+    for (name, r) in changed {
+        if !taken.is_empty() && size + r.body.value.len() > budget {
+            break;
+        }
+        size += r.body.value.len();
+        taken.insert(name, r);
+    }
+    let complete = taken.len() == total;
+    (taken, complete)
+}
+
+/// Most bytes of resources carried by one response of a type that may be split.
+pub const RESPONSE_BUDGET_BYTES: usize = 16 * 1024;
+
 /// What a stream should make the Envoy hold for one type.
 #[derive(Clone, Debug)]
 pub enum Desired {
@@ -52,7 +243,7 @@ impl Desired {
 /// The view of one Envoy that the ordering rules need.
 pub struct ClientHolds<'a> {
     /// ACKed resources per type, indexed by [`ResourceType::index`].
-    pub acked: [&'a HeldMap; 4],
+    pub acked: [&'a Holding; 4],
     /// Route configurations sent but not yet ACKed or NACKed.
     pub routes_in_flight: Option<&'a ResourceMap>,
 }
@@ -62,8 +253,8 @@ impl ClientHolds<'_> {
     /// "cannot tell" (a route known only by version), so nothing may be removed.
     fn referenced_clusters(&self) -> Option<BTreeSet<Arc<str>>> {
         let mut names = BTreeSet::new();
-        for held in self.acked[ResourceType::Route.index()].values() {
-            names.extend(held.resource.as_ref()?.cluster_refs.iter().cloned());
+        for (_, _, resource) in self.acked[ResourceType::Route.index()].iter() {
+            names.extend(resource?.cluster_refs.iter().cloned());
         }
         for r in self.routes_in_flight.into_iter().flat_map(|m| m.values()) {
             names.extend(r.cluster_refs.iter().cloned());
@@ -72,7 +263,7 @@ impl ClientHolds<'_> {
     }
 
     fn holds(&self, ty: ResourceType, name: &str) -> bool {
-        self.acked[ty.index()].contains_key(name)
+        self.acked[ty.index()].contains(name)
     }
 
     fn warmed(&self, cluster: &str) -> bool {
@@ -96,9 +287,12 @@ pub fn desired(
             // Retain what a held route still needs, at the version the Envoy has.
             let referenced = holds.referenced_clusters();
             let retain = |name: &str| referenced.as_ref().is_none_or(|r| r.contains(name));
-            for (name, held) in holds.acked[ty.index()] {
+            if holds.acked[ty.index()].is_whole_of(current) {
+                return out;
+            }
+            for (name, _, resource) in holds.acked[ty.index()].iter() {
                 if !current.contains_key(name) && retain(name) {
-                    let keep = match &held.resource {
+                    let keep = match resource {
                         Some(r) => Desired::Send(r.clone()),
                         None => Desired::Keep,
                     };
@@ -150,12 +344,8 @@ pub(crate) mod tests {
         ))
     }
 
-    fn hold_all(snapshot: &Snapshot, ty: ResourceType) -> HeldMap {
-        snapshot
-            .resources(ty)
-            .iter()
-            .map(|(n, r)| (n.clone(), Held::sent(r)))
-            .collect()
+    fn hold_all(snapshot: &Snapshot, ty: ResourceType) -> Holding {
+        Holding::from_resources(snapshot.resources(ty))
     }
 
     #[test]
@@ -203,7 +393,7 @@ pub(crate) mod tests {
             service("b", "b1", &[9000]),
         ]);
         let new = snapshot_of(vec![service("a", "a1", &[8000])]);
-        let held: Vec<HeldMap> = ResourceType::ALL
+        let held: Vec<Holding> = ResourceType::ALL
             .iter()
             .map(|t| hold_all(&old, *t))
             .collect();
@@ -245,15 +435,15 @@ pub(crate) mod tests {
         ]);
         let new = snapshot_of(vec![service("a", "a1", &[8000])]);
         let clusters = hold_all(&old, ResourceType::Cluster);
-        let mut routes = HeldMap::new();
-        routes.insert(
+        let mut routes = Holding::default();
+        routes.own().insert(
             "ray-serve-http".into(),
             Held {
                 version: "v-from-before-restart".into(),
                 resource: None,
             },
         );
-        let empty = HeldMap::new();
+        let empty = Holding::default();
         let holds = ClientHolds {
             acked: [&clusters, &empty, &empty, &routes],
             routes_in_flight: None,

