@@ -125,7 +125,17 @@ fn cpu_seconds(pid: u32) -> f64 {
 
 struct Server(Child);
 impl Drop for Server {
+    /// SIGTERM first, so a profiler wrapping the server can write its report.
     fn drop(&mut self) {
+        unsafe {
+            libc::kill(self.0.id() as i32, libc::SIGTERM);
+        }
+        for _ in 0..200 {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let _ = self.0.kill();
         let _ = self.0.wait();
     }

@@ -20,6 +20,7 @@ use crate::metrics::{Metrics, SourceLabels};
 use crate::model::Model;
 use crate::source::file::{self, FileSource};
 use crate::translate::translate;
+use crate::xds::grpc::AdsService;
 use crate::xds::server::{AdsServer, Clients};
 use crate::xds::Snapshot;
 
@@ -133,7 +134,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         shutdown.clone(),
     );
     {
-        let service = ads.into_service(config.xds_max_message_bytes);
+        let service = AdsService::new(ads, config.xds_max_message_bytes);
         let token = shutdown.clone();
         tasks.spawn(async move {
             tonic::transport::Server::builder()

@@ -4,10 +4,13 @@
 //! - [`ordering`]: make-before-break rules shared by both protocols;
 //! - [`sotw`] and [`delta`]: one sans-IO state machine per stream, turning requests and
 //!   snapshots into responses, unit-tested without sockets;
-//! - [`server`]: the thin tonic layer, one task per stream, reading the latest snapshot
-//!   from a `watch` channel (latest state wins; nothing queues per stream).
+//! - [`server`]: one task per stream, reading the latest snapshot from a `watch`
+//!   channel (latest state wins; nothing queues per stream);
+//! - [`grpc`]: the gRPC service around it: tonic transport and request decoding, our own
+//!   response framing.
 
 pub mod delta;
+pub mod grpc;
 pub mod ordering;
 pub mod server;
 pub mod snapshot;
@@ -99,7 +102,7 @@ pub struct TypeStatus {
 /// A protocol state machine driven by the stream task in [`server`].
 pub trait AdsProtocol: Send + 'static {
     type Request: Send + 'static;
-    type Response: Send + 'static;
+    type Response: prost::Message + Send + 'static;
     const NAME: &'static str;
 
     fn on_request(&mut self, request: Self::Request) -> Result<Event, ProtocolError>;

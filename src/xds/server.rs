@@ -7,32 +7,23 @@
 //! (undecodable or oversized message, unknown type) ends that stream only.
 
 use std::collections::BTreeMap;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
-    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
-};
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-};
-use futures::Stream;
+use bytes::Bytes;
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Status, Streaming};
 
-use super::delta::DeltaStream;
-use super::sotw::SotwStream;
+use super::grpc::frame;
 use super::{AdsProtocol, Event, NodeInfo, ResourceType, Snapshot, TypeStatus};
 use crate::metrics::{Metrics, ProtocolLabels};
 
 /// Responses buffered per stream: enough for one of each type (the state machines keep
 /// at most one in flight per type).
-const STREAM_BUFFER: usize = 8;
+pub const STREAM_BUFFER: usize = 8;
 
 type SharedStream = Arc<Mutex<dyn ClientDescribe>>;
 
@@ -132,37 +123,27 @@ impl AdsServer {
         }
     }
 
-    /// The tonic service, limiting decoded messages to `max_message_bytes`.
-    pub fn into_service(
-        self,
-        max_message_bytes: usize,
-    ) -> AggregatedDiscoveryServiceServer<AdsServer> {
-        AggregatedDiscoveryServiceServer::new(self).max_decoding_message_size(max_message_bytes)
-    }
-
-    fn spawn_stream<P>(
+    /// Starts the task that serves one stream: requests from `inbound`, framed
+    /// responses (then at most one error) into `tx`.
+    pub fn spawn_stream<P>(
         &self,
         machine: P,
         inbound: Streaming<P::Request>,
-    ) -> ReceiverStream<Result<P::Response, Status>>
-    where
+        tx: mpsc::Sender<Result<Bytes, Status>>,
+    ) where
         P: AdsProtocol,
-        P::Request: prost::Message + Default,
     {
-        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         let this = self.clone();
         tokio::spawn(async move { this.run_stream(machine, inbound, tx).await });
-        ReceiverStream::new(rx)
     }
 
     async fn run_stream<P>(
         self,
         machine: P,
         mut inbound: Streaming<P::Request>,
-        tx: mpsc::Sender<Result<P::Response, Status>>,
+        tx: mpsc::Sender<Result<Bytes, Status>>,
     ) where
         P: AdsProtocol,
-        P::Request: prost::Message + Default,
     {
         let protocol = P::NAME;
         let machine = Arc::new(Mutex::new(machine));
@@ -191,7 +172,7 @@ impl AdsServer {
                     .get_or_create(&labels)
                     .inc_by(count as u64);
                 tokio::select! {
-                    sent = tx.send(Ok(response)) => if sent.is_err() { return },
+                    sent = tx.send(Ok(frame(&response))) => if sent.is_err() { return },
                     _ = self.shutdown.cancelled() => return,
                 }
             }
@@ -329,29 +310,5 @@ impl Drop for SubscriptionGauges {
                     .dec();
             }
         }
-    }
-}
-
-type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl AggregatedDiscoveryService for AdsServer {
-    type StreamAggregatedResourcesStream = ResponseStream<DiscoveryResponse>;
-    type DeltaAggregatedResourcesStream = ResponseStream<DeltaDiscoveryResponse>;
-
-    async fn stream_aggregated_resources(
-        &self,
-        request: Request<Streaming<DiscoveryRequest>>,
-    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
-        let stream = self.spawn_stream(SotwStream::new(), request.into_inner());
-        Ok(Response::new(Box::pin(stream)))
-    }
-
-    async fn delta_aggregated_resources(
-        &self,
-        request: Request<Streaming<DeltaDiscoveryRequest>>,
-    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        let stream = self.spawn_stream(DeltaStream::new(), request.into_inner());
-        Ok(Response::new(Box::pin(stream)))
     }
 }
