@@ -8,4 +8,3 @@ bash scripts/install-envoy.sh >/dev/null
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 cargo test --all-targets
-cargo test --doc

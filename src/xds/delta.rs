@@ -18,8 +18,8 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 };
 
 use super::ordering::{
-    changed_from, desired, is_whole_set, retain_names, same_names_change, take_budget, ClientHolds,
-    Held, Holding, RESPONSE_BUDGET_BYTES,
+    changed_from, desired, intern, is_whole_set, retain_names, same_names_change, take_budget,
+    ClientHolds, Held, Holding, RESPONSE_BUDGET_BYTES,
 };
 use super::snapshot::{ResourceMap, ResourceType, Snapshot};
 use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
@@ -37,7 +37,7 @@ struct InFlight {
 struct TypeState {
     subscribed: bool,
     wildcard: bool,
-    names: BTreeSet<String>,
+    names: BTreeSet<Arc<str>>,
     known: Holding,
     in_flight: Option<InFlight>,
     rejected: BTreeMap<Arc<str>, Arc<str>>,
@@ -189,6 +189,12 @@ impl AdsProtocol for DeltaStream {
                 self.node = Some(NodeInfo::from_node(node));
             }
         }
+        let subscribed: Vec<Arc<str>> = req
+            .resource_names_subscribe
+            .iter()
+            .filter(|n| *n != "*")
+            .map(|n| intern(n, self.types.iter().map(|t| &t.known)))
+            .collect();
         let st = &mut self.types[ty.index()];
         if !st.subscribed {
             st.subscribed = true;
@@ -204,18 +210,15 @@ impl AdsProtocol for DeltaStream {
                 );
             }
         }
-        for name in &req.resource_names_subscribe {
-            if name == "*" {
-                st.wildcard = true;
-            } else {
-                st.names.insert(name.clone());
-            }
+        if req.resource_names_subscribe.iter().any(|n| n == "*") {
+            st.wildcard = true;
         }
+        st.names.extend(subscribed);
         for name in &req.resource_names_unsubscribe {
             if name == "*" {
                 st.wildcard = false;
             } else {
-                st.names.remove(name);
+                st.names.remove(name.as_str());
             }
             // The client forgets it; a later subscribe must send it again.
             if !st.wants(name) && st.known.contains(name) {
@@ -285,7 +288,7 @@ impl AdsProtocol for DeltaStream {
             .zip(&self.types)
             .filter(|(_, st)| st.subscribed)
             .map(|(ty, st)| {
-                let mut subscribed: Vec<String> = st.names.iter().cloned().collect();
+                let mut subscribed: Vec<String> = st.names.iter().map(|n| n.to_string()).collect();
                 if st.wildcard {
                     subscribed.insert(0, "*".into());
                 }

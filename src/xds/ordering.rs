@@ -90,6 +90,14 @@ impl Holding {
         }
     }
 
+    /// The shared name under which `name` is held, to reuse instead of a new string.
+    pub fn key(&self, name: &str) -> Option<Arc<str>> {
+        match self {
+            Holding::Snapshot { map, .. } => map.get_key_value(name).map(|(k, _)| k.clone()),
+            Holding::Own(m) => m.get_key_value(name).map(|(k, _)| k.clone()),
+        }
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.version_of(name).is_some()
     }
@@ -138,13 +146,13 @@ impl Holding {
 /// linear, where per-name lookups would compare long shared prefixes again and again.
 pub fn retain_names<V>(
     map: BTreeMap<Arc<str>, V>,
-    names: &BTreeSet<String>,
+    names: &BTreeSet<Arc<str>>,
 ) -> BTreeMap<Arc<str>, V> {
     let mut wanted = names.iter().peekable();
     map.into_iter()
         .filter(|(name, _)| {
-            while wanted.next_if(|w| w.as_str() < &**name).is_some() {}
-            wanted.peek().is_some_and(|w| w.as_str() == &**name)
+            while wanted.next_if(|w| ***w < **name).is_some() {}
+            wanted.peek().is_some_and(|w| ***w == **name)
         })
         .collect()
 }
@@ -189,6 +197,16 @@ pub fn same_names_change(held: &Holding, current: &ResourceMap) -> Option<Resour
         }
     }
     Some(changed)
+}
+
+/// A subscribed name as a shared string: the one some holding already uses (cluster
+/// and endpoint names coincide), so a thousand Envoys subscribed to the same names do
+/// not each keep their own copies.
+pub fn intern<'a>(name: &str, holdings: impl IntoIterator<Item = &'a Holding>) -> Arc<str> {
+    holdings
+        .into_iter()
+        .find_map(|h| h.key(name))
+        .unwrap_or_else(|| Arc::from(name))
 }
 
 /// Whether `wanted` is exactly the snapshot's whole set of `ty` (same resources).

@@ -12,12 +12,13 @@
 //!   reports the version we would send is sent nothing.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 
 use super::ordering::{
-    changed_from, desired, is_whole_set, retain_names, same_names_change, take_budget, ClientHolds,
-    Held, Holding, RESPONSE_BUDGET_BYTES,
+    changed_from, desired, intern, is_whole_set, retain_names, same_names_change, take_budget,
+    ClientHolds, Held, Holding, RESPONSE_BUDGET_BYTES,
 };
 use super::snapshot::{set_version, ResourceMap, ResourceType, Snapshot};
 use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
@@ -25,15 +26,15 @@ use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Subscription {
     Wildcard,
-    Names(BTreeSet<String>),
+    Names(BTreeSet<Arc<str>>),
 }
 
 impl Subscription {
-    fn from_names(names: &[String]) -> Subscription {
+    fn from_names(names: &[String], intern: impl Fn(&str) -> Arc<str>) -> Subscription {
         if names.is_empty() || names.iter().any(|n| n == "*") {
             Subscription::Wildcard
         } else {
-            Subscription::Names(names.iter().cloned().collect())
+            Subscription::Names(names.iter().map(|n| intern(n)).collect())
         }
     }
 
@@ -313,8 +314,14 @@ impl AdsProtocol for SotwStream {
         // An ACK repeats the subscription; compare before building a new one.
         let hash = names_hash(&req.resource_names);
         if st.subscription.is_none() || st.subscription_hash != hash {
+            let subscription = {
+                let holdings: Vec<&Holding> = self.types.iter().map(|t| &t.acked).collect();
+                Subscription::from_names(&req.resource_names, |n| {
+                    intern(n, holdings.iter().copied())
+                })
+            };
+            let st = &mut self.types[ty.index()];
             st.subscription_hash = hash;
-            let subscription = Subscription::from_names(&req.resource_names);
             if let Subscription::Names(_) = &subscription {
                 st.acked.own().retain(|name, _| subscription.wants(name));
             }
@@ -344,7 +351,9 @@ impl AdsProtocol for SotwStream {
             .filter(|(_, st)| st.subscription.is_some())
             .map(|(ty, st)| {
                 let subscribed = match &st.subscription {
-                    Some(Subscription::Names(names)) => names.iter().cloned().collect(),
+                    Some(Subscription::Names(names)) => {
+                        names.iter().map(|n| n.to_string()).collect()
+                    }
                     _ => vec!["*".to_string()],
                 };
                 let status = TypeStatus {
