@@ -101,7 +101,7 @@ pub struct TypeStatus {
 
 /// A protocol state machine driven by the stream task in [`server`].
 pub trait AdsProtocol: Send + 'static {
-    type Request: Send + 'static;
+    type Request: prost::Message + Default + Send + 'static;
     type Response: prost::Message + Send + 'static;
     const NAME: &'static str;
 

@@ -15,9 +15,9 @@ use bytes::Bytes;
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use tonic::{Status, Streaming};
+use tonic::Status;
 
-use super::grpc::frame;
+use super::grpc::{frame, RequestStream};
 use super::{AdsProtocol, Event, NodeInfo, ResourceType, Snapshot, TypeStatus};
 use crate::metrics::{Metrics, ProtocolLabels};
 
@@ -128,7 +128,7 @@ impl AdsServer {
     pub fn spawn_stream<P>(
         &self,
         machine: P,
-        inbound: Streaming<P::Request>,
+        inbound: RequestStream<P::Request>,
         tx: mpsc::Sender<Result<Bytes, Status>>,
     ) where
         P: AdsProtocol,
@@ -140,7 +140,7 @@ impl AdsServer {
     async fn run_stream<P>(
         self,
         machine: P,
-        mut inbound: Streaming<P::Request>,
+        mut inbound: RequestStream<P::Request>,
         tx: mpsc::Sender<Result<Bytes, Status>>,
     ) where
         P: AdsProtocol,
