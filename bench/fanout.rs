@@ -337,6 +337,21 @@ async fn delta_client(
     }
 }
 
+/// A bare HTTP/1.0 GET on loopback, enough for the admin API.
+async fn reqwest_like_get(port: u16, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await.unwrap();
+    out
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
@@ -423,6 +438,9 @@ async fn main() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     while report_rx.try_recv().is_ok() {}
     let rss_connected = rss_kib(pid);
+    let clients = reqwest_like_get(admin_port, "/debug/clients").await;
+    let own = clients.matches("\"holds_snapshot_set\":false").count();
+    println!("types held resource by resource (not as a shared snapshot set) after sync: {own}");
 
     let mut latencies: Vec<Duration> = Vec::new();
     let mut resources_per_delta_push: BTreeMap<usize, usize> = BTreeMap::new();

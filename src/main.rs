@@ -7,6 +7,7 @@ use tokio_util::sync::CancellationToken;
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("RAY_XDS_LOG")
                 .unwrap_or_else(|_| "info".into()),

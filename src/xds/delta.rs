@@ -301,6 +301,7 @@ impl AdsProtocol for DeltaStream {
                     acks: st.acks,
                     nacks: st.nacks,
                     resources_held: st.known.len(),
+                    holds_snapshot_set: matches!(st.known, Holding::Snapshot { .. }),
                 };
                 (*ty, status)
             })

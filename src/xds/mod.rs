@@ -97,6 +97,9 @@ pub struct TypeStatus {
     pub acks: u64,
     pub nacks: u64,
     pub resources_held: usize,
+    /// True when the Envoy holds exactly one snapshot's whole set of this type (the
+    /// steady state), which the stream keeps as a shared pointer.
+    pub holds_snapshot_set: bool,
 }
 
 /// A protocol state machine driven by the stream task in [`server`].

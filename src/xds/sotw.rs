@@ -365,6 +365,7 @@ impl AdsProtocol for SotwStream {
                     acks: st.acks,
                     nacks: st.nacks,
                     resources_held: st.acked.len(),
+                    holds_snapshot_set: matches!(st.acked, Holding::Snapshot { .. }),
                 };
                 (*ty, status)
             })
@@ -774,6 +775,47 @@ mod tests {
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].0, ResourceType::Endpoints);
         assert_eq!(out[0].1, 1, "only the changed assignment");
+    }
+
+    #[test]
+    fn a_full_sync_ends_with_every_type_whole() {
+        let snap = snapshot_of(many_services(200, 20));
+        let eds: Vec<String> = snap
+            .resources(ResourceType::Endpoints)
+            .keys()
+            .map(|n| n.to_string())
+            .collect();
+        let eds: Vec<&str> = eds.iter().map(String::as_str).collect();
+        let mut s = SotwStream::new();
+        for (ty, names) in [
+            (ResourceType::Cluster, vec![]),
+            (ResourceType::Listener, vec![]),
+            (ResourceType::Endpoints, eds.clone()),
+            (ResourceType::Route, vec![RDS]),
+        ] {
+            s.on_request(request(ty, &names, "", "")).unwrap();
+        }
+        for _ in 0..100 {
+            let out = s.poll(&snap);
+            if out.is_empty() {
+                break;
+            }
+            for (ty, _, r) in out {
+                let names = match ty {
+                    ResourceType::Endpoints => eds.clone(),
+                    ResourceType::Route => vec![RDS],
+                    _ => vec![],
+                };
+                s.on_request(ack(&r, &names)).unwrap();
+            }
+        }
+        for ty in ResourceType::ALL {
+            assert!(
+                s.types[ty.index()].acked.is_whole(&snap, ty),
+                "{ty}: {:?}",
+                matches!(s.types[ty.index()].acked, Holding::Own(_))
+            );
+        }
     }
 
     #[test]
