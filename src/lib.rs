@@ -9,12 +9,14 @@
 //! - [`translate`]: the pure function from a model to Envoy resources;
 //! - [`xds`]: versioned snapshots, sans-IO ADS state machines (state of the world and
 //!   delta) and the thin tonic server around them;
+//! - [`live`]: live state from the running clusters (proxy probes, dashboards);
 //! - [`admin`] and [`metrics`]: health, readiness, Prometheus and debug views;
 //! - [`runtime`]: wiring, one shutdown token for everything;
 //! - [`sim`]: a simulated Ray Serve, for tests and the demo.
 
 pub mod admin;
 pub mod config;
+pub mod live;
 pub mod metrics;
 pub mod model;
 pub mod runtime;

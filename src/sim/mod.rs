@@ -22,6 +22,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::model::NodeType;
 
+pub mod dashboard;
+
 /// What one simulated proxy is.
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
