@@ -4,7 +4,9 @@
 //! - `/readyz`: 200 once the first snapshot is built (503 before);
 //! - `/metrics`: Prometheus text;
 //! - `/debug/snapshot`: every resource of the current snapshot with its version;
-//! - `/debug/clients`: every connected Envoy, its subscriptions and ACK/NACK state.
+//! - `/debug/clients`: every connected Envoy, its subscriptions and ACK/NACK state;
+//! - `/debug/state`: per cluster, each proxy's probe state and endpoint health with the
+//!   reason, and what the cluster's dashboard says (application statuses, staleness).
 
 use std::sync::Arc;
 
@@ -19,6 +21,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+use crate::runtime::LiveViews;
 use crate::xds::server::Clients;
 use crate::xds::{ResourceType, Snapshot};
 
@@ -28,6 +31,7 @@ pub struct AdminState {
     pub clients: Arc<Clients>,
     /// `None` until the first snapshot is built.
     pub snapshots: watch::Receiver<Option<Arc<Snapshot>>>,
+    pub live: LiveViews,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -37,6 +41,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/metrics", get(metrics))
         .route("/debug/snapshot", get(snapshot))
         .route("/debug/clients", get(clients))
+        .route("/debug/state", get(live_state))
         .with_state(state)
 }
 
@@ -104,4 +109,45 @@ async fn snapshot(State(state): State<AdminState>) -> Response {
 
 async fn clients(State(state): State<AdminState>) -> Response {
     Json(json!({"clients": state.clients.report()})).into_response()
+}
+
+async fn live_state(State(state): State<AdminState>) -> Response {
+    let live = &state.live;
+    let model = live.models.borrow().clone();
+    let probes = live.probes.borrow().clone();
+    let dashboards = live.dashboards.borrow().clone();
+    let health = live.health.borrow().clone();
+    let mut services = Vec::new();
+    for service in model.services() {
+        let mut clusters = Vec::new();
+        for cluster in &service.clusters {
+            let name = service.envoy_cluster_name(&cluster.name);
+            let proxies: Vec<_> = cluster
+                .proxies
+                .iter()
+                .map(|p| {
+                    json!({
+                        "address": p.address.to_string(),
+                        "node_type": p.node_type.as_str(),
+                        "probe": probes.proxies.get(&p.address),
+                        "endpoint": health.endpoints.get(&(name.clone(), p.address)),
+                    })
+                })
+                .collect();
+            clusters.push(json!({
+                "name": cluster.name,
+                "envoy_cluster": name,
+                "role": if cluster.name == service.active_cluster { "active" } else if service.pending_cluster.as_deref() == Some(cluster.name.as_str()) { "pending" } else { "other" },
+                "fail_open": health.fail_open.contains(&name),
+                "proxies": proxies,
+                "dashboard": dashboards.clusters.get(&name),
+            }));
+        }
+        services.push(json!({
+            "name": service.key(),
+            "head_proxy": format!("{:?}", service.policy.head_proxy).to_lowercase(),
+            "clusters": clusters,
+        }));
+    }
+    Json(json!({"rayservices": services, "probes_complete": probes.complete})).into_response()
 }

@@ -10,6 +10,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+
+use crate::live::probe::ProbeSettings;
+use crate::live::prober::ProberConfig;
 use serde::Deserialize;
 
 /// An xDS control plane that keeps Envoy in front of Ray Serve routing around dying Ray nodes.
@@ -71,6 +74,43 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_SOURCE_FILE_POLL_INTERVAL", value_parser = humantime::parse_duration)]
     pub source_file_poll_interval: Option<Duration>,
 
+    /// How often each Ray Serve proxy is probed (GET /-/healthz), with ±20% jitter
+    /// [config: probe.interval; default 500ms].
+    #[arg(long, env = "RAY_XDS_PROBE_INTERVAL", value_parser = humantime::parse_duration)]
+    pub probe_interval: Option<Duration>,
+
+    /// How long a probe may take [config: probe.timeout; default 250ms].
+    #[arg(long, env = "RAY_XDS_PROBE_TIMEOUT", value_parser = humantime::parse_duration)]
+    pub probe_timeout: Option<Duration>,
+
+    /// Consecutive failed probes that make a proxy unhealthy (a refused connection counts
+    /// at once) [config: probe.unhealthy_threshold; default 2].
+    #[arg(long, env = "RAY_XDS_PROBE_UNHEALTHY_THRESHOLD")]
+    pub probe_unhealthy_threshold: Option<u32>,
+
+    /// Consecutive good probes that make a proxy healthy again
+    /// [config: probe.healthy_threshold; default 2].
+    #[arg(long, env = "RAY_XDS_PROBE_HEALTHY_THRESHOLD")]
+    pub probe_healthy_threshold: Option<u32>,
+
+    /// Probes in flight at once, across all proxies [config: probe.max_concurrent; default 256].
+    #[arg(long, env = "RAY_XDS_PROBE_MAX_CONCURRENT")]
+    pub probe_max_concurrent: Option<usize>,
+
+    /// How often a healthy proxy's /-/routes is read again [config: probe.routes_interval;
+    /// default 10s].
+    #[arg(long, env = "RAY_XDS_PROBE_ROUTES_INTERVAL", value_parser = humantime::parse_duration)]
+    pub probe_routes_interval: Option<Duration>,
+
+    /// How often each cluster's Ray dashboard is polled [config: dashboard.poll_interval;
+    /// default 2s].
+    #[arg(long, env = "RAY_XDS_DASHBOARD_POLL_INTERVAL", value_parser = humantime::parse_duration)]
+    pub dashboard_poll_interval: Option<Duration>,
+
+    /// How long a dashboard poll may take [config: dashboard.timeout; default 1s].
+    #[arg(long, env = "RAY_XDS_DASHBOARD_TIMEOUT", value_parser = humantime::parse_duration)]
+    pub dashboard_timeout: Option<Duration>,
+
     /// Largest gRPC message accepted from an xDS client [config: xds.max_message_bytes;
     /// default 4194304].
     #[arg(long, env = "RAY_XDS_XDS_MAX_MESSAGE_BYTES")]
@@ -85,6 +125,24 @@ pub struct Config {
     pub admin_listen: SocketAddr,
     pub gateway: GatewaySettings,
     pub source: SourceConfig,
+    pub prober: ProberConfig,
+    pub dashboard: DashboardSettings,
+}
+
+/// How Ray dashboards are polled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DashboardSettings {
+    pub poll_interval: Duration,
+    pub timeout: Duration,
+}
+
+impl Default for DashboardSettings {
+    fn default() -> Self {
+        DashboardSettings {
+            poll_interval: Duration::from_secs(2),
+            timeout: Duration::from_secs(1),
+        }
+    }
 }
 
 /// What `translate` needs to know about the Envoy it configures.
@@ -147,6 +205,33 @@ struct FileConfig {
     gateway: GatewaySection,
     #[serde(default)]
     source: Option<SourceSection>,
+    #[serde(default)]
+    probe: ProbeSection,
+    #[serde(default)]
+    dashboard: DashboardSection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProbeSection {
+    #[serde(default, with = "humantime_serde")]
+    interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    timeout: Option<Duration>,
+    unhealthy_threshold: Option<u32>,
+    healthy_threshold: Option<u32>,
+    max_concurrent: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    routes_interval: Option<Duration>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DashboardSection {
+    #[serde(default, with = "humantime_serde")]
+    poll_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    timeout: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -294,7 +379,65 @@ impl Config {
                 "source.file.poll_interval must be above 0".into(),
             ));
         }
+        let d = ProberConfig::default();
+        let prober = ProberConfig {
+            defaults: ProbeSettings {
+                interval: args
+                    .probe_interval
+                    .or(file.probe.interval)
+                    .unwrap_or(d.defaults.interval),
+                timeout: args
+                    .probe_timeout
+                    .or(file.probe.timeout)
+                    .unwrap_or(d.defaults.timeout),
+                unhealthy_threshold: args
+                    .probe_unhealthy_threshold
+                    .or(file.probe.unhealthy_threshold)
+                    .unwrap_or(d.defaults.unhealthy_threshold),
+                healthy_threshold: args
+                    .probe_healthy_threshold
+                    .or(file.probe.healthy_threshold)
+                    .unwrap_or(d.defaults.healthy_threshold),
+            },
+            max_concurrent: args
+                .probe_max_concurrent
+                .or(file.probe.max_concurrent)
+                .unwrap_or(d.max_concurrent),
+            routes_interval: args
+                .probe_routes_interval
+                .or(file.probe.routes_interval)
+                .unwrap_or(d.routes_interval),
+        };
+        let p = &prober.defaults;
+        if p.interval.is_zero()
+            || p.timeout.is_zero()
+            || p.unhealthy_threshold == 0
+            || p.healthy_threshold == 0
+            || prober.max_concurrent == 0
+        {
+            return Err(ConfigError::Invalid(
+                "probe: interval, timeout, thresholds and max_concurrent must be above 0".into(),
+            ));
+        }
+        let dd = DashboardSettings::default();
+        let dashboard = DashboardSettings {
+            poll_interval: args
+                .dashboard_poll_interval
+                .or(file.dashboard.poll_interval)
+                .unwrap_or(dd.poll_interval),
+            timeout: args
+                .dashboard_timeout
+                .or(file.dashboard.timeout)
+                .unwrap_or(dd.timeout),
+        };
+        if dashboard.poll_interval.is_zero() || dashboard.timeout.is_zero() {
+            return Err(ConfigError::Invalid(
+                "dashboard: poll_interval and timeout must be above 0".into(),
+            ));
+        }
         Ok(Config {
+            prober,
+            dashboard,
             xds_listen: args
                 .xds_listen
                 .or(file.xds.listen)
@@ -393,6 +536,18 @@ mod tests {
         assert!(err.contains("line 2"), "{err}");
         assert!(err.contains("gateway.http_listener.adress"), "{err}");
         assert!(err.contains("unknown field `adress`"), "{err}");
+    }
+
+    #[test]
+    fn probe_and_dashboard_settings() {
+        let c = load("probe: { interval: 1s, unhealthy_threshold: 3 }\ndashboard: { poll_interval: 5s }\nsource: { file: { path: a.yaml } }\n").unwrap();
+        assert_eq!(c.prober.defaults.interval, Duration::from_secs(1));
+        assert_eq!(c.prober.defaults.unhealthy_threshold, 3);
+        assert_eq!(c.prober.defaults.timeout, Duration::from_millis(250));
+        assert_eq!(c.dashboard.poll_interval, Duration::from_secs(5));
+        assert!(
+            load("probe: { healthy_threshold: 0 }\nsource: { file: { path: a.yaml } }\n").is_err()
+        );
     }
 
     #[test]

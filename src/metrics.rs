@@ -36,6 +36,16 @@ pub struct ReasonLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabels {
+    pub state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct VersionLabels {
     pub version: String,
 }
@@ -56,6 +66,11 @@ pub struct Metrics {
     pub translate_seconds: Histogram,
     pub source_rejected: Family<SourceLabels, Counter>,
     pub source_updates: Family<SourceLabels, Counter>,
+    pub probe_seconds: Histogram,
+    pub health_transitions: Family<StateLabels, Counter>,
+    pub dashboard_errors: Family<ErrorLabels, Counter>,
+    pub fail_open_events: Counter,
+    pub fail_open_clusters: Gauge,
 }
 
 impl Default for Metrics {
@@ -81,6 +96,11 @@ impl Metrics {
             translate_seconds: Histogram::new(exponential_buckets(0.000_01, 4.0, 10)),
             source_rejected: Family::default(),
             source_updates: Family::default(),
+            probe_seconds: Histogram::new(exponential_buckets(0.000_1, 2.5, 12)),
+            health_transitions: Family::default(),
+            dashboard_errors: Family::default(),
+            fail_open_events: Counter::default(),
+            fail_open_clusters: Gauge::default(),
             registry: Registry::with_prefix("ray_xds"),
         };
         let registry = &mut m.registry;
@@ -132,6 +152,31 @@ impl Metrics {
             "source_updates",
             "Valid new models published by a source",
             m.source_updates.clone(),
+        );
+        registry.register(
+            "probe_duration_seconds",
+            "Time a proxy health probe took (GET /-/healthz)",
+            m.probe_seconds.clone(),
+        );
+        registry.register(
+            "proxy_health_transitions",
+            "Proxy probe-state changes, by the state entered",
+            m.health_transitions.clone(),
+        );
+        registry.register(
+            "dashboard_poll_errors",
+            "Failed polls of a Ray dashboard (the last known state is kept)",
+            m.dashboard_errors.clone(),
+        );
+        registry.register(
+            "fail_open_events",
+            "Times a cluster with every proxy failing its probes was published healthy",
+            m.fail_open_events.clone(),
+        );
+        registry.register(
+            "fail_open_clusters",
+            "Clusters currently published fail-open",
+            m.fail_open_clusters.clone(),
         );
         m
     }

@@ -29,6 +29,36 @@ pub struct RayService {
     pub pending_cluster: Option<String>,
     /// Sorted by name.
     pub clusters: Vec<RayCluster>,
+    /// Per-RayService settings that override the global ones.
+    pub policy: ServicePolicy,
+}
+
+/// Which traffic a cluster's head-node proxy gets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HeadProxy {
+    /// Never: the head runs the GCS and the dashboard; keep load off it.
+    Exclude,
+    /// Like any worker proxy.
+    Include,
+    /// Only while no worker proxy of its cluster is healthy.
+    #[default]
+    Fallback,
+}
+
+/// Probe settings a RayService overrides; `None` keeps the global value.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProbeOverrides {
+    pub interval: Option<std::time::Duration>,
+    pub timeout: Option<std::time::Duration>,
+    pub unhealthy_threshold: Option<u32>,
+    pub healthy_threshold: Option<u32>,
+}
+
+/// Per-RayService policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServicePolicy {
+    pub head_proxy: HeadProxy,
+    pub probe: ProbeOverrides,
 }
 
 /// One RayCluster and the Ray Serve HTTP proxies it runs.
@@ -266,6 +296,7 @@ pub(crate) mod test_support {
                     })
                     .collect(),
             }],
+            policy: ServicePolicy::default(),
         }
     }
 }

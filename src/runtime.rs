@@ -1,12 +1,15 @@
 //! Wiring: binds the listeners, starts the source, the pipeline, the xDS server and the
 //! admin server, and stops them all on one shutdown token.
 //!
-//! Data flow: source → `watch<Model>` → pipeline (translate, snapshot) →
-//! `watch<Snapshot>` → one task per xDS stream. Each channel has exactly one writer.
+//! Data flow: source → `watch<Model>` → prober and dashboard poller →
+//! `watch<ProbeStates>`, `watch<DashboardStates>`; the pipeline joins all three (assess
+//! health, translate, snapshot) → `watch<Snapshot>` → one task per xDS stream. Each
+//! channel has exactly one writer.
 
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use tokio::net::TcpListener;
@@ -16,6 +19,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminState};
 use crate::config::{Config, GatewaySettings, SourceConfig};
+use crate::live::dashboards::{DashboardPoller, DashboardStates};
+use crate::live::health::{assess, HealthMap};
+use crate::live::prober::{ProbeStates, Prober};
 use crate::metrics::{Metrics, SourceLabels};
 use crate::model::Model;
 use crate::source::file::{self, FileSource};
@@ -105,24 +111,64 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     // The source task owns the writer; keep ours only so the channel outlives it.
     let _ = models_tx;
 
-    let (published_tx, published_rx) = watch::channel::<Option<Arc<Snapshot>>>(None);
-    let first = build_snapshot(&models_rx.borrow(), &config.gateway, &metrics, None);
-    let (snapshots_tx, snapshots_rx) = watch::channel(first.clone());
-    published_tx.send_replace(Some(first));
+    let (probes_tx, mut probes_rx) = watch::channel(Arc::new(ProbeStates::default()));
     {
-        let gateway = config.gateway.clone();
-        let metrics = metrics.clone();
+        let prober = Prober {
+            config: config.prober,
+            metrics: metrics.clone(),
+        };
+        let (models, token) = (models_rx.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            prober.run(models, probes_tx, token).await;
+            Ok(())
+        });
+    }
+    let (dashboards_tx, dashboards_rx) = watch::channel(Arc::new(DashboardStates::default()));
+    {
+        let poller = DashboardPoller {
+            interval: config.dashboard.poll_interval,
+            timeout: config.dashboard.timeout,
+            metrics: metrics.clone(),
+        };
+        let (models, token) = (models_rx.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            poller.run(models, dashboards_tx, token).await;
+            Ok(())
+        });
+    }
+    // The first snapshot waits (briefly) for every proxy's first probe, so that a restarted
+    // ray-xds publishes the health Envoy already has instead of "unknown" for everyone.
+    let first_round = config.prober.defaults.timeout * 2 + Duration::from_millis(200);
+    let _ = tokio::time::timeout(first_round, probes_rx.wait_for(|p| p.complete)).await;
+
+    let inputs = Inputs {
+        models: models_rx,
+        probes: probes_rx,
+        dashboards: dashboards_rx,
+    };
+    let (health_tx, health_rx) = watch::channel(Arc::new(HealthMap::default()));
+    let mut pipeline = Pipeline {
+        gateway: config.gateway.clone(),
+        metrics: metrics.clone(),
+        health: health_tx,
+        fail_open: Default::default(),
+    };
+    let first = pipeline.build(&inputs, None);
+    pipeline.published(&first);
+    let (published_tx, published_rx) = watch::channel::<Option<Arc<Snapshot>>>(Some(first.clone()));
+    let (snapshots_tx, snapshots_rx) = watch::channel(first);
+    let live = LiveViews {
+        models: inputs.models.clone(),
+        probes: inputs.probes.clone(),
+        dashboards: inputs.dashboards.clone(),
+        health: health_rx,
+    };
+    {
         let token = shutdown.clone();
         tasks.spawn(async move {
-            run_pipeline(
-                models_rx,
-                gateway,
-                metrics,
-                snapshots_tx,
-                published_tx,
-                token,
-            )
-            .await;
+            pipeline
+                .run(inputs, snapshots_tx, published_tx, token)
+                .await;
             Ok(())
         });
     }
@@ -153,6 +199,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             metrics: metrics.clone(),
             clients,
             snapshots: published_rx,
+            live,
         };
         let token = shutdown.clone();
         tasks.spawn(async move {
@@ -171,60 +218,101 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     })
 }
 
-fn build_snapshot(
-    model: &Model,
-    gateway: &GatewaySettings,
-    metrics: &Metrics,
-    previous: Option<&Snapshot>,
-) -> Arc<Snapshot> {
-    let started = Instant::now();
-    let snapshot = Snapshot::from_resources_reusing(&translate(model, gateway), previous);
-    metrics
-        .translate_seconds
-        .observe(started.elapsed().as_secs_f64());
-    metrics.snapshots.inc();
-    metrics.snapshot_resources.set(snapshot.len() as i64);
-    metrics.set_snapshot_version(snapshot.version());
-    tracing::info!(
-        version = snapshot.version(),
-        resources = snapshot.len(),
-        "snapshot built"
-    );
-    Arc::new(snapshot)
+/// The pipeline's inputs, each written by one task.
+struct Inputs {
+    models: watch::Receiver<Arc<Model>>,
+    probes: watch::Receiver<Arc<ProbeStates>>,
+    dashboards: watch::Receiver<Arc<DashboardStates>>,
 }
 
-/// The single writer of the snapshot channel: rebuilds on every model change and
-/// publishes only when the version changes.
-async fn run_pipeline(
-    mut models: watch::Receiver<Arc<Model>>,
+/// The single writer of the snapshot channel: joins the model with live health,
+/// translates, and publishes when the version changes.
+struct Pipeline {
     gateway: GatewaySettings,
     metrics: Arc<Metrics>,
-    snapshots: watch::Sender<Arc<Snapshot>>,
-    published: watch::Sender<Option<Arc<Snapshot>>>,
-    shutdown: CancellationToken,
-) {
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            changed = models.changed() => if changed.is_err() { return },
+    health: watch::Sender<Arc<HealthMap>>,
+    fail_open: BTreeSet<String>,
+}
+
+impl Pipeline {
+    fn build(&mut self, inputs: &Inputs, previous: Option<&Snapshot>) -> Arc<Snapshot> {
+        let model = inputs.models.borrow().clone();
+        let probes = inputs.probes.borrow().clone();
+        let dashboards = inputs.dashboards.borrow().clone();
+        let started = Instant::now();
+        let health = assess(&model, &probes, &dashboards);
+        let snapshot =
+            Snapshot::from_resources_reusing(&translate(&model, &health, &self.gateway), previous);
+        self.metrics
+            .translate_seconds
+            .observe(started.elapsed().as_secs_f64());
+        self.note_fail_open(&health);
+        self.health.send_replace(Arc::new(health));
+        Arc::new(snapshot)
+    }
+
+    fn published(&self, snapshot: &Snapshot) {
+        self.metrics.snapshots.inc();
+        self.metrics.snapshot_resources.set(snapshot.len() as i64);
+        self.metrics.set_snapshot_version(snapshot.version());
+        tracing::info!(
+            version = snapshot.version(),
+            resources = snapshot.len(),
+            "snapshot published"
+        );
+    }
+
+    fn note_fail_open(&mut self, health: &HealthMap) {
+        for cluster in health.fail_open.difference(&self.fail_open) {
+            tracing::warn!(cluster, "every proxy of the cluster fails its probe: publishing them healthy (fail-open); Envoy's outlier detection decides");
+            self.metrics.fail_open_events.inc();
         }
-        metrics
-            .source_updates
-            .get_or_create(&SourceLabels { source: "file" })
-            .inc();
-        let model = models.borrow_and_update().clone();
-        let previous = snapshots.borrow().clone();
-        let snapshot = build_snapshot(&model, &gateway, &metrics, Some(&previous));
-        let changed = snapshots.send_if_modified(|current| {
-            if current.version() == snapshot.version() {
-                false
-            } else {
-                *current = snapshot.clone();
-                true
+        for cluster in self.fail_open.difference(&health.fail_open) {
+            tracing::info!(cluster, "fail-open ended");
+        }
+        self.fail_open = health.fail_open.clone();
+        self.metrics
+            .fail_open_clusters
+            .set(self.fail_open.len() as i64);
+    }
+
+    async fn run(
+        mut self,
+        mut inputs: Inputs,
+        snapshots: watch::Sender<Arc<Snapshot>>,
+        published: watch::Sender<Option<Arc<Snapshot>>>,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                changed = inputs.models.changed() => {
+                    if changed.is_err() { return }
+                    self.metrics.source_updates.get_or_create(&SourceLabels { source: "file" }).inc();
+                }
+                changed = inputs.probes.changed() => if changed.is_err() { return },
+                changed = inputs.dashboards.changed() => if changed.is_err() { return },
             }
-        });
-        if changed {
+            inputs.models.mark_unchanged();
+            inputs.probes.mark_unchanged();
+            inputs.dashboards.mark_unchanged();
+            let previous = snapshots.borrow().clone();
+            let snapshot = self.build(&inputs, Some(&previous));
+            if snapshot.version() == previous.version() {
+                continue;
+            }
+            self.published(&snapshot);
+            snapshots.send_replace(snapshot.clone());
             published.send_replace(Some(snapshot));
         }
     }
+}
+
+/// What `/debug/state` shows.
+#[derive(Clone)]
+pub struct LiveViews {
+    pub models: watch::Receiver<Arc<Model>>,
+    pub probes: watch::Receiver<Arc<ProbeStates>>,
+    pub dashboards: watch::Receiver<Arc<DashboardStates>>,
+    pub health: watch::Receiver<Arc<HealthMap>>,
 }

@@ -7,7 +7,8 @@
 //! - one listener, [`LISTENER_NAME`], whose HTTP connection manager takes its routes over RDS;
 //! - one route configuration, [`ROUTE_CONFIG_NAME`], with a virtual host per RayService;
 //! - one EDS cluster per RayCluster, named `<namespace>/<rayservice>/<raycluster>`;
-//! - one ClusterLoadAssignment per cluster, with an endpoint per Ray Serve proxy.
+//! - one ClusterLoadAssignment per cluster, with an endpoint per Ray Serve proxy and its
+//!   health from [`HealthMap`] (computed by `live::health`).
 //!
 //! Routes go to the active cluster through `weighted_clusters`, so that a later
 //! switchover only changes weights.
@@ -26,6 +27,7 @@ use envoy_types::pb::google::protobuf;
 use envoy_types::util::pack_any;
 
 use crate::config::GatewaySettings;
+use crate::live::health::{EndpointHealth, HealthMap};
 use crate::model::{Model, RayService};
 
 pub const LISTENER_NAME: &str = "ray-serve-http";
@@ -42,7 +44,7 @@ pub struct Resources {
     pub routes: Vec<route::RouteConfiguration>,
 }
 
-pub fn translate(model: &Model, gateway: &GatewaySettings) -> Resources {
+pub fn translate(model: &Model, health: &HealthMap, gateway: &GatewaySettings) -> Resources {
     let mut out = Resources {
         listeners: vec![http_listener(gateway)],
         ..Default::default()
@@ -52,7 +54,8 @@ pub fn translate(model: &Model, gateway: &GatewaySettings) -> Resources {
         for ray_cluster in &service.clusters {
             let name = service.envoy_cluster_name(&ray_cluster.name);
             out.clusters.push(eds_cluster(&name, gateway));
-            out.endpoints.push(load_assignment(&name, ray_cluster));
+            out.endpoints
+                .push(load_assignment(&name, ray_cluster, health));
         }
         virtual_hosts.push(virtual_host(service));
     }
@@ -170,6 +173,12 @@ fn eds_cluster(name: &str, gateway: &GatewaySettings) -> cluster::Cluster {
         common_lb_config: Some(cluster::cluster::CommonLbConfig {
             // Health changes from EDS apply at once instead of being merged for 1 s.
             update_merge_window: Some(duration(Duration::ZERO)),
+            // No panic routing: Envoy's default (below 50% healthy, use every host) would
+            // send new requests to draining and excluded proxies. ray-xds fails open
+            // itself when a whole cluster looks unhealthy (see live::health).
+            healthy_panic_threshold: Some(envoy_types::pb::envoy::r#type::v3::Percent {
+                value: 0.0,
+            }),
             ..Default::default()
         }),
         ..Default::default()
@@ -179,6 +188,7 @@ fn eds_cluster(name: &str, gateway: &GatewaySettings) -> cluster::Cluster {
 fn load_assignment(
     name: &str,
     ray_cluster: &crate::model::RayCluster,
+    health: &HealthMap,
 ) -> endpoint::ClusterLoadAssignment {
     let lb_endpoints = ray_cluster
         .proxies
@@ -194,7 +204,12 @@ fn load_assignment(
                     ..Default::default()
                 },
             )),
-            health_status: core::HealthStatus::Unknown as i32,
+            health_status: match health.health(name, proxy.address) {
+                EndpointHealth::Unknown => core::HealthStatus::Unknown,
+                EndpointHealth::Healthy => core::HealthStatus::Healthy,
+                EndpointHealth::Unhealthy => core::HealthStatus::Unhealthy,
+                EndpointHealth::Draining => core::HealthStatus::Draining,
+            } as i32,
             metadata: Some(core::Metadata {
                 filter_metadata: [(
                     METADATA_NAMESPACE.to_string(),
@@ -295,7 +310,7 @@ mod tests {
         a.clusters.push(extra);
         a.pending_cluster = Some("a2".into());
         let model = Model::new(vec![a, service("b", "b1", &[9000])]).unwrap();
-        let r = translate(&model, &GatewaySettings::default());
+        let r = translate(&model, &HealthMap::default(), &GatewaySettings::default());
         let names: Vec<_> = r.clusters.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names, ["default/a/a1", "default/a/a2", "default/b/b1"]);
         assert_eq!(r.endpoints.len(), 3);
@@ -313,12 +328,19 @@ mod tests {
     fn is_deterministic() {
         let model = Model::new(vec![service("a", "a1", &[8000, 8001])]).unwrap();
         let g = GatewaySettings::default();
-        assert_eq!(translate(&model, &g), translate(&model, &g));
+        assert_eq!(
+            translate(&model, &HealthMap::default(), &g),
+            translate(&model, &HealthMap::default(), &g)
+        );
     }
 
     #[test]
     fn an_empty_model_still_has_the_listener_and_route() {
-        let r = translate(&Model::default(), &GatewaySettings::default());
+        let r = translate(
+            &Model::default(),
+            &HealthMap::default(),
+            &GatewaySettings::default(),
+        );
         assert_eq!(r.listeners.len(), 1);
         assert_eq!(r.routes.len(), 1);
         assert!(r.clusters.is_empty());

@@ -52,15 +52,22 @@ async fn carries_traffic_and_follows_edits(bootstrap: Bootstrap) {
     assert_eq!(served.method, "POST");
     assert_eq!(served.body_bytes, 7);
 
-    // Both proxies of demo-a get traffic.
-    let mut proxies = std::collections::BTreeSet::new();
-    for _ in 0..40 {
-        if let Some(s) = through_envoy(port).await {
-            assert_eq!(s.cluster, "demo-a");
-            proxies.insert(s.proxy);
-        }
+    // Every request reaches demo-a's worker proxy: by default (head_proxy: fallback) the
+    // head proxy gets traffic only while no worker proxy is healthy.
+    let worker = a.proxies[1].0.to_string();
+    eventually(
+        "the head proxy is drained in favour of the worker",
+        DEADLINE,
+        || async { through_envoy(port).await.filter(|s| s.proxy == worker) },
+    )
+    .await;
+    for _ in 0..20 {
+        let s = through_envoy(port).await.expect("served");
+        assert_eq!(
+            (s.cluster.as_str(), s.proxy.as_str(), s.node_type.as_str()),
+            ("demo-a", worker.as_str(), "worker")
+        );
     }
-    assert_eq!(proxies.len(), 2, "{proxies:?}");
 
     // Envoy connected over the expected protocol and ACKed every type.
     let admin = stack.xds.admin_addr;

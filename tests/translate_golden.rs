@@ -12,7 +12,11 @@ use ray_xds::xds::{ResourceType, Snapshot};
 fn golden(name: &str, services: &Path) {
     let text = std::fs::read_to_string(services).unwrap();
     let model = file::parse(services, &text).unwrap();
-    let snapshot = Snapshot::from_resources(&translate(&model, &GatewaySettings::default()));
+    let snapshot = Snapshot::from_resources(&translate(
+        &model,
+        &Default::default(),
+        &GatewaySettings::default(),
+    ));
     let mut out = format!("# snapshot version {}\n", snapshot.version());
     for ty in ResourceType::ALL {
         for r in snapshot.resources(ty).values() {

@@ -1,6 +1,13 @@
 //! Live state: what ray-xds learns from the running Ray clusters themselves, as opposed
 //! to what a source says should exist.
 //!
-//! - [`dashboard`]: each cluster's Ray dashboard, the authority on application status.
+//! - [`probe`] and [`prober`]: every Ray Serve proxy probed directly;
+//! - [`dashboard`] and [`dashboards`]: each cluster's Ray dashboard, the authority on
+//!   application status, polled;
+//! - [`health`]: the pure combination of all of it into each endpoint's health.
 
 pub mod dashboard;
+pub mod dashboards;
+pub mod health;
+pub mod probe;
+pub mod prober;

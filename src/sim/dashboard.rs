@@ -1,1 +1,905 @@
-//! Placeholder: being written.
+//! A simulated Ray dashboard: `GET /api/serve/applications/` as Ray 2.60 answers it, for
+//! tests and the demo.
+//!
+//! Tests script it ([`SimDashboard::set_app`], [`SimDashboard::deploy_app`],
+//! [`SimDashboard::set_proxy`], [`SimDashboard::set_mode`], ...) while it serves; every
+//! request renders the current state, so a change is visible to the next request.
+//!
+//! Invariants:
+//!
+//! - The answer has the shape of the captures in `tests/fixtures/ray-serve-2.60/`: the
+//!   top-level keys, and each application's and proxy's keys, are a superset of those in
+//!   `02-running.json` (a test checks this). With no applications and no proxies it is
+//!   exactly `01-no-serve.json`, Serve not started.
+//! - Statuses are strings spelled as Ray spells them and are passed through unchecked,
+//!   so tests can also serve statuses a client does not know.
+//! - Generated ids (node, actor, worker) are deterministic functions of the node IP and
+//!   application name, in the same formats as the captures.
+//! - Clones share one state; [`DashboardMode::Hang`] requests are released when the mode
+//!   changes or when [`SimDashboard::serve`] is shut down, so shutdown never waits forever.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use serde_json::{json, Map, Value};
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// The path the dashboard serves the Serve status on.
+const APPLICATIONS_PATH: &str = "/api/serve/applications/";
+
+/// The Serve HTTP proxies' port, as in the captures.
+const HTTP_PORT: u16 = 8000;
+
+/// How the simulated dashboard answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DashboardMode {
+    /// 200 with the Serve status.
+    #[default]
+    Normal,
+    /// 503, as when the dashboard cannot reach the Serve controller.
+    Unavailable,
+    /// Accepts the request and never answers (until the mode changes or shutdown).
+    Hang,
+    /// 200 with a body that is not JSON (an HTML page).
+    Garbage,
+}
+
+/// A simulated Ray dashboard. Cheap to clone; clones share the state.
+#[derive(Debug, Clone)]
+pub struct SimDashboard {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<SimState>,
+    /// Woken when the mode changes, to release hung requests.
+    mode_changed: Notify,
+    /// When the simulated controller started.
+    started: SystemTime,
+}
+
+#[derive(Debug, Default)]
+struct SimState {
+    apps: BTreeMap<String, SimApp>,
+    /// Node IP → proxy status.
+    proxies: BTreeMap<String, String>,
+    mode: DashboardMode,
+    requests: u64,
+}
+
+#[derive(Debug)]
+struct SimApp {
+    route_prefix: String,
+    status: String,
+    /// `(when, status)`: the status the app reports from `when` on.
+    settles: Option<(Instant, String)>,
+    last_deployed_time_s: f64,
+}
+
+impl SimApp {
+    fn status_at(&self, now: Instant) -> &str {
+        match &self.settles {
+            Some((when, then)) if now >= *when => then,
+            _ => &self.status,
+        }
+    }
+}
+
+impl Default for SimDashboard {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SimDashboard {
+    /// A dashboard with Serve not started: no applications, no proxies, mode `Normal`.
+    pub fn new() -> Self {
+        SimDashboard {
+            shared: Arc::new(Shared {
+                state: Mutex::new(SimState::default()),
+                mode_changed: Notify::new(),
+                started: SystemTime::now(),
+            }),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, SimState> {
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Adds or replaces application `name` with `status` (spelled as Ray does:
+    /// `RUNNING`, `DEPLOY_FAILED`, ...). The message is empty except for `DEPLOY_FAILED`
+    /// and `UNHEALTHY`, which get Ray's.
+    pub fn set_app(&self, name: &str, route_prefix: &str, status: &str) {
+        self.state().apps.insert(
+            name.to_string(),
+            SimApp {
+                route_prefix: route_prefix.to_string(),
+                status: status.to_string(),
+                settles: None,
+                last_deployed_time_s: unix_now(),
+            },
+        );
+    }
+
+    /// Deploys application `name`: it reports `DEPLOYING` until `deploying_for` has
+    /// passed since this call, then `then` (`RUNNING`, `DEPLOY_FAILED` or `UNHEALTHY`).
+    pub fn deploy_app(&self, name: &str, route_prefix: &str, deploying_for: Duration, then: &str) {
+        self.state().apps.insert(
+            name.to_string(),
+            SimApp {
+                route_prefix: route_prefix.to_string(),
+                status: "DEPLOYING".to_string(),
+                settles: Some((Instant::now() + deploying_for, then.to_string())),
+                last_deployed_time_s: unix_now(),
+            },
+        );
+    }
+
+    /// Removes application `name`, if present.
+    pub fn remove_app(&self, name: &str) {
+        self.state().apps.remove(name);
+    }
+
+    /// Adds or replaces the Serve proxy on the node with IP `node_ip`, with `status`
+    /// (`STARTING`, `HEALTHY`, `UNHEALTHY` or `DRAINING`). Its node id is
+    /// [`node_id_for`]`(node_ip)`.
+    pub fn set_proxy(&self, node_ip: &str, status: &str) {
+        self.state()
+            .proxies
+            .insert(node_ip.to_string(), status.to_string());
+    }
+
+    /// Removes the proxy on the node with IP `node_ip`, if present.
+    pub fn remove_proxy(&self, node_ip: &str) {
+        self.state().proxies.remove(node_ip);
+    }
+
+    /// Changes how requests are answered, from the next request on; requests hung by
+    /// [`DashboardMode::Hang`] are answered in the new mode.
+    pub fn set_mode(&self, mode: DashboardMode) {
+        self.state().mode = mode;
+        self.shared.mode_changed.notify_waiters();
+    }
+
+    /// How many requests for the Serve status have arrived (whatever the mode).
+    pub fn requests(&self) -> u64 {
+        self.state().requests
+    }
+
+    /// The dashboard's routes: `GET /api/serve/applications/`; anything else is 404.
+    pub fn router(&self) -> Router {
+        self.router_with(None)
+    }
+
+    fn router_with(&self, shutdown: Option<CancellationToken>) -> Router {
+        Router::new()
+            .route(APPLICATIONS_PATH, get(applications))
+            .with_state(Ctx {
+                sim: self.clone(),
+                shutdown,
+            })
+    }
+
+    /// Serves [`router`](Self::router) on `listener` until `shutdown`; requests hung by
+    /// [`DashboardMode::Hang`] are then answered 503 so shutdown completes.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<()> {
+        let router = self.router_with(Some(shutdown.clone()));
+        axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await
+    }
+
+    /// The Serve status as the dashboard would answer it now.
+    fn render(&self) -> Value {
+        let now = Instant::now();
+        let state = self.state();
+        if state.apps.is_empty() && state.proxies.is_empty() {
+            // Serve not started (01-no-serve.json).
+            return json!({
+                "controller_info": {},
+                "proxies": {},
+                "applications": {},
+                "target_capacity": null,
+            });
+        }
+
+        let head_ip = state
+            .proxies
+            .keys()
+            .next()
+            .cloned()
+            .unwrap_or_else(|| "127.0.0.1".to_string());
+        let head_id = node_id_for(&head_ip);
+
+        let mut proxies = Map::new();
+        let mut targets = Vec::new();
+        for (ip, status) in &state.proxies {
+            let node_id = node_id_for(ip);
+            let actor_name = format!("SERVE_PROXY_ACTOR-{node_id}");
+            targets.push(json!({
+                "ip": ip,
+                "port": HTTP_PORT,
+                "instance_id": "",
+                "name": actor_name,
+            }));
+            proxies.insert(
+                node_id.clone(),
+                json!({
+                    "node_id": node_id,
+                    "node_ip": ip,
+                    "node_instance_id": "",
+                    "actor_id": actor_id_for("proxy", ip),
+                    "actor_name": actor_name,
+                    "worker_id": hex_id(&format!("worker/proxy/{ip}"), 56),
+                    "log_file_path": format!("/serve/proxy_{ip}.log"),
+                    "status": status,
+                }),
+            );
+        }
+
+        let applications: Map<String, Value> = state
+            .apps
+            .iter()
+            .map(|(name, app)| (name.clone(), render_app(name, app, app.status_at(now))))
+            .collect();
+
+        let uptime_s = SystemTime::now()
+            .duration_since(self.shared.started)
+            .unwrap_or_default()
+            .as_secs_f64();
+        let stats = |mean: f64| json!({"mean": mean, "std": mean / 2.0, "min": mean / 10.0, "max": mean * 5.0});
+
+        json!({
+            "controller_info": {
+                "node_id": head_id,
+                "node_ip": head_ip,
+                "node_instance_id": "",
+                "actor_id": actor_id_for("controller", &head_ip),
+                "actor_name": "SERVE_CONTROLLER_ACTOR",
+                "worker_id": hex_id(&format!("worker/controller/{head_ip}"), 56),
+                "log_file_path": "/serve/controller_11660.log",
+            },
+            "proxy_location": "EveryNode",
+            "http_options": {
+                "host": "0.0.0.0",
+                "port": HTTP_PORT,
+                "root_path": "",
+                "request_timeout_s": null,
+                "keep_alive_timeout_s": 90,
+                "ssl_keyfile": null,
+                "ssl_certfile": null,
+                "ssl_keyfile_password": null,
+                "ssl_ca_certs": null,
+            },
+            "grpc_options": {
+                "port": 9000,
+                "grpc_servicer_functions": [],
+                "request_timeout_s": null,
+                "enable_reflection": true,
+            },
+            "proxies": proxies,
+            "applications": applications,
+            "target_capacity": null,
+            "target_groups": [{
+                "targets": targets,
+                "route_prefix": "/",
+                "protocol": "HTTP",
+                "app_name": "",
+                "ingress_request_router_targets": [],
+                "ingress_deployment_name": "",
+            }],
+            "controller_health_metrics": {
+                "timestamp": unix_now(),
+                "controller_start_time": unix_time(self.shared.started),
+                "uptime_s": uptime_s,
+                "last_control_loop_time": unix_now(),
+                "num_control_loops": (uptime_s * 10.0) as u64,
+                "loop_duration_s": stats(0.006),
+                "loops_per_second": 8.9,
+                "last_sleep_duration_s": 0.1,
+                "expected_sleep_duration_s": 0.1,
+                "event_loop_delay_s": 0.0007,
+                "num_asyncio_tasks": 8 + 2 * state.apps.len(),
+                "handle_ingest_duration_ms": {},
+                "replica_ingest_duration_ms": {},
+                "metrics_decompress_duration_ms": {},
+                "columnar_decode_duration_ms": {},
+                "handle_reports_received": 0,
+                "replica_reports_received": 0,
+                "ingest_reports_received": 0,
+                "ingest_cpu_fraction": 0.0,
+                "deployment_state_update_duration_s": stats(0.001),
+                "application_state_update_duration_s": stats(0.001),
+                "proxy_state_update_duration_s": stats(0.00006),
+                "node_update_duration_s": stats(0.00005),
+                "handle_metrics_delay_ms": {},
+                "replica_metrics_delay_ms": {},
+                "process_memory_mb": 140.0,
+            },
+            "restores_unset_config_options": true,
+        })
+    }
+}
+
+/// One application entry, with one ingress deployment named after the application
+/// (`hello` → `Hello`, as in the captures).
+fn render_app(name: &str, app: &SimApp, status: &str) -> Value {
+    let deployment = deployment_name(name);
+    let (deployment_status, trigger, deployment_message) = match status {
+        "RUNNING" => ("HEALTHY", "CONFIG_UPDATE_COMPLETED", String::new()),
+        "DEPLOYING" => ("UPDATING", "CONFIG_UPDATE_STARTED", String::new()),
+        "DEPLOY_FAILED" => (
+            "DEPLOY_FAILED",
+            "REPLICA_STARTUP_FAILED",
+            "The deployment failed to start 3 times in a row. This may be due to a problem \
+             with its constructor or initial health check failing. See controller logs for \
+             details. Error:\nRuntimeError: simulated constructor failure"
+                .to_string(),
+        ),
+        "UNHEALTHY" => (
+            "UNHEALTHY",
+            "HEALTH_CHECK_FAILED",
+            "A replica's health check failed. This deployment will be UNHEALTHY until the \
+             replica recovers or a new deploy happens."
+                .to_string(),
+        ),
+        "DELETING" => ("UPDATING", "DELETING", String::new()),
+        _ => ("UPDATING", "CONFIG_UPDATE_STARTED", String::new()),
+    };
+    json!({
+        "name": name,
+        "route_prefix": app.route_prefix,
+        "docs_path": null,
+        "status": status,
+        "message": app_message(status, &deployment),
+        "last_deployed_time_s": app.last_deployed_time_s,
+        "deployed_app_config": {
+            "name": name,
+            "route_prefix": app.route_prefix,
+            "import_path": format!("apps:{name}"),
+        },
+        "source": "declarative",
+        "deployments": {
+            deployment.clone(): {
+                "name": deployment,
+                "status": deployment_status,
+                "status_trigger": trigger,
+                "message": deployment_message,
+                "deployment_config": {
+                    "name": deployment,
+                    "num_replicas": 1,
+                    "max_ongoing_requests": 5,
+                    "max_queued_requests": -1,
+                    "user_config": null,
+                    "graceful_shutdown_wait_loop_s": 2.0,
+                    "graceful_shutdown_timeout_s": 20.0,
+                    "health_check_period_s": 10.0,
+                    "health_check_timeout_s": 30.0,
+                    "ray_actor_options": {"num_cpus": 0.1},
+                },
+                "target_num_replicas": 1,
+                "required_resources": {"CPU": 0.1},
+                "replicas": [],
+                "recent_dead_replicas": [],
+            }
+        },
+        "external_scaler_enabled": false,
+        "deployment_topology": {
+            "app_name": name,
+            "nodes": {
+                deployment.clone(): {
+                    "name": deployment,
+                    "app_name": name,
+                    "outbound_deployments": [],
+                    "is_ingress": true,
+                }
+            },
+            "ingress_deployment": deployment,
+        },
+    })
+}
+
+/// The application message Ray gives for `status` (04-mixed-settled, 05-unhealthy).
+fn app_message(status: &str, deployment: &str) -> String {
+    match status {
+        "DEPLOY_FAILED" => format!("Failed to update the deployments ['{deployment}']."),
+        "UNHEALTHY" => format!("The deployments ['{deployment}'] are UNHEALTHY."),
+        _ => String::new(),
+    }
+}
+
+/// `hello` → `Hello`.
+fn deployment_name(app: &str) -> String {
+    let mut chars = app.chars();
+    match chars.next() {
+        Some(first) => first.to_uppercase().chain(chars).collect(),
+        None => "Ingress".to_string(),
+    }
+}
+
+/// The Ray node id the simulator gives the node with IP `node_ip`: 56 hex characters,
+/// a deterministic function of the IP.
+pub fn node_id_for(node_ip: &str) -> String {
+    hex_id(&format!("node/{node_ip}"), 56)
+}
+
+/// A Ray actor id: 24 hex characters of hash, then a job id `01000000` as in the captures.
+fn actor_id_for(kind: &str, key: &str) -> String {
+    format!("{}01000000", hex_id(&format!("actor/{kind}/{key}"), 24))
+}
+
+/// `len` hex characters derived from `seed` with FNV-1a (stable across Rust versions,
+/// unlike `DefaultHasher`).
+fn hex_id(seed: &str, len: usize) -> String {
+    let mut out = String::with_capacity(len + 16);
+    let mut block = 0u64;
+    while out.len() < len {
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in block.to_le_bytes().iter().chain(seed.as_bytes()) {
+            hash ^= u64::from(*byte);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        out.push_str(&format!("{hash:016x}"));
+        block += 1;
+    }
+    out.truncate(len);
+    out
+}
+
+fn unix_time(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
+fn unix_now() -> f64 {
+    unix_time(SystemTime::now())
+}
+
+#[derive(Clone)]
+struct Ctx {
+    sim: SimDashboard,
+    shutdown: Option<CancellationToken>,
+}
+
+async fn applications(State(ctx): State<Ctx>) -> Response {
+    ctx.sim.state().requests += 1;
+    loop {
+        // Register for the wake-up before reading the mode, so a change in between is
+        // not missed.
+        let changed = ctx.sim.shared.mode_changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        let mode = ctx.sim.state().mode;
+        return match mode {
+            DashboardMode::Normal => (
+                [(header::CONTENT_TYPE, "application/json; charset=utf-8")],
+                ctx.sim.render().to_string(),
+            )
+                .into_response(),
+            DashboardMode::Unavailable => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+                "Failed to get a response from the Serve controller. Try again later.",
+            )
+                .into_response(),
+            DashboardMode::Garbage => (
+                [(header::CONTENT_TYPE, "text/html")],
+                "<!doctype html><html lang=\"en\"><head><title>Ray Dashboard</title></head>\
+                 <body><div id=\"root\"></div></body></html>",
+            )
+                .into_response(),
+            DashboardMode::Hang => {
+                tokio::select! {
+                    _ = &mut changed => continue,
+                    _ = shutting_down(ctx.shutdown.as_ref()) => {
+                        StatusCode::SERVICE_UNAVAILABLE.into_response()
+                    }
+                }
+            }
+        };
+    }
+}
+
+async fn shutting_down(token: Option<&CancellationToken>) {
+    match token {
+        Some(token) => token.cancelled().await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::live::dashboard::{
+        parse, AppStatus, Application, DashboardClient, DashboardError, ProxyStatus, ServeProxy,
+    };
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Empty};
+    use pretty_assertions::assert_eq;
+    use std::collections::BTreeSet;
+
+    struct Running {
+        base: String,
+        shutdown: CancellationToken,
+        task: tokio::task::JoinHandle<std::io::Result<()>>,
+    }
+
+    async fn start(sim: &SimDashboard) -> Running {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(sim.clone().serve(listener, shutdown.clone()));
+        Running {
+            base,
+            shutdown,
+            task,
+        }
+    }
+
+    impl Running {
+        async fn stop(self) {
+            self.shutdown.cancel();
+            tokio::time::timeout(Duration::from_secs(5), self.task)
+                .await
+                .expect("serve returns after shutdown")
+                .unwrap()
+                .unwrap();
+        }
+    }
+
+    /// `GET /api/serve/applications/`: status and raw body.
+    async fn get_raw(base: &str) -> (u16, Bytes) {
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<Empty<Bytes>>();
+        let uri: hyper::Uri = format!("{base}{APPLICATIONS_PATH}").parse().unwrap();
+        let response = client.get(uri).await.unwrap();
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (status, body)
+    }
+
+    fn capture(name: &str) -> Value {
+        let path = format!(
+            "{}/tests/fixtures/ray-serve-2.60/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+    }
+
+    fn keys(v: &Value) -> BTreeSet<String> {
+        v.as_object()
+            .unwrap_or_else(|| panic!("not an object: {v}"))
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    fn first(v: &Value) -> &Value {
+        v.as_object().unwrap().values().next().unwrap()
+    }
+
+    fn assert_superset(what: &str, sim: &Value, real: &Value) {
+        let missing: Vec<_> = keys(real).difference(&keys(sim)).cloned().collect();
+        assert!(missing.is_empty(), "{what}: the sim lacks {missing:?}");
+    }
+
+    #[tokio::test]
+    async fn serves_what_was_set_for_every_status() {
+        let sim = SimDashboard::new();
+        let running = start(&sim).await;
+        let app_statuses = [
+            "NOT_STARTED",
+            "DEPLOYING",
+            "DEPLOY_FAILED",
+            "RUNNING",
+            "UNHEALTHY",
+            "DELETING",
+        ];
+        let proxy_statuses = ["STARTING", "HEALTHY", "UNHEALTHY", "DRAINING"];
+        for (i, status) in app_statuses.iter().enumerate() {
+            sim.set_app("app", "/app", status);
+            let ip = format!("192.0.2.{}", 10 + i % proxy_statuses.len());
+            let proxy_status = proxy_statuses[i % proxy_statuses.len()];
+            sim.set_proxy(&ip, proxy_status);
+
+            let (code, body) = get_raw(&running.base).await;
+            assert_eq!(code, 200);
+            let parsed = parse(&body).unwrap();
+            let app = &parsed.applications["app"];
+            assert_eq!(app.status, AppStatus::from_ray(status));
+            assert!(!matches!(app.status, AppStatus::Other(_)), "{status}");
+            assert_eq!(app.route_prefix.as_deref(), Some("/app"));
+            let expected_message = match *status {
+                "DEPLOY_FAILED" => "Failed to update the deployments ['App'].",
+                "UNHEALTHY" => "The deployments ['App'] are UNHEALTHY.",
+                _ => "",
+            };
+            assert_eq!(app.message, expected_message, "{status}");
+            assert_eq!(
+                parsed.proxy_status_by_ip(&ip),
+                Some(&ProxyStatus::from_ray(proxy_status))
+            );
+            assert_eq!(
+                parsed.proxies[&node_id_for(&ip)],
+                ServeProxy {
+                    node_id: node_id_for(&ip),
+                    node_ip: ip.clone(),
+                    status: ProxyStatus::from_ray(proxy_status),
+                }
+            );
+            assert_eq!(parsed.keep_alive_timeout_s, Some(90.0));
+            assert_eq!(parsed.target_capacity, None);
+            assert_eq!(parsed.all_running(), *status == "RUNNING");
+        }
+        // An unknown status passes through.
+        sim.set_app("future", "/future", "HIBERNATING");
+        let status = DashboardClient::new(Duration::from_secs(2))
+            .fetch(&running.base)
+            .await
+            .unwrap();
+        assert_eq!(
+            status.applications["future"].status,
+            AppStatus::Other("HIBERNATING".into())
+        );
+        running.stop().await;
+    }
+
+    #[tokio::test]
+    async fn keys_are_a_superset_of_the_capture() {
+        let sim = SimDashboard::new();
+        sim.set_app("hello", "/hello", "RUNNING");
+        sim.set_proxy("192.0.2.2", "HEALTHY");
+        let running = start(&sim).await;
+        let (code, body) = get_raw(&running.base).await;
+        assert_eq!(code, 200);
+        let served: Value = serde_json::from_slice(&body).unwrap();
+        let real = capture("02-running.json");
+
+        assert_superset("top level", &served, &real);
+        for key in [
+            "controller_info",
+            "http_options",
+            "grpc_options",
+            "controller_health_metrics",
+        ] {
+            assert_superset(key, &served[key], &real[key]);
+        }
+        assert_superset("proxy", first(&served["proxies"]), first(&real["proxies"]));
+        let (sim_app, real_app) = (
+            &served["applications"]["hello"],
+            &real["applications"]["hello"],
+        );
+        assert_superset("application", sim_app, real_app);
+        assert_superset(
+            "deployed_app_config",
+            &sim_app["deployed_app_config"],
+            &real_app["deployed_app_config"],
+        );
+        assert_superset(
+            "deployment_topology",
+            &sim_app["deployment_topology"],
+            &real_app["deployment_topology"],
+        );
+        let mut real_deployment = real_app["deployments"]["Hello"].clone();
+        let sim_deployment = &sim_app["deployments"]["Hello"];
+        assert_superset("deployment", sim_deployment, &real_deployment);
+        real_deployment["deployment_config"]
+            .as_object_mut()
+            .unwrap()
+            .retain(|k, _| {
+                !k.contains("router")
+                    && !k.contains("backpressure")
+                    && !k.contains("rolling")
+                    && !k.contains("surge")
+            });
+        assert_superset(
+            "deployment_config",
+            &sim_deployment["deployment_config"],
+            &real_deployment["deployment_config"],
+        );
+        let (sim_group, real_group) = (&served["target_groups"][0], &real["target_groups"][0]);
+        assert_superset("target group", sim_group, real_group);
+        assert_superset(
+            "target",
+            &sim_group["targets"][0],
+            &real_group["targets"][0],
+        );
+
+        // Same values where the capture's are not run-specific.
+        for key in [
+            "proxy_location",
+            "http_options",
+            "grpc_options",
+            "target_capacity",
+        ] {
+            assert_eq!(served[key], real[key], "{key}");
+        }
+        assert_eq!(
+            sim_app["deployed_app_config"],
+            real_app["deployed_app_config"]
+        );
+        assert_eq!(
+            sim_app["deployment_topology"],
+            real_app["deployment_topology"]
+        );
+        let proxy = first(&served["proxies"]);
+        assert_eq!(proxy["node_ip"], "192.0.2.2");
+        assert_eq!(
+            proxy["actor_name"],
+            format!("SERVE_PROXY_ACTOR-{}", node_id_for("192.0.2.2"))
+        );
+        assert_eq!(sim_group["targets"][0]["name"], proxy["actor_name"]);
+        running.stop().await;
+    }
+
+    #[tokio::test]
+    async fn no_serve_looks_like_the_capture() {
+        let sim = SimDashboard::new();
+        let running = start(&sim).await;
+        let (code, body) = get_raw(&running.base).await;
+        assert_eq!(code, 200);
+        let served: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(served, capture("01-no-serve.json"));
+
+        // Removing everything goes back to it.
+        sim.set_app("a", "/a", "RUNNING");
+        sim.set_proxy("192.0.2.9", "HEALTHY");
+        sim.remove_app("a");
+        let after_app: Value = serde_json::from_slice(&get_raw(&running.base).await.1).unwrap();
+        assert_eq!(after_app["applications"], json!({}));
+        assert_eq!(keys(&after_app["proxies"]).len(), 1);
+        sim.remove_proxy("192.0.2.9");
+        let after_all: Value = serde_json::from_slice(&get_raw(&running.base).await.1).unwrap();
+        assert_eq!(after_all, capture("01-no-serve.json"));
+        running.stop().await;
+    }
+
+    #[tokio::test]
+    async fn deploy_app_settles_after_the_duration() {
+        let sim = SimDashboard::new();
+        sim.set_proxy("192.0.2.2", "HEALTHY");
+        let running = start(&sim).await;
+        let client = DashboardClient::new(Duration::from_secs(2));
+
+        sim.deploy_app("slow", "/slow", Duration::from_millis(100), "RUNNING");
+        sim.deploy_app(
+            "broken",
+            "/broken",
+            Duration::from_millis(100),
+            "DEPLOY_FAILED",
+        );
+        let first = client.fetch(&running.base).await.unwrap();
+        assert_eq!(first.applications["slow"].status, AppStatus::Deploying);
+        assert_eq!(first.applications["broken"].status, AppStatus::Deploying);
+        assert_eq!(first.applications["broken"].message, "");
+
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let settled = loop {
+            let status = client.fetch(&running.base).await.unwrap();
+            if status.applications["slow"].status != AppStatus::Deploying {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "still DEPLOYING: {status:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(
+            settled.applications["slow"],
+            Application {
+                status: AppStatus::Running,
+                route_prefix: Some("/slow".into()),
+                message: String::new(),
+            }
+        );
+        assert_eq!(
+            settled.applications["broken"].status,
+            AppStatus::DeployFailed
+        );
+        assert_eq!(
+            settled.applications["broken"].message,
+            "Failed to update the deployments ['Broken']."
+        );
+        running.stop().await;
+    }
+
+    #[tokio::test]
+    async fn unavailable_answers_503() {
+        let sim = SimDashboard::new();
+        sim.set_app("hello", "/hello", "RUNNING");
+        let running = start(&sim).await;
+        sim.set_mode(DashboardMode::Unavailable);
+        assert_eq!(get_raw(&running.base).await.0, 503);
+        let err = DashboardClient::new(Duration::from_secs(2))
+            .fetch(&running.base)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, DashboardError::Status(503)), "{err:?}");
+        sim.set_mode(DashboardMode::Normal);
+        assert_eq!(get_raw(&running.base).await.0, 200);
+        running.stop().await;
+    }
+
+    #[tokio::test]
+    async fn garbage_is_malformed() {
+        let sim = SimDashboard::new();
+        let running = start(&sim).await;
+        sim.set_mode(DashboardMode::Garbage);
+        let (code, body) = get_raw(&running.base).await;
+        assert_eq!(code, 200);
+        assert!(matches!(parse(&body), Err(DashboardError::Malformed(_))));
+        let err = DashboardClient::new(Duration::from_secs(2))
+            .fetch(&running.base)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, DashboardError::Malformed(_)), "{err:?}");
+        running.stop().await;
+    }
+
+    #[tokio::test]
+    async fn hang_times_out_and_is_released() {
+        let sim = SimDashboard::new();
+        sim.set_app("hello", "/hello", "RUNNING");
+        let running = start(&sim).await;
+        sim.set_mode(DashboardMode::Hang);
+        let err = DashboardClient::new(Duration::from_millis(200))
+            .fetch(&running.base)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, DashboardError::Timeout), "{err:?}");
+
+        // A hung request is answered once the mode changes.
+        let base = running.base.clone();
+        let pending = tokio::spawn(async move { get_raw(&base).await.0 });
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while sim.requests() < 2 {
+            assert!(Instant::now() < deadline, "request never arrived");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        sim.set_mode(DashboardMode::Normal);
+        assert_eq!(pending.await.unwrap(), 200);
+
+        // And shutdown does not wait for requests hung forever.
+        sim.set_mode(DashboardMode::Hang);
+        let base = running.base.clone();
+        let hung = tokio::spawn(async move { get_raw(&base).await.0 });
+        while sim.requests() < 3 {
+            assert!(Instant::now() < deadline, "request never arrived");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        running.stop().await;
+        assert_eq!(hung.await.unwrap(), 503);
+    }
+
+    #[test]
+    fn ids_are_deterministic_and_shaped_like_ray() {
+        let id = node_id_for("192.0.2.2");
+        assert_eq!(id.len(), 56);
+        assert!(id
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+        assert_eq!(id, node_id_for("192.0.2.2"));
+        assert_ne!(id, node_id_for("192.0.2.3"));
+        let actor = actor_id_for("proxy", "192.0.2.2");
+        assert_eq!(actor.len(), 32);
+        assert!(actor.ends_with("01000000"));
+        assert_eq!(deployment_name("hello"), "Hello");
+    }
+}

@@ -5,6 +5,11 @@
 //! `GET /-/routes` → 200 JSON `{route_prefix: app}`, and application routes, which here
 //! answer with which cluster, proxy and application served them. Paths that match no
 //! route prefix get 404 as in Ray.
+//!
+//! A [`ProxyHandle`] injects faults at run time: draining (503 `This node is being
+//! drained.` on `/-/healthz`, as Ray answers while a node drains), not ready (503 `Route
+//! table is not populated yet.`), hanging (accepts, never answers, like a SIGSTOPped
+//! process) and slow answers. Dying is cancelling the proxy's shutdown token.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -16,7 +16,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{parse_yaml, ConfigError};
 use crate::metrics::Metrics;
-use crate::model::{Model, NodeType, Proxy, RayCluster, RayService};
+use crate::model::{
+    HeadProxy, Model, NodeType, ProbeOverrides, Proxy, RayCluster, RayService, ServicePolicy,
+};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -36,6 +38,30 @@ struct ServiceSpec {
     active_cluster: String,
     pending_cluster: Option<String>,
     clusters: Vec<ClusterSpec>,
+    /// `exclude`, `include` or `fallback` (default).
+    #[serde(default)]
+    head_proxy: Option<HeadProxySpec>,
+    #[serde(default)]
+    probe: Option<ProbeSpec>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum HeadProxySpec {
+    Exclude,
+    Include,
+    Fallback,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProbeSpec {
+    #[serde(default, with = "humantime_serde")]
+    interval: Option<std::time::Duration>,
+    #[serde(default, with = "humantime_serde")]
+    timeout: Option<std::time::Duration>,
+    unhealthy_threshold: Option<u32>,
+    healthy_threshold: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -79,6 +105,22 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
         .rayservices
         .into_iter()
         .map(|s| RayService {
+            policy: ServicePolicy {
+                head_proxy: match s.head_proxy {
+                    Some(HeadProxySpec::Exclude) => HeadProxy::Exclude,
+                    Some(HeadProxySpec::Include) => HeadProxy::Include,
+                    Some(HeadProxySpec::Fallback) | None => HeadProxy::Fallback,
+                },
+                probe: s
+                    .probe
+                    .map(|p| ProbeOverrides {
+                        interval: p.interval,
+                        timeout: p.timeout,
+                        unhealthy_threshold: p.unhealthy_threshold,
+                        healthy_threshold: p.healthy_threshold,
+                    })
+                    .unwrap_or_default(),
+            },
             hosts: s.hosts.unwrap_or_else(|| {
                 vec![
                     format!("{}.{}", s.name, s.namespace),
@@ -257,6 +299,36 @@ rayservices:
         )
         .unwrap();
         assert_eq!(model.services()[0].hosts, vec!["x.ml", "x.ml.svc"]);
+    }
+
+    #[test]
+    fn per_service_policy() {
+        let text = EXAMPLE.replace(
+            "    active_cluster: demo-a\n",
+            "    active_cluster: demo-a\n    head_proxy: exclude\n    probe: { interval: 1s, unhealthy_threshold: 3 }\n",
+        );
+        let model = parse(Path::new("s.yaml"), &text).unwrap();
+        let policy = model.services()[0].policy;
+        assert_eq!(policy.head_proxy, HeadProxy::Exclude);
+        assert_eq!(
+            policy.probe.interval,
+            Some(std::time::Duration::from_secs(1))
+        );
+        assert_eq!(policy.probe.unhealthy_threshold, Some(3));
+        assert_eq!(policy.probe.timeout, None);
+        let err = parse(
+            Path::new("s.yaml"),
+            &EXAMPLE.replace(
+                "    active_cluster: demo-a\n",
+                "    active_cluster: demo-a\n    head_proxy: sometimes\n",
+            ),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("head_proxy") && err.contains("unknown variant"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -358,6 +358,7 @@ pub(crate) mod tests {
     pub fn snapshot_of(services: Vec<crate::model::RayService>) -> Snapshot {
         Snapshot::from_resources(&translate(
             &Model::new(services).unwrap(),
+            &Default::default(),
             &GatewaySettings::default(),
         ))
     }

@@ -346,14 +346,14 @@ mod tests {
     fn versions_are_content_hashes() {
         let g = GatewaySettings::default();
         let m1 = Model::new(vec![service("a", "a1", &[8000, 8001])]).unwrap();
-        let s1 = Snapshot::from_resources(&translate(&m1, &g));
-        let s1_again = Snapshot::from_resources(&translate(&m1, &g));
+        let s1 = Snapshot::from_resources(&translate(&m1, &Default::default(), &g));
+        let s1_again = Snapshot::from_resources(&translate(&m1, &Default::default(), &g));
         assert_eq!(s1.version(), s1_again.version());
         assert_eq!(s1.version().len(), 16);
 
         // Changing one endpoint changes that assignment's version and nothing else.
         let m2 = Model::new(vec![service("a", "a1", &[8000, 8002])]).unwrap();
-        let s2 = Snapshot::from_resources(&translate(&m2, &g));
+        let s2 = Snapshot::from_resources(&translate(&m2, &Default::default(), &g));
         assert_ne!(s1.version(), s2.version());
         for ty in ResourceType::ALL {
             for (name, r) in s1.resources(ty) {
@@ -376,8 +376,9 @@ mod tests {
             service("b", "b1", &[9001]),
         ])
         .unwrap();
-        let s1 = Snapshot::from_resources(&translate(&m1, &g));
-        let s2 = Snapshot::from_resources_reusing(&translate(&m2, &g), Some(&s1));
+        let s1 = Snapshot::from_resources(&translate(&m1, &Default::default(), &g));
+        let s2 =
+            Snapshot::from_resources_reusing(&translate(&m2, &Default::default(), &g), Some(&s1));
         let e = ResourceType::Endpoints;
         assert!(Arc::ptr_eq(
             &s1.resources(e)["default/a/a1"],
@@ -389,7 +390,7 @@ mod tests {
         ));
         assert_eq!(
             s2,
-            Snapshot::from_resources(&translate(&m2, &g)),
+            Snapshot::from_resources(&translate(&m2, &Default::default(), &g)),
             "same content either way"
         );
     }
@@ -397,7 +398,11 @@ mod tests {
     #[test]
     fn routes_know_their_clusters() {
         let m = Model::new(vec![service("a", "a1", &[8000])]).unwrap();
-        let s = Snapshot::from_resources(&translate(&m, &GatewaySettings::default()));
+        let s = Snapshot::from_resources(&translate(
+            &m,
+            &Default::default(),
+            &GatewaySettings::default(),
+        ));
         let route = s.resources(ResourceType::Route).values().next().unwrap();
         assert_eq!(route.cluster_refs, vec![Arc::from("default/a/a1")]);
     }

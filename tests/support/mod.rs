@@ -247,6 +247,8 @@ pub fn test_config(services: &Path, gateway_port: u16) -> Config {
             path: services.to_path_buf(),
             poll_interval: Duration::from_millis(500),
         },
+        prober: Default::default(),
+        dashboard: Default::default(),
     }
 }
 

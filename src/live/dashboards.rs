@@ -1,0 +1,191 @@
+//! Polls the Ray dashboard of every cluster that has one, and publishes what each says.
+//!
+//! One task per cluster polls `GET /api/serve/applications/` every interval; the manager
+//! is the single writer of [`DashboardStates`]. A failed poll (unreachable, 503, timeout,
+//! malformed JSON) means "unknown right now": the last known status is kept and marked
+//! stale, the error is counted, and nothing crashes. Publishing happens only on change.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::dashboard::{DashboardClient, DashboardError, ServeStatus};
+use crate::metrics::{ErrorLabels, Metrics};
+use crate::model::Model;
+
+/// What every cluster's dashboard said, by Envoy cluster name.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DashboardStates {
+    pub clusters: BTreeMap<String, ClusterDashboard>,
+}
+
+/// What one cluster's dashboard said last.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ClusterDashboard {
+    pub url: String,
+    /// The last status it answered with; `None` until it first answers.
+    #[serde(skip)]
+    pub status: Option<ServeStatus>,
+    /// Each application's status and since when (unix seconds) it has had it.
+    pub applications: BTreeMap<String, (String, f64)>,
+    pub last_success_unix: Option<f64>,
+    pub last_error: Option<String>,
+    /// The last poll failed: `status` is what it said before.
+    pub stale: bool,
+}
+
+impl ClusterDashboard {
+    pub fn new(url: String) -> ClusterDashboard {
+        ClusterDashboard {
+            url,
+            status: None,
+            applications: BTreeMap::new(),
+            last_success_unix: None,
+            last_error: None,
+            stale: false,
+        }
+    }
+
+    fn apply(&mut self, result: Result<ServeStatus, DashboardError>, now: SystemTime) {
+        let now_unix = unix(now);
+        match result {
+            Ok(status) => {
+                let mut applications = BTreeMap::new();
+                for (name, app) in &status.applications {
+                    let s = app.status.as_str().to_string();
+                    let since = match self.applications.get(name) {
+                        Some((old, since)) if *old == s => *since,
+                        _ => now_unix,
+                    };
+                    applications.insert(name.clone(), (s, since));
+                }
+                self.applications = applications;
+                self.status = Some(status);
+                self.last_success_unix = Some(now_unix);
+                self.last_error = None;
+                self.stale = false;
+            }
+            Err(e) => {
+                self.last_error = Some(e.to_string());
+                self.stale = true;
+            }
+        }
+    }
+}
+
+fn unix(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+pub struct DashboardPoller {
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub metrics: Arc<Metrics>,
+}
+
+impl DashboardPoller {
+    pub async fn run(
+        self,
+        mut models: watch::Receiver<Arc<Model>>,
+        states: watch::Sender<Arc<DashboardStates>>,
+        shutdown: CancellationToken,
+    ) {
+        let client = Arc::new(DashboardClient::new(self.timeout));
+        let (tx, mut rx) =
+            mpsc::channel::<(String, String, Result<ServeStatus, DashboardError>)>(64);
+        let mut tasks: BTreeMap<String, (String, JoinHandle<()>)> = BTreeMap::new();
+        let mut current = DashboardStates::default();
+        let mut models_changed = true;
+        loop {
+            if models_changed {
+                models_changed = false;
+                let wanted = dashboards(&models.borrow_and_update());
+                tasks.retain(|cluster, (url, task)| {
+                    let keep = wanted.get(cluster) == Some(url);
+                    if !keep {
+                        task.abort();
+                    }
+                    keep
+                });
+                for (cluster, url) in &wanted {
+                    tasks.entry(cluster.clone()).or_insert_with(|| {
+                        let (client, tx, interval) = (client.clone(), tx.clone(), self.interval);
+                        let (c, u) = (cluster.clone(), url.clone());
+                        let task = tokio::spawn(async move {
+                            loop {
+                                let result = client.fetch(&u).await;
+                                if tx.send((c.clone(), u.clone(), result)).await.is_err() {
+                                    return;
+                                }
+                                tokio::time::sleep(interval).await;
+                            }
+                        });
+                        (url.clone(), task)
+                    });
+                }
+                let before = current.clone();
+                current
+                    .clusters
+                    .retain(|c, d| wanted.get(c) == Some(&d.url));
+                for (cluster, url) in &wanted {
+                    current
+                        .clusters
+                        .entry(cluster.clone())
+                        .or_insert_with(|| ClusterDashboard::new(url.clone()));
+                }
+                if current != before {
+                    states.send_replace(Arc::new(current.clone()));
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                changed = models.changed() => {
+                    if changed.is_err() { break; }
+                    models_changed = true;
+                }
+                Some((cluster, url, result)) = rx.recv() => {
+                    let Some(entry) = current.clusters.get_mut(&cluster).filter(|d| d.url == url) else { continue };
+                    if let Err(e) = &result {
+                        self.metrics.dashboard_errors.get_or_create(&ErrorLabels { reason: e.metric_label() }).inc();
+                        if !entry.stale {
+                            tracing::warn!(cluster, url, error = %e, "Ray dashboard did not answer; keeping its last known state");
+                        }
+                    } else if entry.stale {
+                        tracing::info!(cluster, url, "Ray dashboard answers again");
+                    }
+                    let before = entry.clone();
+                    entry.apply(result, SystemTime::now());
+                    // Only the status, staleness and errors matter to readers; a poll that
+                    // changes nothing but the success time is not worth a new snapshot.
+                    let changed = before.status != entry.status || before.stale != entry.stale || before.last_error != entry.last_error;
+                    if changed {
+                        states.send_replace(Arc::new(current.clone()));
+                    }
+                }
+            }
+        }
+        for (_, (_, task)) in tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Envoy cluster name → dashboard URL, for every cluster that has a dashboard.
+fn dashboards(model: &Model) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for service in model.services() {
+        for cluster in &service.clusters {
+            if let Some(url) = &cluster.dashboard {
+                out.insert(service.envoy_cluster_name(&cluster.name), url.clone());
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,271 @@
+//! The probe state of one Ray Serve proxy: a sans-IO state machine fed with probe
+//! outcomes, deciding when the proxy turns healthy, unhealthy or draining.
+//!
+//! Rules (pingora-style hysteresis, with the fast paths Ray's behaviour allows):
+//! - the first outcome of a new proxy decides at once (there is no history to smooth);
+//! - a refused connection is unhealthy at once: nothing listens there;
+//! - a 503 saying the node is being drained is draining at once;
+//! - otherwise `unhealthy_threshold` consecutive failures make it unhealthy, and
+//!   `healthy_threshold` consecutive successes make an unhealthy or draining proxy healthy.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+
+/// How a proxy is probed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProbeSettings {
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub unhealthy_threshold: u32,
+    pub healthy_threshold: u32,
+}
+
+impl Default for ProbeSettings {
+    fn default() -> Self {
+        ProbeSettings {
+            interval: Duration::from_millis(500),
+            timeout: Duration::from_millis(250),
+            unhealthy_threshold: 2,
+            healthy_threshold: 2,
+        }
+    }
+}
+
+impl ProbeSettings {
+    pub fn with(self, o: &crate::model::ProbeOverrides) -> ProbeSettings {
+        ProbeSettings {
+            interval: o.interval.unwrap_or(self.interval),
+            timeout: o.timeout.unwrap_or(self.timeout),
+            unhealthy_threshold: o
+                .unhealthy_threshold
+                .unwrap_or(self.unhealthy_threshold)
+                .max(1),
+            healthy_threshold: o.healthy_threshold.unwrap_or(self.healthy_threshold).max(1),
+        }
+    }
+}
+
+/// What one `GET /-/healthz` found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// 200 `success`.
+    Healthy,
+    /// 503 `This node is being drained.`
+    Draining,
+    /// Connection refused.
+    Refused,
+    /// Anything else: a timeout, a reset, another status or body.
+    Failed(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProbeState {
+    /// Not probed yet.
+    Unknown,
+    Healthy,
+    Unhealthy,
+    Draining,
+}
+
+impl ProbeState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProbeState::Unknown => "unknown",
+            ProbeState::Healthy => "healthy",
+            ProbeState::Unhealthy => "unhealthy",
+            ProbeState::Draining => "draining",
+        }
+    }
+}
+
+/// A state change, to log once and count.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transition {
+    pub from: ProbeState,
+    pub to: ProbeState,
+    pub reason: String,
+}
+
+/// The probe state of one proxy.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProxyProbe {
+    pub state: ProbeState,
+    /// When `state` was entered.
+    #[serde(serialize_with = "unix_seconds")]
+    pub since: SystemTime,
+    /// Why: the outcome that caused the last transition.
+    pub reason: String,
+    pub consecutive_successes: u32,
+    pub consecutive_failures: u32,
+    /// Route prefixes the proxy serves (`GET /-/routes`), once read.
+    pub routes: Option<BTreeSet<String>>,
+}
+
+fn unix_seconds<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(
+        t.duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0),
+    )
+}
+
+impl ProxyProbe {
+    pub fn new(now: SystemTime) -> ProxyProbe {
+        ProxyProbe {
+            state: ProbeState::Unknown,
+            since: now,
+            reason: "not probed yet".into(),
+            consecutive_successes: 0,
+            consecutive_failures: 0,
+            routes: None,
+        }
+    }
+
+    /// Feeds one outcome; returns the transition it caused, if any.
+    pub fn observe(
+        &mut self,
+        outcome: &Outcome,
+        settings: &ProbeSettings,
+        now: SystemTime,
+    ) -> Option<Transition> {
+        let (next, reason) = match outcome {
+            Outcome::Healthy => {
+                self.consecutive_successes += 1;
+                self.consecutive_failures = 0;
+                let enough = self.state == ProbeState::Unknown
+                    || self.consecutive_successes >= settings.healthy_threshold;
+                (
+                    enough.then_some(ProbeState::Healthy),
+                    "healthz answered 200 success".to_string(),
+                )
+            }
+            Outcome::Draining => {
+                self.consecutive_successes = 0;
+                self.consecutive_failures = 0;
+                (
+                    Some(ProbeState::Draining),
+                    "healthz answered 503: the node is being drained".into(),
+                )
+            }
+            Outcome::Refused => {
+                self.consecutive_successes = 0;
+                self.consecutive_failures += 1;
+                (Some(ProbeState::Unhealthy), "connection refused".into())
+            }
+            Outcome::Failed(why) => {
+                self.consecutive_successes = 0;
+                self.consecutive_failures += 1;
+                let enough = self.state == ProbeState::Unknown
+                    || self.consecutive_failures >= settings.unhealthy_threshold;
+                (enough.then_some(ProbeState::Unhealthy), why.clone())
+            }
+        };
+        match next {
+            Some(to) if to != self.state => {
+                let from = std::mem::replace(&mut self.state, to);
+                self.since = now;
+                self.reason = reason.clone();
+                Some(Transition { from, to, reason })
+            }
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn probe() -> (ProxyProbe, ProbeSettings, SystemTime) {
+        (
+            ProxyProbe::new(SystemTime::UNIX_EPOCH),
+            ProbeSettings::default(),
+            SystemTime::UNIX_EPOCH,
+        )
+    }
+
+    fn failed() -> Outcome {
+        Outcome::Failed("timeout".into())
+    }
+
+    #[test]
+    fn the_first_outcome_decides() {
+        let (mut p, s, t) = probe();
+        assert_eq!(
+            p.observe(&Outcome::Healthy, &s, t).unwrap().to,
+            ProbeState::Healthy
+        );
+        let (mut p, s, t) = probe();
+        assert_eq!(
+            p.observe(&failed(), &s, t).unwrap().to,
+            ProbeState::Unhealthy
+        );
+    }
+
+    #[test]
+    fn thresholds_hold_against_flapping() {
+        let (mut p, s, t) = probe();
+        p.observe(&Outcome::Healthy, &s, t);
+        // Alternating results never reach two failures in a row.
+        for _ in 0..10 {
+            assert!(p.observe(&failed(), &s, t).is_none());
+            assert!(p.observe(&Outcome::Healthy, &s, t).is_none());
+        }
+        assert_eq!(p.state, ProbeState::Healthy);
+        assert!(p.observe(&failed(), &s, t).is_none());
+        let tr = p.observe(&failed(), &s, t).unwrap();
+        assert_eq!(
+            (tr.from, tr.to),
+            (ProbeState::Healthy, ProbeState::Unhealthy)
+        );
+        // One success is not enough to come back.
+        assert!(p.observe(&Outcome::Healthy, &s, t).is_none());
+        assert!(p.observe(&failed(), &s, t).is_none());
+        assert!(p.observe(&Outcome::Healthy, &s, t).is_none());
+        assert_eq!(
+            p.observe(&Outcome::Healthy, &s, t).unwrap().to,
+            ProbeState::Healthy
+        );
+    }
+
+    #[test]
+    fn refused_and_draining_act_at_once() {
+        let (mut p, s, t) = probe();
+        p.observe(&Outcome::Healthy, &s, t);
+        assert_eq!(
+            p.observe(&Outcome::Refused, &s, t).unwrap().reason,
+            "connection refused"
+        );
+        let (mut p, s, t) = probe();
+        p.observe(&Outcome::Healthy, &s, t);
+        assert_eq!(
+            p.observe(&Outcome::Draining, &s, t).unwrap().to,
+            ProbeState::Draining
+        );
+        assert!(
+            p.observe(&Outcome::Draining, &s, t).is_none(),
+            "logged once"
+        );
+        assert!(p.observe(&Outcome::Healthy, &s, t).is_none());
+        assert_eq!(
+            p.observe(&Outcome::Healthy, &s, t).unwrap().to,
+            ProbeState::Healthy
+        );
+    }
+
+    #[test]
+    fn overrides_apply() {
+        let o = crate::model::ProbeOverrides {
+            interval: Some(Duration::from_secs(2)),
+            unhealthy_threshold: Some(0),
+            ..Default::default()
+        };
+        let s = ProbeSettings::default().with(&o);
+        assert_eq!(s.interval, Duration::from_secs(2));
+        assert_eq!(s.unhealthy_threshold, 1, "at least one");
+        assert_eq!(s.timeout, Duration::from_millis(250));
+    }
+}

@@ -1,0 +1,348 @@
+//! The proxy prober: probes every Ray Serve proxy the model names, directly, and
+//! publishes their probe states.
+//!
+//! One task per proxy sleeps its (jittered) interval, takes a permit from a shared
+//! semaphore (so thousands of proxies share a bounded number of probes in flight), and
+//! sends `GET /-/healthz` through one pooled HTTP client (connections are reused). The
+//! outcome goes to the manager, the single writer of the [`ProbeStates`] channel, which
+//! feeds each proxy's [`ProxyProbe`] and publishes only when a state (or a proxy's route
+//! list) changes. A proxy's `/-/routes` is read when it answers healthy after not doing so,
+//! and every `routes_interval` while healthy.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::probe::{Outcome, ProbeSettings, ProbeState, ProxyProbe};
+use crate::metrics::Metrics;
+use crate::model::Model;
+
+/// Global prober settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProberConfig {
+    pub defaults: ProbeSettings,
+    /// Probes in flight at once, across all proxies.
+    pub max_concurrent: usize,
+    /// How often a healthy proxy's `/-/routes` is read again.
+    pub routes_interval: Duration,
+}
+
+impl Default for ProberConfig {
+    fn default() -> Self {
+        ProberConfig {
+            defaults: ProbeSettings::default(),
+            max_concurrent: 256,
+            routes_interval: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The probe state of every proxy, published by the prober.
+#[derive(Clone, Debug, Default)]
+pub struct ProbeStates {
+    pub proxies: BTreeMap<SocketAddr, ProxyProbe>,
+    /// Every proxy has been probed at least once.
+    pub complete: bool,
+}
+
+type HttpClient = Client<HttpConnector, Empty<Bytes>>;
+
+struct Report {
+    address: SocketAddr,
+    outcome: Outcome,
+    latency: Duration,
+    /// `Some` when this probe also read `/-/routes` (`Some(None)`: the read failed).
+    routes: Option<Option<BTreeSet<String>>>,
+}
+
+pub struct Prober {
+    pub config: ProberConfig,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Prober {
+    /// Probes until `shutdown`, following the proxies in `models`.
+    pub async fn run(
+        self,
+        mut models: watch::Receiver<Arc<Model>>,
+        states: watch::Sender<Arc<ProbeStates>>,
+        shutdown: CancellationToken,
+    ) {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(self.config.defaults.timeout));
+        let client: HttpClient = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_max_idle_per_host(1)
+            .build(connector);
+        let permits = Arc::new(Semaphore::new(self.config.max_concurrent.max(1)));
+        let (tx, mut rx) = mpsc::channel::<Report>(1024);
+        let mut tasks: BTreeMap<SocketAddr, (ProbeSettings, JoinHandle<()>)> = BTreeMap::new();
+        let mut current = ProbeStates::default();
+        let mut models_changed = true;
+        loop {
+            if models_changed {
+                let model = models.borrow_and_update().clone();
+                let wanted = targets(&model, &self.config.defaults);
+                tasks.retain(|addr, (settings, task)| {
+                    let keep = wanted.get(addr) == Some(settings);
+                    if !keep {
+                        task.abort();
+                    }
+                    keep
+                });
+                for (addr, settings) in &wanted {
+                    tasks.entry(*addr).or_insert_with(|| {
+                        let task = ProbeTask {
+                            address: *addr,
+                            settings: *settings,
+                            routes_interval: self.config.routes_interval,
+                            client: client.clone(),
+                            permits: permits.clone(),
+                            reports: tx.clone(),
+                        };
+                        (*settings, tokio::spawn(task.run()))
+                    });
+                }
+                let before = current.proxies.len();
+                current.proxies.retain(|addr, _| wanted.contains_key(addr));
+                let now = SystemTime::now();
+                for addr in wanted.keys() {
+                    current
+                        .proxies
+                        .entry(*addr)
+                        .or_insert_with(|| ProxyProbe::new(now));
+                }
+                let changed = before != current.proxies.len() || self.update_complete(&mut current);
+                if changed {
+                    states.send_replace(Arc::new(current.clone()));
+                }
+                models_changed = false;
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                changed = models.changed() => {
+                    if changed.is_err() { break; }
+                    models_changed = true;
+                }
+                Some(report) = rx.recv() => {
+                    if self.apply(&mut current, &tasks, report) {
+                        self.update_complete(&mut current);
+                        states.send_replace(Arc::new(current.clone()));
+                    }
+                }
+            }
+        }
+        for (_, (_, task)) in tasks {
+            task.abort();
+        }
+    }
+
+    fn update_complete(&self, current: &mut ProbeStates) -> bool {
+        let complete = current
+            .proxies
+            .values()
+            .all(|p| p.state != ProbeState::Unknown);
+        std::mem::replace(&mut current.complete, complete) != complete
+    }
+
+    /// Applies one report; true when something worth publishing changed.
+    fn apply(
+        &self,
+        current: &mut ProbeStates,
+        tasks: &BTreeMap<SocketAddr, (ProbeSettings, JoinHandle<()>)>,
+        report: Report,
+    ) -> bool {
+        let (Some(probe), Some((settings, _))) = (
+            current.proxies.get_mut(&report.address),
+            tasks.get(&report.address),
+        ) else {
+            return false; // a proxy removed since
+        };
+        self.metrics
+            .probe_seconds
+            .observe(report.latency.as_secs_f64());
+        let mut changed = false;
+        if let Some(routes) = report.routes {
+            if probe.routes != routes {
+                probe.routes = routes;
+                changed = true;
+            }
+        }
+        if let Some(t) = probe.observe(&report.outcome, settings, SystemTime::now()) {
+            self.metrics
+                .health_transitions
+                .get_or_create(&crate::metrics::StateLabels {
+                    state: t.to.as_str(),
+                })
+                .inc();
+            if t.to == ProbeState::Healthy {
+                tracing::info!(proxy = %report.address, from = t.from.as_str(), reason = %t.reason, "proxy is healthy");
+            } else {
+                tracing::warn!(proxy = %report.address, from = t.from.as_str(), to = t.to.as_str(), reason = %t.reason, "proxy health changed");
+            }
+            changed = true;
+        }
+        changed
+    }
+}
+
+/// Every proxy of the model with the probe settings of its RayService.
+fn targets(model: &Model, defaults: &ProbeSettings) -> BTreeMap<SocketAddr, ProbeSettings> {
+    let mut out = BTreeMap::new();
+    for service in model.services() {
+        let settings = defaults.with(&service.policy.probe);
+        for cluster in &service.clusters {
+            for proxy in &cluster.proxies {
+                out.entry(proxy.address).or_insert(settings);
+            }
+        }
+    }
+    out
+}
+
+struct ProbeTask {
+    address: SocketAddr,
+    settings: ProbeSettings,
+    routes_interval: Duration,
+    client: HttpClient,
+    permits: Arc<Semaphore>,
+    reports: mpsc::Sender<Report>,
+}
+
+impl ProbeTask {
+    async fn run(self) {
+        let mut last_healthy = false;
+        let mut routes_read: Option<Instant> = None;
+        let mut first = true;
+        loop {
+            if !first {
+                // ±20% jitter so that proxies added together do not probe in lockstep.
+                let jitter = 0.8 + fastrand::f64() * 0.4;
+                tokio::time::sleep(self.settings.interval.mul_f64(jitter)).await;
+            }
+            first = false;
+            let Ok(permit) = self.permits.acquire().await else {
+                return;
+            };
+            let started = Instant::now();
+            let outcome = probe_healthz(&self.client, self.address, self.settings.timeout).await;
+            let latency = started.elapsed();
+            let healthy = outcome == Outcome::Healthy;
+            let routes = if healthy
+                && (!last_healthy
+                    || routes_read.is_none_or(|t| t.elapsed() >= self.routes_interval))
+            {
+                routes_read = Some(Instant::now());
+                Some(read_routes(&self.client, self.address, self.settings.timeout).await)
+            } else {
+                None
+            };
+            drop(permit);
+            last_healthy = healthy;
+            let report = Report {
+                address: self.address,
+                outcome,
+                latency,
+                routes,
+            };
+            if self.reports.send(report).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+async fn get(
+    client: &HttpClient,
+    address: SocketAddr,
+    path: &str,
+    timeout: Duration,
+) -> Result<(u16, Bytes), Outcome> {
+    let uri: hyper::Uri = match format!("http://{address}{path}").parse() {
+        Ok(u) => u,
+        Err(e) => return Err(Outcome::Failed(format!("bad address: {e}"))),
+    };
+    let request = async {
+        let response = client.get(uri).await.map_err(classify)?;
+        let status = response.status().as_u16();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| Outcome::Failed(format!("reading the body: {e}")))?
+            .to_bytes();
+        Ok((status, body))
+    };
+    match tokio::time::timeout(timeout, request).await {
+        Ok(result) => result,
+        Err(_) => Err(Outcome::Failed(format!("no answer within {timeout:?}"))),
+    }
+}
+
+fn classify(error: hyper_util::client::legacy::Error) -> Outcome {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&error);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::ConnectionRefused {
+                return Outcome::Refused;
+            }
+        }
+        source = e.source();
+    }
+    Outcome::Failed(format!(
+        "{error}: {}",
+        std::error::Error::source(&error)
+            .map(|s| s.to_string())
+            .unwrap_or_default()
+    ))
+}
+
+/// One `GET /-/healthz`, classified.
+pub async fn probe_healthz(client: &HttpClient, address: SocketAddr, timeout: Duration) -> Outcome {
+    match get(client, address, "/-/healthz", timeout).await {
+        Ok((200, body)) if &body[..] == b"success" => Outcome::Healthy,
+        Ok((503, body)) if String::from_utf8_lossy(&body).contains("being drained") => {
+            Outcome::Draining
+        }
+        Ok((status, body)) => {
+            let text = String::from_utf8_lossy(&body[..body.len().min(120)]).into_owned();
+            Outcome::Failed(format!("healthz answered {status}: {text:?}"))
+        }
+        Err(outcome) => outcome,
+    }
+}
+
+/// `GET /-/routes`: the route prefixes the proxy serves; `None` if it cannot say.
+pub async fn read_routes(
+    client: &HttpClient,
+    address: SocketAddr,
+    timeout: Duration,
+) -> Option<BTreeSet<String>> {
+    let (status, body) = get(client, address, "/-/routes", timeout).await.ok()?;
+    if status != 200 {
+        return None;
+    }
+    let routes: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&body).ok()?;
+    Some(routes.into_keys().collect())
+}
+
+/// A client as the prober builds it, for tests and benchmarks.
+pub fn probe_client(timeout: Duration) -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(timeout));
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(1)
+        .build(connector)
+}
