@@ -55,10 +55,118 @@ struct ProxyState {
     address: SocketAddr,
 }
 
+/// How a simulated proxy behaves right now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ProxyMode {
+    #[default]
+    Serving,
+    /// `/-/healthz` and `/-/routes` answer 503 `This node is being drained.`;
+    /// application requests are still served.
+    Draining,
+    /// `/-/healthz` and `/-/routes` answer 503 `Route table is not populated yet.`
+    NotReady,
+    /// Accepts connections and never answers.
+    Hang,
+    /// Every answer waits this long first.
+    Slow(std::time::Duration),
+    /// `/-/healthz` alternates between success and a 500, request by request.
+    Flapping,
+}
+
+impl std::str::FromStr for ProxyMode {
+    type Err = String;
+    /// `serving`, `draining`, `not-ready`, `hang`, `flapping` or `slow:<milliseconds>`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "serving" => ProxyMode::Serving,
+            "draining" => ProxyMode::Draining,
+            "not-ready" => ProxyMode::NotReady,
+            "hang" => ProxyMode::Hang,
+            "flapping" => ProxyMode::Flapping,
+            other => match other.strip_prefix("slow:").and_then(|ms| ms.parse().ok()) {
+                Some(ms) => ProxyMode::Slow(std::time::Duration::from_millis(ms)),
+                None => {
+                    return Err(format!(
+                        "unknown proxy mode {other:?}: serving, draining, not-ready, hang, flapping or slow:<ms>"
+                    ))
+                }
+            },
+        })
+    }
+}
+
+/// Changes a running proxy's behaviour.
+#[derive(Clone, Debug, Default)]
+pub struct ProxyHandle {
+    mode: Arc<std::sync::Mutex<ProxyMode>>,
+    healthz_requests: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl ProxyHandle {
+    pub fn set(&self, mode: ProxyMode) {
+        *self.mode.lock().unwrap_or_else(|e| e.into_inner()) = mode;
+    }
+
+    pub fn get(&self) -> ProxyMode {
+        self.mode.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+async fn apply_mode(
+    State(handle): State<ProxyHandle>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let path = request.uri().path();
+    let health_path = matches!(path, "/-/healthz" | "/-/routes");
+    let healthz = path == "/-/healthz";
+    match handle.get() {
+        ProxyMode::Serving => next.run(request).await,
+        ProxyMode::Draining if health_path => unavailable("This node is being drained."),
+        ProxyMode::Draining => next.run(request).await,
+        ProxyMode::NotReady => unavailable("Route table is not populated yet."),
+        ProxyMode::Hang => std::future::pending().await,
+        ProxyMode::Slow(delay) => {
+            tokio::time::sleep(delay).await;
+            next.run(request).await
+        }
+        ProxyMode::Flapping if healthz => {
+            let n = handle
+                .healthz_requests
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if n % 2 == 0 {
+                next.run(request).await
+            } else {
+                (StatusCode::INTERNAL_SERVER_ERROR, "flapping").into_response()
+            }
+        }
+        ProxyMode::Flapping => next.run(request).await,
+    }
+}
+
+fn unavailable(message: &'static str) -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        message,
+    )
+        .into_response()
+}
+
 /// Serves one proxy on `listener` until `shutdown`.
 pub async fn serve_proxy(
     listener: TcpListener,
     config: ProxyConfig,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    serve_proxy_with(listener, config, ProxyHandle::default(), shutdown).await
+}
+
+/// Serves one proxy whose behaviour `handle` controls, until `shutdown`.
+pub async fn serve_proxy_with(
+    listener: TcpListener,
+    config: ProxyConfig,
+    handle: ProxyHandle,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     let address = listener.local_addr()?;
@@ -67,6 +175,7 @@ pub async fn serve_proxy(
         .route("/-/healthz", get(healthz))
         .route("/-/routes", get(routes))
         .fallback(application)
+        .layer(axum::middleware::from_fn_with_state(handle, apply_mode))
         .layer(axum::middleware::map_response(uvicorn_header))
         .with_state(state);
     axum::serve(listener, app)

@@ -15,7 +15,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use ray_xds::config::{Config, GatewaySettings, SourceConfig};
 use ray_xds::model::NodeType;
-use ray_xds::sim::{serve_proxy, ProxyConfig, Served};
+use ray_xds::sim::{serve_proxy_with, ProxyConfig, ProxyHandle, ProxyMode, Served};
 use tokio_util::sync::CancellationToken;
 
 pub fn project_root() -> PathBuf {
@@ -174,11 +174,12 @@ impl Envoy {
 pub struct SimCluster {
     pub name: String,
     pub proxies: Vec<(SocketAddr, NodeType, CancellationToken)>,
+    pub handles: Vec<ProxyHandle>,
 }
 
 impl SimCluster {
     pub async fn start(name: &str, node_types: &[NodeType]) -> SimCluster {
-        let mut proxies = Vec::new();
+        let (mut proxies, mut handles) = (Vec::new(), Vec::new());
         for node_type in node_types {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
@@ -188,13 +189,30 @@ impl SimCluster {
                 node_type: *node_type,
                 routes: BTreeMap::from([("/".to_string(), "hello".to_string())]),
             };
-            tokio::spawn(serve_proxy(listener, config, token.clone()));
+            let handle = ProxyHandle::default();
+            tokio::spawn(serve_proxy_with(
+                listener,
+                config,
+                handle.clone(),
+                token.clone(),
+            ));
             proxies.push((addr, *node_type, token));
+            handles.push(handle);
         }
         SimCluster {
             name: name.into(),
             proxies,
+            handles,
         }
+    }
+
+    pub fn set_mode(&self, i: usize, mode: ProxyMode) {
+        self.handles[i].set(mode);
+    }
+
+    /// Kills proxy `i`: its listener closes and later connections are refused.
+    pub fn kill(&self, i: usize) {
+        self.proxies[i].2.cancel();
     }
 
     /// The cluster as `services.yaml` lists it.
@@ -217,8 +235,13 @@ impl Drop for SimCluster {
 
 /// A `services.yaml` with one RayService `demo` over the given clusters.
 pub fn services_yaml(active: &str, clusters: &[&SimCluster]) -> String {
+    services_yaml_with(active, clusters, "")
+}
+
+/// Like [`services_yaml`], with extra per-service lines (e.g. `head_proxy: include`).
+pub fn services_yaml_with(active: &str, clusters: &[&SimCluster], extra: &str) -> String {
     let mut s = format!(
-        "rayservices:\n  - name: demo\n    namespace: default\n    hosts: [\"*\"]\n    active_cluster: {active}\n    clusters:\n"
+        "rayservices:\n  - name: demo\n    namespace: default\n    hosts: [\"*\"]\n    active_cluster: {active}\n{extra}    clusters:\n"
     );
     for c in clusters {
         s += &c.yaml();

@@ -1,0 +1,281 @@
+//! The prober against real sockets: refused, hanging, draining, not ready, wrong body,
+//! slow and flapping proxies; and the dashboard poller against the simulated dashboard.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ray_xds::live::dashboards::{DashboardPoller, DashboardStates};
+use ray_xds::live::probe::{Outcome, ProbeState};
+use ray_xds::live::prober::{
+    probe_client, probe_healthz, read_routes, ProbeStates, Prober, ProberConfig,
+};
+use ray_xds::metrics::Metrics;
+use ray_xds::model::{Model, NodeType};
+use ray_xds::sim::dashboard::{DashboardMode, SimDashboard};
+use ray_xds::sim::ProxyMode;
+use support::*;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+const TIMEOUT: Duration = Duration::from_millis(250);
+
+#[tokio::test]
+async fn probe_outcomes_on_real_sockets() {
+    let c = SimCluster::start("c", &[NodeType::Worker]).await;
+    let addr = c.proxies[0].0;
+    let client = probe_client(TIMEOUT);
+    assert_eq!(
+        probe_healthz(&client, addr, TIMEOUT).await,
+        Outcome::Healthy
+    );
+    assert_eq!(
+        read_routes(&client, addr, TIMEOUT).await,
+        Some(["/".to_string()].into())
+    );
+
+    c.set_mode(0, ProxyMode::Draining);
+    assert_eq!(
+        probe_healthz(&client, addr, TIMEOUT).await,
+        Outcome::Draining
+    );
+
+    c.set_mode(0, ProxyMode::NotReady);
+    let Outcome::Failed(why) = probe_healthz(&client, addr, TIMEOUT).await else {
+        panic!()
+    };
+    assert!(why.contains("503") && why.contains("Route table"), "{why}");
+
+    c.set_mode(0, ProxyMode::Slow(Duration::from_millis(20)));
+    assert_eq!(
+        probe_healthz(&client, addr, TIMEOUT).await,
+        Outcome::Healthy,
+        "slow but in time"
+    );
+    c.set_mode(0, ProxyMode::Slow(Duration::from_millis(600)));
+    let started = Instant::now();
+    let Outcome::Failed(why) = probe_healthz(&client, addr, TIMEOUT).await else {
+        panic!()
+    };
+    assert!(why.contains("no answer within"), "{why}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+
+    c.set_mode(0, ProxyMode::Hang);
+    let Outcome::Failed(why) = probe_healthz(&client, addr, TIMEOUT).await else {
+        panic!()
+    };
+    assert!(why.contains("no answer within"), "{why}");
+
+    c.kill(0);
+    let refused = support::eventually(
+        "the killed proxy refuses connections",
+        Duration::from_secs(10),
+        || async {
+            let fresh = probe_client(TIMEOUT);
+            (probe_healthz(&fresh, addr, TIMEOUT).await == Outcome::Refused).then_some(())
+        },
+    );
+    refused.await;
+}
+
+#[tokio::test]
+async fn a_wrong_body_is_a_failure() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new().route("/-/healthz", axum::routing::get(|| async { "ok" }));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let Outcome::Failed(why) = probe_healthz(&probe_client(TIMEOUT), addr, TIMEOUT).await else {
+        panic!()
+    };
+    assert!(why.contains("200") && why.contains("\"ok\""), "{why}");
+}
+
+struct Running {
+    states: watch::Receiver<Arc<ProbeStates>>,
+    metrics: Arc<Metrics>,
+    _models: watch::Sender<Arc<Model>>,
+    shutdown: CancellationToken,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+fn run_prober(cluster: &SimCluster) -> Running {
+    let text = services_yaml_with("c", &[cluster], "    head_proxy: include\n");
+    let model = ray_xds::source::file::parse(std::path::Path::new("s.yaml"), &text).unwrap();
+    let (models_tx, models_rx) = watch::channel(Arc::new(model));
+    let (tx, rx) = watch::channel(Arc::new(ProbeStates::default()));
+    let metrics = Arc::new(Metrics::new());
+    let shutdown = CancellationToken::new();
+    let mut config = ProberConfig::default();
+    config.defaults.interval = Duration::from_millis(100);
+    let prober = Prober {
+        config,
+        metrics: metrics.clone(),
+    };
+    tokio::spawn(prober.run(models_rx, tx, shutdown.clone()));
+    Running {
+        states: rx,
+        metrics,
+        _models: models_tx,
+        shutdown,
+    }
+}
+
+async fn wait_state(r: &Running, addr: std::net::SocketAddr, want: ProbeState) -> String {
+    let mut rx = r.states.clone();
+    let s = tokio::time::timeout(
+        Duration::from_secs(20),
+        rx.wait_for(|s| s.proxies.get(&addr).is_some_and(|p| p.state == want)),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "{addr} never became {want:?}: {:?}",
+            r.states.borrow().proxies.get(&addr)
+        )
+    })
+    .unwrap();
+    s.proxies[&addr].reason.clone()
+}
+
+#[tokio::test]
+async fn the_prober_follows_faults_and_ignores_flapping() {
+    let c = SimCluster::start("c", &[NodeType::Head, NodeType::Worker, NodeType::Worker]).await;
+    let (a, b, d) = (c.proxies[0].0, c.proxies[1].0, c.proxies[2].0);
+    let r = run_prober(&c);
+    for addr in [a, b, d] {
+        wait_state(&r, addr, ProbeState::Healthy).await;
+    }
+    assert!(r.states.borrow().complete);
+    assert_eq!(
+        r.states.borrow().proxies[&a].routes.as_ref().unwrap().len(),
+        1,
+        "routes read on turning healthy"
+    );
+
+    c.set_mode(1, ProxyMode::Hang);
+    let why = wait_state(&r, b, ProbeState::Unhealthy).await;
+    assert!(why.contains("no answer within"), "{why}");
+    c.set_mode(2, ProxyMode::Draining);
+    wait_state(&r, d, ProbeState::Draining).await;
+    c.set_mode(1, ProxyMode::Serving);
+    c.set_mode(2, ProxyMode::Serving);
+    wait_state(&r, b, ProbeState::Healthy).await;
+    wait_state(&r, d, ProbeState::Healthy).await;
+
+    // Flapping: every other probe fails; two failures in a row never happen.
+    let before = ray_xds_transitions(&r.metrics, "unhealthy");
+    c.set_mode(0, ProxyMode::Flapping);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(r.states.borrow().proxies[&a].state, ProbeState::Healthy);
+    assert_eq!(
+        ray_xds_transitions(&r.metrics, "unhealthy"),
+        before,
+        "no transition while flapping"
+    );
+
+    c.kill(0);
+    let why = wait_state(&r, a, ProbeState::Unhealthy).await;
+    assert!(why.contains("refused"), "{why}");
+    let text = r.metrics.render();
+    assert!(
+        text.contains("ray_xds_probe_duration_seconds_count"),
+        "{text}"
+    );
+}
+
+fn ray_xds_transitions(metrics: &Metrics, state: &str) -> f64 {
+    metric(
+        &metrics.render(),
+        &format!("ray_xds_proxy_health_transitions_total{{state=\"{state}\"}}"),
+    )
+}
+
+#[tokio::test]
+async fn the_dashboard_poller_keeps_the_last_known_state() {
+    let dashboard = SimDashboard::new();
+    dashboard.set_app("hello", "/", "RUNNING");
+    dashboard.set_proxy("127.0.0.1", "HEALTHY");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let shutdown = CancellationToken::new();
+    tokio::spawn(dashboard.clone().serve(listener, shutdown.clone()));
+    let c = SimCluster::start("c", &[NodeType::Head]).await;
+    let text = services_yaml("c", &[&c]).replace(
+        "      - name: c\n",
+        &format!("      - name: c\n        dashboard: {url}\n"),
+    );
+    let model = ray_xds::source::file::parse(std::path::Path::new("s.yaml"), &text).unwrap();
+    let (_models_tx, models_rx) = watch::channel(Arc::new(model));
+    let (tx, mut rx) = watch::channel(Arc::new(DashboardStates::default()));
+    let metrics = Arc::new(Metrics::new());
+    let poller = DashboardPoller {
+        interval: Duration::from_millis(100),
+        timeout: Duration::from_millis(300),
+        metrics: metrics.clone(),
+    };
+    tokio::spawn(poller.run(models_rx, tx, shutdown.clone()));
+    let cluster = "default/demo/c";
+    let wait = |rx: &mut watch::Receiver<Arc<DashboardStates>>,
+                f: fn(&ray_xds::live::dashboards::ClusterDashboard) -> bool| {
+        let mut rx = rx.clone();
+        async move {
+            tokio::time::timeout(
+                Duration::from_secs(20),
+                rx.wait_for(|s| s.clusters.get(cluster).is_some_and(f)),
+            )
+            .await
+            .expect("in time")
+            .unwrap()
+            .clusters[cluster]
+                .clone()
+        }
+    };
+    let d = wait(&mut rx, |d| {
+        d.status.as_ref().is_some_and(|s| s.all_running())
+    })
+    .await;
+    assert!(!d.stale);
+
+    for mode in [
+        DashboardMode::Unavailable,
+        DashboardMode::Garbage,
+        DashboardMode::Hang,
+    ] {
+        dashboard.set_mode(mode);
+        let d = wait(&mut rx, |d| d.stale).await;
+        assert!(
+            d.status.as_ref().unwrap().all_running(),
+            "{mode:?}: the last known state is kept"
+        );
+        dashboard.set_mode(DashboardMode::Normal);
+        wait(&mut rx, |d| !d.stale).await;
+    }
+    dashboard.deploy_app("slow", "/slow", Duration::from_millis(300), "RUNNING");
+    wait(&mut rx, |d| {
+        d.applications
+            .get("slow")
+            .is_some_and(|(s, _)| s == "DEPLOYING")
+    })
+    .await;
+    wait(&mut rx, |d| {
+        d.status.as_ref().is_some_and(|s| s.all_running()) && d.applications.len() == 2
+    })
+    .await;
+    let text = metrics.render();
+    for reason in ["status", "malformed", "timeout"] {
+        assert!(
+            metric(
+                &text,
+                &format!("ray_xds_dashboard_poll_errors_total{{reason=\"{reason}\"}}")
+            ) >= 1.0,
+            "{reason}: {text}"
+        );
+    }
+    shutdown.cancel();
+}
