@@ -1,13 +1,30 @@
-//! `ray-serve-sim`: runs simulated Ray Serve proxies (see `ray_xds::sim`).
+//! `ray-serve-sim`: simulated Ray Serve proxies (and optionally a dashboard) of one
+//! RayCluster, with a control endpoint to inject faults while it runs.
 //!
-//! `ray-serve-sim --cluster demo-a --proxy 127.0.0.1:8000=head --proxy 127.0.0.1:8001=worker`
+//! ```text
+//! ray-serve-sim --cluster demo-a --proxy 127.0.0.1:8000=head --proxy 127.0.0.1:8001=worker \
+//!     --app /=hello --dashboard 127.0.0.1:8265 --control 127.0.0.1:8299
+//! curl -X PUT -d draining http://127.0.0.1:8299/proxies/8001/mode   # serving|draining|not-ready|hang|flapping|slow:<ms>
+//! curl -X POST http://127.0.0.1:8299/proxies/8001/kill              # and /start to bring it back
+//! curl -X PUT 'http://127.0.0.1:8299/dashboard/apps/hello?route_prefix=/&status=DEPLOYING'
+//! curl -X PUT 'http://127.0.0.1:8299/dashboard/apps/hello?route_prefix=/&deploying_for_ms=10000&then=RUNNING'
+//! curl -X PUT -d unavailable http://127.0.0.1:8299/dashboard/mode   # normal|unavailable|hang|garbage
+//! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::routing::{post, put};
+use axum::Router;
 use clap::Parser;
 use ray_xds::model::NodeType;
-use ray_xds::sim::{serve_proxy, ProxyConfig};
+use ray_xds::sim::dashboard::{DashboardMode, SimDashboard};
+use ray_xds::sim::{serve_proxy_with, ProxyConfig, ProxyHandle, ProxyMode};
+use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
 /// Simulated Ray Serve HTTP proxies that answer like Ray 2.60's.
@@ -22,6 +39,12 @@ struct Args {
     /// An application, as `route_prefix=name`; repeat for several [default: /=app].
     #[arg(long = "app", value_parser = parse_app)]
     apps: Vec<(String, String)>,
+    /// Serve a simulated Ray dashboard (`/api/serve/applications/`) on this address.
+    #[arg(long)]
+    dashboard: Option<SocketAddr>,
+    /// Serve the control endpoint (fault injection) on this address.
+    #[arg(long)]
+    control: Option<SocketAddr>,
 }
 
 fn parse_proxy(s: &str) -> Result<(SocketAddr, NodeType), String> {
@@ -43,33 +66,180 @@ fn parse_app(s: &str) -> Result<(String, String), String> {
     Ok((prefix.into(), name.into()))
 }
 
+struct Proxy {
+    address: SocketAddr,
+    config: ProxyConfig,
+    handle: ProxyHandle,
+    running: Option<CancellationToken>,
+}
+
+#[derive(Clone)]
+struct Control {
+    proxies: Arc<Mutex<HashMap<u16, Proxy>>>,
+    dashboard: SimDashboard,
+}
+
+impl Control {
+    async fn start(&self, port: u16) -> Result<(), String> {
+        let (address, config, handle) = {
+            let proxies = self.proxies.lock().unwrap();
+            let p = proxies
+                .get(&port)
+                .ok_or(format!("no proxy on port {port}"))?;
+            if p.running.is_some() {
+                return Ok(());
+            }
+            (p.address, p.config.clone(), p.handle.clone())
+        };
+        let listener = tokio::net::TcpListener::bind(address)
+            .await
+            .map_err(|e| format!("binding {address}: {e}"))?;
+        let token = CancellationToken::new();
+        tokio::spawn(serve_proxy_with(listener, config, handle, token.clone()));
+        if let Some(p) = self.proxies.lock().unwrap().get_mut(&port) {
+            p.running = Some(token);
+        }
+        Ok(())
+    }
+}
+
+#[derive(Deserialize)]
+struct AppQuery {
+    route_prefix: Option<String>,
+    status: Option<String>,
+    deploying_for_ms: Option<u64>,
+    then: Option<String>,
+}
+
+fn control_router(control: Control) -> Router {
+    Router::new()
+        .route(
+            "/proxies/{port}/mode",
+            put(|State(c): State<Control>, Path(port): Path<u16>, body: String| async move {
+                let mode: ProxyMode = body.trim().parse().map_err(|e| (StatusCode::BAD_REQUEST, e))?;
+                let proxies = c.proxies.lock().unwrap();
+                let p = proxies.get(&port).ok_or((StatusCode::NOT_FOUND, format!("no proxy on port {port}")))?;
+                p.handle.set(mode);
+                Ok::<_, (StatusCode, String)>("ok\n")
+            }),
+        )
+        .route(
+            "/proxies/{port}/kill",
+            post(|State(c): State<Control>, Path(port): Path<u16>| async move {
+                let mut proxies = c.proxies.lock().unwrap();
+                let p = proxies.get_mut(&port).ok_or((StatusCode::NOT_FOUND, format!("no proxy on port {port}")))?;
+                if let Some(token) = p.running.take() {
+                    token.cancel();
+                }
+                Ok::<_, (StatusCode, String)>("ok\n")
+            }),
+        )
+        .route(
+            "/proxies/{port}/start",
+            post(|State(c): State<Control>, Path(port): Path<u16>| async move {
+                c.start(port).await.map_err(|e| (StatusCode::CONFLICT, e))?;
+                Ok::<_, (StatusCode, String)>("ok\n")
+            }),
+        )
+        .route(
+            "/dashboard/apps/{name}",
+            put(|State(c): State<Control>, Path(name): Path<String>, Query(q): Query<AppQuery>| async move {
+                let prefix = q.route_prefix.unwrap_or_else(|| "/".into());
+                match (q.deploying_for_ms, q.status) {
+                    (Some(ms), _) => c.dashboard.deploy_app(&name, &prefix, Duration::from_millis(ms), q.then.as_deref().unwrap_or("RUNNING")),
+                    (None, Some(status)) => c.dashboard.set_app(&name, &prefix, &status),
+                    (None, None) => return Err((StatusCode::BAD_REQUEST, "give status=... or deploying_for_ms=...".to_string())),
+                }
+                Ok("ok\n")
+            })
+            .delete(|State(c): State<Control>, Path(name): Path<String>| async move {
+                c.dashboard.remove_app(&name);
+                "ok\n"
+            }),
+        )
+        .route(
+            "/dashboard/proxies/{ip}",
+            put(|State(c): State<Control>, Path(ip): Path<String>, body: String| async move {
+                c.dashboard.set_proxy(&ip, body.trim());
+                "ok\n"
+            }),
+        )
+        .route(
+            "/dashboard/mode",
+            put(|State(c): State<Control>, body: String| async move {
+                let mode = match body.trim() {
+                    "normal" => DashboardMode::Normal,
+                    "unavailable" => DashboardMode::Unavailable,
+                    "hang" => DashboardMode::Hang,
+                    "garbage" => DashboardMode::Garbage,
+                    other => return Err((StatusCode::BAD_REQUEST, format!("unknown mode {other:?}"))),
+                };
+                c.dashboard.set_mode(mode);
+                Ok("ok\n")
+            }),
+        )
+        .with_state(control)
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let routes: BTreeMap<String, String> = if args.apps.is_empty() {
         [("/".to_string(), "app".to_string())].into()
     } else {
-        args.apps.into_iter().collect()
+        args.apps.iter().cloned().collect()
     };
-    let shutdown = CancellationToken::new();
-    let mut tasks = tokio::task::JoinSet::new();
-    for (addr, node_type) in args.proxies {
-        let listener = tokio::net::TcpListener::bind(addr).await?;
-        println!(
-            "ray-serve-sim: cluster {} {node_type} proxy on {}",
-            args.cluster,
-            listener.local_addr()?
-        );
+    let dashboard = SimDashboard::new();
+    for (prefix, name) in &routes {
+        dashboard.set_app(name, prefix, "RUNNING");
+    }
+    let control = Control {
+        proxies: Arc::new(Mutex::new(HashMap::new())),
+        dashboard: dashboard.clone(),
+    };
+    for (address, node_type) in &args.proxies {
+        dashboard.set_proxy(&address.ip().to_string(), "HEALTHY");
         let config = ProxyConfig {
             cluster: args.cluster.clone(),
-            node_type,
+            node_type: *node_type,
             routes: routes.clone(),
         };
-        tasks.spawn(serve_proxy(listener, config, shutdown.clone()));
+        let proxy = Proxy {
+            address: *address,
+            config,
+            handle: ProxyHandle::default(),
+            running: None,
+        };
+        control
+            .proxies
+            .lock()
+            .unwrap()
+            .insert(address.port(), proxy);
+        control
+            .start(address.port())
+            .await
+            .map_err(anyhow::Error::msg)?;
+        println!(
+            "ray-serve-sim: cluster {} {node_type} proxy on {address}",
+            args.cluster
+        );
     }
+    let shutdown = CancellationToken::new();
+    if let Some(addr) = args.dashboard {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        println!("ray-serve-sim: dashboard on {addr}");
+        tokio::spawn(dashboard.clone().serve(listener, shutdown.clone()));
+    }
+    if let Some(addr) = args.control {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        println!("ray-serve-sim: control on {addr}");
+        tokio::spawn(async move { axum::serve(listener, control_router(control)).await });
+    }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => shutdown.cancel(),
-        Some(done) = tasks.join_next() => { done??; }
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
     }
+    shutdown.cancel();
     Ok(())
 }

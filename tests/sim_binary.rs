@@ -1,0 +1,118 @@
+//! `ray-serve-sim` as demos and benchmarks use it: proxies, dashboard and the control
+//! endpoint that injects faults at run time.
+
+mod support;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use support::*;
+
+#[tokio::test]
+async fn the_control_endpoint_injects_faults() {
+    let (p1, p2, dash, ctl) = (free_port(), free_port(), free_port(), free_port());
+    let _sim = spawn(
+        "ray-serve-sim",
+        Command::new(env!("CARGO_BIN_EXE_ray-serve-sim"))
+            .args(["--cluster", "c1", "--app", "/hello=hello"])
+            .args([
+                "--proxy",
+                &format!("127.0.0.1:{p1}=head"),
+                "--proxy",
+                &format!("127.0.0.1:{p2}=worker"),
+            ])
+            .args([
+                "--dashboard",
+                &format!("127.0.0.1:{dash}"),
+                "--control",
+                &format!("127.0.0.1:{ctl}"),
+            ])
+            .stdout(Stdio::null()),
+    );
+    let healthz =
+        |port: u16| async move { http_get(&format!("http://127.0.0.1:{port}/-/healthz")).await };
+    let control = |method: &'static str, path: String, body: &'static str| async move {
+        http(method, &format!("http://127.0.0.1:{ctl}{path}"), body)
+            .await
+            .unwrap()
+    };
+    eventually("the sim is up", Duration::from_secs(20), || async {
+        healthz(p2).await.ok().filter(|(s, _)| *s == 200)
+    })
+    .await;
+    eventually("control is up", Duration::from_secs(20), || async {
+        http_get(&format!("http://127.0.0.1:{ctl}/nope")).await.ok()
+    })
+    .await;
+
+    assert_eq!(
+        control("PUT", format!("/proxies/{p2}/mode"), "draining")
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        healthz(p2).await.unwrap(),
+        (503, "This node is being drained.".to_string())
+    );
+    assert_eq!(
+        control("PUT", format!("/proxies/{p2}/mode"), "bogus")
+            .await
+            .0,
+        400
+    );
+    assert_eq!(
+        control("PUT", format!("/proxies/{p2}/mode"), "serving")
+            .await
+            .0,
+        200
+    );
+    assert_eq!(healthz(p2).await.unwrap().0, 200);
+
+    assert_eq!(
+        control("POST", format!("/proxies/{p1}/kill"), "").await.0,
+        200
+    );
+    eventually(
+        "the killed proxy refuses",
+        Duration::from_secs(10),
+        || async { healthz(p1).await.err() },
+    )
+    .await;
+    assert_eq!(
+        control("POST", format!("/proxies/{p1}/start"), "").await.0,
+        200
+    );
+    assert_eq!(healthz(p1).await.unwrap().0, 200);
+
+    let dashboard = |()| async move {
+        let (_, body) = http_get(&format!("http://127.0.0.1:{dash}/api/serve/applications/"))
+            .await
+            .unwrap();
+        ray_xds::live::dashboard::parse(body.as_bytes()).unwrap()
+    };
+    let status = dashboard(()).await;
+    assert!(status.all_running());
+    assert_eq!(status.route_prefixes(), ["/hello".to_string()].into());
+    assert_eq!(
+        control(
+            "PUT",
+            "/dashboard/apps/hello?route_prefix=/hello&status=DEPLOYING".into(),
+            ""
+        )
+        .await
+        .0,
+        200
+    );
+    assert!(!dashboard(()).await.all_running());
+    assert_eq!(
+        control("PUT", "/dashboard/mode".into(), "unavailable")
+            .await
+            .0,
+        200
+    );
+    let (status, _) = http_get(&format!("http://127.0.0.1:{dash}/api/serve/applications/"))
+        .await
+        .unwrap();
+    assert_eq!(status, 503);
+}
