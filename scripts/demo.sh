@@ -9,9 +9,9 @@ cd "$root"
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
-for port in 8000 8001 9901 10000 18000 19000; do
+for port in 8000 8001 8265 8299 9901 10000 18000 19000; do
   if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-    echo "port $port is in use; the demo needs 8000 8001 9901 10000 18000 19000 free" >&2
+    echo "port $port is in use; the demo needs 8000 8001 8265 8299 9901 10000 18000 19000 free" >&2
     exit 1
   fi
 done
@@ -32,8 +32,9 @@ cleanup() {
 trap cleanup EXIT INT TERM
 cp examples/ray-xds.yaml examples/services.yaml "$work/"
 
-say "starting two simulated Ray Serve proxies of cluster demo-a (8000 head, 8001 worker)"
-"$bin/ray-serve-sim" --cluster demo-a --proxy 127.0.0.1:8000=head --proxy 127.0.0.1:8001=worker --app /=hello >"$work/sim.log" 2>&1 &
+say "starting two simulated Ray Serve proxies of cluster demo-a (8000 head, 8001 worker), its dashboard (8265) and a fault-injection endpoint (8299)"
+"$bin/ray-serve-sim" --cluster demo-a --proxy 127.0.0.1:8000=head --proxy 127.0.0.1:8001=worker --app /=hello \
+  --dashboard 127.0.0.1:8265 --control 127.0.0.1:8299 >"$work/sim.log" 2>&1 &
 pids+=($!)
 say "starting ray-xds (xDS on 18000, admin on 19000) on $work/ray-xds.yaml"
 RAY_XDS_LOG=info "$bin/ray-xds" serve --config "$work/ray-xds.yaml" >"$work/ray-xds.log" 2>&1 &
@@ -57,16 +58,42 @@ send() {
   echo "$out"
 }
 
-say "20 requests through Envoy on :10000 -> served by"
+proxy_health() { # address -> the endpoint health ray-xds publishes for it
+  curl -s http://127.0.0.1:19000/debug/state | python3 -c '
+import json,sys
+for s in json.load(sys.stdin)["rayservices"]:
+    for c in s["clusters"]:
+        for p in c["proxies"]:
+            if p["address"] == sys.argv[1]:
+                print((p.get("endpoint") or {}).get("health"))' "$1"
+}
+ms_since() { echo $(( ($(date +%s%N) - $1) / 1000000 )); }
+
+say "20 requests through Envoy on :10000 -> served by (head_proxy: fallback keeps the head for when no worker is healthy)"
 send 20
 say "one request in full"
 curl -s -X POST -d '{"prompt":"hi"}' http://127.0.0.1:10000/hello; echo
 
-say "removing the worker proxy (8001) from services.yaml"
-sed -i '/127.0.0.1:8001/d' "$work/services.yaml"
+say "killing the worker proxy (8001): its port now refuses connections"
+curl -s -X POST http://127.0.0.1:8299/proxies/8001/kill >/dev/null
 start=$(date +%s%N)
-until [ "$(curl -s http://127.0.0.1:19000/debug/snapshot | grep -c '127.0.0.1:8001')" = 0 ]; do sleep 0.02; done
-echo "ray-xds published the change $(( ($(date +%s%N) - start) / 1000000 )) ms after the edit"
+until [ "$(proxy_health 127.0.0.1:8001)" = unhealthy ]; do sleep 0.01; done
+echo "ray-xds marked it unhealthy $(ms_since "$start") ms after the kill"
+sleep 0.2
+say "20 requests through Envoy -> served by (the head takes over)"
+send 20
+
+say "bringing the worker back"
+curl -s -X POST http://127.0.0.1:8299/proxies/8001/start >/dev/null
+until [ "$(proxy_health 127.0.0.1:8001)" = healthy ]; do sleep 0.05; done
+sleep 0.2
+send 20
+
+say "editing services.yaml: head_proxy: include"
+sed -i 's/head_proxy: fallback/head_proxy: include/' "$work/services.yaml"
+start=$(date +%s%N)
+until [ "$(proxy_health 127.0.0.1:8000)" = healthy ]; do sleep 0.01; done
+echo "ray-xds published the change $(ms_since "$start") ms after the edit"
 sleep 0.3
 say "20 requests through Envoy -> served by"
 send 20

@@ -1,7 +1,8 @@
 //! The proxy prober: probes every Ray Serve proxy the model names, directly, and
 //! publishes their probe states.
 //!
-//! One task per proxy sleeps its (jittered) interval, takes a permit from a shared
+//! One task per proxy sleeps its (jittered) interval (a fifth of it after a healthy
+//! proxy's first failure, to confirm quickly), takes a permit from a shared
 //! semaphore (so thousands of proxies share a bounded number of probes in flight), and
 //! sends `GET /-/healthz` through one pooled HTTP client (connections are reused). The
 //! outcome goes to the manager, the single writer of the [`ProbeStates`] channel, which
@@ -224,14 +225,9 @@ impl ProbeTask {
     async fn run(self) {
         let mut last_healthy = false;
         let mut routes_read: Option<Instant> = None;
-        let mut first = true;
+        let mut next = Duration::ZERO;
         loop {
-            if !first {
-                // ±20% jitter so that proxies added together do not probe in lockstep.
-                let jitter = 0.8 + fastrand::f64() * 0.4;
-                tokio::time::sleep(self.settings.interval.mul_f64(jitter)).await;
-            }
-            first = false;
+            tokio::time::sleep(next).await;
             let Ok(permit) = self.permits.acquire().await else {
                 return;
             };
@@ -249,6 +245,15 @@ impl ProbeTask {
                 None
             };
             drop(permit);
+            // ±20% jitter so that proxies added together do not probe in lockstep; a
+            // healthy proxy that just failed is probed again soon, so that a hung proxy
+            // reaches the failure threshold in a fraction of the interval.
+            let suspect = last_healthy && matches!(outcome, Outcome::Failed(_));
+            next = if suspect {
+                self.settings.interval / 5
+            } else {
+                self.settings.interval.mul_f64(0.8 + fastrand::f64() * 0.4)
+            };
             last_healthy = healthy;
             let report = Report {
                 address: self.address,
