@@ -5,7 +5,10 @@
 //! 1. its probe state (unknown until first probed; Envoy treats unknown as healthy);
 //! 2. DRAINING if its cluster's dashboard lists its node's proxy as DRAINING;
 //! 3. DRAINING ("no new traffic") if it is healthy but does not serve every route prefix
-//!    of its cluster's applications (from the dashboard) in its `/-/routes`;
+//!    of its cluster's RUNNING applications (from the dashboard) in its `/-/routes`, while
+//!    another healthy proxy of the cluster does (a proxy that just started and has not
+//!    loaded its route table yet; if no proxy serves them all, the routes are simply not
+//!    re-read yet, and nobody is held back);
 //! 4. fail-open: if every proxy of a cluster that is not draining is unhealthy, ray-xds
 //!    cannot tell a dead cluster from a broken path between itself and the proxies, so it
 //!    publishes those proxies healthy and lets Envoy's own outlier detection decide;
@@ -21,7 +24,7 @@ use std::net::SocketAddr;
 
 use serde::Serialize;
 
-use super::dashboard::ProxyStatus;
+use super::dashboard::{AppStatus, ProxyStatus};
 use super::dashboards::DashboardStates;
 use super::probe::ProbeState;
 use super::prober::ProbeStates;
@@ -68,8 +71,29 @@ pub fn assess(model: &Model, probes: &ProbeStates, dashboards: &DashboardStates)
                 .clusters
                 .get(&name)
                 .and_then(|d| d.status.as_ref());
-            let required: BTreeSet<String> =
-                dashboard.map(|d| d.route_prefixes()).unwrap_or_default();
+            // Route prefixes of the applications the dashboard says are RUNNING; enforced
+            // only while some healthy proxy of the cluster serves them all, so that a new
+            // application (or routes not re-read yet) never drains the whole cluster.
+            let required: BTreeSet<String> = dashboard
+                .map(|d| {
+                    d.applications
+                        .values()
+                        .filter(|a| a.status == AppStatus::Running)
+                        .filter_map(|a| a.route_prefix.clone())
+                        .collect()
+                })
+                .unwrap_or_default();
+            let someone_serves_all = cluster.proxies.iter().any(|p| {
+                probes.proxies.get(&p.address).is_some_and(|probe| {
+                    probe.state == ProbeState::Healthy
+                        && probe.routes.as_ref().is_some_and(|r| required.is_subset(r))
+                })
+            });
+            let required = if someone_serves_all {
+                required
+            } else {
+                BTreeSet::new()
+            };
             let mut verdicts: Vec<(SocketAddr, NodeType, Verdict)> = cluster
                 .proxies
                 .iter()
@@ -313,11 +337,23 @@ mod tests {
 
         // Healthy in the dashboard, but the proxies serve "/" while the app is at "/hello".
         status.proxies.values_mut().next().unwrap().status = ProxyStatus::Healthy;
+        // Nobody serves /hello: nobody is held back for it.
         let m = assess(&model(HeadProxy::Include), &up, &dashboard(status.clone()));
+        assert_eq!(health(&m, 8001), Healthy);
+        // One proxy serves it: the others, lagging behind, take no new traffic.
+        let mut one = up.clone();
+        one.proxies.get_mut(&addr(8002)).unwrap().routes = Some(["/hello".to_string()].into());
+        let m = assess(&model(HeadProxy::Include), &one, &dashboard(status.clone()));
         assert_eq!(health(&m, 8001), Draining);
+        assert_eq!(health(&m, 8002), Healthy);
         assert!(m.endpoints[&(CLUSTER.to_string(), addr(8001))]
             .reason
             .contains("/hello"));
+        // A DEPLOYING application's prefix is not required.
+        let mut deploying = status.clone();
+        deploying.applications.get_mut("hello").unwrap().status = AppStatus::Deploying;
+        let m = assess(&model(HeadProxy::Include), &one, &dashboard(deploying));
+        assert_eq!(health(&m, 8001), Healthy);
         let mut serving = up.clone();
         for p in serving.proxies.values_mut() {
             p.routes = Some(["/hello".to_string()].into());
