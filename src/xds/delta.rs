@@ -69,7 +69,7 @@ impl DeltaStream {
 }
 
 impl DeltaStream {
-    fn poll_type(
+    fn poll_one(
         &mut self,
         ty: ResourceType,
         snapshot: &Snapshot,
@@ -268,14 +268,12 @@ impl AdsProtocol for DeltaStream {
         })
     }
 
-    fn poll(&mut self, snapshot: &Snapshot) -> Vec<(ResourceType, usize, DeltaDiscoveryResponse)> {
-        let mut out = Vec::new();
-        for ty in ResourceType::ALL {
-            if let Some(response) = self.poll_type(ty, snapshot) {
-                out.push(response);
-            }
-        }
-        out
+    fn poll_type(
+        &mut self,
+        ty: ResourceType,
+        snapshot: &Snapshot,
+    ) -> Option<(ResourceType, usize, DeltaDiscoveryResponse)> {
+        self.poll_one(ty, snapshot)
     }
 
     fn node(&self) -> Option<&NodeInfo> {

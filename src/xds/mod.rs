@@ -109,9 +109,21 @@ pub trait AdsProtocol: Send + 'static {
     const NAME: &'static str;
 
     fn on_request(&mut self, request: Self::Request) -> Result<Event, ProtocolError>;
-    /// Responses to send now for `snapshot`, in push order, each with its type and the
-    /// number of resources it carries.
-    fn poll(&mut self, snapshot: &Snapshot) -> Vec<(ResourceType, usize, Self::Response)>;
+    /// The response to send now for one type, if any, with the number of resources it
+    /// carries.
+    fn poll_type(
+        &mut self,
+        ty: ResourceType,
+        snapshot: &Snapshot,
+    ) -> Option<(ResourceType, usize, Self::Response)>;
+
+    /// Responses to send now for `snapshot`, in make-before-break push order.
+    fn poll(&mut self, snapshot: &Snapshot) -> Vec<(ResourceType, usize, Self::Response)> {
+        ResourceType::ALL
+            .into_iter()
+            .filter_map(|ty| self.poll_type(ty, snapshot))
+            .collect()
+    }
     fn node(&self) -> Option<&NodeInfo>;
     fn status(&self) -> Vec<(ResourceType, TypeStatus)>;
 }

@@ -162,7 +162,7 @@ impl SotwStream {
         (ty, count, response)
     }
 
-    fn poll_type(
+    fn poll_one(
         &mut self,
         ty: ResourceType,
         snapshot: &Snapshot,
@@ -330,14 +330,12 @@ impl AdsProtocol for SotwStream {
         Ok(event)
     }
 
-    fn poll(&mut self, snapshot: &Snapshot) -> Vec<(ResourceType, usize, DiscoveryResponse)> {
-        let mut out = Vec::new();
-        for ty in ResourceType::ALL {
-            if let Some(response) = self.poll_type(ty, snapshot) {
-                out.push(response);
-            }
-        }
-        out
+    fn poll_type(
+        &mut self,
+        ty: ResourceType,
+        snapshot: &Snapshot,
+    ) -> Option<(ResourceType, usize, DiscoveryResponse)> {
+        self.poll_one(ty, snapshot)
     }
 
     fn node(&self) -> Option<&NodeInfo> {
