@@ -13,6 +13,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::live::probe::ProbeSettings;
 use crate::live::prober::ProberConfig;
+use crate::policy::TrafficPolicy;
 use serde::Deserialize;
 
 /// An xDS control plane that keeps Envoy in front of Ray Serve routing around dying Ray nodes.
@@ -111,6 +112,57 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_DASHBOARD_TIMEOUT", value_parser = humantime::parse_duration)]
     pub dashboard_timeout: Option<Duration>,
 
+    /// Retries of a failed request, each on another proxy [config: traffic.retries; default 3].
+    #[arg(long, env = "RAY_XDS_RETRIES")]
+    pub retries: Option<u32>,
+
+    /// How long one try may wait for its response to start; 0 disables
+    /// [config: traffic.per_try_timeout; default 10s].
+    #[arg(long, env = "RAY_XDS_PER_TRY_TIMEOUT", value_parser = humantime::parse_duration)]
+    pub per_try_timeout: Option<Duration>,
+
+    /// Deadline of a whole request, retries included; 0 is none
+    /// [config: traffic.route_timeout; default 0s].
+    #[arg(long, env = "RAY_XDS_ROUTE_TIMEOUT", value_parser = humantime::parse_duration)]
+    pub route_timeout: Option<Duration>,
+
+    /// Replay requests the proxy reset mid-way (safe only for idempotent work)
+    /// [config: traffic.idempotent; default false].
+    #[arg(long, env = "RAY_XDS_IDEMPOTENT")]
+    pub idempotent: Option<bool>,
+
+    /// First retry back-off interval [config: traffic.retry_back_off; default 25ms].
+    #[arg(long, env = "RAY_XDS_RETRY_BACK_OFF", value_parser = humantime::parse_duration)]
+    pub retry_back_off: Option<Duration>,
+
+    /// 502/503/504 in a row before a proxy is ejected
+    /// [config: traffic.consecutive_gateway_failure; default 3].
+    #[arg(long, env = "RAY_XDS_CONSECUTIVE_GATEWAY_FAILURE")]
+    pub consecutive_gateway_failure: Option<u32>,
+
+    /// Connect failures, resets and timeouts in a row before a proxy is ejected
+    /// [config: traffic.consecutive_local_origin_failure; default 2].
+    #[arg(long, env = "RAY_XDS_CONSECUTIVE_LOCAL_ORIGIN_FAILURE")]
+    pub consecutive_local_origin_failure: Option<u32>,
+
+    /// Outlier detection sweep interval [config: traffic.outlier_interval; default 1s].
+    #[arg(long, env = "RAY_XDS_OUTLIER_INTERVAL", value_parser = humantime::parse_duration)]
+    pub outlier_interval: Option<Duration>,
+
+    /// First ejection's length [config: traffic.base_ejection_time; default 5s].
+    #[arg(long, env = "RAY_XDS_BASE_EJECTION_TIME", value_parser = humantime::parse_duration)]
+    pub base_ejection_time: Option<Duration>,
+
+    /// Most of a cluster's proxies ejected at once, in percent
+    /// [config: traffic.max_ejection_percent; default 50].
+    #[arg(long, env = "RAY_XDS_MAX_EJECTION_PERCENT")]
+    pub max_ejection_percent: Option<u32>,
+
+    /// Concurrent retries allowed per cluster (circuit breaker)
+    /// [config: traffic.max_retries; default 1024].
+    #[arg(long, env = "RAY_XDS_MAX_RETRIES")]
+    pub max_retries: Option<u32>,
+
     /// Largest gRPC message accepted from an xDS client [config: xds.max_message_bytes;
     /// default 4194304].
     #[arg(long, env = "RAY_XDS_XDS_MAX_MESSAGE_BYTES")]
@@ -152,6 +204,8 @@ pub struct GatewaySettings {
     pub listener_port: u16,
     pub upstream_idle_timeout: Duration,
     pub connect_timeout: Duration,
+    /// The global traffic policy; RayServices override parts of it.
+    pub traffic: TrafficPolicy,
 }
 
 impl Default for GatewaySettings {
@@ -161,6 +215,7 @@ impl Default for GatewaySettings {
             listener_port: 10000,
             upstream_idle_timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(1),
+            traffic: TrafficPolicy::default(),
         }
     }
 }
@@ -209,6 +264,29 @@ struct FileConfig {
     probe: ProbeSection,
     #[serde(default)]
     dashboard: DashboardSection,
+    #[serde(default)]
+    traffic: TrafficSection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TrafficSection {
+    retries: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    per_try_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    route_timeout: Option<Duration>,
+    idempotent: Option<bool>,
+    #[serde(default, with = "humantime_serde")]
+    retry_back_off: Option<Duration>,
+    consecutive_gateway_failure: Option<u32>,
+    consecutive_local_origin_failure: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    outlier_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    base_ejection_time: Option<Duration>,
+    max_ejection_percent: Option<u32>,
+    max_retries: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -347,7 +425,57 @@ impl Config {
                 .connect_timeout
                 .or(file.gateway.connect_timeout)
                 .unwrap_or(defaults.connect_timeout),
+            traffic: {
+                let (t, d) = (&file.traffic, TrafficPolicy::default());
+                TrafficPolicy {
+                    retries: args.retries.or(t.retries).unwrap_or(d.retries),
+                    per_try_timeout: args
+                        .per_try_timeout
+                        .or(t.per_try_timeout)
+                        .unwrap_or(d.per_try_timeout),
+                    route_timeout: args
+                        .route_timeout
+                        .or(t.route_timeout)
+                        .unwrap_or(d.route_timeout),
+                    idempotent: args.idempotent.or(t.idempotent).unwrap_or(d.idempotent),
+                    retry_back_off: args
+                        .retry_back_off
+                        .or(t.retry_back_off)
+                        .unwrap_or(d.retry_back_off),
+                    consecutive_gateway_failure: args
+                        .consecutive_gateway_failure
+                        .or(t.consecutive_gateway_failure)
+                        .unwrap_or(d.consecutive_gateway_failure),
+                    consecutive_local_origin_failure: args
+                        .consecutive_local_origin_failure
+                        .or(t.consecutive_local_origin_failure)
+                        .unwrap_or(d.consecutive_local_origin_failure),
+                    outlier_interval: args
+                        .outlier_interval
+                        .or(t.outlier_interval)
+                        .unwrap_or(d.outlier_interval),
+                    base_ejection_time: args
+                        .base_ejection_time
+                        .or(t.base_ejection_time)
+                        .unwrap_or(d.base_ejection_time),
+                    max_ejection_percent: args
+                        .max_ejection_percent
+                        .or(t.max_ejection_percent)
+                        .unwrap_or(d.max_ejection_percent),
+                    max_retries: args.max_retries.or(t.max_retries).unwrap_or(d.max_retries),
+                }
+            },
         };
+        let t = &gateway.traffic;
+        if t.max_ejection_percent > 100
+            || t.outlier_interval.is_zero()
+            || t.base_ejection_time.is_zero()
+            || t.retry_back_off.is_zero()
+        {
+            return Err(ConfigError::Invalid(
+                "traffic: max_ejection_percent is at most 100; outlier_interval, base_ejection_time and retry_back_off must be above 0".into(),
+            ));
+        }
         if gateway.upstream_idle_timeout.is_zero()
             || gateway.upstream_idle_timeout >= Duration::from_secs(90)
         {
@@ -536,6 +664,21 @@ mod tests {
         assert!(err.contains("line 2"), "{err}");
         assert!(err.contains("gateway.http_listener.adress"), "{err}");
         assert!(err.contains("unknown field `adress`"), "{err}");
+    }
+
+    #[test]
+    fn traffic_policy() {
+        let c = load("traffic: { retries: 5, idempotent: true, max_ejection_percent: 30 }\nsource: { file: { path: a.yaml } }\n").unwrap();
+        assert_eq!(c.gateway.traffic.retries, 5);
+        assert!(c.gateway.traffic.idempotent);
+        assert_eq!(c.gateway.traffic.max_ejection_percent, 30);
+        assert_eq!(c.gateway.traffic.per_try_timeout, Duration::from_secs(10));
+        assert!(load(
+            "traffic: { max_ejection_percent: 101 }\nsource: { file: { path: a.yaml } }\n"
+        )
+        .is_err());
+        let err = load("traffic: { retrys: 1 }\n").unwrap_err().to_string();
+        assert!(err.contains("traffic.retrys"), "{err}");
     }
 
     #[test]

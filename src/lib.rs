@@ -6,6 +6,7 @@
 //! - [`source`]: where RayServices come from (the watched `services.yaml` file now),
 //!   each source the single writer of a [`model::Model`];
 //! - [`model`]: the domain model, free of Kubernetes and protobuf types;
+//! - [`policy`]: traffic policy (outlier detection, retries, timeouts) and its defaults;
 //! - [`translate`]: the pure function from a model to Envoy resources;
 //! - [`xds`]: versioned snapshots, sans-IO ADS state machines (state of the world and
 //!   delta) and the thin tonic server around them;
@@ -19,6 +20,7 @@ pub mod config;
 pub mod live;
 pub mod metrics;
 pub mod model;
+pub mod policy;
 pub mod runtime;
 pub mod sim;
 pub mod source;

@@ -59,6 +59,7 @@ pub struct ProbeOverrides {
 pub struct ServicePolicy {
     pub head_proxy: HeadProxy,
     pub probe: ProbeOverrides,
+    pub traffic: crate::policy::TrafficOverrides,
 }
 
 /// One RayCluster and the Ray Serve HTTP proxies it runs.

@@ -29,6 +29,8 @@ use envoy_types::util::pack_any;
 use crate::config::GatewaySettings;
 use crate::live::health::{EndpointHealth, HealthMap};
 use crate::model::{Model, RayService};
+use crate::policy::TrafficPolicy;
+use envoy_types::pb::envoy::extensions::retry::host::previous_hosts::v3::PreviousHostsPredicate;
 
 pub const LISTENER_NAME: &str = "ray-serve-http";
 pub const ROUTE_CONFIG_NAME: &str = "ray-serve-http";
@@ -51,13 +53,14 @@ pub fn translate(model: &Model, health: &HealthMap, gateway: &GatewaySettings) -
     };
     let mut virtual_hosts = Vec::new();
     for service in model.services() {
+        let policy = gateway.traffic.with(&service.policy.traffic);
         for ray_cluster in &service.clusters {
             let name = service.envoy_cluster_name(&ray_cluster.name);
-            out.clusters.push(eds_cluster(&name, gateway));
+            out.clusters.push(eds_cluster(&name, gateway, &policy));
             out.endpoints
                 .push(load_assignment(&name, ray_cluster, health));
         }
-        virtual_hosts.push(virtual_host(service));
+        virtual_hosts.push(virtual_host(service, &policy));
     }
     out.routes.push(route::RouteConfiguration {
         name: ROUTE_CONFIG_NAME.into(),
@@ -133,7 +136,33 @@ fn http_listener(gateway: &GatewaySettings) -> listener::Listener {
     }
 }
 
-fn eds_cluster(name: &str, gateway: &GatewaySettings) -> cluster::Cluster {
+fn u32_value(value: u32) -> Option<protobuf::UInt32Value> {
+    Some(protobuf::UInt32Value { value })
+}
+
+/// Passive health on top of ray-xds's probes: a proxy that fails requests is ejected
+/// before the next probe notices. HTTP 500 is the application's own error and never
+/// ejects; Ray's 503 and Envoy's 502/504 (gateway failures) do, and so do connect
+/// failures, resets and timeouts, counted apart.
+fn outlier_detection(policy: &TrafficPolicy) -> cluster::OutlierDetection {
+    cluster::OutlierDetection {
+        enforcing_consecutive_5xx: u32_value(0),
+        consecutive_gateway_failure: u32_value(policy.consecutive_gateway_failure),
+        enforcing_consecutive_gateway_failure: u32_value(100),
+        split_external_local_origin_errors: true,
+        consecutive_local_origin_failure: u32_value(policy.consecutive_local_origin_failure),
+        enforcing_consecutive_local_origin_failure: u32_value(100),
+        enforcing_success_rate: u32_value(0),
+        enforcing_local_origin_success_rate: u32_value(0),
+        interval: Some(duration(policy.outlier_interval)),
+        base_ejection_time: Some(duration(policy.base_ejection_time)),
+        max_ejection_time: Some(duration(policy.base_ejection_time * 10)),
+        max_ejection_percent: u32_value(policy.max_ejection_percent),
+        ..Default::default()
+    }
+}
+
+fn eds_cluster(name: &str, gateway: &GatewaySettings, policy: &TrafficPolicy) -> cluster::Cluster {
     let protocol = upstream_http::HttpProtocolOptions {
         common_http_protocol_options: Some(core::HttpProtocolOptions {
             // Below Ray Serve's keep-alive, so Envoy closes idle connections first and never
@@ -170,6 +199,15 @@ fn eds_cluster(name: &str, gateway: &GatewaySettings) -> cluster::Cluster {
         )]
         .into_iter()
         .collect(),
+        outlier_detection: Some(outlier_detection(policy)),
+        circuit_breakers: Some(cluster::CircuitBreakers {
+            thresholds: vec![cluster::circuit_breakers::Thresholds {
+                priority: core::RoutingPriority::Default as i32,
+                max_retries: u32_value(policy.max_retries),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
         common_lb_config: Some(cluster::cluster::CommonLbConfig {
             // Health changes from EDS apply at once instead of being merged for 1 s.
             update_merge_window: Some(duration(Duration::ZERO)),
@@ -243,7 +281,33 @@ fn load_assignment(
     }
 }
 
-fn virtual_host(service: &RayService) -> route::VirtualHost {
+/// Retries that go to another proxy, only when nothing ran unless the service is
+/// idempotent (see `policy::TrafficPolicy`).
+fn retry_policy(policy: &TrafficPolicy) -> route::RetryPolicy {
+    route::RetryPolicy {
+        retry_on: policy.retry_on(),
+        num_retries: u32_value(policy.retries),
+        per_try_timeout: (!policy.per_try_timeout.is_zero())
+            .then(|| duration(policy.per_try_timeout)),
+        retriable_status_codes: vec![503],
+        retry_host_predicate: vec![route::retry_policy::RetryHostPredicate {
+            name: "envoy.retry_host_predicates.previous_hosts".into(),
+            config_type: Some(
+                route::retry_policy::retry_host_predicate::ConfigType::TypedConfig(pack_any(
+                    PreviousHostsPredicate {},
+                )),
+            ),
+        }],
+        host_selection_retry_max_attempts: 5,
+        retry_back_off: Some(route::retry_policy::RetryBackOff {
+            base_interval: Some(duration(policy.retry_back_off)),
+            max_interval: Some(duration(policy.retry_back_off * 10)),
+        }),
+        ..Default::default()
+    }
+}
+
+fn virtual_host(service: &RayService, policy: &TrafficPolicy) -> route::VirtualHost {
     let active = service.envoy_cluster_name(&service.active_cluster);
     route::VirtualHost {
         name: service.key(),
@@ -265,8 +329,9 @@ fn virtual_host(service: &RayService) -> route::VirtualHost {
                         ..Default::default()
                     },
                 )),
-                // Ray Serve calls may stream for minutes: no overall deadline.
-                timeout: Some(duration(Duration::ZERO)),
+                // Ray Serve calls may stream for minutes: no overall deadline by default.
+                timeout: Some(duration(policy.route_timeout)),
+                retry_policy: Some(retry_policy(policy)),
                 ..Default::default()
             })),
             ..Default::default()

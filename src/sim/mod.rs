@@ -71,6 +71,8 @@ pub enum ProxyMode {
     Slow(std::time::Duration),
     /// `/-/healthz` alternates between success and a 500, request by request.
     Flapping,
+    /// Healthy, but application requests get 503 (Ray's backpressure: nothing ran).
+    Overloaded,
 }
 
 impl std::str::FromStr for ProxyMode {
@@ -83,11 +85,12 @@ impl std::str::FromStr for ProxyMode {
             "not-ready" => ProxyMode::NotReady,
             "hang" => ProxyMode::Hang,
             "flapping" => ProxyMode::Flapping,
+            "overloaded" => ProxyMode::Overloaded,
             other => match other.strip_prefix("slow:").and_then(|ms| ms.parse().ok()) {
                 Some(ms) => ProxyMode::Slow(std::time::Duration::from_millis(ms)),
                 None => {
                     return Err(format!(
-                        "unknown proxy mode {other:?}: serving, draining, not-ready, hang, flapping or slow:<ms>"
+                        "unknown proxy mode {other:?}: serving, draining, not-ready, hang, flapping, overloaded or slow:<ms>"
                     ))
                 }
             },
@@ -141,6 +144,10 @@ async fn apply_mode(
             }
         }
         ProxyMode::Flapping => next.run(request).await,
+        ProxyMode::Overloaded if health_path => next.run(request).await,
+        ProxyMode::Overloaded => unavailable(
+            "Request dropped due to backpressure (num_queued_requests=100, max_queued_requests=100).",
+        ),
     }
 }
 

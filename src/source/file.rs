@@ -43,6 +43,40 @@ struct ServiceSpec {
     head_proxy: Option<HeadProxySpec>,
     #[serde(default)]
     probe: Option<ProbeSpec>,
+    #[serde(default)]
+    traffic: Option<TrafficSpec>,
+}
+
+/// Per-RayService traffic policy; see `policy::TrafficPolicy` for each field.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct TrafficSpec {
+    pub retries: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    pub per_try_timeout: Option<std::time::Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub route_timeout: Option<std::time::Duration>,
+    pub idempotent: Option<bool>,
+    pub consecutive_gateway_failure: Option<u32>,
+    pub consecutive_local_origin_failure: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    pub base_ejection_time: Option<std::time::Duration>,
+    pub max_ejection_percent: Option<u32>,
+}
+
+impl TrafficSpec {
+    pub(crate) fn overrides(&self) -> crate::policy::TrafficOverrides {
+        crate::policy::TrafficOverrides {
+            retries: self.retries,
+            per_try_timeout: self.per_try_timeout,
+            route_timeout: self.route_timeout,
+            idempotent: self.idempotent,
+            consecutive_gateway_failure: self.consecutive_gateway_failure,
+            consecutive_local_origin_failure: self.consecutive_local_origin_failure,
+            base_ejection_time: self.base_ejection_time,
+            max_ejection_percent: self.max_ejection_percent,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -119,6 +153,11 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
                         unhealthy_threshold: p.unhealthy_threshold,
                         healthy_threshold: p.healthy_threshold,
                     })
+                    .unwrap_or_default(),
+                traffic: s
+                    .traffic
+                    .as_ref()
+                    .map(TrafficSpec::overrides)
                     .unwrap_or_default(),
             },
             hosts: s.hosts.unwrap_or_else(|| {
@@ -316,6 +355,19 @@ rayservices:
         );
         assert_eq!(policy.probe.unhealthy_threshold, Some(3));
         assert_eq!(policy.probe.timeout, None);
+        let text = EXAMPLE.replace(
+            "    active_cluster: demo-a\n",
+            "    active_cluster: demo-a\n    traffic: { retries: 5, idempotent: true, per_try_timeout: 30s }\n",
+        );
+        let traffic = parse(Path::new("s.yaml"), &text).unwrap().services()[0]
+            .policy
+            .traffic;
+        assert_eq!((traffic.retries, traffic.idempotent), (Some(5), Some(true)));
+        assert_eq!(
+            traffic.per_try_timeout,
+            Some(std::time::Duration::from_secs(30))
+        );
+        assert_eq!(traffic.route_timeout, None);
         let err = parse(
             Path::new("s.yaml"),
             &EXAMPLE.replace(
