@@ -117,6 +117,7 @@ async fn live_state(State(state): State<AdminState>) -> Response {
     let probes = live.probes.borrow().clone();
     let dashboards = live.dashboards.borrow().clone();
     let health = live.health.borrow().clone();
+    let switchover = live.switchover.borrow().clone();
     let mut services = Vec::new();
     for service in model.services() {
         let mut clusters = Vec::new();
@@ -145,6 +146,7 @@ async fn live_state(State(state): State<AdminState>) -> Response {
         }
         services.push(json!({
             "name": service.key(),
+            "switchover": switchover.services.get(&service.key()),
             "head_proxy": format!("{:?}", service.policy.head_proxy).to_lowercase(),
             "clusters": clusters,
         }));

@@ -7,6 +7,7 @@
 //!   each source the single writer of a [`model::Model`];
 //! - [`model`]: the domain model, free of Kubernetes and protobuf types;
 //! - [`policy`]: traffic policy (outlier detection, retries, timeouts) and its defaults;
+//! - [`switchover`]: readiness-gated weights between a RayService's clusters;
 //! - [`translate`]: the pure function from a model to Envoy resources;
 //! - [`xds`]: versioned snapshots, sans-IO ADS state machines (state of the world and
 //!   delta) and the thin tonic server around them;
@@ -24,5 +25,6 @@ pub mod policy;
 pub mod runtime;
 pub mod sim;
 pub mod source;
+pub mod switchover;
 pub mod translate;
 pub mod xds;

@@ -41,6 +41,12 @@ pub struct StateLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WeightLabels {
+    pub rayservice: String,
+    pub cluster: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub reason: &'static str,
 }
@@ -71,6 +77,8 @@ pub struct Metrics {
     pub dashboard_errors: Family<ErrorLabels, Counter>,
     pub fail_open_events: Counter,
     pub fail_open_clusters: Gauge,
+    pub switchover_weight: Family<WeightLabels, Gauge>,
+    pub switchover_transitions: Family<StateLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -101,6 +109,8 @@ impl Metrics {
             dashboard_errors: Family::default(),
             fail_open_events: Counter::default(),
             fail_open_clusters: Gauge::default(),
+            switchover_weight: Family::default(),
+            switchover_transitions: Family::default(),
             registry: Registry::with_prefix("ray_xds"),
         };
         let registry = &mut m.registry;
@@ -177,6 +187,16 @@ impl Metrics {
             "fail_open_clusters",
             "Clusters currently published fail-open",
             m.fail_open_clusters.clone(),
+        );
+        registry.register(
+            "switchover_weight",
+            "Percent of a RayService's traffic each of its clusters gets",
+            m.switchover_weight.clone(),
+        );
+        registry.register(
+            "switchover_transitions",
+            "Switchover state changes, by the phase entered",
+            m.switchover_transitions.clone(),
         );
         m
     }

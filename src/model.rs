@@ -55,11 +55,12 @@ pub struct ProbeOverrides {
 }
 
 /// Per-RayService policy.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServicePolicy {
     pub head_proxy: HeadProxy,
     pub probe: ProbeOverrides,
     pub traffic: crate::policy::TrafficOverrides,
+    pub switchover: crate::switchover::SwitchoverPolicy,
 }
 
 /// One RayCluster and the Ray Serve HTTP proxies it runs.

@@ -9,7 +9,7 @@
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use tokio::net::TcpListener;
@@ -23,8 +23,10 @@ use crate::live::dashboards::{DashboardPoller, DashboardStates};
 use crate::live::health::{assess, HealthMap};
 use crate::live::prober::{ProbeStates, Prober};
 use crate::metrics::{Metrics, SourceLabels};
+use crate::metrics::{StateLabels, WeightLabels};
 use crate::model::Model;
 use crate::source::file::{self, FileSource};
+use crate::switchover::Switchover;
 use crate::translate::translate;
 use crate::xds::grpc::AdsService;
 use crate::xds::server::{AdsServer, Clients};
@@ -147,11 +149,14 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         dashboards: dashboards_rx,
     };
     let (health_tx, health_rx) = watch::channel(Arc::new(HealthMap::default()));
+    let (switch_tx, switch_rx) = watch::channel(Arc::new(Switchover::default()));
     let mut pipeline = Pipeline {
         gateway: config.gateway.clone(),
         metrics: metrics.clone(),
         health: health_tx,
         fail_open: Default::default(),
+        switchover: Switchover::default(),
+        switch_views: switch_tx,
     };
     let first = pipeline.build(&inputs, None);
     pipeline.published(&first);
@@ -162,6 +167,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         probes: inputs.probes.clone(),
         dashboards: inputs.dashboards.clone(),
         health: health_rx,
+        switchover: switch_rx,
     };
     {
         let token = shutdown.clone();
@@ -232,6 +238,8 @@ struct Pipeline {
     metrics: Arc<Metrics>,
     health: watch::Sender<Arc<HealthMap>>,
     fail_open: BTreeSet<String>,
+    switchover: Switchover,
+    switch_views: watch::Sender<Arc<Switchover>>,
 }
 
 impl Pipeline {
@@ -241,8 +249,39 @@ impl Pipeline {
         let dashboards = inputs.dashboards.borrow().clone();
         let started = Instant::now();
         let health = assess(&model, &probes, &dashboards);
-        let snapshot =
-            Snapshot::from_resources_reusing(&translate(&model, &health, &self.gateway), previous);
+        for e in self
+            .switchover
+            .advance(&model, &probes, &dashboards, SystemTime::now())
+        {
+            tracing::info!(rayservice = e.service, phase = e.phase, weights = ?e.weights, "switchover: {}", e.reason);
+            self.metrics
+                .switchover_transitions
+                .get_or_create(&StateLabels { state: e.phase })
+                .inc();
+            let clusters = model
+                .services()
+                .iter()
+                .filter(|s| s.key() == e.service)
+                .flat_map(|s| &s.clusters);
+            for cluster in clusters {
+                let weight = e
+                    .weights
+                    .iter()
+                    .find(|(c, _)| *c == cluster.name)
+                    .map_or(0, |(_, w)| *w);
+                self.metrics
+                    .switchover_weight
+                    .get_or_create(&WeightLabels {
+                        rayservice: e.service.clone(),
+                        cluster: cluster.name.clone(),
+                    })
+                    .set(weight as i64);
+            }
+        }
+        self.switch_views
+            .send_replace(Arc::new(self.switchover.clone()));
+        let resources = translate(&model, &health, &self.switchover, &self.gateway);
+        let snapshot = Snapshot::from_resources_reusing(&resources, previous);
         self.metrics
             .translate_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -292,6 +331,8 @@ impl Pipeline {
                 }
                 changed = inputs.probes.changed() => if changed.is_err() { return },
                 changed = inputs.dashboards.changed() => if changed.is_err() { return },
+                // A progressive shift moves on with time alone.
+                _ = tokio::time::sleep(Duration::from_millis(500)), if self.switchover.shifting() => {}
             }
             inputs.models.mark_unchanged();
             inputs.probes.mark_unchanged();
@@ -315,4 +356,5 @@ pub struct LiveViews {
     pub probes: watch::Receiver<Arc<ProbeStates>>,
     pub dashboards: watch::Receiver<Arc<DashboardStates>>,
     pub health: watch::Receiver<Arc<HealthMap>>,
+    pub switchover: watch::Receiver<Arc<Switchover>>,
 }

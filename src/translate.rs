@@ -30,6 +30,7 @@ use crate::config::GatewaySettings;
 use crate::live::health::{EndpointHealth, HealthMap};
 use crate::model::{Model, RayService};
 use crate::policy::TrafficPolicy;
+use crate::switchover::Switchover;
 use envoy_types::pb::envoy::extensions::retry::host::previous_hosts::v3::PreviousHostsPredicate;
 
 pub const LISTENER_NAME: &str = "ray-serve-http";
@@ -46,7 +47,12 @@ pub struct Resources {
     pub routes: Vec<route::RouteConfiguration>,
 }
 
-pub fn translate(model: &Model, health: &HealthMap, gateway: &GatewaySettings) -> Resources {
+pub fn translate(
+    model: &Model,
+    health: &HealthMap,
+    switchover: &Switchover,
+    gateway: &GatewaySettings,
+) -> Resources {
     let mut out = Resources {
         listeners: vec![http_listener(gateway)],
         ..Default::default()
@@ -60,7 +66,7 @@ pub fn translate(model: &Model, health: &HealthMap, gateway: &GatewaySettings) -
             out.endpoints
                 .push(load_assignment(&name, ray_cluster, health));
         }
-        virtual_hosts.push(virtual_host(service, &policy));
+        virtual_hosts.push(virtual_host(service, &switchover.weights(service), &policy));
     }
     out.routes.push(route::RouteConfiguration {
         name: ROUTE_CONFIG_NAME.into(),
@@ -307,8 +313,11 @@ fn retry_policy(policy: &TrafficPolicy) -> route::RetryPolicy {
     }
 }
 
-fn virtual_host(service: &RayService, policy: &TrafficPolicy) -> route::VirtualHost {
-    let active = service.envoy_cluster_name(&service.active_cluster);
+fn virtual_host(
+    service: &RayService,
+    weights: &[(&str, u32)],
+    policy: &TrafficPolicy,
+) -> route::VirtualHost {
     route::VirtualHost {
         name: service.key(),
         domains: service.hosts.clone(),
@@ -321,11 +330,14 @@ fn virtual_host(service: &RayService, policy: &TrafficPolicy) -> route::VirtualH
             action: Some(route::route::Action::Route(route::RouteAction {
                 cluster_specifier: Some(route::route_action::ClusterSpecifier::WeightedClusters(
                     route::WeightedCluster {
-                        clusters: vec![route::weighted_cluster::ClusterWeight {
-                            name: active,
-                            weight: Some(protobuf::UInt32Value { value: 100 }),
-                            ..Default::default()
-                        }],
+                        clusters: weights
+                            .iter()
+                            .map(|(cluster, weight)| route::weighted_cluster::ClusterWeight {
+                                name: service.envoy_cluster_name(cluster),
+                                weight: Some(protobuf::UInt32Value { value: *weight }),
+                                ..Default::default()
+                            })
+                            .collect(),
                         ..Default::default()
                     },
                 )),
@@ -375,7 +387,12 @@ mod tests {
         a.clusters.push(extra);
         a.pending_cluster = Some("a2".into());
         let model = Model::new(vec![a, service("b", "b1", &[9000])]).unwrap();
-        let r = translate(&model, &HealthMap::default(), &GatewaySettings::default());
+        let r = translate(
+            &model,
+            &HealthMap::default(),
+            &Switchover::default(),
+            &GatewaySettings::default(),
+        );
         let names: Vec<_> = r.clusters.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names, ["default/a/a1", "default/a/a2", "default/b/b1"]);
         assert_eq!(r.endpoints.len(), 3);
@@ -394,8 +411,8 @@ mod tests {
         let model = Model::new(vec![service("a", "a1", &[8000, 8001])]).unwrap();
         let g = GatewaySettings::default();
         assert_eq!(
-            translate(&model, &HealthMap::default(), &g),
-            translate(&model, &HealthMap::default(), &g)
+            translate(&model, &HealthMap::default(), &Switchover::default(), &g),
+            translate(&model, &HealthMap::default(), &Switchover::default(), &g)
         );
     }
 
@@ -404,6 +421,7 @@ mod tests {
         let r = translate(
             &Model::default(),
             &HealthMap::default(),
+            &Switchover::default(),
             &GatewaySettings::default(),
         );
         assert_eq!(r.listeners.len(), 1);

@@ -15,6 +15,7 @@ fn golden(name: &str, services: &Path) {
     let snapshot = Snapshot::from_resources(&translate(
         &model,
         &Default::default(),
+        &Default::default(),
         &GatewaySettings::default(),
     ));
     let mut out = format!("# snapshot version {}\n", snapshot.version());

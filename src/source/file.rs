@@ -45,6 +45,59 @@ struct ServiceSpec {
     probe: Option<ProbeSpec>,
     #[serde(default)]
     traffic: Option<TrafficSpec>,
+    #[serde(default)]
+    switchover: Option<SwitchoverSpec>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SwitchoverSpec {
+    #[serde(default)]
+    mode: Option<ShiftModeSpec>,
+    /// Progressive steps, in percent, ending at 100.
+    steps: Option<Vec<u32>>,
+    #[serde(default, with = "humantime_serde")]
+    interval: Option<std::time::Duration>,
+    min_ready_proxies: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum ShiftModeSpec {
+    Atomic,
+    Progressive,
+}
+
+impl SwitchoverSpec {
+    fn policy(&self) -> Result<crate::switchover::SwitchoverPolicy, String> {
+        use crate::switchover::{ShiftMode, SwitchoverPolicy};
+        let d = SwitchoverPolicy::default();
+        let mode = match self.mode {
+            None | Some(ShiftModeSpec::Atomic) => {
+                if self.steps.is_some() || self.interval.is_some() {
+                    return Err("switchover: steps and interval go with mode: progressive".into());
+                }
+                ShiftMode::Atomic
+            }
+            Some(ShiftModeSpec::Progressive) => {
+                let steps = self.steps.clone().unwrap_or_else(|| vec![10, 25, 50, 100]);
+                let rising = steps.windows(2).all(|w| w[0] < w[1]);
+                if steps.last() != Some(&100) || !rising || steps[0] == 0 {
+                    return Err(format!(
+                        "switchover: steps {steps:?} must rise from above 0 to 100"
+                    ));
+                }
+                ShiftMode::Progressive {
+                    steps,
+                    interval: self.interval.unwrap_or(std::time::Duration::from_secs(10)),
+                }
+            }
+        };
+        Ok(SwitchoverPolicy {
+            mode,
+            min_ready_proxies: self.min_ready_proxies.unwrap_or(d.min_ready_proxies).max(1),
+        })
+    }
 }
 
 /// Per-RayService traffic policy; see `policy::TrafficPolicy` for each field.
@@ -138,59 +191,73 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
     let services = parsed
         .rayservices
         .into_iter()
-        .map(|s| RayService {
-            policy: ServicePolicy {
-                head_proxy: match s.head_proxy {
-                    Some(HeadProxySpec::Exclude) => HeadProxy::Exclude,
-                    Some(HeadProxySpec::Include) => HeadProxy::Include,
-                    Some(HeadProxySpec::Fallback) | None => HeadProxy::Fallback,
-                },
-                probe: s
-                    .probe
-                    .map(|p| ProbeOverrides {
-                        interval: p.interval,
-                        timeout: p.timeout,
-                        unhealthy_threshold: p.unhealthy_threshold,
-                        healthy_threshold: p.healthy_threshold,
-                    })
-                    .unwrap_or_default(),
-                traffic: s
-                    .traffic
-                    .as_ref()
-                    .map(TrafficSpec::overrides)
-                    .unwrap_or_default(),
-            },
-            hosts: s.hosts.unwrap_or_else(|| {
-                vec![
-                    format!("{}.{}", s.name, s.namespace),
-                    format!("{}.{}.svc", s.name, s.namespace),
-                ]
-            }),
-            namespace: s.namespace,
-            name: s.name,
-            active_cluster: s.active_cluster,
-            pending_cluster: s.pending_cluster,
-            clusters: s
-                .clusters
-                .into_iter()
-                .map(|c| RayCluster {
-                    name: c.name,
-                    dashboard: c.dashboard,
-                    proxies: c
-                        .proxies
-                        .into_iter()
-                        .map(|p| Proxy {
-                            address: p.address,
-                            node_type: match p.node_type {
-                                NodeTypeSpec::Head => NodeType::Head,
-                                NodeTypeSpec::Worker => NodeType::Worker,
-                            },
+        .map(|s| {
+            let switchover = match &s.switchover {
+                Some(spec) => spec.policy().map_err(|e| {
+                    ConfigError::Invalid(format!(
+                        "{}: rayservice {}/{}: {e}",
+                        file.display(),
+                        s.namespace,
+                        s.name
+                    ))
+                })?,
+                None => Default::default(),
+            };
+            Ok(RayService {
+                policy: ServicePolicy {
+                    switchover,
+                    head_proxy: match s.head_proxy {
+                        Some(HeadProxySpec::Exclude) => HeadProxy::Exclude,
+                        Some(HeadProxySpec::Include) => HeadProxy::Include,
+                        Some(HeadProxySpec::Fallback) | None => HeadProxy::Fallback,
+                    },
+                    probe: s
+                        .probe
+                        .map(|p| ProbeOverrides {
+                            interval: p.interval,
+                            timeout: p.timeout,
+                            unhealthy_threshold: p.unhealthy_threshold,
+                            healthy_threshold: p.healthy_threshold,
                         })
-                        .collect(),
-                })
-                .collect(),
+                        .unwrap_or_default(),
+                    traffic: s
+                        .traffic
+                        .as_ref()
+                        .map(TrafficSpec::overrides)
+                        .unwrap_or_default(),
+                },
+                hosts: s.hosts.unwrap_or_else(|| {
+                    vec![
+                        format!("{}.{}", s.name, s.namespace),
+                        format!("{}.{}.svc", s.name, s.namespace),
+                    ]
+                }),
+                namespace: s.namespace,
+                name: s.name,
+                active_cluster: s.active_cluster,
+                pending_cluster: s.pending_cluster,
+                clusters: s
+                    .clusters
+                    .into_iter()
+                    .map(|c| RayCluster {
+                        name: c.name,
+                        dashboard: c.dashboard,
+                        proxies: c
+                            .proxies
+                            .into_iter()
+                            .map(|p| Proxy {
+                                address: p.address,
+                                node_type: match p.node_type {
+                                    NodeTypeSpec::Head => NodeType::Head,
+                                    NodeTypeSpec::Worker => NodeType::Worker,
+                                },
+                            })
+                            .collect(),
+                    })
+                    .collect(),
+            })
         })
-        .collect();
+        .collect::<Result<Vec<_>, ConfigError>>()?;
     Model::new(services).map_err(|e| ConfigError::Invalid(format!("{}: {e}", file.display())))
 }
 
@@ -347,7 +414,7 @@ rayservices:
             "    active_cluster: demo-a\n    head_proxy: exclude\n    probe: { interval: 1s, unhealthy_threshold: 3 }\n",
         );
         let model = parse(Path::new("s.yaml"), &text).unwrap();
-        let policy = model.services()[0].policy;
+        let policy = model.services()[0].policy.clone();
         assert_eq!(policy.head_proxy, HeadProxy::Exclude);
         assert_eq!(
             policy.probe.interval,

@@ -359,6 +359,7 @@ pub(crate) mod tests {
         Snapshot::from_resources(&translate(
             &Model::new(services).unwrap(),
             &Default::default(),
+            &Default::default(),
             &GatewaySettings::default(),
         ))
     }

@@ -346,14 +346,29 @@ mod tests {
     fn versions_are_content_hashes() {
         let g = GatewaySettings::default();
         let m1 = Model::new(vec![service("a", "a1", &[8000, 8001])]).unwrap();
-        let s1 = Snapshot::from_resources(&translate(&m1, &Default::default(), &g));
-        let s1_again = Snapshot::from_resources(&translate(&m1, &Default::default(), &g));
+        let s1 = Snapshot::from_resources(&translate(
+            &m1,
+            &Default::default(),
+            &Default::default(),
+            &g,
+        ));
+        let s1_again = Snapshot::from_resources(&translate(
+            &m1,
+            &Default::default(),
+            &Default::default(),
+            &g,
+        ));
         assert_eq!(s1.version(), s1_again.version());
         assert_eq!(s1.version().len(), 16);
 
         // Changing one endpoint changes that assignment's version and nothing else.
         let m2 = Model::new(vec![service("a", "a1", &[8000, 8002])]).unwrap();
-        let s2 = Snapshot::from_resources(&translate(&m2, &Default::default(), &g));
+        let s2 = Snapshot::from_resources(&translate(
+            &m2,
+            &Default::default(),
+            &Default::default(),
+            &g,
+        ));
         assert_ne!(s1.version(), s2.version());
         for ty in ResourceType::ALL {
             for (name, r) in s1.resources(ty) {
@@ -376,9 +391,16 @@ mod tests {
             service("b", "b1", &[9001]),
         ])
         .unwrap();
-        let s1 = Snapshot::from_resources(&translate(&m1, &Default::default(), &g));
-        let s2 =
-            Snapshot::from_resources_reusing(&translate(&m2, &Default::default(), &g), Some(&s1));
+        let s1 = Snapshot::from_resources(&translate(
+            &m1,
+            &Default::default(),
+            &Default::default(),
+            &g,
+        ));
+        let s2 = Snapshot::from_resources_reusing(
+            &translate(&m2, &Default::default(), &Default::default(), &g),
+            Some(&s1),
+        );
         let e = ResourceType::Endpoints;
         assert!(Arc::ptr_eq(
             &s1.resources(e)["default/a/a1"],
@@ -390,7 +412,12 @@ mod tests {
         ));
         assert_eq!(
             s2,
-            Snapshot::from_resources(&translate(&m2, &Default::default(), &g)),
+            Snapshot::from_resources(&translate(
+                &m2,
+                &Default::default(),
+                &Default::default(),
+                &g
+            )),
             "same content either way"
         );
     }
@@ -400,6 +427,7 @@ mod tests {
         let m = Model::new(vec![service("a", "a1", &[8000])]).unwrap();
         let s = Snapshot::from_resources(&translate(
             &m,
+            &Default::default(),
             &Default::default(),
             &GatewaySettings::default(),
         ));

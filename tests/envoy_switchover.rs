@@ -1,0 +1,182 @@
+//! Readiness-gated switchover with a real Envoy: traffic moves to a new RayCluster only
+//! once its own dashboard says every application is RUNNING, and not because the source
+//! named it active early.
+
+mod support;
+
+use std::time::Duration;
+
+use ray_xds::model::NodeType;
+use ray_xds::sim::dashboard::SimDashboard;
+use support::*;
+use tokio_util::sync::CancellationToken;
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+async fn dashboard(app_status: &str, shutdown: &CancellationToken) -> (SimDashboard, String) {
+    let d = SimDashboard::new();
+    d.set_app("hello", "/", app_status);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(d.clone().serve(listener, shutdown.clone()));
+    (d, url)
+}
+
+fn yaml(
+    active: &str,
+    pending: Option<&str>,
+    clusters: &[(&SimCluster, &str)],
+    extra: &str,
+) -> String {
+    let mut s = format!("rayservices:\n  - name: demo\n    hosts: ['*']\n    active_cluster: {active}\n    head_proxy: include\n{extra}");
+    if let Some(p) = pending {
+        s += &format!("    pending_cluster: {p}\n");
+    }
+    s += "    clusters:\n";
+    for (c, url) in clusters {
+        s += &c.yaml().replacen(
+            "\n        proxies:",
+            &format!("\n        dashboard: {url}\n        proxies:"),
+            1,
+        );
+    }
+    s
+}
+
+/// Sends requests until `until` holds for a served response; counts failures on the way.
+async fn drive(port: u16, until: impl Fn(&str) -> bool) -> usize {
+    let started = std::time::Instant::now();
+    let mut failed = 0;
+    loop {
+        match through_envoy(port).await {
+            Some(s) if until(&s.cluster) => return failed,
+            Some(_) => {}
+            None => failed += 1,
+        }
+        assert!(started.elapsed() < DEADLINE, "timed out; {failed} failed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_moves_only_once_the_new_cluster_runs() {
+    let shutdown = CancellationToken::new();
+    let a = SimCluster::start("a", &[NodeType::Head, NodeType::Worker]).await;
+    let b = SimCluster::start("b", &[NodeType::Head, NodeType::Worker]).await;
+    let (_da, url_a) = dashboard("RUNNING", &shutdown).await;
+    let (db, url_b) = dashboard("DEPLOYING", &shutdown).await;
+    let dir = tempfile::tempdir().unwrap();
+    let services = dir.path().join("services.yaml");
+    std::fs::write(
+        &services,
+        yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], ""),
+    )
+    .unwrap();
+    let port = free_port();
+    let xds = ray_xds::runtime::start(test_config(&services, port), Default::default())
+        .await
+        .unwrap();
+    let _envoy = Envoy::start(Bootstrap::Delta, xds.xds_addr.port());
+    eventually("traffic flows", DEADLINE, || async {
+        through_envoy(port).await
+    })
+    .await;
+    for _ in 0..30 {
+        assert_eq!(
+            through_envoy(port).await.map(|s| s.cluster).as_deref(),
+            Some("a"),
+            "b is still DEPLOYING"
+        );
+    }
+    let state: serde_json::Value =
+        serde_json::from_str(&admin_get(xds.admin_addr, "/debug/state").await).unwrap();
+    let sw = &state["rayservices"][0]["switchover"];
+    assert_eq!(sw["phase"], "waiting", "{sw}");
+    assert!(sw["reason"].as_str().unwrap().contains("DEPLOYING"), "{sw}");
+
+    db.set_app("hello", "/", "RUNNING");
+    let failed = drive(port, |c| c == "b").await;
+    assert_eq!(failed, 0);
+    for _ in 0..20 {
+        assert_eq!(
+            through_envoy(port).await.map(|s| s.cluster).as_deref(),
+            Some("b")
+        );
+    }
+    let m = admin_get(xds.admin_addr, "/metrics").await;
+    assert_eq!(
+        metric(
+            &m,
+            "ray_xds_switchover_weight{rayservice=\"default/demo\",cluster=\"b\"}"
+        ),
+        100.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "ray_xds_switchover_weight{rayservice=\"default/demo\",cluster=\"a\"}"
+        ),
+        0.0,
+        "{m}"
+    );
+    shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_flip_keeps_serving_from_the_ready_cluster() {
+    let shutdown = CancellationToken::new();
+    let a = SimCluster::start("a", &[NodeType::Head]).await;
+    let b = SimCluster::start("b", &[NodeType::Head]).await;
+    let (_da, url_a) = dashboard("RUNNING", &shutdown).await;
+    let (db, url_b) = dashboard("DEPLOYING", &shutdown).await;
+    let dir = tempfile::tempdir().unwrap();
+    let services = dir.path().join("services.yaml");
+    let progressive = "    switchover: { mode: progressive, steps: [50, 100], interval: 1s }\n";
+    std::fs::write(
+        &services,
+        yaml("a", None, &[(&a, &url_a), (&b, &url_b)], progressive),
+    )
+    .unwrap();
+    let port = free_port();
+    let xds = ray_xds::runtime::start(test_config(&services, port), Default::default())
+        .await
+        .unwrap();
+    let _envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
+    eventually("traffic flows", DEADLINE, || async {
+        through_envoy(port).await
+    })
+    .await;
+    // The source names b active while its applications still deploy.
+    write_atomic(
+        &services,
+        &yaml("b", None, &[(&a, &url_a), (&b, &url_b)], progressive),
+    );
+    eventually("ray-xds sees the flip", DEADLINE, || async {
+        let state: serde_json::Value =
+            serde_json::from_str(&admin_get(xds.admin_addr, "/debug/state").await).ok()?;
+        (state["rayservices"][0]["switchover"]["target"] == "b").then_some(())
+    })
+    .await;
+    for _ in 0..30 {
+        assert_eq!(
+            through_envoy(port).await.map(|s| s.cluster).as_deref(),
+            Some("a"),
+            "traffic follows readiness"
+        );
+    }
+    db.set_app("hello", "/", "RUNNING");
+    // Progressive: first half and half, then all on b.
+    let failed = drive(port, |c| c == "b").await;
+    assert_eq!(failed, 0);
+    let failed = eventually("all traffic on b", DEADLINE, || async {
+        let mut all_b = true;
+        for _ in 0..20 {
+            all_b &= through_envoy(port).await.map(|s| s.cluster).as_deref() == Some("b");
+        }
+        all_b.then_some(0)
+    })
+    .await;
+    assert_eq!(failed, 0);
+    shutdown.cancel();
+}
