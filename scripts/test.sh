@@ -9,4 +9,5 @@ cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 # The fan-out benchmark, small and unoptimized: a smoke test that it still runs.
 cargo test --bench fanout -- --sotw 20 --delta 20 --changes 2
+cargo test --bench chaos -- --scenario proxy-crash --duration 6 --fault-at 2 --rps 50 --connections 2
 cargo test --lib --bins --tests

@@ -61,6 +61,10 @@ pub struct ServiceSwitch {
     pub reason: String,
     /// Percent of traffic per cluster (only clusters with some).
     pub weights: Vec<(String, u32)>,
+    /// When the current target became the target: its dashboard must have answered
+    /// since, so a status read before an upgrade began is never taken for readiness.
+    #[serde(skip)]
+    target_since: Option<SystemTime>,
     #[serde(skip)]
     step: usize,
     #[serde(skip)]
@@ -89,6 +93,7 @@ pub fn readiness(
     probes: &ProbeStates,
     dashboards: &DashboardStates,
     min_ready_proxies: u32,
+    answered_since: Option<SystemTime>,
 ) -> Result<(), String> {
     let Some(c) = service.cluster(cluster) else {
         return Err(format!("cluster {cluster} is not listed"));
@@ -102,6 +107,17 @@ pub fn readiness(
         };
         if d.is_some_and(|d| d.stale) {
             return Err("its dashboard does not answer now".into());
+        }
+        if let Some(since) = answered_since {
+            let since = since
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .unwrap_or(0.0);
+            if d.and_then(|d| d.last_success_unix)
+                .is_none_or(|t| t < since)
+            {
+                return Err("waiting for its dashboard to answer since the switch began".into());
+            }
         }
         if !status.all_running() {
             let waiting: Vec<String> = status
@@ -170,6 +186,7 @@ impl Switchover {
                 phase: "stable",
                 reason: String::new(),
                 weights: vec![],
+                target_since: None,
                 step: 0,
                 step_since: None,
             });
@@ -179,6 +196,7 @@ impl Switchover {
                 st.serving = service.active_cluster.clone();
                 st.step = 0;
             }
+            let previous_target = st.target.clone();
             st.target = match &service.pending_cluster {
                 // Already moved to the pending cluster: stay until the source promotes it.
                 Some(p) if *p == st.serving => None,
@@ -190,6 +208,9 @@ impl Switchover {
                 }
                 None => None,
             };
+            if st.target != previous_target {
+                st.target_since = st.target.as_ref().map(|_| now);
+            }
             match st.target.clone() {
                 None => {
                     if st.phase != "stable" || st.reason.is_empty() {
@@ -206,6 +227,7 @@ impl Switchover {
                         probes,
                         dashboards,
                         policy.min_ready_proxies,
+                        st.target_since,
                     );
                     let desperate = !has_healthy(service, &st.serving, probes)
                         && has_healthy(service, &target, probes);
@@ -360,6 +382,8 @@ mod tests {
                 cluster.into(),
                 ClusterDashboard {
                     status: Some(status),
+                    // Answered "now" for every test time below.
+                    last_success_unix: Some(1e9),
                     ..ClusterDashboard::new("http://x".into())
                 },
             );
@@ -489,12 +513,46 @@ mod tests {
     }
 
     #[test]
+    fn a_status_read_before_the_switch_began_is_not_readiness() {
+        let mut world = World::new();
+        let m = model(A, Some(B), SwitchoverPolicy::default());
+        // b's dashboard last answered RUNNING at t=10; the upgrade starts at t=20.
+        world
+            .dashboards
+            .clusters
+            .get_mut("default/s/b1")
+            .unwrap()
+            .last_success_unix = Some(10.0);
+        let mut s = Switchover::default();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        s.advance(
+            &model(A, None, SwitchoverPolicy::default()),
+            &world.probes,
+            &world.dashboards,
+            at(15),
+        );
+        s.advance(&m, &world.probes, &world.dashboards, at(20));
+        assert_eq!(weights(&s), w(&[(A, 100)]));
+        assert!(s.services["default/s"]
+            .reason
+            .contains("since the switch began"));
+        world
+            .dashboards
+            .clusters
+            .get_mut("default/s/b1")
+            .unwrap()
+            .last_success_unix = Some(21.0);
+        s.advance(&m, &world.probes, &world.dashboards, at(21));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
+    #[test]
     fn readiness_needs_enough_proxies_serving_every_route() {
         let world = World::new();
         let m = model(A, Some(B), SwitchoverPolicy::default());
         let svc = &m.services()[0];
-        assert!(readiness(svc, B, &world.probes, &world.dashboards, 1).is_ok());
-        let err = readiness(svc, B, &world.probes, &world.dashboards, 2).unwrap_err();
+        assert!(readiness(svc, B, &world.probes, &world.dashboards, 1, None).is_ok());
+        let err = readiness(svc, B, &world.probes, &world.dashboards, 2, None).unwrap_err();
         assert!(err.contains("1 of 1 proxies"), "{err}");
         let mut no_routes = World::new();
         no_routes
@@ -503,7 +561,7 @@ mod tests {
             .get_mut(&addr(9000))
             .unwrap()
             .routes = Some(["/".to_string()].into());
-        assert!(readiness(svc, B, &no_routes.probes, &no_routes.dashboards, 1).is_err());
+        assert!(readiness(svc, B, &no_routes.probes, &no_routes.dashboards, 1, None).is_err());
         let mut stale = World::new();
         stale
             .dashboards
@@ -511,7 +569,7 @@ mod tests {
             .get_mut("default/s/b1")
             .unwrap()
             .stale = true;
-        assert!(readiness(svc, B, &stale.probes, &stale.dashboards, 1)
+        assert!(readiness(svc, B, &stale.probes, &stale.dashboards, 1, None)
             .unwrap_err()
             .contains("does not answer"));
         // No dashboard configured: the proxies alone decide.
@@ -520,6 +578,14 @@ mod tests {
             .clusters
             .iter_mut()
             .for_each(|c: &mut RayCluster| c.dashboard = None);
-        assert!(readiness(&plain, B, &world.probes, &DashboardStates::default(), 1).is_ok());
+        assert!(readiness(
+            &plain,
+            B,
+            &world.probes,
+            &DashboardStates::default(),
+            1,
+            None
+        )
+        .is_ok());
     }
 }
