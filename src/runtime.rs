@@ -126,6 +126,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         });
     }
     let (dashboards_tx, dashboards_rx) = watch::channel(Arc::new(DashboardStates::default()));
+    let (refresh_tx, refresh_rx) = tokio::sync::mpsc::unbounded_channel();
     {
         let poller = DashboardPoller {
             interval: config.dashboard.poll_interval,
@@ -134,7 +135,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         };
         let (models, token) = (models_rx.clone(), shutdown.clone());
         tasks.spawn(async move {
-            poller.run(models, dashboards_tx, token).await;
+            poller.run(models, dashboards_tx, refresh_rx, token).await;
             Ok(())
         });
     }
@@ -157,6 +158,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         fail_open: Default::default(),
         switchover: Switchover::default(),
         switch_views: switch_tx,
+        refresh: refresh_tx,
     };
     let first = pipeline.build(&inputs, None);
     pipeline.published(&first);
@@ -240,6 +242,8 @@ struct Pipeline {
     fail_open: BTreeSet<String>,
     switchover: Switchover,
     switch_views: watch::Sender<Arc<Switchover>>,
+    /// Asks the dashboard poller for an immediate answer from a cluster.
+    refresh: tokio::sync::mpsc::UnboundedSender<String>,
 }
 
 impl Pipeline {
@@ -277,6 +281,9 @@ impl Pipeline {
                     })
                     .set(weight as i64);
             }
+        }
+        for cluster in self.switchover.take_refresh_requests() {
+            let _ = self.refresh.send(cluster);
         }
         self.switch_views
             .send_replace(Arc::new(self.switchover.clone()));

@@ -84,6 +84,8 @@ pub struct SwitchEvent {
 #[derive(Clone, Debug, Default)]
 pub struct Switchover {
     pub services: BTreeMap<String, ServiceSwitch>,
+    /// Envoy clusters whose dashboard should be asked again now (a switch began).
+    refresh: Vec<String>,
 }
 
 /// Whether `cluster` of `service` is ready for traffic, and why not.
@@ -210,6 +212,11 @@ impl Switchover {
             };
             if st.target != previous_target {
                 st.target_since = st.target.as_ref().map(|_| now);
+                if let Some(t) = &st.target {
+                    if service.cluster(t).is_some_and(|c| c.dashboard.is_some()) {
+                        self.refresh.push(service.envoy_cluster_name(t));
+                    }
+                }
             }
             match st.target.clone() {
                 None => {
@@ -302,6 +309,11 @@ impl Switchover {
                 .collect(),
             None => vec![(service.active_cluster.as_str(), 100)],
         }
+    }
+
+    /// Dashboards to poll now, each asked once when a switch towards its cluster began.
+    pub fn take_refresh_requests(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.refresh)
     }
 
     /// Whether any RayService is mid-shift (the pipeline re-runs on a timer then).

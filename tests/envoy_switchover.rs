@@ -88,11 +88,26 @@ async fn an_upgrade_moves_only_once_the_new_cluster_runs() {
             "b is still DEPLOYING"
         );
     }
-    let state: serde_json::Value =
-        serde_json::from_str(&admin_get(xds.admin_addr, "/debug/state").await).unwrap();
-    let sw = &state["rayservices"][0]["switchover"];
+    // Waiting: first for b's dashboard to answer since the switch began, then for its
+    // application to run.
+    let sw = eventually(
+        "the switchover waits for b's DEPLOYING application",
+        DEADLINE,
+        || async {
+            let state: serde_json::Value =
+                serde_json::from_str(&admin_get(xds.admin_addr, "/debug/state").await).ok()?;
+            let sw = state["rayservices"][0]["switchover"].clone();
+            sw["reason"].as_str()?.contains("DEPLOYING").then_some(sw)
+        },
+    )
+    .await;
     assert_eq!(sw["phase"], "waiting", "{sw}");
-    assert!(sw["reason"].as_str().unwrap().contains("DEPLOYING"), "{sw}");
+    for _ in 0..10 {
+        assert_eq!(
+            through_envoy(port).await.map(|s| s.cluster).as_deref(),
+            Some("a")
+        );
+    }
 
     db.set_app("hello", "/", "RUNNING");
     let failed = drive(port, |c| c == "b").await;

@@ -224,7 +224,8 @@ async fn the_dashboard_poller_keeps_the_last_known_state() {
         timeout: Duration::from_millis(300),
         metrics: metrics.clone(),
     };
-    tokio::spawn(poller.run(models_rx, tx, shutdown.clone()));
+    let (_refresh_tx, refresh_rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(poller.run(models_rx, tx, refresh_rx, shutdown.clone()));
     let cluster = "default/demo/c";
     let wait = |rx: &mut watch::Receiver<Arc<DashboardStates>>,
                 f: fn(&ray_xds::live::dashboards::ClusterDashboard) -> bool| {

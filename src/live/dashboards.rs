@@ -91,17 +91,22 @@ pub struct DashboardPoller {
 }
 
 impl DashboardPoller {
+    /// Polls until `shutdown`. A cluster name received on `refresh` is polled at once and
+    /// its answer published even if unchanged: the switchover asks for that when it needs
+    /// an answer given after a switch began.
     pub async fn run(
         self,
         mut models: watch::Receiver<Arc<Model>>,
         states: watch::Sender<Arc<DashboardStates>>,
+        mut refresh: mpsc::UnboundedReceiver<String>,
         shutdown: CancellationToken,
     ) {
         let client = Arc::new(DashboardClient::new(self.timeout));
         let (tx, mut rx) =
-            mpsc::channel::<(String, String, Result<ServeStatus, DashboardError>)>(64);
+            mpsc::channel::<(String, String, Result<ServeStatus, DashboardError>, bool)>(64);
         let mut tasks: BTreeMap<String, (String, JoinHandle<()>)> = BTreeMap::new();
         let mut current = DashboardStates::default();
+        let mut wanted_fresh = std::collections::BTreeSet::new();
         let mut models_changed = true;
         loop {
             if models_changed {
@@ -121,7 +126,11 @@ impl DashboardPoller {
                         let task = tokio::spawn(async move {
                             loop {
                                 let result = client.fetch(&u).await;
-                                if tx.send((c.clone(), u.clone(), result)).await.is_err() {
+                                if tx
+                                    .send((c.clone(), u.clone(), result, false))
+                                    .await
+                                    .is_err()
+                                {
                                     return;
                                 }
                                 tokio::time::sleep(interval).await;
@@ -150,7 +159,20 @@ impl DashboardPoller {
                     if changed.is_err() { break; }
                     models_changed = true;
                 }
-                Some((cluster, url, result)) = rx.recv() => {
+                Some(cluster) = refresh.recv() => {
+                    // Whichever answer comes next (this one, or the regular poll's if the
+                    // cluster is not known yet) is published even if unchanged.
+                    wanted_fresh.insert(cluster.clone());
+                    if let Some(d) = current.clusters.get(&cluster) {
+                        let (client, tx, url) = (client.clone(), tx.clone(), d.url.clone());
+                        tokio::spawn(async move {
+                            let result = client.fetch(&url).await;
+                            let _ = tx.send((cluster, url, result, true)).await;
+                        });
+                    }
+                }
+                Some((cluster, url, result, forced)) = rx.recv() => {
+                    let forced = wanted_fresh.remove(&cluster) || forced;
                     let Some(entry) = current.clusters.get_mut(&cluster).filter(|d| d.url == url) else { continue };
                     if let Err(e) = &result {
                         self.metrics.dashboard_errors.get_or_create(&ErrorLabels { reason: e.metric_label() }).inc();
@@ -165,7 +187,7 @@ impl DashboardPoller {
                     // Only the status, staleness and errors matter to readers; a poll that
                     // changes nothing but the success time is not worth a new snapshot.
                     let changed = before.status != entry.status || before.stale != entry.stale || before.last_error != entry.last_error;
-                    if changed {
+                    if changed || forced {
                         states.send_replace(Arc::new(current.clone()));
                     }
                 }
