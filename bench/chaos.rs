@@ -529,7 +529,8 @@ async fn run(scenario: &str, baseline: bool, args: &Args) -> LoadResult {
     let dir = tempfile::tempdir().unwrap();
     let a = SimRayCluster::start("a", 2, &shutdown).await;
     let b = SimRayCluster::start("b", 2, &shutdown).await;
-    let gateway_port = free_port();
+    // Envoy binds its listener on a port of its own choosing; read it back below.
+    let gateway_port = 0;
     let initial = match scenario {
         "upgrade" => view("a", &[&a, &b]),
         _ => view("a", &[&a]),
@@ -540,6 +541,7 @@ async fn run(scenario: &str, baseline: bool, args: &Args) -> LoadResult {
         ControlPlane::ray_xds(dir.path(), &initial, gateway_port).await
     };
     let envoy = Envoy::start(Bootstrap::Sotw, cp.xds_port());
+    let gateway_port = envoy.gateway_port().await;
     eventually("traffic flows", Duration::from_secs(30), || async {
         through_envoy(gateway_port).await
     })

@@ -135,7 +135,7 @@ async fn detection(args: &Args) {
         );
     }
     std::fs::write(&services, text).unwrap();
-    let xds = ray_xds::runtime::start(test_config(&services, free_port()), Default::default())
+    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
         .await
         .unwrap();
     let envoys: Vec<Envoy> = (0..args.envoys)

@@ -22,11 +22,11 @@ async fn start_stack(bootstrap: Bootstrap, services_text: &str) -> Stack {
     let dir = tempfile::tempdir().unwrap();
     let services = dir.path().join("services.yaml");
     std::fs::write(&services, services_text).unwrap();
-    let gateway_port = free_port();
-    let xds = ray_xds::runtime::start(test_config(&services, gateway_port), Default::default())
+    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
         .await
         .unwrap();
     let envoy = Envoy::start(bootstrap, xds.xds_addr.port());
+    let gateway_port = envoy.gateway_port().await;
     Stack {
         _dir: dir,
         services,
@@ -197,12 +197,12 @@ async fn restart_keeps_traffic_and_resends_nothing(bootstrap: Bootstrap) {
     let dir = tempfile::tempdir().unwrap();
     let services = dir.path().join("services.yaml");
     std::fs::write(&services, services_yaml("demo-a", &[&a, &b])).unwrap();
-    let (xds_port, admin_port, gateway_port) = (free_port(), free_port(), free_port());
+    let (xds_port, admin_port) = (free_port(), free_port());
     let config = dir.path().join("ray-xds.yaml");
     std::fs::write(
         &config,
         format!(
-            "xds: {{ listen: 127.0.0.1:{xds_port} }}\nadmin: {{ listen: 127.0.0.1:{admin_port} }}\ngateway:\n  http_listener: {{ address: 127.0.0.1, port: {gateway_port} }}\nsource:\n  file: {{ path: services.yaml }}\n"
+            "xds: {{ listen: 127.0.0.1:{xds_port} }}\nadmin: {{ listen: 127.0.0.1:{admin_port} }}\ngateway:\n  http_listener: {{ address: 127.0.0.1, port: 0 }}\nsource:\n  file: {{ path: services.yaml }}\n"
         ),
     )
     .unwrap();
@@ -219,6 +219,7 @@ async fn restart_keeps_traffic_and_resends_nothing(bootstrap: Bootstrap) {
     };
     let mut server = start_server();
     let envoy = Envoy::start(bootstrap, xds_port);
+    let gateway_port = envoy.gateway_port().await;
     eventually("traffic flows", DEADLINE, || async {
         through_envoy(gateway_port).await
     })

@@ -39,11 +39,11 @@ async fn start(bootstrap: Bootstrap, head_proxy: &str) -> Stack {
         ),
     )
     .unwrap();
-    let gateway_port = free_port();
-    let xds = ray_xds::runtime::start(test_config(&services, gateway_port), Default::default())
+    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
         .await
         .unwrap();
     let envoy = Envoy::start(bootstrap, xds.xds_addr.port());
+    let gateway_port = envoy.gateway_port().await;
     eventually("traffic flows", DEADLINE, || async {
         through_envoy(gateway_port).await
     })

@@ -30,11 +30,11 @@ async fn start(traffic: &str) -> Stack {
     let services = dir.path().join("services.yaml");
     let extra = format!("    probe: {{ interval: 60s }}\n    traffic: {traffic}\n");
     std::fs::write(&services, services_yaml_with("demo-a", &[&sim], &extra)).unwrap();
-    let port = free_port();
-    let xds = ray_xds::runtime::start(test_config(&services, port), Default::default())
+    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
         .await
         .unwrap();
     let envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
+    let port = envoy.gateway_port().await;
     eventually("traffic flows", DEADLINE, || async {
         through_envoy(port).await
     })

@@ -72,11 +72,11 @@ async fn an_upgrade_moves_only_once_the_new_cluster_runs() {
         yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], ""),
     )
     .unwrap();
-    let port = free_port();
-    let xds = ray_xds::runtime::start(test_config(&services, port), Default::default())
+    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
         .await
         .unwrap();
     let _envoy = Envoy::start(Bootstrap::Delta, xds.xds_addr.port());
+    let port = _envoy.gateway_port().await;
     eventually("traffic flows", DEADLINE, || async {
         through_envoy(port).await
     })
@@ -153,11 +153,11 @@ async fn an_early_flip_keeps_serving_from_the_ready_cluster() {
         yaml("a", None, &[(&a, &url_a), (&b, &url_b)], progressive),
     )
     .unwrap();
-    let port = free_port();
-    let xds = ray_xds::runtime::start(test_config(&services, port), Default::default())
+    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
         .await
         .unwrap();
     let _envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
+    let port = _envoy.gateway_port().await;
     eventually("traffic flows", DEADLINE, || async {
         through_envoy(port).await
     })

@@ -73,6 +73,20 @@ pub fn spawn(name: &str, cmd: &mut Command) -> ChildGuard {
     }
 }
 
+impl Drop for Envoy {
+    /// A failing test shows what Envoy said.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let text = self.log_text();
+            let tail: Vec<&str> = text.lines().rev().take(40).collect();
+            eprintln!("--- last lines of Envoy's log ---");
+            for line in tail.into_iter().rev() {
+                eprintln!("{line}");
+            }
+        }
+    }
+}
+
 impl ChildGuard {
     pub fn signal(&self, sig: i32) {
         unsafe {
@@ -123,38 +137,84 @@ pub struct Envoy {
 }
 
 impl Envoy {
-    /// Starts Envoy from `envoy/<bootstrap>`, rendered with its own admin port, the given
-    /// xDS port and a unique base id.
+    /// Starts Envoy from `envoy/<bootstrap>`, rendered with the given xDS port, its admin on
+    /// a port Envoy picks itself (read back from `--admin-address-path`, so no other test
+    /// can take it in between) and a base id unique to this process and Envoy.
     pub fn start(bootstrap: Bootstrap, xds_port: u16) -> Envoy {
+        static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = tempfile::tempdir().unwrap();
         let template =
             std::fs::read_to_string(project_root().join("envoy").join(bootstrap.file())).unwrap();
-        let admin_port = free_port();
         assert!(template.contains("port_value: 18000") && template.contains("port_value: 9901"));
         let rendered = template
             .replace("port_value: 18000", &format!("port_value: {xds_port}"))
-            .replace("port_value: 9901", &format!("port_value: {admin_port}"));
+            .replace("port_value: 9901", "port_value: 0");
         let config = dir.path().join("envoy.yaml");
         std::fs::write(&config, rendered).unwrap();
         let log = dir.path().join("envoy.log");
-        let process = spawn(
+        let admin_file = dir.path().join("admin-address");
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 64;
+        let base_id = std::process::id() * 64 + n;
+        let mut process = spawn(
             "envoy",
             Command::new(envoy_binary())
                 .arg("-c")
                 .arg(&config)
-                .args(["--base-id", &admin_port.to_string()])
+                .args(["--base-id", &base_id.to_string()])
+                .arg("--admin-address-path")
+                .arg(&admin_file)
                 .args(["--log-level", "info", "--log-path"])
                 .arg(&log)
                 .args(["--concurrency", "1"])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null()),
         );
+        let started = Instant::now();
+        let admin_port = loop {
+            let text = std::fs::read_to_string(&admin_file).unwrap_or_default();
+            if let Some(port) = text
+                .trim()
+                .rsplit(':')
+                .next()
+                .and_then(|p| p.parse::<u16>().ok())
+                .filter(|p| *p != 0)
+            {
+                break port;
+            }
+            if !process.is_running() || started.elapsed() > Duration::from_secs(60) {
+                let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+                panic!("Envoy did not start its admin: {log_text}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
         Envoy {
             process,
             admin_port,
             log,
             _dir: dir,
         }
+    }
+
+    /// The port Envoy's `ray-serve-http` listener bound (ray-xds gives it port 0 in tests).
+    pub async fn gateway_port(&self) -> u16 {
+        eventually(
+            "Envoy binds the ray-serve-http listener",
+            Duration::from_secs(30),
+            || async {
+                let text = self.admin("/listeners?format=json").await;
+                let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+                v["listener_statuses"]
+                    .as_array()?
+                    .iter()
+                    .find_map(|l| {
+                        (l["name"] == "ray-serve-http")
+                            .then(|| l["local_address"]["socket_address"]["port_value"].as_u64())?
+                    })
+                    .map(|p| p as u16)
+                    .filter(|p| *p != 0)
+            },
+        )
+        .await
     }
 
     pub async fn admin(&self, path: &str) -> String {
