@@ -21,12 +21,13 @@ use crate::admin::{self, AdminState};
 use crate::config::{Config, GatewaySettings, SourceConfig};
 use crate::live::dashboards::{DashboardPoller, DashboardStates};
 use crate::live::health::{assess, HealthMap};
+use crate::live::health::{EndpointHealth, Verdict};
 use crate::live::prober::{ProbeStates, Prober};
 use crate::metrics::{Metrics, SourceLabels};
 use crate::metrics::{StateLabels, WeightLabels};
 use crate::model::Model;
 use crate::source::file::{self, FileSource};
-use crate::switchover::Switchover;
+use crate::switchover::{Departed, Switchover};
 use crate::translate::translate;
 use crate::xds::grpc::AdsService;
 use crate::xds::server::{AdsServer, Clients};
@@ -157,6 +158,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         health: health_tx,
         fail_open: Default::default(),
         switchover: Switchover::default(),
+        departed: Departed::default(),
+        last_source_model: inputs.models.borrow().clone(),
         switch_views: switch_tx,
         refresh: refresh_tx,
     };
@@ -241,6 +244,8 @@ struct Pipeline {
     health: watch::Sender<Arc<HealthMap>>,
     fail_open: BTreeSet<String>,
     switchover: Switchover,
+    departed: Departed,
+    last_source_model: Arc<Model>,
     switch_views: watch::Sender<Arc<Switchover>>,
     /// Asks the dashboard poller for an immediate answer from a cluster.
     refresh: tokio::sync::mpsc::UnboundedSender<String>,
@@ -248,14 +253,35 @@ struct Pipeline {
 
 impl Pipeline {
     fn build(&mut self, inputs: &Inputs, previous: Option<&Snapshot>) -> Arc<Snapshot> {
-        let model = inputs.models.borrow().clone();
+        let source_model = inputs.models.borrow().clone();
         let probes = inputs.probes.borrow().clone();
         let dashboards = inputs.dashboards.borrow().clone();
         let started = Instant::now();
-        let health = assess(&model, &probes, &dashboards);
+        let now = SystemTime::now();
+        // Clusters the source dropped stay, draining, for their grace period; the
+        // switchover only ever sends traffic to clusters the source lists.
+        let model = self
+            .departed
+            .update(&self.last_source_model, &source_model, now);
+        self.last_source_model = source_model.clone();
+        let mut health = assess(&model, &probes, &dashboards);
+        for ((cluster, _), verdict) in health.endpoints.iter_mut() {
+            let departed = model.services().iter().any(|s| {
+                s.clusters.iter().any(|c| {
+                    s.envoy_cluster_name(&c.name) == *cluster
+                        && self.departed.contains(&s.key(), &c.name)
+                })
+            });
+            if departed {
+                *verdict = Verdict {
+                    health: EndpointHealth::Draining,
+                    reason: "its cluster left the source: draining until removed".into(),
+                };
+            }
+        }
         for e in self
             .switchover
-            .advance(&model, &probes, &dashboards, SystemTime::now())
+            .advance(&source_model, &probes, &dashboards, now)
         {
             tracing::info!(rayservice = e.service, phase = e.phase, weights = ?e.weights, "switchover: {}", e.reason);
             self.metrics
@@ -340,6 +366,8 @@ impl Pipeline {
                 changed = inputs.dashboards.changed() => if changed.is_err() { return },
                 // A progressive shift moves on with time alone.
                 _ = tokio::time::sleep(Duration::from_millis(500)), if self.switchover.shifting() => {}
+                // A departed cluster's grace period ends.
+                _ = tokio::time::sleep(self.departed.next_expiry().and_then(|t| t.duration_since(SystemTime::now()).ok()).unwrap_or_default() + Duration::from_millis(10)), if self.departed.next_expiry().is_some() => {}
             }
             inputs.models.mark_unchanged();
             inputs.probes.mark_unchanged();

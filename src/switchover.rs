@@ -22,7 +22,7 @@ use crate::live::dashboard::AppStatus;
 use crate::live::dashboards::DashboardStates;
 use crate::live::probe::ProbeState;
 use crate::live::prober::ProbeStates;
-use crate::model::{Model, RayService};
+use crate::model::{Model, RayCluster, RayService};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ShiftMode {
@@ -38,6 +38,9 @@ pub enum ShiftMode {
 pub struct SwitchoverPolicy {
     pub mode: ShiftMode,
     pub min_ready_proxies: u32,
+    /// How long a cluster the source dropped stays with Envoy, its endpoints DRAINING,
+    /// so requests in flight on it finish before it is removed.
+    pub drain_grace: Duration,
 }
 
 impl Default for SwitchoverPolicy {
@@ -45,7 +48,72 @@ impl Default for SwitchoverPolicy {
         SwitchoverPolicy {
             mode: ShiftMode::Atomic,
             min_ready_proxies: 1,
+            drain_grace: Duration::from_secs(30),
         }
+    }
+}
+
+/// Clusters the source dropped, kept for their drain grace period.
+#[derive(Clone, Debug, Default)]
+pub struct Departed {
+    /// (RayService key, cluster) → the cluster as last listed, and when it may go.
+    clusters: BTreeMap<(String, String), (RayCluster, SystemTime)>,
+}
+
+impl Departed {
+    /// Notes the clusters `previous` had and `current` lacks, forgets expired ones and any
+    /// that came back, and returns `current` with the departed still draining added.
+    pub fn update(&mut self, previous: &Model, current: &Model, now: SystemTime) -> Model {
+        for old in previous.services() {
+            let Some(new) = current.services().iter().find(|s| s.key() == old.key()) else {
+                continue; // the whole RayService went: nothing routes to it any more
+            };
+            for cluster in &old.clusters {
+                if new.cluster(&cluster.name).is_none() {
+                    let until = now + new.policy.switchover.drain_grace;
+                    self.clusters
+                        .entry((old.key(), cluster.name.clone()))
+                        .or_insert((cluster.clone(), until));
+                }
+            }
+        }
+        self.clusters.retain(|(service, cluster), (_, until)| {
+            *until > now
+                && current
+                    .services()
+                    .iter()
+                    .find(|s| s.key() == *service)
+                    .is_some_and(|s| s.cluster(cluster).is_none())
+        });
+        if self.clusters.is_empty() {
+            return current.clone();
+        }
+        let services = current
+            .services()
+            .iter()
+            .map(|s| {
+                let mut s = s.clone();
+                for ((service, _), (cluster, _)) in &self.clusters {
+                    if *service == s.key() {
+                        s.clusters.push(cluster.clone());
+                    }
+                }
+                s
+            })
+            .collect();
+        // Valid: the names were unique in `previous`, and none is in `current`.
+        Model::new(services).unwrap_or_else(|_| current.clone())
+    }
+
+    /// Whether `cluster` of `service` is draining after the source dropped it.
+    pub fn contains(&self, service: &str, cluster: &str) -> bool {
+        self.clusters
+            .contains_key(&(service.to_string(), cluster.to_string()))
+    }
+
+    /// When the next departed cluster may go.
+    pub fn next_expiry(&self) -> Option<SystemTime> {
+        self.clusters.values().map(|(_, until)| *until).min()
     }
 }
 
@@ -452,6 +520,7 @@ mod tests {
                 interval: Duration::from_secs(10),
             },
             min_ready_proxies: 1,
+            ..Default::default()
         };
         let m = model(A, Some(B), policy);
         let mut s = Switchover::default();
@@ -556,6 +625,31 @@ mod tests {
             .last_success_unix = Some(21.0);
         s.advance(&m, &world.probes, &world.dashboards, at(21));
         assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
+    #[test]
+    fn a_dropped_cluster_drains_for_its_grace_period() {
+        let before = model(B, Some(A), SwitchoverPolicy::default());
+        let mut after = before.services()[0].clone();
+        after.pending_cluster = None;
+        after.clusters.retain(|c| c.name == B);
+        let after = Model::new(vec![after]).unwrap();
+        let mut d = Departed::default();
+        let kept = d.update(&before, &after, T0);
+        assert!(kept.services()[0].cluster(A).is_some(), "a1 drains");
+        assert!(d.contains("default/s", A));
+        assert_eq!(d.next_expiry(), Some(T0 + Duration::from_secs(30)));
+        let still = d.update(&after, &after, T0 + Duration::from_secs(29));
+        assert!(still.services()[0].cluster(A).is_some());
+        let gone = d.update(&after, &after, T0 + Duration::from_secs(31));
+        assert!(gone.services()[0].cluster(A).is_none());
+        assert_eq!(d.next_expiry(), None);
+        // A cluster that comes back is the source's again.
+        let mut d = Departed::default();
+        d.update(&before, &after, T0);
+        let back = d.update(&after, &before, T0 + Duration::from_secs(1));
+        assert!(!d.contains("default/s", A));
+        assert_eq!(back, before);
     }
 
     #[test]

@@ -195,3 +195,53 @@ async fn an_early_flip_keeps_serving_from_the_ready_cluster() {
     assert_eq!(failed, 0);
     shutdown.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_the_source_drops_drains_then_goes() {
+    let shutdown = CancellationToken::new();
+    let a = SimCluster::start("a", &[NodeType::Head]).await;
+    let b = SimCluster::start("b", &[NodeType::Head]).await;
+    let (_da, url_a) = dashboard("RUNNING", &shutdown).await;
+    let (_db, url_b) = dashboard("RUNNING", &shutdown).await;
+    let dir = tempfile::tempdir().unwrap();
+    let services = dir.path().join("services.yaml");
+    let grace = "    switchover: { drain_grace: 3s }\n";
+    std::fs::write(
+        &services,
+        yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], grace),
+    )
+    .unwrap();
+    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
+        .await
+        .unwrap();
+    let envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
+    let port = envoy.gateway_port().await;
+    drive(port, |c| c == "b").await;
+    // The source promotes b and drops a.
+    write_atomic(&services, &yaml("b", None, &[(&b, &url_b)], grace));
+    let a_proxy = format!("default/demo/a::{}::health_flags::", a.proxies[0].0);
+    let flags = eventually("a's endpoint drains in Envoy", DEADLINE, || async {
+        let text = envoy.admin("/clusters").await;
+        text.lines()
+            .find_map(|l| l.strip_prefix(&a_proxy).map(str::to_string))
+            .filter(|f| f.contains("draining"))
+    })
+    .await;
+    assert!(flags.contains("draining"), "{flags}");
+    for _ in 0..10 {
+        assert_eq!(
+            through_envoy(port).await.map(|s| s.cluster).as_deref(),
+            Some("b")
+        );
+    }
+    eventually(
+        "a leaves Envoy after its grace period",
+        DEADLINE,
+        || async {
+            let text = envoy.admin("/clusters").await;
+            (!text.contains("default/demo/a::")).then_some(())
+        },
+    )
+    .await;
+    shutdown.cancel();
+}

@@ -59,6 +59,8 @@ struct SwitchoverSpec {
     #[serde(default, with = "humantime_serde")]
     interval: Option<std::time::Duration>,
     min_ready_proxies: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    drain_grace: Option<std::time::Duration>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -96,6 +98,7 @@ impl SwitchoverSpec {
         Ok(SwitchoverPolicy {
             mode,
             min_ready_proxies: self.min_ready_proxies.unwrap_or(d.min_ready_proxies).max(1),
+            drain_grace: self.drain_grace.unwrap_or(d.drain_grace),
         })
     }
 }
