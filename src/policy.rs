@@ -71,6 +71,9 @@ pub struct TrafficOverrides {
     pub consecutive_local_origin_failure: Option<u32>,
     pub base_ejection_time: Option<Duration>,
     pub max_ejection_percent: Option<u32>,
+    pub retry_back_off: Option<Duration>,
+    pub outlier_interval: Option<Duration>,
+    pub max_retries: Option<u32>,
 }
 
 impl TrafficPolicy {
@@ -91,7 +94,15 @@ impl TrafficPolicy {
                 .max_ejection_percent
                 .unwrap_or(self.max_ejection_percent)
                 .min(100),
-            ..self
+            retry_back_off: o
+                .retry_back_off
+                .filter(|d| !d.is_zero())
+                .unwrap_or(self.retry_back_off),
+            outlier_interval: o
+                .outlier_interval
+                .filter(|d| !d.is_zero())
+                .unwrap_or(self.outlier_interval),
+            max_retries: o.max_retries.unwrap_or(self.max_retries),
         }
     }
 
@@ -131,5 +142,13 @@ mod tests {
         assert!(p.retry_on().split(',').any(|r| r == "reset"));
         assert_eq!(p.retries, 5);
         assert_eq!(p.per_try_timeout, Duration::from_secs(10));
+        let p = p.with(&TrafficOverrides {
+            max_retries: Some(64),
+            outlier_interval: Some(Duration::from_millis(500)),
+            retry_back_off: Some(Duration::ZERO),
+            ..Default::default()
+        });
+        assert_eq!((p.max_retries, p.outlier_interval), (64, Duration::from_millis(500)));
+        assert_eq!(p.retry_back_off, Duration::from_millis(25), "a zero back-off is ignored");
     }
 }

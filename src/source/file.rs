@@ -118,6 +118,11 @@ pub(crate) struct TrafficSpec {
     #[serde(default, with = "humantime_serde")]
     pub base_ejection_time: Option<std::time::Duration>,
     pub max_ejection_percent: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    pub retry_back_off: Option<std::time::Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub outlier_interval: Option<std::time::Duration>,
+    pub max_retries: Option<u32>,
 }
 
 impl TrafficSpec {
@@ -131,6 +136,9 @@ impl TrafficSpec {
             consecutive_local_origin_failure: self.consecutive_local_origin_failure,
             base_ejection_time: self.base_ejection_time,
             max_ejection_percent: self.max_ejection_percent,
+            retry_back_off: self.retry_back_off,
+            outlier_interval: self.outlier_interval,
+            max_retries: self.max_retries,
         }
     }
 }
