@@ -148,7 +148,14 @@ mod tests {
             retry_back_off: Some(Duration::ZERO),
             ..Default::default()
         });
-        assert_eq!((p.max_retries, p.outlier_interval), (64, Duration::from_millis(500)));
-        assert_eq!(p.retry_back_off, Duration::from_millis(25), "a zero back-off is ignored");
+        assert_eq!(
+            (p.max_retries, p.outlier_interval),
+            (64, Duration::from_millis(500))
+        );
+        assert_eq!(
+            p.retry_back_off,
+            Duration::from_millis(25),
+            "a zero back-off is ignored"
+        );
     }
 }
