@@ -65,14 +65,15 @@ fn services_yaml(args: &Args, change: usize) -> String {
         for c in 0..args.clusters {
             s += &format!("      - name: svc-{svc}-c{c}\n        proxies:\n");
             for p in 0..args.proxies {
-                // 10.<svc>.<cluster>.<proxy>: documentation only, nothing connects there.
+                // 127.<svc>.<cluster>.<proxy>: loopback addresses where nothing listens;
+                // ray-xds probes every proxy, and probes must never leave this machine.
                 let port = if svc == 0 && c == 0 && p == 0 {
                     20000 + change
                 } else {
                     8000
                 };
                 s += &format!(
-                    "          - {{ address: \"10.{}.{}.{}:{port}\", node_type: {} }}\n",
+                    "          - {{ address: \"127.{}.{}.{}:{port}\", node_type: {} }}\n",
                     svc % 250,
                     c,
                     p + 1,
