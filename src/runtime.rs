@@ -265,18 +265,15 @@ impl Pipeline {
             .update(&self.last_source_model, &source_model, now);
         self.last_source_model = source_model.clone();
         let mut health = assess(&model, &probes, &dashboards);
-        for ((cluster, _), verdict) in health.endpoints.iter_mut() {
-            let departed = model.services().iter().any(|s| {
-                s.clusters.iter().any(|c| {
-                    s.envoy_cluster_name(&c.name) == *cluster
-                        && self.departed.contains(&s.key(), &c.name)
-                })
-            });
-            if departed {
-                *verdict = Verdict {
-                    health: EndpointHealth::Draining,
-                    reason: "its cluster left the source: draining until removed".into(),
-                };
+        let departed = self.departed.envoy_cluster_names();
+        if !departed.is_empty() {
+            for ((cluster, _), verdict) in health.endpoints.iter_mut() {
+                if departed.contains(cluster) {
+                    *verdict = Verdict {
+                        health: EndpointHealth::Draining,
+                        reason: "its cluster left the source: draining until removed".into(),
+                    };
+                }
             }
         }
         for e in self

@@ -111,6 +111,14 @@ impl Departed {
             .contains_key(&(service.to_string(), cluster.to_string()))
     }
 
+    /// The Envoy cluster names of every departed cluster.
+    pub fn envoy_cluster_names(&self) -> std::collections::BTreeSet<String> {
+        self.clusters
+            .keys()
+            .map(|(service, cluster)| format!("{service}/{cluster}"))
+            .collect()
+    }
+
     /// When the next departed cluster may go.
     pub fn next_expiry(&self) -> Option<SystemTime> {
         self.clusters.values().map(|(_, until)| *until).min()
