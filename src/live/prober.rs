@@ -79,13 +79,7 @@ impl Prober {
         states: watch::Sender<Arc<ProbeStates>>,
         shutdown: CancellationToken,
     ) {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(self.config.defaults.timeout));
-        let client: HttpClient = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
-            .pool_max_idle_per_host(1)
-            .build(connector);
+        let client = probe_client(self.config.defaults.timeout);
         let permits = Arc::new(Semaphore::new(self.config.max_concurrent.max(1)));
         let (tx, mut rx) = mpsc::channel::<Report>(1024);
         let mut tasks: BTreeMap<SocketAddr, (ProbeSettings, JoinHandle<()>)> = BTreeMap::new();
@@ -342,12 +336,14 @@ pub async fn read_routes(
     Some(routes.into_keys().collect())
 }
 
-/// A client as the prober builds it, for tests and benchmarks.
+/// The prober's HTTP client: one kept-alive connection per proxy, connects bounded by
+/// the probe timeout. Tests and benchmarks use the same one.
 pub fn probe_client(timeout: Duration) -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(timeout));
     Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
         .pool_max_idle_per_host(1)
         .build(connector)
 }
