@@ -14,6 +14,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::live::probe::ProbeSettings;
 use crate::live::prober::ProberConfig;
 use crate::policy::TrafficPolicy;
+use crate::switchover::{ModeKind, SwitchoverOverrides, SwitchoverPolicy};
 use serde::Deserialize;
 
 /// An xDS control plane that keeps Envoy in front of Ray Serve routing around dying Ray nodes.
@@ -179,6 +180,8 @@ pub struct Config {
     pub source: SourceConfig,
     pub prober: ProberConfig,
     pub dashboard: DashboardSettings,
+    /// The global switchover policy; RayServices override parts of it.
+    pub switchover: SwitchoverPolicy,
 }
 
 /// How Ray dashboards are polled.
@@ -266,6 +269,52 @@ struct FileConfig {
     dashboard: DashboardSection,
     #[serde(default)]
     traffic: TrafficSection,
+    #[serde(default)]
+    switchover: Option<SwitchoverSpec>,
+}
+
+/// `switchover:` in ray-xds.yaml (the global policy) and in services.yaml (one
+/// RayService's overrides).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SwitchoverSpec {
+    #[serde(default)]
+    mode: Option<ShiftModeSpec>,
+    /// Progressive steps, in percent, ending at 100.
+    steps: Option<Vec<u32>>,
+    #[serde(default, with = "humantime_serde")]
+    interval: Option<Duration>,
+    min_ready_proxies: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    drain_grace: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    warm_timeout: Option<Duration>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum ShiftModeSpec {
+    Atomic,
+    Progressive,
+}
+
+impl SwitchoverSpec {
+    /// The overrides this spec sets, checked.
+    pub(crate) fn overrides(&self) -> Result<SwitchoverOverrides, String> {
+        let o = SwitchoverOverrides {
+            mode: self.mode.map(|m| match m {
+                ShiftModeSpec::Atomic => ModeKind::Atomic,
+                ShiftModeSpec::Progressive => ModeKind::Progressive,
+            }),
+            steps: self.steps.clone(),
+            interval: self.interval,
+            min_ready_proxies: self.min_ready_proxies,
+            drain_grace: self.drain_grace,
+            warm_timeout: self.warm_timeout,
+        };
+        o.validate()?;
+        Ok(o)
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -355,6 +404,14 @@ struct FileSourceSection {
     path: PathBuf,
     #[serde(default, with = "humantime_serde")]
     poll_interval: Option<Duration>,
+}
+
+/// How errors name the config file: its path, or "the command line" when there is none.
+fn config_name(args: &ServeArgs) -> String {
+    args.config
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "the command line".into())
 }
 
 /// Deserializes YAML, reporting errors with the file, line, column and field path.
@@ -563,9 +620,18 @@ impl Config {
                 "dashboard: poll_interval and timeout must be above 0".into(),
             ));
         }
+        let switchover = match &file.switchover {
+            Some(spec) => SwitchoverPolicy::default().with(
+                &spec
+                    .overrides()
+                    .map_err(|e| ConfigError::Invalid(format!("{}: {e}", config_name(args))))?,
+            ),
+            None => SwitchoverPolicy::default(),
+        };
         Ok(Config {
             prober,
             dashboard,
+            switchover,
             xds_listen: args
                 .xds_listen
                 .or(file.xds.listen)
@@ -679,6 +745,32 @@ mod tests {
         .is_err());
         let err = load("traffic: { retrys: 1 }\n").unwrap_err().to_string();
         assert!(err.contains("traffic.retrys"), "{err}");
+    }
+
+    #[test]
+    fn global_switchover_policy() {
+        let c = load(
+            "source: { file: { path: s.yaml } }\nswitchover: { mode: progressive, steps: [30, 100], interval: 2s, drain_grace: 5s, warm_timeout: 3s }\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.switchover.mode,
+            crate::switchover::ShiftMode::Progressive {
+                steps: vec![30, 100],
+                interval: Duration::from_secs(2)
+            }
+        );
+        assert_eq!(c.switchover.drain_grace, Duration::from_secs(5));
+        assert_eq!(c.switchover.warm_timeout, Duration::from_secs(3));
+        assert_eq!(c.switchover.min_ready_proxies, 1);
+        let err = load("source: { file: { path: s.yaml } }\nswitchover: { steps: [50] }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("must rise from above 0 to 100"), "{err}");
+        let err = load("source: { file: { path: s.yaml } }\nswitchover: { mode: sideways }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("switchover.mode"), "{err}");
     }
 
     #[test]

@@ -60,7 +60,7 @@ pub struct ServicePolicy {
     pub head_proxy: HeadProxy,
     pub probe: ProbeOverrides,
     pub traffic: crate::policy::TrafficOverrides,
-    pub switchover: crate::switchover::SwitchoverPolicy,
+    pub switchover: crate::switchover::SwitchoverOverrides,
 }
 
 /// One RayCluster and the Ray Serve HTTP proxies it runs.

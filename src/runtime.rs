@@ -157,8 +157,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         metrics: metrics.clone(),
         health: health_tx,
         fail_open: Default::default(),
-        switchover: Switchover::default(),
+        switchover: Switchover::new(config.switchover.clone()),
         departed: Departed::default(),
+        clients: clients.clone(),
         last_source_model: inputs.models.borrow().clone(),
         switch_views: switch_tx,
         refresh: refresh_tx,
@@ -245,6 +246,8 @@ struct Pipeline {
     fail_open: BTreeSet<String>,
     switchover: Switchover,
     departed: Departed,
+    /// Connected Envoys: a switch waits until each has warmed its target.
+    clients: Arc<Clients>,
     last_source_model: Arc<Model>,
     switch_views: watch::Sender<Arc<Switchover>>,
     /// Asks the dashboard poller for an immediate answer from a cluster.
@@ -260,9 +263,12 @@ impl Pipeline {
         let now = SystemTime::now();
         // Clusters the source dropped stay, draining, for their grace period; the
         // switchover only ever sends traffic to clusters the source lists.
-        let model = self
-            .departed
-            .update(&self.last_source_model, &source_model, now);
+        let model = self.departed.update(
+            &self.last_source_model,
+            &source_model,
+            &self.switchover.defaults,
+            now,
+        );
         self.last_source_model = source_model.clone();
         let mut health = assess(&model, &probes, &dashboards);
         let departed = self.departed.envoy_cluster_names();
@@ -278,7 +284,7 @@ impl Pipeline {
         }
         for e in self
             .switchover
-            .advance(&source_model, &probes, &dashboards, now)
+            .advance(&source_model, &probes, &dashboards, &*self.clients, now)
         {
             tracing::info!(rayservice = e.service, phase = e.phase, weights = ?e.weights, "switchover: {}", e.reason);
             self.metrics
@@ -363,6 +369,10 @@ impl Pipeline {
                 changed = inputs.dashboards.changed() => if changed.is_err() { return },
                 // A progressive shift moves on with time alone.
                 _ = tokio::time::sleep(Duration::from_millis(500)), if self.switchover.shifting() => {}
+                // A switch waits for every Envoy to warm its target: look again on each
+                // ACK, and now and then for its warm_timeout.
+                _ = self.clients.acked(), if self.switchover.warming() => {}
+                _ = tokio::time::sleep(Duration::from_millis(250)), if self.switchover.warming() => {}
                 // A departed cluster's grace period ends.
                 _ = tokio::time::sleep(self.departed.next_expiry().and_then(|t| t.duration_since(SystemTime::now()).ok()).unwrap_or_default() + Duration::from_millis(10)), if self.departed.next_expiry().is_some() => {}
             }

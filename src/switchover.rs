@@ -8,8 +8,14 @@
 //! `progressive` (the configured steps, one per interval). If the target stops being ready
 //! mid-shift, traffic goes back to the serving cluster and the shift waits. At 100 the
 //! target becomes the serving cluster, whatever the source's labels say, until the source
-//! names another. An Envoy only gets a route naming a cluster once it has warmed that
-//! cluster and its endpoints (`xds::ordering`), so no Envoy routes to a cold cluster.
+//! names another.
+//!
+//! Make before break, twice over: traffic starts to move only once every connected Envoy
+//! that takes the target cluster has ACKed it and its endpoints ([`EnvoyWarmth`]), so all
+//! Envoys switch together; an Envoy that has not warmed it within `warm_timeout` (one
+//! that NACKs, or is stuck) no longer holds the others back, and is still protected by
+//! its own stream: it only gets a route naming a cluster once it has warmed that cluster
+//! (`xds::ordering`). No Envoy ever routes to a cold cluster.
 //!
 //! Pure: time is passed in.
 
@@ -34,13 +40,18 @@ pub enum ShiftMode {
     },
 }
 
+/// How one RayService switches between RayClusters.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SwitchoverPolicy {
     pub mode: ShiftMode,
+    /// Healthy proxies serving every route the target needs before traffic moves.
     pub min_ready_proxies: u32,
     /// How long a cluster the source dropped stays with Envoy, its endpoints DRAINING,
     /// so requests in flight on it finish before it is removed.
     pub drain_grace: Duration,
+    /// How long a ready target waits for every connected Envoy to warm it before traffic
+    /// moves without the laggards (each of which still switches once it has warmed it).
+    pub warm_timeout: Duration,
 }
 
 impl Default for SwitchoverPolicy {
@@ -49,7 +60,120 @@ impl Default for SwitchoverPolicy {
             mode: ShiftMode::Atomic,
             min_ready_proxies: 1,
             drain_grace: Duration::from_secs(30),
+            warm_timeout: Duration::from_secs(10),
         }
+    }
+}
+
+/// The progressive steps used when none are given: 10, 25, 50, 100 every 10 s.
+pub const DEFAULT_STEPS: [u32; 4] = [10, 25, 50, 100];
+pub const DEFAULT_STEP_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Whether a shift is atomic or progressive, as a RayService asks for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModeKind {
+    Atomic,
+    Progressive,
+}
+
+/// What a RayService overrides of the global switchover policy; `None` keeps the global
+/// value. Steps or an interval without a mode mean `progressive`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SwitchoverOverrides {
+    pub mode: Option<ModeKind>,
+    pub steps: Option<Vec<u32>>,
+    pub interval: Option<Duration>,
+    pub min_ready_proxies: Option<u32>,
+    pub drain_grace: Option<Duration>,
+    pub warm_timeout: Option<Duration>,
+}
+
+impl SwitchoverOverrides {
+    /// Checks what can be checked without the global policy: steps rise from above 0 to
+    /// 100, and an explicit `atomic` has no steps or interval.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.mode == Some(ModeKind::Atomic) && (self.steps.is_some() || self.interval.is_some())
+        {
+            return Err("switchover: steps and interval go with mode: progressive".into());
+        }
+        if let Some(steps) = &self.steps {
+            let rising = steps.windows(2).all(|w| w[0] < w[1]);
+            if steps.last() != Some(&100) || !rising || steps.first() == Some(&0) {
+                return Err(format!(
+                    "switchover: steps {steps:?} must rise from above 0 to 100"
+                ));
+            }
+        }
+        if self.min_ready_proxies == Some(0) {
+            return Err("switchover: min_ready_proxies must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+impl From<SwitchoverPolicy> for SwitchoverOverrides {
+    fn from(p: SwitchoverPolicy) -> Self {
+        let (mode, steps, interval) = match p.mode {
+            ShiftMode::Atomic => (ModeKind::Atomic, None, None),
+            ShiftMode::Progressive { steps, interval } => {
+                (ModeKind::Progressive, Some(steps), Some(interval))
+            }
+        };
+        SwitchoverOverrides {
+            mode: Some(mode),
+            steps,
+            interval,
+            min_ready_proxies: Some(p.min_ready_proxies),
+            drain_grace: Some(p.drain_grace),
+            warm_timeout: Some(p.warm_timeout),
+        }
+    }
+}
+
+impl SwitchoverPolicy {
+    /// This policy with a RayService's overrides applied.
+    pub fn with(&self, o: &SwitchoverOverrides) -> SwitchoverPolicy {
+        let (base_steps, base_interval) = match &self.mode {
+            ShiftMode::Progressive { steps, interval } => (steps.clone(), *interval),
+            ShiftMode::Atomic => (DEFAULT_STEPS.to_vec(), DEFAULT_STEP_INTERVAL),
+        };
+        let kind = o.mode.unwrap_or(
+            if o.steps.is_some()
+                || o.interval.is_some()
+                || matches!(self.mode, ShiftMode::Progressive { .. })
+            {
+                ModeKind::Progressive
+            } else {
+                ModeKind::Atomic
+            },
+        );
+        let mode = match kind {
+            ModeKind::Atomic => ShiftMode::Atomic,
+            ModeKind::Progressive => ShiftMode::Progressive {
+                steps: o.steps.clone().unwrap_or(base_steps),
+                interval: o.interval.unwrap_or(base_interval),
+            },
+        };
+        SwitchoverPolicy {
+            mode,
+            min_ready_proxies: o.min_ready_proxies.unwrap_or(self.min_ready_proxies).max(1),
+            drain_grace: o.drain_grace.unwrap_or(self.drain_grace),
+            warm_timeout: o.warm_timeout.unwrap_or(self.warm_timeout),
+        }
+    }
+}
+
+/// Which connected Envoys have not yet warmed (ACKed) a cluster and its endpoints.
+pub trait EnvoyWarmth {
+    /// The node ids of connected Envoys that take `envoy_cluster` but have not ACKed it
+    /// and its endpoints yet. Envoys that do not subscribe to it are not asked.
+    fn cold_envoys(&self, envoy_cluster: &str) -> Vec<String>;
+}
+
+/// No Envoy connected: nothing is cold.
+impl EnvoyWarmth for () {
+    fn cold_envoys(&self, _: &str) -> Vec<String> {
+        Vec::new()
     }
 }
 
@@ -63,14 +187,20 @@ pub struct Departed {
 impl Departed {
     /// Notes the clusters `previous` had and `current` lacks, forgets expired ones and any
     /// that came back, and returns `current` with the departed still draining added.
-    pub fn update(&mut self, previous: &Model, current: &Model, now: SystemTime) -> Model {
+    pub fn update(
+        &mut self,
+        previous: &Model,
+        current: &Model,
+        defaults: &SwitchoverPolicy,
+        now: SystemTime,
+    ) -> Model {
         for old in previous.services() {
             let Some(new) = current.services().iter().find(|s| s.key() == old.key()) else {
                 continue; // the whole RayService went: nothing routes to it any more
             };
             for cluster in &old.clusters {
                 if new.cluster(&cluster.name).is_none() {
-                    let until = now + new.policy.switchover.drain_grace;
+                    let until = now + defaults.with(&new.policy.switchover).drain_grace;
                     self.clusters
                         .entry((old.key(), cluster.name.clone()))
                         .or_insert((cluster.clone(), until));
@@ -132,7 +262,8 @@ pub struct ServiceSwitch {
     pub serving: String,
     /// The cluster traffic is moving (or waiting to move) to.
     pub target: Option<String>,
-    /// `stable`, `waiting` (target not ready), `shifting`.
+    /// `stable`, `waiting` (target not ready), `warming` (target ready, some Envoy has
+    /// not ACKed it yet), `shifting`.
     pub phase: &'static str,
     pub reason: String,
     /// Percent of traffic per cluster (only clusters with some).
@@ -141,6 +272,9 @@ pub struct ServiceSwitch {
     /// since, so a status read before an upgrade began is never taken for readiness.
     #[serde(skip)]
     target_since: Option<SystemTime>,
+    /// When the target was first found ready while some Envoy had not warmed it.
+    #[serde(skip)]
+    warming_since: Option<SystemTime>,
     #[serde(skip)]
     step: usize,
     #[serde(skip)]
@@ -159,6 +293,8 @@ pub struct SwitchEvent {
 /// The switchover state of every RayService.
 #[derive(Clone, Debug, Default)]
 pub struct Switchover {
+    /// The global policy; each RayService overrides parts of it.
+    pub defaults: SwitchoverPolicy,
     pub services: BTreeMap<String, ServiceSwitch>,
     /// Envoy clusters whose dashboard should be asked again now (a switch began).
     refresh: Vec<String>,
@@ -245,19 +381,27 @@ fn has_healthy(service: &RayService, cluster: &str, probes: &ProbeStates) -> boo
 }
 
 impl Switchover {
+    pub fn new(defaults: SwitchoverPolicy) -> Switchover {
+        Switchover {
+            defaults,
+            ..Default::default()
+        }
+    }
+
     /// Advances every RayService's switchover to `now`; returns what changed.
     pub fn advance(
         &mut self,
         model: &Model,
         probes: &ProbeStates,
         dashboards: &DashboardStates,
+        envoys: &dyn EnvoyWarmth,
         now: SystemTime,
     ) -> Vec<SwitchEvent> {
         let mut events = Vec::new();
         let mut next = BTreeMap::new();
         for service in model.services() {
             let key = service.key();
-            let policy = &service.policy.switchover;
+            let policy = &self.defaults.with(&service.policy.switchover);
             let mut st = self.services.remove(&key).unwrap_or_else(|| ServiceSwitch {
                 serving: service.active_cluster.clone(),
                 target: None,
@@ -265,6 +409,7 @@ impl Switchover {
                 reason: String::new(),
                 weights: vec![],
                 target_since: None,
+                warming_since: None,
                 step: 0,
                 step_since: None,
             });
@@ -288,6 +433,7 @@ impl Switchover {
             };
             if st.target != previous_target {
                 st.target_since = st.target.as_ref().map(|_| now);
+                st.warming_since = None;
                 if let Some(t) = &st.target {
                     if service.cluster(t).is_some_and(|c| c.dashboard.is_some()) {
                         self.refresh.push(service.envoy_cluster_name(t));
@@ -314,7 +460,42 @@ impl Switchover {
                     );
                     let desperate = !has_healthy(service, &st.serving, probes)
                         && has_healthy(service, &target, probes);
+                    if ready.is_err() {
+                        st.warming_since = None;
+                    }
+                    // Before the first step, wait for every Envoy to warm the target.
+                    let mut cold = Vec::new();
+                    let mut warm_note = String::new();
+                    if ready.is_ok() && !desperate && st.step == 0 {
+                        cold = envoys.cold_envoys(&service.envoy_cluster_name(&target));
+                        if cold.is_empty() {
+                            st.warming_since = None;
+                        } else {
+                            let since = *st.warming_since.get_or_insert(now);
+                            if now.duration_since(since).unwrap_or_default() >= policy.warm_timeout
+                            {
+                                warm_note = format!(
+                                    " ({} Envoy(s) had not warmed it after {:?}: {}; each \
+                                     switches once it has)",
+                                    cold.len(),
+                                    policy.warm_timeout,
+                                    cold.join(", ")
+                                );
+                                cold.clear();
+                            }
+                        }
+                    }
                     match ready {
+                        Ok(()) if !cold.is_empty() => {
+                            st.phase = "warming";
+                            st.reason = format!(
+                                "{target} is ready; waiting for {} Envoy(s) to ACK it and its \
+                                 endpoints: {}",
+                                cold.len(),
+                                cold.join(", ")
+                            );
+                            st.weights = vec![(st.serving.clone(), 100)];
+                        }
                         Err(why) if !desperate => {
                             st.phase = "waiting";
                             st.reason = format!("{target} is not ready: {why}");
@@ -343,7 +524,7 @@ impl Switchover {
                                         st.serving
                                     )
                                 } else {
-                                    format!("moved to {target}: it is ready")
+                                    format!("moved to {target}: it is ready{warm_note}")
                                 };
                                 st.serving = target;
                                 st.target = None;
@@ -352,7 +533,8 @@ impl Switchover {
                                 st.weights = vec![(st.serving.clone(), 100)];
                             } else {
                                 st.phase = "shifting";
-                                st.reason = format!("{target} is ready: {weight}% of traffic");
+                                st.reason =
+                                    format!("{target} is ready: {weight}% of traffic{warm_note}");
                                 st.weights =
                                     vec![(st.serving.clone(), 100 - weight), (target, weight)];
                             }
@@ -396,6 +578,12 @@ impl Switchover {
     pub fn shifting(&self) -> bool {
         self.services.values().any(|s| s.phase == "shifting")
     }
+
+    /// Whether any RayService waits for Envoys to warm its target (the pipeline re-runs
+    /// when an Envoy ACKs, and on a timer for `warm_timeout`).
+    pub fn warming(&self) -> bool {
+        self.services.values().any(|s| s.phase == "warming")
+    }
 }
 
 #[cfg(test)]
@@ -424,7 +612,7 @@ mod tests {
         s.clusters.push(b);
         s.active_cluster = active.into();
         s.pending_cluster = pending.map(str::to_string);
-        s.policy.switchover = policy;
+        s.policy.switchover = policy.into();
         Model::new(vec![s]).unwrap()
     }
 
@@ -494,7 +682,7 @@ mod tests {
         world.apps("default/s/b1", "03-deploying.json");
         let mut s = Switchover::default();
         let m = model(A, Some(B), SwitchoverPolicy::default());
-        s.advance(&m, &world.probes, &world.dashboards, T0);
+        s.advance(&m, &world.probes, &world.dashboards, &(), T0);
         assert_eq!(weights(&s), w(&[(A, 100)]));
         assert_eq!(s.services["default/s"].phase, "waiting");
         assert!(
@@ -504,17 +692,17 @@ mod tests {
         );
 
         world.apps("default/s/b1", "02-running.json");
-        let events = s.advance(&m, &world.probes, &world.dashboards, T0);
+        let events = s.advance(&m, &world.probes, &world.dashboards, &(), T0);
         assert_eq!(weights(&s), w(&[(B, 100)]));
         assert_eq!(events.len(), 1, "logged once");
         // The source still calls b1 pending: traffic stays on b1.
         assert!(s
-            .advance(&m, &world.probes, &world.dashboards, T0)
+            .advance(&m, &world.probes, &world.dashboards, &(), T0)
             .is_empty());
         assert_eq!(weights(&s), w(&[(B, 100)]));
         // The source promotes b1.
         let promoted = model(B, None, SwitchoverPolicy::default());
-        s.advance(&promoted, &world.probes, &world.dashboards, T0);
+        s.advance(&promoted, &world.probes, &world.dashboards, &(), T0);
         assert_eq!(weights(&s), w(&[(B, 100)]));
         assert_eq!(s.services["default/s"].phase, "stable");
     }
@@ -533,24 +721,24 @@ mod tests {
         let m = model(A, Some(B), policy);
         let mut s = Switchover::default();
         let at = |secs| T0 + Duration::from_secs(secs);
-        s.advance(&m, &world.probes, &world.dashboards, at(0));
+        s.advance(&m, &world.probes, &world.dashboards, &(), at(0));
         assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
-        s.advance(&m, &world.probes, &world.dashboards, at(5));
+        s.advance(&m, &world.probes, &world.dashboards, &(), at(5));
         assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
-        s.advance(&m, &world.probes, &world.dashboards, at(10));
+        s.advance(&m, &world.probes, &world.dashboards, &(), at(10));
         assert_eq!(weights(&s), w(&[(A, 50), (B, 50)]));
         assert!(s.shifting());
         // b1's proxy fails: traffic goes back and the shift waits.
         let mut sick = World::new();
         sick.proxy(9000, ProbeState::Unhealthy);
-        s.advance(&m, &sick.probes, &sick.dashboards, at(11));
+        s.advance(&m, &sick.probes, &sick.dashboards, &(), at(11));
         assert_eq!(weights(&s), w(&[(A, 100)]));
         assert_eq!(s.services["default/s"].phase, "waiting");
         // Ready again: the shift starts over.
-        s.advance(&m, &world.probes, &world.dashboards, at(12));
+        s.advance(&m, &world.probes, &world.dashboards, &(), at(12));
         assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
-        s.advance(&m, &world.probes, &world.dashboards, at(22));
-        s.advance(&m, &world.probes, &world.dashboards, at(32));
+        s.advance(&m, &world.probes, &world.dashboards, &(), at(22));
+        s.advance(&m, &world.probes, &world.dashboards, &(), at(32));
         assert_eq!(weights(&s), w(&[(B, 100)]));
         assert!(!s.shifting());
     }
@@ -564,18 +752,19 @@ mod tests {
             &model(A, None, SwitchoverPolicy::default()),
             &world.probes,
             &world.dashboards,
+            &(),
             T0,
         );
         // KubeRay names b1 active before its applications run (or after replacing a1).
         let flipped = model(B, None, SwitchoverPolicy::default());
-        s.advance(&flipped, &world.probes, &world.dashboards, T0);
+        s.advance(&flipped, &world.probes, &world.dashboards, &(), T0);
         assert_eq!(
             weights(&s),
             w(&[(A, 100)]),
             "traffic follows readiness, not labels"
         );
         world.apps("default/s/b1", "02-running.json");
-        s.advance(&flipped, &world.probes, &world.dashboards, T0);
+        s.advance(&flipped, &world.probes, &world.dashboards, &(), T0);
         assert_eq!(weights(&s), w(&[(B, 100)]));
     }
 
@@ -589,12 +778,14 @@ mod tests {
             &model(A, None, SwitchoverPolicy::default()),
             &world.probes,
             &world.dashboards,
+            &(),
             T0,
         );
         s.advance(
             &model(B, None, SwitchoverPolicy::default()),
             &world.probes,
             &world.dashboards,
+            &(),
             T0,
         );
         assert_eq!(weights(&s), w(&[(B, 100)]));
@@ -618,9 +809,10 @@ mod tests {
             &model(A, None, SwitchoverPolicy::default()),
             &world.probes,
             &world.dashboards,
+            &(),
             at(15),
         );
-        s.advance(&m, &world.probes, &world.dashboards, at(20));
+        s.advance(&m, &world.probes, &world.dashboards, &(), at(20));
         assert_eq!(weights(&s), w(&[(A, 100)]));
         assert!(s.services["default/s"]
             .reason
@@ -631,8 +823,182 @@ mod tests {
             .get_mut("default/s/b1")
             .unwrap()
             .last_success_unix = Some(21.0);
-        s.advance(&m, &world.probes, &world.dashboards, at(21));
+        s.advance(&m, &world.probes, &world.dashboards, &(), at(21));
         assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
+    /// Envoys by node id, each with the clusters it has warmed.
+    struct Envoys(Vec<(&'static str, Vec<&'static str>)>);
+
+    impl EnvoyWarmth for Envoys {
+        fn cold_envoys(&self, cluster: &str) -> Vec<String> {
+            self.0
+                .iter()
+                .filter(|(_, warm)| !warm.contains(&cluster))
+                .map(|(id, _)| id.to_string())
+                .collect()
+        }
+    }
+
+    #[test]
+    fn traffic_moves_only_once_every_envoy_warmed_the_target() {
+        let world = World::new();
+        let m = model(A, Some(B), SwitchoverPolicy::default());
+        let mut s = Switchover::default();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let one_cold = Envoys(vec![
+            ("gw-1", vec!["default/s/a1", "default/s/b1"]),
+            ("gw-2", vec!["default/s/a1"]),
+        ]);
+        s.advance(&m, &world.probes, &world.dashboards, &one_cold, at(0));
+        assert_eq!(weights(&s), w(&[(A, 100)]));
+        let st = &s.services["default/s"];
+        assert_eq!(st.phase, "warming");
+        assert!(
+            st.reason.contains("gw-2") && !st.reason.contains("gw-1"),
+            "{}",
+            st.reason
+        );
+        assert!(s.warming());
+        let all_warm = Envoys(vec![
+            ("gw-1", vec!["default/s/a1", "default/s/b1"]),
+            ("gw-2", vec!["default/s/a1", "default/s/b1"]),
+        ]);
+        s.advance(&m, &world.probes, &world.dashboards, &all_warm, at(1));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+        assert!(!s.warming());
+    }
+
+    #[test]
+    fn an_envoy_that_never_warms_holds_the_switch_only_for_warm_timeout() {
+        let world = World::new();
+        let policy = SwitchoverPolicy {
+            warm_timeout: Duration::from_secs(5),
+            mode: ShiftMode::Progressive {
+                steps: vec![50, 100],
+                interval: Duration::from_secs(10),
+            },
+            ..Default::default()
+        };
+        let m = model(A, Some(B), policy);
+        let mut s = Switchover::default();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let stuck = Envoys(vec![("nacking", vec!["default/s/a1"])]);
+        s.advance(&m, &world.probes, &world.dashboards, &stuck, at(0));
+        s.advance(&m, &world.probes, &world.dashboards, &stuck, at(4));
+        assert_eq!(weights(&s), w(&[(A, 100)]));
+        s.advance(&m, &world.probes, &world.dashboards, &stuck, at(5));
+        assert_eq!(weights(&s), w(&[(A, 50), (B, 50)]));
+        assert!(s.services["default/s"].reason.contains("nacking"));
+        // Mid-shift, a newly connected cold Envoy does not roll the shift back.
+        s.advance(&m, &world.probes, &world.dashboards, &stuck, at(15));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
+    #[test]
+    fn a_target_that_turns_unready_while_warming_restarts_the_wait() {
+        let world = World::new();
+        let mut sick = World::new();
+        sick.proxy(9000, ProbeState::Unhealthy);
+        let m = model(A, Some(B), SwitchoverPolicy::default());
+        let mut s = Switchover::default();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let cold = Envoys(vec![("gw", vec![])]);
+        s.advance(&m, &world.probes, &world.dashboards, &cold, at(0));
+        s.advance(&m, &sick.probes, &sick.dashboards, &cold, at(8));
+        assert_eq!(s.services["default/s"].phase, "waiting");
+        // Ready again at 9 s: the 10 s wait starts over, so it still holds at 18 s.
+        s.advance(&m, &world.probes, &world.dashboards, &cold, at(9));
+        s.advance(&m, &world.probes, &world.dashboards, &cold, at(18));
+        assert_eq!(weights(&s), w(&[(A, 100)]));
+        s.advance(&m, &world.probes, &world.dashboards, &cold, at(19));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
+    #[test]
+    fn with_nothing_healthy_left_traffic_does_not_wait_for_warming() {
+        let mut world = World::new();
+        world.proxy(8000, ProbeState::Unhealthy);
+        let m = model(A, Some(B), SwitchoverPolicy::default());
+        let mut s = Switchover::default();
+        s.advance(
+            &m,
+            &world.probes,
+            &world.dashboards,
+            &Envoys(vec![("gw", vec![])]),
+            T0,
+        );
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
+    #[test]
+    fn global_defaults_apply_unless_a_rayservice_overrides_them() {
+        let global = SwitchoverPolicy {
+            mode: ShiftMode::Progressive {
+                steps: vec![20, 100],
+                interval: Duration::from_secs(3),
+            },
+            drain_grace: Duration::from_secs(7),
+            ..Default::default()
+        };
+        assert_eq!(global.with(&SwitchoverOverrides::default()), global);
+        let atomic = global.with(&SwitchoverOverrides {
+            mode: Some(ModeKind::Atomic),
+            ..Default::default()
+        });
+        assert_eq!(atomic.mode, ShiftMode::Atomic);
+        assert_eq!(atomic.drain_grace, Duration::from_secs(7));
+        let slower = global.with(&SwitchoverOverrides {
+            interval: Some(Duration::from_secs(30)),
+            ..Default::default()
+        });
+        assert_eq!(
+            slower.mode,
+            ShiftMode::Progressive {
+                steps: vec![20, 100],
+                interval: Duration::from_secs(30)
+            }
+        );
+        // Steps alone make an atomic global policy progressive for this RayService.
+        let stepped = SwitchoverPolicy::default().with(&SwitchoverOverrides {
+            steps: Some(vec![50, 100]),
+            ..Default::default()
+        });
+        assert_eq!(
+            stepped.mode,
+            ShiftMode::Progressive {
+                steps: vec![50, 100],
+                interval: DEFAULT_STEP_INTERVAL
+            }
+        );
+        for bad in [
+            SwitchoverOverrides {
+                steps: Some(vec![50, 90]),
+                ..Default::default()
+            },
+            SwitchoverOverrides {
+                steps: Some(vec![0, 100]),
+                ..Default::default()
+            },
+            SwitchoverOverrides {
+                mode: Some(ModeKind::Atomic),
+                interval: Some(Duration::from_secs(1)),
+                ..Default::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+        // The drain grace a RayService inherits decides how long its dropped cluster stays.
+        let before = model(B, Some(A), SwitchoverPolicy::default());
+        let mut plain = before.services()[0].clone();
+        plain.policy.switchover = SwitchoverOverrides::default();
+        let before = Model::new(vec![plain.clone()]).unwrap();
+        plain.pending_cluster = None;
+        plain.clusters.retain(|c| c.name == B);
+        let after = Model::new(vec![plain]).unwrap();
+        let mut d = Departed::default();
+        d.update(&before, &after, &global, T0);
+        assert_eq!(d.next_expiry(), Some(T0 + Duration::from_secs(7)));
     }
 
     #[test]
@@ -643,19 +1009,34 @@ mod tests {
         after.clusters.retain(|c| c.name == B);
         let after = Model::new(vec![after]).unwrap();
         let mut d = Departed::default();
-        let kept = d.update(&before, &after, T0);
+        let kept = d.update(&before, &after, &SwitchoverPolicy::default(), T0);
         assert!(kept.services()[0].cluster(A).is_some(), "a1 drains");
         assert!(d.contains("default/s", A));
         assert_eq!(d.next_expiry(), Some(T0 + Duration::from_secs(30)));
-        let still = d.update(&after, &after, T0 + Duration::from_secs(29));
+        let still = d.update(
+            &after,
+            &after,
+            &SwitchoverPolicy::default(),
+            T0 + Duration::from_secs(29),
+        );
         assert!(still.services()[0].cluster(A).is_some());
-        let gone = d.update(&after, &after, T0 + Duration::from_secs(31));
+        let gone = d.update(
+            &after,
+            &after,
+            &SwitchoverPolicy::default(),
+            T0 + Duration::from_secs(31),
+        );
         assert!(gone.services()[0].cluster(A).is_none());
         assert_eq!(d.next_expiry(), None);
         // A cluster that comes back is the source's again.
         let mut d = Departed::default();
-        d.update(&before, &after, T0);
-        let back = d.update(&after, &before, T0 + Duration::from_secs(1));
+        d.update(&before, &after, &SwitchoverPolicy::default(), T0);
+        let back = d.update(
+            &after,
+            &before,
+            &SwitchoverPolicy::default(),
+            T0 + Duration::from_secs(1),
+        );
         assert!(!d.contains("default/s", A));
         assert_eq!(back, before);
     }

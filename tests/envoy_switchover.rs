@@ -6,8 +6,14 @@ mod support;
 
 use std::time::Duration;
 
+use envoy_types::pb::envoy::config::cluster::v3::Cluster;
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use prost::Message;
 use ray_xds::model::NodeType;
 use ray_xds::sim::dashboard::SimDashboard;
+use ray_xds::xds::snapshot::{CLUSTER_TYPE_URL, ENDPOINTS_TYPE_URL};
 use support::*;
 use tokio_util::sync::CancellationToken;
 
@@ -243,5 +249,150 @@ async fn a_cluster_the_source_drops_drains_then_goes() {
         },
     )
     .await;
+    shutdown.cancel();
+}
+
+/// A bare ADS client (SotW) that takes clusters and ACKs only when told to.
+struct RawEnvoy {
+    requests: tokio::sync::mpsc::Sender<DiscoveryRequest>,
+    responses: tonic::Streaming<DiscoveryResponse>,
+}
+
+impl RawEnvoy {
+    async fn connect(xds: std::net::SocketAddr, id: &str) -> RawEnvoy {
+        let (requests, rx) = tokio::sync::mpsc::channel(16);
+        let mut client = AggregatedDiscoveryServiceClient::connect(format!("http://{xds}"))
+            .await
+            .unwrap();
+        let responses = client
+            .stream_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let raw = RawEnvoy {
+            requests,
+            responses,
+        };
+        raw.send(DiscoveryRequest {
+            node: Some(Node {
+                id: id.into(),
+                ..Default::default()
+            }),
+            type_url: CLUSTER_TYPE_URL.into(),
+            ..Default::default()
+        })
+        .await;
+        raw
+    }
+
+    async fn send(&self, r: DiscoveryRequest) {
+        self.requests.send(r).await.unwrap();
+    }
+
+    async fn next(&mut self) -> DiscoveryResponse {
+        tokio::time::timeout(DEADLINE, self.responses.message())
+            .await
+            .expect("a response in time")
+            .unwrap()
+            .expect("stream open")
+    }
+
+    fn ack(r: &DiscoveryResponse, names: Vec<String>) -> DiscoveryRequest {
+        DiscoveryRequest {
+            version_info: r.version_info.clone(),
+            response_nonce: r.nonce.clone(),
+            type_url: r.type_url.clone(),
+            resource_names: names,
+            ..Default::default()
+        }
+    }
+}
+
+async fn switch_state(admin: std::net::SocketAddr) -> Option<serde_json::Value> {
+    let state: serde_json::Value =
+        serde_json::from_str(&admin_get(admin, "/debug/state").await).ok()?;
+    Some(state["rayservices"][0]["switchover"].clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_waits_until_every_connected_envoy_warmed_the_new_cluster() {
+    let shutdown = CancellationToken::new();
+    let a = SimCluster::start("a", &[NodeType::Head]).await;
+    let b = SimCluster::start("b", &[NodeType::Head]).await;
+    let (_da, url_a) = dashboard("RUNNING", &shutdown).await;
+    let (db, url_b) = dashboard("DEPLOYING", &shutdown).await;
+    let dir = tempfile::tempdir().unwrap();
+    let services = dir.path().join("services.yaml");
+    // Long enough that only the laggard's ACK can release the switch in this test.
+    let slow = "    switchover: { warm_timeout: 5m }\n";
+    std::fs::write(
+        &services,
+        yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], slow),
+    )
+    .unwrap();
+    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
+        .await
+        .unwrap();
+    let envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
+    let port = envoy.gateway_port().await;
+    eventually("traffic flows", DEADLINE, || async {
+        through_envoy(port).await
+    })
+    .await;
+    // A second Envoy takes the clusters and has not ACKed them yet.
+    let mut laggard = RawEnvoy::connect(xds.xds_addr, "laggard").await;
+    let clusters = laggard.next().await;
+    let names: Vec<String> = clusters
+        .resources
+        .iter()
+        .map(|any| Cluster::decode(any.value.as_slice()).unwrap().name)
+        .collect();
+    assert!(names.contains(&"default/demo/b".to_string()), "{names:?}");
+
+    db.set_app("hello", "/", "RUNNING");
+    let sw = eventually("the switch waits for the laggard", DEADLINE, || async {
+        let sw = switch_state(xds.admin_addr).await?;
+        (sw["phase"] == "warming").then_some(sw)
+    })
+    .await;
+    let reason = sw["reason"].as_str().unwrap();
+    assert!(reason.contains("laggard"), "{reason}");
+    assert!(
+        !reason.contains("ray-xds-gateway"),
+        "the real Envoy is warm: {reason}"
+    );
+    for _ in 0..20 {
+        assert_eq!(
+            through_envoy(port).await.map(|s| s.cluster).as_deref(),
+            Some("a"),
+            "no traffic moves while an Envoy is cold"
+        );
+    }
+
+    // The laggard ACKs the clusters, then asks for and ACKs their endpoints.
+    laggard.send(RawEnvoy::ack(&clusters, vec![])).await;
+    laggard
+        .send(DiscoveryRequest {
+            type_url: ENDPOINTS_TYPE_URL.into(),
+            resource_names: names.clone(),
+            ..Default::default()
+        })
+        .await;
+    let endpoints = loop {
+        let r = laggard.next().await;
+        if r.type_url == ENDPOINTS_TYPE_URL {
+            break r;
+        }
+    };
+    assert_eq!(
+        switch_state(xds.admin_addr).await.unwrap()["phase"],
+        "warming",
+        "clusters alone are not warm"
+    );
+    laggard.send(RawEnvoy::ack(&endpoints, names)).await;
+    let failed = drive(port, |c| c == "b").await;
+    assert_eq!(failed, 0);
+    let sw = switch_state(xds.admin_addr).await.unwrap();
+    assert_eq!(sw["phase"], "stable", "{sw}");
     shutdown.cancel();
 }

@@ -46,61 +46,7 @@ struct ServiceSpec {
     #[serde(default)]
     traffic: Option<TrafficSpec>,
     #[serde(default)]
-    switchover: Option<SwitchoverSpec>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SwitchoverSpec {
-    #[serde(default)]
-    mode: Option<ShiftModeSpec>,
-    /// Progressive steps, in percent, ending at 100.
-    steps: Option<Vec<u32>>,
-    #[serde(default, with = "humantime_serde")]
-    interval: Option<std::time::Duration>,
-    min_ready_proxies: Option<u32>,
-    #[serde(default, with = "humantime_serde")]
-    drain_grace: Option<std::time::Duration>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "lowercase")]
-enum ShiftModeSpec {
-    Atomic,
-    Progressive,
-}
-
-impl SwitchoverSpec {
-    fn policy(&self) -> Result<crate::switchover::SwitchoverPolicy, String> {
-        use crate::switchover::{ShiftMode, SwitchoverPolicy};
-        let d = SwitchoverPolicy::default();
-        let mode = match self.mode {
-            None | Some(ShiftModeSpec::Atomic) => {
-                if self.steps.is_some() || self.interval.is_some() {
-                    return Err("switchover: steps and interval go with mode: progressive".into());
-                }
-                ShiftMode::Atomic
-            }
-            Some(ShiftModeSpec::Progressive) => {
-                let steps = self.steps.clone().unwrap_or_else(|| vec![10, 25, 50, 100]);
-                let rising = steps.windows(2).all(|w| w[0] < w[1]);
-                if steps.last() != Some(&100) || !rising || steps[0] == 0 {
-                    return Err(format!(
-                        "switchover: steps {steps:?} must rise from above 0 to 100"
-                    ));
-                }
-                ShiftMode::Progressive {
-                    steps,
-                    interval: self.interval.unwrap_or(std::time::Duration::from_secs(10)),
-                }
-            }
-        };
-        Ok(SwitchoverPolicy {
-            mode,
-            min_ready_proxies: self.min_ready_proxies.unwrap_or(d.min_ready_proxies).max(1),
-            drain_grace: self.drain_grace.unwrap_or(d.drain_grace),
-        })
-    }
+    switchover: Option<crate::config::SwitchoverSpec>,
 }
 
 /// Per-RayService traffic policy; see `policy::TrafficPolicy` for each field.
@@ -204,7 +150,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
         .into_iter()
         .map(|s| {
             let switchover = match &s.switchover {
-                Some(spec) => spec.policy().map_err(|e| {
+                Some(spec) => spec.overrides().map_err(|e| {
                     ConfigError::Invalid(format!(
                         "{}: rayservice {}/{}: {e}",
                         file.display(),

@@ -280,6 +280,15 @@ impl AdsProtocol for DeltaStream {
         self.node.as_ref()
     }
 
+    fn warmed(&self, cluster: &str) -> Option<bool> {
+        let clusters = &self.types[ResourceType::Cluster.index()];
+        if !clusters.subscribed || !clusters.wants(cluster) {
+            return None;
+        }
+        let endpoints = &self.types[ResourceType::Endpoints.index()];
+        Some(clusters.known.contains(cluster) && endpoints.known.contains(cluster))
+    }
+
     fn status(&self) -> Vec<(ResourceType, TypeStatus)> {
         ResourceType::ALL
             .iter()

@@ -126,4 +126,7 @@ pub trait AdsProtocol: Send + 'static {
     }
     fn node(&self) -> Option<&NodeInfo>;
     fn status(&self) -> Vec<(ResourceType, TypeStatus)>;
+    /// Whether this Envoy has ACKed `cluster` and its endpoints; `None` when it does not
+    /// subscribe to that cluster (it has nothing to warm).
+    fn warmed(&self, cluster: &str) -> Option<bool>;
 }

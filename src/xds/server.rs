@@ -29,19 +29,49 @@ type SharedStream = Arc<Mutex<dyn ClientDescribe>>;
 
 trait ClientDescribe: Send {
     fn describe(&self) -> (Option<NodeInfo>, Vec<(ResourceType, TypeStatus)>);
+    fn warmed(&self, cluster: &str) -> Option<bool>;
+    fn node_id(&self) -> Option<String>;
 }
 
 impl<P: AdsProtocol> ClientDescribe for P {
     fn describe(&self) -> (Option<NodeInfo>, Vec<(ResourceType, TypeStatus)>) {
         (self.node().cloned(), self.status())
     }
+    fn warmed(&self, cluster: &str) -> Option<bool> {
+        AdsProtocol::warmed(self, cluster)
+    }
+    fn node_id(&self) -> Option<String> {
+        self.node().map(|n| n.id.clone())
+    }
 }
 
-/// Every connected stream, for `/debug/clients`.
+/// Every connected stream: for `/debug/clients`, and for the switchover, which waits
+/// until every Envoy has warmed a cluster before sending it traffic.
 #[derive(Default)]
 pub struct Clients {
     next_id: AtomicU64,
     streams: Mutex<BTreeMap<u64, (&'static str, u64, SharedStream)>>,
+    /// Signalled when any stream ACKs clusters or endpoints.
+    warmed: tokio::sync::Notify,
+}
+
+impl crate::switchover::EnvoyWarmth for Clients {
+    fn cold_envoys(&self, envoy_cluster: &str) -> Vec<String> {
+        let streams: Vec<_> = lock(&self.streams)
+            .iter()
+            .map(|(id, (_, _, s))| (*id, s.clone()))
+            .collect();
+        streams
+            .into_iter()
+            .filter_map(|(id, s)| {
+                let s = lock(&s);
+                (s.warmed(envoy_cluster) == Some(false)).then(|| match s.node_id() {
+                    Some(node) if !node.is_empty() => format!("{node} (stream {id})"),
+                    _ => format!("stream {id}"),
+                })
+            })
+            .collect()
+    }
 }
 
 /// One connected Envoy as `/debug/clients` shows it.
@@ -55,6 +85,12 @@ pub struct ClientReport {
 }
 
 impl Clients {
+    /// Waits until some Envoy ACKs clusters or endpoints (or returns at once if one did
+    /// since the last wait).
+    pub async fn acked(&self) {
+        self.warmed.notified().await
+    }
+
     pub fn report(&self) -> Vec<ClientReport> {
         let streams: Vec<_> = {
             let guard = self.streams.lock().unwrap_or_else(|e| e.into_inner());
@@ -229,6 +265,9 @@ impl AdsServer {
         match event {
             Event::Subscribed(ty) => subscribed.add(*ty),
             Event::Ack { ty, .. } => {
+                if matches!(ty, ResourceType::Cluster | ResourceType::Endpoints) {
+                    self.clients.warmed.notify_one();
+                }
                 self.metrics
                     .acks
                     .get_or_create(&Metrics::type_labels(protocol, ty.label()))

@@ -342,6 +342,15 @@ impl AdsProtocol for SotwStream {
         self.node.as_ref()
     }
 
+    fn warmed(&self, cluster: &str) -> Option<bool> {
+        let clusters = &self.types[ResourceType::Cluster.index()];
+        if !clusters.subscription.as_ref()?.wants(cluster) {
+            return None;
+        }
+        let endpoints = &self.types[ResourceType::Endpoints.index()];
+        Some(clusters.acked.contains(cluster) && endpoints.acked.contains(cluster))
+    }
+
     fn status(&self) -> Vec<(ResourceType, TypeStatus)> {
         ResourceType::ALL
             .iter()

@@ -332,6 +332,7 @@ pub fn test_config(services: &Path, gateway_port: u16) -> Config {
         },
         prober: Default::default(),
         dashboard: Default::default(),
+        switchover: Default::default(),
     }
 }
 
