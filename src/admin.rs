@@ -1,12 +1,14 @@
 //! The admin HTTP server: health, readiness, Prometheus metrics and debug views.
 //!
 //! - `/healthz`: the process is up;
-//! - `/readyz`: 200 once the first snapshot is built (503 before);
+//! - `/readyz`: 200 once the source has its first full state (for Kubernetes, every
+//!   watch has listed) and the first snapshot is built (503 before);
 //! - `/metrics`: Prometheus text;
 //! - `/debug/snapshot`: every resource of the current snapshot with its version;
 //! - `/debug/clients`: every connected Envoy, its subscriptions and ACK/NACK state;
 //! - `/debug/state`: per cluster, each proxy's probe state and endpoint health with the
-//!   reason, and what the cluster's dashboard says (application statuses, staleness).
+//!   reason, and what the cluster's dashboard says (application statuses, staleness);
+//!   the source's state (each Kubernetes watch, how stale, what it skipped and why).
 
 use std::sync::Arc;
 
@@ -58,6 +60,11 @@ pub async fn serve(
 async fn readyz(State(state): State<AdminState>) -> Response {
     match &*state.snapshots.borrow() {
         Some(s) => (StatusCode::OK, format!("ready: snapshot {}\n", s.version())).into_response(),
+        None if !state.live.source.borrow().synced => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: the source has not delivered its first full state (see /debug/state)\n",
+        )
+            .into_response(),
         None => (
             StatusCode::SERVICE_UNAVAILABLE,
             "not ready: no snapshot built yet\n",
@@ -151,5 +158,31 @@ async fn live_state(State(state): State<AdminState>) -> Response {
             "clusters": clusters,
         }));
     }
-    Json(json!({"rayservices": services, "probes_complete": probes.complete})).into_response()
+    let source = live.source.borrow().clone();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0);
+    let watches: Vec<_> = source
+        .watches
+        .iter()
+        .map(|w| {
+            let mut v = json!(w);
+            // How old the state this watch serves may be: since it started failing.
+            v["stale_seconds"] = json!(w.failing_since_unix.map(|t| (now - t).max(0.0)));
+            v
+        })
+        .collect();
+    Json(json!({
+        "source": {
+            "source": source.source,
+            "synced": source.synced,
+            "watches": watches,
+            "unrouted": source.unrouted,
+            "problems": source.problems,
+        },
+        "rayservices": services,
+        "probes_complete": probes.complete,
+    }))
+    .into_response()
 }

@@ -71,6 +71,11 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_SOURCE_FILE")]
     pub source_file: Option<PathBuf>,
 
+    /// Watch RayServices and pods in Kubernetes (all namespaces, in-cluster credentials or
+    /// KUBECONFIG) instead of a file [config: source.kubernetes].
+    #[arg(long, env = "RAY_XDS_SOURCE_KUBERNETES")]
+    pub source_kubernetes: bool,
+
     /// How often the file source re-reads its file even without a change notification
     /// [config: source.file.poll_interval; default 1s].
     #[arg(long, env = "RAY_XDS_SOURCE_FILE_POLL_INTERVAL", value_parser = humantime::parse_duration)]
@@ -229,6 +234,23 @@ pub enum SourceConfig {
         path: PathBuf,
         poll_interval: Duration,
     },
+    Kubernetes(KubernetesSourceConfig),
+}
+
+/// Where and what the Kubernetes source watches.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesSourceConfig {
+    /// Namespaces to watch; empty means all.
+    #[serde(default)]
+    pub namespaces: Vec<String>,
+    /// Label selector on RayServices (`key=value,...`); empty means all.
+    #[serde(default)]
+    pub rayservice_selector: Option<String>,
+    /// The API server's URL, for `kubectl proxy` or tests; by default the in-cluster
+    /// service account, else `KUBECONFIG` / `~/.kube/config`.
+    #[serde(default)]
+    pub api_server: Option<String>,
 }
 
 /// Why a configuration was refused.
@@ -396,6 +418,7 @@ struct ListenerSection {
 #[serde(deny_unknown_fields)]
 struct SourceSection {
     file: Option<FileSourceSection>,
+    kubernetes: Option<KubernetesSourceConfig>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -546,24 +569,50 @@ impl Config {
                 "gateway.connect_timeout must be above 0".into(),
             ));
         }
-        let file_source = file.source.and_then(|s| s.file);
-        let source_path = match (&args.source_file, &file_source) {
-            (Some(p), _) => p.clone(),
-            (None, Some(f)) => base_dir.join(&f.path),
-            (None, None) => return Err(ConfigError::Invalid(
-                "no source configured: set source.file.path in the config file, or --source-file"
+        let (file_source, kubernetes) = match file.source {
+            Some(s) => (s.file, s.kubernetes),
+            None => (None, None),
+        };
+        if file_source.is_some() && kubernetes.is_some() {
+            return Err(ConfigError::Invalid(
+                "source: set either file or kubernetes, not both".into(),
+            ));
+        }
+        let kubernetes =
+            kubernetes.or_else(|| args.source_kubernetes.then(KubernetesSourceConfig::default));
+        let source = match (&args.source_file, &file_source, kubernetes) {
+            (Some(_), _, _) | (None, Some(_), _) => {
+                let path = match (&args.source_file, &file_source) {
+                    (Some(p), _) => p.clone(),
+                    (None, f) => base_dir.join(&f.as_ref().expect("matched above").path),
+                };
+                let poll_interval = args
+                    .source_file_poll_interval
+                    .or(file_source.as_ref().and_then(|f| f.poll_interval))
+                    .unwrap_or(Duration::from_secs(1));
+                if poll_interval.is_zero() {
+                    return Err(ConfigError::Invalid(
+                        "source.file.poll_interval must be above 0".into(),
+                    ));
+                }
+                SourceConfig::File {
+                    path,
+                    poll_interval,
+                }
+            }
+            (None, None, Some(k)) => {
+                if k.namespaces.iter().any(|n| n.is_empty()) {
+                    return Err(ConfigError::Invalid(
+                        "source.kubernetes.namespaces: a namespace name is empty".into(),
+                    ));
+                }
+                SourceConfig::Kubernetes(k)
+            }
+            (None, None, None) => return Err(ConfigError::Invalid(
+                "no source configured: set source.file.path or source.kubernetes in the config file, or pass --source-file or --source-kubernetes"
                     .into(),
             )),
         };
-        let poll_interval = args
-            .source_file_poll_interval
-            .or(file_source.as_ref().and_then(|f| f.poll_interval))
-            .unwrap_or(Duration::from_secs(1));
-        if poll_interval.is_zero() {
-            return Err(ConfigError::Invalid(
-                "source.file.poll_interval must be above 0".into(),
-            ));
-        }
         let d = ProberConfig::default();
         let prober = ProberConfig {
             defaults: ProbeSettings {
@@ -645,10 +694,7 @@ impl Config {
                 .or(file.admin.listen)
                 .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 19000))),
             gateway,
-            source: SourceConfig::File {
-                path: source_path,
-                poll_interval,
-            },
+            source,
         })
     }
 }
@@ -682,7 +728,9 @@ mod tests {
         assert_eq!(c.admin_listen, "127.0.0.1:19001".parse().unwrap());
         assert_eq!(c.gateway.listener_port, 10001);
         assert_eq!(c.gateway.upstream_idle_timeout, Duration::from_secs(60));
-        let SourceConfig::File { path, .. } = &c.source;
+        let SourceConfig::File { path, .. } = &c.source else {
+            panic!("a file source: {:?}", c.source)
+        };
         assert!(path.ends_with("services.yaml"));
         assert!(
             path.is_absolute(),
@@ -745,6 +793,37 @@ mod tests {
         .is_err());
         let err = load("traffic: { retrys: 1 }\n").unwrap_err().to_string();
         assert!(err.contains("traffic.retrys"), "{err}");
+    }
+
+    #[test]
+    fn kubernetes_source() {
+        let c = load(
+            "source:\n  kubernetes:\n    namespaces: [ml, serving]\n    rayservice_selector: team=ml\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.source,
+            SourceConfig::Kubernetes(KubernetesSourceConfig {
+                namespaces: vec!["ml".into(), "serving".into()],
+                rayservice_selector: Some("team=ml".into()),
+                api_server: None,
+            })
+        );
+        let c = load("source: { kubernetes: {} }\n").unwrap();
+        assert_eq!(c.source, SourceConfig::Kubernetes(Default::default()));
+        let both = load("source: { kubernetes: {}, file: { path: s.yaml } }\n");
+        assert!(both.unwrap_err().to_string().contains("not both"));
+        let typo = load("source: { kubernetes: { namespace: [ml] } }\n");
+        assert!(typo
+            .unwrap_err()
+            .to_string()
+            .contains("source.kubernetes.namespace"));
+        let flag = Config::load(&ServeArgs {
+            source_kubernetes: true,
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(flag.source, SourceConfig::Kubernetes(Default::default()));
     }
 
     #[test]

@@ -30,6 +30,17 @@ pub struct SourceLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ObjectProblemLabels {
+    pub source: &'static str,
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResourceLabels {
+    pub resource: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
     pub protocol: &'static str,
     pub reason: &'static str,
@@ -79,6 +90,9 @@ pub struct Metrics {
     pub fail_open_clusters: Gauge,
     pub switchover_weight: Family<WeightLabels, Gauge>,
     pub switchover_transitions: Family<StateLabels, Counter>,
+    pub source_objects_skipped: Family<ObjectProblemLabels, Counter>,
+    pub source_watch_errors: Family<ResourceLabels, Counter>,
+    pub source_synced: Gauge,
 }
 
 impl Default for Metrics {
@@ -111,6 +125,9 @@ impl Metrics {
             fail_open_clusters: Gauge::default(),
             switchover_weight: Family::default(),
             switchover_transitions: Family::default(),
+            source_objects_skipped: Family::default(),
+            source_watch_errors: Family::default(),
+            source_synced: Gauge::default(),
             registry: Registry::with_prefix("ray_xds"),
         };
         let registry = &mut m.registry;
@@ -197,6 +214,21 @@ impl Metrics {
             "switchover_transitions",
             "Switchover state changes, by the phase entered",
             m.switchover_transitions.clone(),
+        );
+        registry.register(
+            "source_objects_skipped",
+            "Objects (or parts of them, such as an annotation) a source ignored, by reason; counted once per new problem",
+            m.source_objects_skipped.clone(),
+        );
+        registry.register(
+            "source_watch_errors",
+            "Kubernetes watch failures (retried with back-off; the last state is kept)",
+            m.source_watch_errors.clone(),
+        );
+        registry.register(
+            "source_synced",
+            "1 once every watch of the source has delivered its first full list",
+            m.source_synced.clone(),
         );
         m
     }

@@ -78,6 +78,10 @@ pub struct RayCluster {
 pub struct Proxy {
     pub address: SocketAddr,
     pub node_type: NodeType,
+    /// The source says this proxy is going away (its pod is terminating): it gets no new
+    /// requests, whatever its probe says. Ray's proxy does not drain on SIGTERM, so Envoy
+    /// must stop using it before the pod dies.
+    pub draining: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -295,6 +299,7 @@ pub(crate) mod test_support {
                         } else {
                             NodeType::Worker
                         },
+                        draining: false,
                     })
                     .collect(),
             }],

@@ -23,10 +23,12 @@ use crate::live::dashboards::{DashboardPoller, DashboardStates};
 use crate::live::health::{assess, HealthMap};
 use crate::live::health::{EndpointHealth, Verdict};
 use crate::live::prober::{ProbeStates, Prober};
-use crate::metrics::{Metrics, SourceLabels};
+use crate::metrics::Metrics;
 use crate::metrics::{StateLabels, WeightLabels};
 use crate::model::Model;
 use crate::source::file::{self, FileSource};
+use crate::source::kubernetes::{self, KubernetesSource};
+use crate::source::SourceStatus;
 use crate::switchover::{Departed, Switchover};
 use crate::translate::translate;
 use crate::xds::grpc::AdsService;
@@ -90,31 +92,44 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let admin_addr = admin_listener.local_addr()?;
 
     let mut tasks = JoinSet::new();
-    let (models_tx, models_rx) = match &config.source {
+    let (status_tx, mut source_status) = watch::channel(Arc::new(SourceStatus::default()));
+    let models_rx = match &config.source {
         SourceConfig::File {
             path,
             poll_interval,
         } => {
             let (model, bytes) = file::load(path)?;
             let (tx, rx) = watch::channel(Arc::new(model));
+            status_tx.send_replace(Arc::new(SourceStatus::synced("file")));
             let source = FileSource {
                 path: path.clone(),
                 poll_interval: *poll_interval,
                 metrics: metrics.clone(),
             };
             let token = shutdown.clone();
-            let sender = tx.clone();
             tasks.spawn(async move {
-                source.run(bytes, sender, token).await;
+                source.run(bytes, tx, token).await;
                 Ok(())
             });
-            (tx, rx)
+            rx
+        }
+        SourceConfig::Kubernetes(k) => {
+            let client = kubernetes::client(k).await?;
+            let (tx, rx) = watch::channel(Arc::new(Model::default()));
+            let source = KubernetesSource {
+                config: k.clone(),
+                metrics: metrics.clone(),
+            };
+            let token = shutdown.clone();
+            tasks.spawn(async move {
+                source.run(client, tx, status_tx, token).await;
+                Ok(())
+            });
+            rx
         }
     };
-    // The source task owns the writer; keep ours only so the channel outlives it.
-    let _ = models_tx;
 
-    let (probes_tx, mut probes_rx) = watch::channel(Arc::new(ProbeStates::default()));
+    let (probes_tx, probes_rx) = watch::channel(Arc::new(ProbeStates::default()));
     {
         let prober = Prober {
             config: config.prober,
@@ -140,11 +155,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             Ok(())
         });
     }
-    // The first snapshot waits (briefly) for every proxy's first probe, so that a restarted
-    // ray-xds publishes the health Envoy already has instead of "unknown" for everyone.
     let first_round = config.prober.defaults.timeout * 2 + Duration::from_millis(200);
-    let _ = tokio::time::timeout(first_round, probes_rx.wait_for(|p| p.complete)).await;
-
     let inputs = Inputs {
         models: models_rx,
         probes: probes_rx,
@@ -164,20 +175,47 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         switch_views: switch_tx,
         refresh: refresh_tx,
     };
-    let first = pipeline.build(&inputs, None);
-    pipeline.published(&first);
-    let (published_tx, published_rx) = watch::channel::<Option<Arc<Snapshot>>>(Some(first.clone()));
-    let (snapshots_tx, snapshots_rx) = watch::channel(first);
+    // Until the first snapshot, the xDS server does not answer (connections wait) and
+    // /readyz says not ready.
+    let (published_tx, published_rx) = watch::channel::<Option<Arc<Snapshot>>>(None);
+    let (snapshots_tx, snapshots_rx) =
+        watch::channel(Arc::new(Snapshot::from_resources(&Default::default())));
     let live = LiveViews {
         models: inputs.models.clone(),
         probes: inputs.probes.clone(),
         dashboards: inputs.dashboards.clone(),
         health: health_rx,
         switchover: switch_rx,
+        source: source_status.clone(),
     };
     {
         let token = shutdown.clone();
         tasks.spawn(async move {
+            // Nothing is published before the source has its first full state: an empty
+            // model from a half-listed cluster would withdraw every route.
+            tokio::select! {
+                _ = token.cancelled() => return Ok(()),
+                synced = source_status.wait_for(|s| s.synced) => if synced.is_err() { return Ok(()) },
+            }
+            // Then wait (briefly) for every proxy's first probe, so that a restarted
+            // ray-xds publishes the health Envoy already has, not "unknown" for everyone.
+            let model = inputs.models.borrow().clone();
+            let wanted: BTreeSet<std::net::SocketAddr> = model
+                .services()
+                .iter()
+                .flat_map(|s| &s.clusters)
+                .flat_map(|c| &c.proxies)
+                .map(|p| p.address)
+                .collect();
+            let mut probes = inputs.probes.clone();
+            let probed = probes.wait_for(|p| {
+                p.complete && wanted.iter().all(|a| p.proxies.contains_key(a))
+            });
+            let _ = tokio::time::timeout(first_round, probed).await;
+            let first = pipeline.build(&inputs, None);
+            pipeline.published(&first);
+            snapshots_tx.send_replace(first.clone());
+            published_tx.send_replace(Some(first));
             pipeline
                 .run(inputs, snapshots_tx, published_tx, token)
                 .await;
@@ -194,7 +232,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     {
         let service = AdsService::new(ads, config.xds_max_message_bytes);
         let token = shutdown.clone();
+        let mut first = published_rx.clone();
         tasks.spawn(async move {
+            tokio::select! {
+                _ = token.cancelled() => return Ok(()),
+                ready = first.wait_for(|s| s.is_some()) => if ready.is_err() { return Ok(()) },
+            }
             tonic::transport::Server::builder()
                 .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
                 .add_service(service)
@@ -363,7 +406,6 @@ impl Pipeline {
                 _ = shutdown.cancelled() => return,
                 changed = inputs.models.changed() => {
                     if changed.is_err() { return }
-                    self.metrics.source_updates.get_or_create(&SourceLabels { source: "file" }).inc();
                 }
                 changed = inputs.probes.changed() => if changed.is_err() { return },
                 changed = inputs.dashboards.changed() => if changed.is_err() { return },
@@ -399,4 +441,5 @@ pub struct LiveViews {
     pub dashboards: watch::Receiver<Arc<DashboardStates>>,
     pub health: watch::Receiver<Arc<HealthMap>>,
     pub switchover: watch::Receiver<Arc<Switchover>>,
+    pub source: watch::Receiver<Arc<SourceStatus>>,
 }

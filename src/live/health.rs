@@ -117,6 +117,12 @@ pub fn assess(model: &Model, probes: &ProbeStates, dashboards: &DashboardStates)
                             verdict(EndpointHealth::Draining, "proxy says it is draining")
                         }
                     };
+                    if proxy.draining {
+                        v = verdict(
+                            EndpointHealth::Draining,
+                            "the source says it is going away (pod terminating)",
+                        );
+                    }
                     let ip = proxy.address.ip().to_string();
                     if let Some(ProxyStatus::Draining) =
                         dashboard.and_then(|d| d.proxy_status_by_ip(&ip))

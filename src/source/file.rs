@@ -123,6 +123,9 @@ struct ProxySpec {
     /// `ip:port`: Envoy's EDS takes IP endpoints only.
     address: std::net::SocketAddr,
     node_type: NodeTypeSpec,
+    /// Going away: no new requests (as a terminating pod in Kubernetes).
+    #[serde(default)]
+    draining: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -208,6 +211,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
                                     NodeTypeSpec::Head => NodeType::Head,
                                     NodeTypeSpec::Worker => NodeType::Worker,
                                 },
+                                draining: p.draining,
                             })
                             .collect(),
                     })
@@ -271,7 +275,7 @@ impl FileSource {
             match parse(&self.path, &String::from_utf8_lossy(&last_bytes)) {
                 Ok(model) => {
                     tracing::info!(path = %self.path.display(), services = model.services().len(), "services file changed");
-                    models.send_if_modified(|current| {
+                    let changed = models.send_if_modified(|current| {
                         if **current == model {
                             false
                         } else {
@@ -279,6 +283,12 @@ impl FileSource {
                             true
                         }
                     });
+                    if changed {
+                        self.metrics
+                            .source_updates
+                            .get_or_create(&crate::metrics::SourceLabels { source: "file" })
+                            .inc();
+                    }
                 }
                 Err(err) => {
                     tracing::warn!(error = %err, "invalid services file; keeping the last good state");

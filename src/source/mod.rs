@@ -5,5 +5,54 @@
 //! counted in `ray_xds_source_rejected_total` and skipped, and the last good model stays.
 
 pub mod file;
+pub mod kubernetes;
+
+use serde::Serialize;
 
 pub use crate::model::Model;
+
+/// How a source is doing, for `/readyz` and `/debug/state`. Written by the source alone.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SourceStatus {
+    /// `file` or `kubernetes`.
+    pub source: &'static str,
+    /// The source has delivered its first full state (at once for the file source; once
+    /// every watch has listed, for Kubernetes). Nothing is published before.
+    pub synced: bool,
+    pub watches: Vec<WatchStatus>,
+    /// RayServices whose status names no RayCluster yet.
+    pub unrouted: Vec<String>,
+    /// What the source currently ignores, and why.
+    pub problems: Vec<String>,
+}
+
+/// One Kubernetes watch.
+#[derive(Clone, Debug, Serialize)]
+pub struct WatchStatus {
+    /// e.g. `pods in all namespaces`, `rayservices in ml`.
+    pub watch: String,
+    /// `listing` (first list under way), `watching`, or `retrying` after an error.
+    pub state: &'static str,
+    /// Has delivered a full list at least once.
+    pub synced: bool,
+    pub objects: usize,
+    pub last_event_unix: Option<f64>,
+    /// Since when this watch has been failing (cleared by its next event): the state it
+    /// serves may be this old.
+    pub failing_since_unix: Option<f64>,
+    pub last_error: Option<String>,
+    pub errors: u64,
+    /// Full lists after the first (after a 410 Gone, or a reconnect that needed one).
+    pub relists: u64,
+}
+
+impl SourceStatus {
+    /// A source that is synced from the start (the file source).
+    pub fn synced(source: &'static str) -> SourceStatus {
+        SourceStatus {
+            source,
+            synced: true,
+            ..Default::default()
+        }
+    }
+}

@@ -1,0 +1,358 @@
+//! From the RayServices and Ray pods the watches hold to a [`Model`]. Pure.
+//!
+//! - A RayService's clusters are the ones its status names: `activeServiceStatus` and
+//!   `pendingServiceStatus.rayClusterName`. With only a pending cluster (a first deploy),
+//!   that one is the active cluster; with neither, the RayService is not routed yet.
+//! - A cluster's proxies are its pods (label `ray.io/cluster`, same namespace) that are
+//!   Running and have an IP, at the container port named `serve` (8000 if none). A pod
+//!   with a deletion timestamp is a draining proxy. Its dashboard is at the head pod's IP
+//!   and the port named `dashboard` (8265 if none).
+//! - `spec.excludeHeadPodFromServeSvc` forces `head_proxy: exclude`; `ray-xds.io/*`
+//!   annotations set hosts and policy overrides.
+//! - KubeRay's application statuses are hints only and do not reach the model: each
+//!   cluster's own dashboard is the authority.
+//!
+//! A RayService that would make the model invalid (a host another one already claims, a
+//! name Envoy would reject) is left out and reported; the others are still served.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+
+use super::annotations;
+use super::objects::{PodObject, RayServiceObject};
+use crate::model::{HeadProxy, Model, NodeType, Proxy, RayCluster, RayService};
+
+/// Something in the objects that ray-xds ignored, reported once by the caller.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Problem {
+    /// `rayservice <ns>/<name>` or `pod <ns>/<name>`.
+    pub object: String,
+    /// A short label for metrics: `bad_annotation`, `invalid_rayservice`, ...
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// The model, and what was left out of it.
+#[derive(Debug, Default)]
+pub struct Built {
+    pub model: Model,
+    pub problems: Vec<Problem>,
+    /// RayServices whose status names no RayCluster yet.
+    pub unrouted: Vec<String>,
+}
+
+pub fn build<'a>(
+    rayservices: impl IntoIterator<Item = &'a RayServiceObject>,
+    pods: impl IntoIterator<Item = &'a PodObject>,
+) -> Built {
+    let mut by_cluster: BTreeMap<(&str, &str), Vec<&PodObject>> = BTreeMap::new();
+    for pod in pods {
+        by_cluster
+            .entry((pod.namespace.as_str(), pod.cluster.as_str()))
+            .or_default()
+            .push(pod);
+    }
+    let mut built = Built::default();
+    let mut services = Vec::new();
+    let mut claimed: BTreeMap<String, String> = BTreeMap::new();
+    let mut rayservices: Vec<&RayServiceObject> = rayservices.into_iter().collect();
+    rayservices.sort_by_key(|r| r.key());
+    for r in rayservices {
+        let object = format!("rayservice {}/{}", r.namespace, r.name);
+        let name_of = |s: &Option<super::objects::ClusterStatus>| {
+            s.as_ref()
+                .and_then(|s| s.ray_cluster_name.clone())
+                .filter(|n| !n.is_empty())
+        };
+        let (active, pending) = match (name_of(&r.active), name_of(&r.pending)) {
+            (Some(a), Some(p)) if a == p => (a, None),
+            (Some(a), p) => (a, p),
+            (None, Some(p)) => (p, None),
+            (None, None) => {
+                built.unrouted.push(format!("{}/{}", r.namespace, r.name));
+                continue;
+            }
+        };
+        let annotated = annotations::read(&r.annotations);
+        for (key, message) in annotated.problems {
+            built.problems.push(Problem {
+                object: object.clone(),
+                reason: "bad_annotation",
+                message: format!("annotation {key} ignored: {message}"),
+            });
+        }
+        let mut policy = annotated.policy;
+        if r.exclude_head_pod {
+            policy.head_proxy = HeadProxy::Exclude;
+        }
+        let clusters = std::iter::once(&active)
+            .chain(pending.as_ref())
+            .map(|name| {
+                let pods = by_cluster
+                    .get(&(r.namespace.as_str(), name.as_str()))
+                    .map(Vec::as_slice)
+                    .unwrap_or_default();
+                cluster(name, pods, &object, &mut built.problems)
+            })
+            .collect();
+        let service = RayService {
+            namespace: r.namespace.clone(),
+            name: r.name.clone(),
+            hosts: annotated.hosts.unwrap_or_else(|| {
+                vec![
+                    format!("{}.{}", r.name, r.namespace),
+                    format!("{}.{}.svc", r.name, r.namespace),
+                ]
+            }),
+            active_cluster: active,
+            pending_cluster: pending,
+            clusters,
+            policy,
+        };
+        // Valid on its own, and no host another RayService claimed first.
+        if let Err(e) = Model::new(vec![service.clone()]) {
+            built.problems.push(Problem {
+                object,
+                reason: "invalid_rayservice",
+                message: format!("left out: {e}"),
+            });
+            continue;
+        }
+        if let Some((host, other)) = service.hosts.iter().find_map(|h| {
+            claimed
+                .get(&h.to_ascii_lowercase())
+                .map(|o| (h.clone(), o.clone()))
+        }) {
+            built.problems.push(Problem {
+                object,
+                reason: "host_conflict",
+                message: format!("left out: host {host:?} already routes to {other}"),
+            });
+            continue;
+        }
+        for h in &service.hosts {
+            claimed.insert(h.to_ascii_lowercase(), service.key());
+        }
+        services.push(service);
+    }
+    match Model::new(services) {
+        Ok(model) => built.model = model,
+        // Every service was checked above; this would be a bug, not bad input.
+        Err(e) => built.problems.push(Problem {
+            object: "model".into(),
+            reason: "invalid_rayservice",
+            message: format!("no RayService routed: {e}"),
+        }),
+    }
+    built.problems.sort();
+    built.problems.dedup();
+    built
+}
+
+fn cluster(
+    name: &str,
+    pods: &[&PodObject],
+    object: &str,
+    problems: &mut Vec<Problem>,
+) -> RayCluster {
+    let mut proxies: Vec<Proxy> = Vec::new();
+    let mut seen = BTreeSet::new();
+    let mut pods: Vec<&&PodObject> = pods.iter().collect();
+    pods.sort_by_key(|p| (&p.namespace, &p.name));
+    for pod in &pods {
+        let (true, Some(ip)) = (pod.running, pod.ip) else {
+            continue;
+        };
+        let address = SocketAddr::new(ip, pod.serve_port);
+        if !seen.insert(address) {
+            problems.push(Problem {
+                object: format!("pod {}/{}", pod.namespace, pod.name),
+                reason: "duplicate_address",
+                message: format!(
+                    "{object}: another pod of cluster {name} already serves at {address}"
+                ),
+            });
+            continue;
+        }
+        proxies.push(Proxy {
+            address,
+            node_type: if pod.head {
+                NodeType::Head
+            } else {
+                NodeType::Worker
+            },
+            draining: pod.terminating,
+        });
+    }
+    // The head that is not going away, else any running head.
+    let head = pods
+        .iter()
+        .filter(|p| p.head && p.running && p.ip.is_some())
+        .min_by_key(|p| p.terminating);
+    let dashboard = head.and_then(|p| {
+        p.ip.map(|ip| format!("http://{}", SocketAddr::new(ip, p.dashboard_port)))
+    });
+    RayCluster {
+        name: name.to_string(),
+        dashboard,
+        proxies,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::objects::ClusterStatus;
+    use super::*;
+
+    fn rs(name: &str, active: Option<&str>, pending: Option<&str>) -> RayServiceObject {
+        let status = |c: Option<&str>| {
+            c.map(|c| ClusterStatus {
+                ray_cluster_name: Some(c.into()),
+                application_statuses: None,
+            })
+        };
+        RayServiceObject {
+            namespace: "ml".into(),
+            name: name.into(),
+            annotations: Default::default(),
+            labels: Default::default(),
+            exclude_head_pod: false,
+            active: status(active),
+            pending: status(pending),
+        }
+    }
+
+    fn pod(name: &str, cluster: &str, ip: &str, head: bool) -> PodObject {
+        PodObject {
+            namespace: "ml".into(),
+            name: name.into(),
+            cluster: cluster.into(),
+            head,
+            ip: Some(ip.parse().unwrap()),
+            running: true,
+            terminating: false,
+            serve_port: 8000,
+            dashboard_port: 8265,
+        }
+    }
+
+    #[test]
+    fn active_and_pending_clusters_with_their_pods() {
+        let services = [rs("llm", Some("llm-a"), Some("llm-b"))];
+        let mut terminating = pod("a-worker-2", "llm-a", "10.0.0.3", false);
+        terminating.terminating = true;
+        let mut pending_pod = pod("a-worker-3", "llm-a", "10.0.0.4", false);
+        pending_pod.running = false;
+        let pods = [
+            pod("a-head", "llm-a", "10.0.0.1", true),
+            pod("a-worker-1", "llm-a", "10.0.0.2", false),
+            terminating,
+            pending_pod,
+            pod("b-head", "llm-b", "10.0.1.1", true),
+            pod("other", "unrelated", "10.0.9.9", true),
+        ];
+        let built = build(&services, &pods);
+        assert_eq!(built.problems, vec![]);
+        let s = &built.model.services()[0];
+        assert_eq!(s.key(), "ml/llm");
+        assert_eq!(s.hosts, ["llm.ml", "llm.ml.svc"]);
+        assert_eq!(s.active_cluster, "llm-a");
+        assert_eq!(s.pending_cluster.as_deref(), Some("llm-b"));
+        let a = s.cluster("llm-a").unwrap();
+        assert_eq!(a.dashboard.as_deref(), Some("http://10.0.0.1:8265"));
+        let proxies: Vec<(String, NodeType, bool)> = a
+            .proxies
+            .iter()
+            .map(|p| (p.address.to_string(), p.node_type, p.draining))
+            .collect();
+        assert_eq!(
+            proxies,
+            [
+                ("10.0.0.1:8000".to_string(), NodeType::Head, false),
+                ("10.0.0.2:8000".to_string(), NodeType::Worker, false),
+                ("10.0.0.3:8000".to_string(), NodeType::Worker, true),
+            ],
+            "the not-Running pod has no endpoint; the terminating one drains"
+        );
+        assert_eq!(s.cluster("llm-b").unwrap().proxies.len(), 1);
+    }
+
+    #[test]
+    fn a_first_deploy_routes_to_its_pending_cluster_and_no_status_is_not_routed() {
+        let services = [rs("new", None, Some("new-a")), rs("blank", None, None)];
+        let built = build(&services, &[]);
+        let s = &built.model.services()[0];
+        assert_eq!(
+            (s.active_cluster.as_str(), s.pending_cluster.as_ref()),
+            ("new-a", None)
+        );
+        assert!(s.cluster("new-a").unwrap().proxies.is_empty());
+        assert_eq!(built.unrouted, ["ml/blank"]);
+    }
+
+    #[test]
+    fn exclude_head_pod_and_annotations_apply() {
+        let mut r = rs("llm", Some("llm-a"), None);
+        r.exclude_head_pod = true;
+        r.annotations
+            .insert("ray-xds.io/head-proxy".into(), "include".into());
+        r.annotations
+            .insert("ray-xds.io/hosts".into(), "llm.example.com".into());
+        r.annotations
+            .insert("ray-xds.io/retries".into(), "lots".into());
+        let built = build(&[r], &[]);
+        let s = &built.model.services()[0];
+        assert_eq!(s.policy.head_proxy, HeadProxy::Exclude, "the spec wins");
+        assert_eq!(s.hosts, ["llm.example.com"]);
+        assert_eq!(built.problems.len(), 1);
+        assert_eq!(built.problems[0].reason, "bad_annotation");
+    }
+
+    #[test]
+    fn a_conflicting_or_invalid_rayservice_is_left_out_alone() {
+        let mut first = rs("a", Some("a-1"), None);
+        first
+            .annotations
+            .insert("ray-xds.io/hosts".into(), "shared.example".into());
+        let mut second = rs("b", Some("b-1"), None);
+        second
+            .annotations
+            .insert("ray-xds.io/hosts".into(), "shared.example".into());
+        let invalid = rs("c", Some("Not_A_DNS_Label"), None);
+        let fine = rs("d", Some("d-1"), None);
+        let built = build(&[second, first, invalid, fine], &[]);
+        let keys: Vec<String> = built.model.services().iter().map(|s| s.key()).collect();
+        assert_eq!(keys, ["ml/a", "ml/d"]);
+        let reasons: Vec<(&str, &str)> = built
+            .problems
+            .iter()
+            .map(|p| (p.object.as_str(), p.reason))
+            .collect();
+        assert_eq!(
+            reasons,
+            [
+                ("rayservice ml/b", "host_conflict"),
+                ("rayservice ml/c", "invalid_rayservice")
+            ]
+        );
+    }
+
+    #[test]
+    fn the_same_objects_in_any_order_build_the_same_model() {
+        let services = [
+            rs("x", Some("x-1"), None),
+            rs("y", Some("y-1"), Some("y-2")),
+        ];
+        let pods = [
+            pod("x1", "x-1", "10.0.0.1", true),
+            pod("x2", "x-1", "10.0.0.2", false),
+            pod("y1", "y-2", "10.0.0.3", true),
+        ];
+        let forward = build(&services, &pods).model;
+        let mut rs_rev = services.to_vec();
+        rs_rev.reverse();
+        let mut pods_rev = pods.to_vec();
+        pods_rev.reverse();
+        assert_eq!(forward, build(&rs_rev, &pods_rev).model);
+    }
+}
