@@ -83,6 +83,9 @@ impl Resource {
 
 type Key = (String, String);
 
+/// What a rebuild found: problems (message, metric reason) and unrouted RayServices.
+type Found = (Vec<(String, &'static str)>, Vec<String>);
+
 /// One watch's objects and progress.
 struct Watch {
     resource: Resource,
@@ -334,11 +337,7 @@ impl State {
 
     /// Publishes the status; `found` is what the last rebuild found (`None` keeps the
     /// previous problems). Each problem is logged and counted once, when it first appears.
-    fn publish_status(
-        &mut self,
-        status: &watch::Sender<Arc<SourceStatus>>,
-        found: Option<(Vec<(String, &'static str)>, Vec<String>)>,
-    ) {
+    fn publish_status(&mut self, status: &watch::Sender<Arc<SourceStatus>>, found: Option<Found>) {
         let previous = status.borrow().clone();
         let (problems, unrouted) = match found {
             Some((problems, unrouted)) => {
