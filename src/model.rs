@@ -233,6 +233,18 @@ impl Model {
     pub fn services(&self) -> &[RayService] {
         &self.services
     }
+
+    /// This model without the proxies at `addresses` (still valid: removing proxies
+    /// breaks no invariant).
+    pub fn without_proxies(&self, addresses: &BTreeSet<SocketAddr>) -> Model {
+        let mut m = self.clone();
+        for service in &mut m.services {
+            for cluster in &mut service.clusters {
+                cluster.proxies.retain(|p| !addresses.contains(&p.address));
+            }
+        }
+        m
+    }
 }
 
 impl fmt::Display for NodeType {

@@ -22,6 +22,7 @@ use crate::config::{Config, GatewaySettings, SourceConfig};
 use crate::live::dashboards::{DashboardPoller, DashboardStates};
 use crate::live::health::{assess, HealthMap};
 use crate::live::health::{EndpointHealth, Verdict};
+use crate::live::probe::ProbeState;
 use crate::live::prober::{ProbeStates, Prober};
 use crate::metrics::Metrics;
 use crate::metrics::{StateLabels, WeightLabels};
@@ -171,6 +172,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         switchover: Switchover::new(config.switchover.clone()),
         departed: Departed::default(),
         clients: clients.clone(),
+        published_proxies: BTreeSet::new(),
+        held_until: None,
+        first_probe_wait: first_round,
         last_source_model: inputs.models.borrow().clone(),
         switch_views: switch_tx,
         refresh: refresh_tx,
@@ -291,6 +295,12 @@ struct Pipeline {
     departed: Departed,
     /// Connected Envoys: a switch waits until each has warmed its target.
     clients: Arc<Clients>,
+    /// Proxies the last snapshot had.
+    published_proxies: BTreeSet<SocketAddr>,
+    /// When the earliest held-back new proxy is published even without a probe result.
+    held_until: Option<SystemTime>,
+    /// How long a new proxy is held back waiting for its first probe.
+    first_probe_wait: Duration,
     last_source_model: Arc<Model>,
     switch_views: watch::Sender<Arc<Switchover>>,
     /// Asks the dashboard poller for an immediate answer from a cluster.
@@ -313,6 +323,42 @@ impl Pipeline {
             now,
         );
         self.last_source_model = source_model.clone();
+        // A proxy new since the last snapshot waits (up to `first_probe_wait`) for its
+        // first probe: published as "unknown", Envoy would count it healthy and send it
+        // requests before anyone knows, and its health would follow in a second push.
+        let mut held = BTreeSet::new();
+        self.held_until = None;
+        for proxy in model
+            .services()
+            .iter()
+            .flat_map(|s| &s.clusters)
+            .flat_map(|c| &c.proxies)
+        {
+            if self.published_proxies.contains(&proxy.address) {
+                continue;
+            }
+            let until = match probes.proxies.get(&proxy.address) {
+                Some(p) if p.state != ProbeState::Unknown => continue,
+                Some(p) => p.since + self.first_probe_wait,
+                None => now + self.first_probe_wait,
+            };
+            if until > now {
+                held.insert(proxy.address);
+                self.held_until = Some(self.held_until.map_or(until, |u| u.min(until)));
+            }
+        }
+        let model = if held.is_empty() {
+            model
+        } else {
+            model.without_proxies(&held)
+        };
+        self.published_proxies = model
+            .services()
+            .iter()
+            .flat_map(|s| &s.clusters)
+            .flat_map(|c| &c.proxies)
+            .map(|p| p.address)
+            .collect();
         let mut health = assess(&model, &probes, &dashboards);
         let departed = self.departed.envoy_cluster_names();
         if !departed.is_empty() {
@@ -415,6 +461,8 @@ impl Pipeline {
                 // ACK, and now and then for its warm_timeout.
                 _ = self.clients.acked(), if self.switchover.warming() => {}
                 _ = tokio::time::sleep(Duration::from_millis(250)), if self.switchover.warming() => {}
+                // A held-back new proxy is published without waiting longer for its probe.
+                _ = tokio::time::sleep(self.held_until.and_then(|t| t.duration_since(SystemTime::now()).ok()).unwrap_or_default() + Duration::from_millis(10)), if self.held_until.is_some() => {}
                 // A departed cluster's grace period ends.
                 _ = tokio::time::sleep(self.departed.next_expiry().and_then(|t| t.duration_since(SystemTime::now()).ok()).unwrap_or_default() + Duration::from_millis(10)), if self.departed.next_expiry().is_some() => {}
             }
