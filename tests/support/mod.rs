@@ -18,7 +18,9 @@ use ray_xds::model::NodeType;
 use ray_xds::sim::{serve_proxy_with, ProxyConfig, ProxyHandle, ProxyMode, Served};
 use tokio_util::sync::CancellationToken;
 
+pub mod conformance;
 pub mod fake_apiserver;
+pub mod real_ray;
 
 pub fn project_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

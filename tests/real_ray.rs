@@ -1,0 +1,410 @@
+//! Real Ray Serve 2.60 in the loop: real clusters (`tests/support/real_ray.rs`), ray-xds
+//! reading their real dashboards and probing their real proxies, a real Envoy in front.
+//!
+//! Every test here is named `real_ray_*`. They are heavy (a Ray node takes ~15 s and
+//! ~1 GB to start), so `scripts/test.sh` runs them one at a time, after the others.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use support::real_ray::{App, RealRayCluster};
+use support::*;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// What the test application answers.
+#[derive(Debug, Clone, serde::Deserialize)]
+struct Reply {
+    cluster: String,
+    node_ip: String,
+    ready_at: f64,
+}
+
+async fn ask(port: u16, path: &str) -> Result<Reply, String> {
+    let (status, body) = http("POST", &format!("http://127.0.0.1:{port}{path}"), "{}").await?;
+    if status != 200 {
+        return Err(format!("{status}: {body}"));
+    }
+    serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// One cluster's entry in services.yaml: its real dashboard and listed proxies.
+fn cluster_yaml(c: &RealRayCluster, proxies: &[(SocketAddr, &str)]) -> String {
+    let mut s = format!(
+        "      - name: {}\n        dashboard: {}\n        proxies:\n",
+        c.name,
+        c.dashboard_url()
+    );
+    for (addr, node_type) in proxies {
+        s += &format!("          - {{ address: {addr}, node_type: {node_type} }}\n");
+    }
+    s
+}
+
+fn services_yaml(active: &str, pending: Option<&str>, extra: &str, clusters: &[String]) -> String {
+    let mut s = format!(
+        "rayservices:\n  - name: demo\n    hosts: ['*']\n    head_proxy: include\n    active_cluster: {active}\n{extra}"
+    );
+    if let Some(p) = pending {
+        s += &format!("    pending_cluster: {p}\n");
+    }
+    s += "    clusters:\n";
+    for c in clusters {
+        s += c;
+    }
+    s
+}
+
+struct Gateway {
+    _dir: tempfile::TempDir,
+    xds: ray_xds::runtime::Running,
+    envoy: Envoy,
+    port: u16,
+}
+
+async fn gateway(services: &str) -> Gateway {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("services.yaml");
+    std::fs::write(&path, services).unwrap();
+    let xds = ray_xds::runtime::start(test_config(&path, 0), Default::default())
+        .await
+        .unwrap();
+    let envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
+    let port = envoy.gateway_port().await;
+    Gateway {
+        _dir: dir,
+        xds,
+        envoy,
+        port,
+    }
+}
+
+/// Requests through Envoy in the background: each reply with the time it was sent.
+struct Load {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    log: Arc<Mutex<Vec<(f64, Result<Reply, String>)>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Load {
+    fn start(port: u16) -> Load {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let task = tokio::spawn({
+            let (stop, log) = (stop.clone(), log.clone());
+            async move {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let sent = unix_now();
+                    let reply = ask(port, "/").await;
+                    log.lock().unwrap().push((sent, reply));
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        });
+        Load { stop, log, task }
+    }
+
+    fn served_by(&self, cluster: &str) -> usize {
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, r)| r.as_ref().is_ok_and(|r| r.cluster == cluster))
+            .count()
+    }
+
+    async fn stop(self) -> Vec<(f64, Result<Reply, String>)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.task.await.unwrap();
+        Arc::try_unwrap(self.log).unwrap().into_inner().unwrap()
+    }
+}
+
+fn failures(log: &[(f64, Result<Reply, String>)]) -> Vec<String> {
+    log.iter()
+        .filter_map(|(_, r)| r.as_ref().err().cloned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ray_traffic_flows_through_envoy_to_a_real_serve_application() {
+    let a = RealRayCluster::start("a", 0).await;
+    a.deploy(&[App::hello("/")]);
+    a.wait_for_app("hello", "RUNNING").await;
+    let gw = gateway(&services_yaml(
+        "a",
+        None,
+        "",
+        &[cluster_yaml(&a, &[(a.head_proxy(), "head")])],
+    ))
+    .await;
+    let reply = eventually("a reply from real Ray through Envoy", DEADLINE, || async {
+        ask(gw.port, "/").await.ok()
+    })
+    .await;
+    assert_eq!(reply.cluster, "a");
+    assert_eq!(reply.node_ip, a.head_ip().to_string());
+    // ray-xds read the real dashboard and probed the real proxy.
+    let state: serde_json::Value =
+        serde_json::from_str(&admin_get(gw.xds.admin_addr, "/debug/state").await).unwrap();
+    let cluster = &state["rayservices"][0]["clusters"][0];
+    assert_eq!(
+        cluster["dashboard"]["applications"]["hello"][0], "RUNNING",
+        "{cluster}"
+    );
+    let proxy = &cluster["proxies"][0];
+    assert_eq!(proxy["probe"]["state"], "healthy", "{proxy}");
+    assert_eq!(
+        proxy["probe"]["routes"],
+        serde_json::json!(["/"]),
+        "{proxy}"
+    );
+    assert_eq!(proxy["endpoint"]["health"], "healthy", "{proxy}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ray_traffic_moves_to_a_new_cluster_only_once_its_application_runs() {
+    let (a, b) = tokio::join!(RealRayCluster::start("a", 0), RealRayCluster::start("b", 0));
+    a.deploy(&[App::hello("/")]);
+    a.wait_for_app("hello", "RUNNING").await;
+    let gw = gateway(&services_yaml(
+        "a",
+        None,
+        "",
+        &[cluster_yaml(&a, &[(a.head_proxy(), "head")])],
+    ))
+    .await;
+    eventually("traffic flows", DEADLINE, || async {
+        ask(gw.port, "/").await.ok()
+    })
+    .await;
+    let load = Load::start(gw.port);
+
+    // The upgrade: b's application takes 20 s to construct, so it stays DEPLOYING.
+    b.deploy(&[App {
+        name: "hello",
+        route_prefix: "/",
+        import_path: "apps:slow",
+        extra: "args: { delay_s: 20 }",
+    }]);
+    b.wait_for_app("hello", "DEPLOYING").await;
+    let upgraded = services_yaml(
+        "a",
+        Some("b"),
+        "",
+        &[
+            cluster_yaml(&a, &[(a.head_proxy(), "head")]),
+            cluster_yaml(&b, &[(b.head_proxy(), "head")]),
+        ],
+    );
+    let path = gw.xds_services_path();
+    write_atomic(&path, &upgraded);
+    b.wait_for_app("hello", "RUNNING").await;
+    let running_seen = unix_now();
+    eventually("traffic moves to b", DEADLINE, || async {
+        (load.served_by("b") > 20).then_some(())
+    })
+    .await;
+    let log = load.stop().await;
+    assert_eq!(failures(&log), Vec::<String>::new(), "no request fails");
+    let from_b: Vec<&(f64, Result<Reply, String>)> = log
+        .iter()
+        .filter(|(_, r)| r.as_ref().is_ok_and(|r| r.cluster == "b"))
+        .collect();
+    let ready_at = from_b[0].1.as_ref().unwrap().ready_at;
+    for (sent, reply) in &from_b {
+        assert!(
+            *sent >= ready_at,
+            "a request reached b at {sent} before its application was ready at {ready_at}: {reply:?}"
+        );
+    }
+    eprintln!(
+        "b's replica ready at {ready_at:.2}; RUNNING seen by the test {:.2}s later; first request to b {:.2}s after ready",
+        running_seen - ready_at,
+        from_b[0].0 - ready_at
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ray_a_killed_proxy_is_dropped_and_no_request_fails() {
+    let a = RealRayCluster::start("a", 1).await;
+    // A proxy on a node without replicas answers 503 "No replicas are available yet":
+    // two replicas, spread over both nodes, keep both proxies healthy.
+    a.deploy(&[App {
+        extra: "deployments: [ { name: Hello, num_replicas: 2 } ]",
+        ..App::hello("/")
+    }]);
+    a.wait_for_app("hello", "RUNNING").await;
+    let gw = gateway(&services_yaml(
+        "a",
+        None,
+        // The test application is idempotent: replaying a request the dead proxy reset
+        // mid-way is safe.
+        "    traffic: { idempotent: true }\n",
+        &[cluster_yaml(
+            &a,
+            &[(a.head_proxy(), "head"), (a.worker_proxy(), "worker")],
+        )],
+    ))
+    .await;
+    let worker = a.worker_proxy();
+    eventually("both proxies are healthy in Envoy", DEADLINE, || async {
+        let flags = envoy_health_flags(&gw.envoy, worker).await?;
+        (flags == "healthy" && ask(gw.port, "/").await.is_ok()).then_some(())
+    })
+    .await;
+    let load = Load::start(gw.port);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let pid = a
+        .worker_proxy_pid()
+        .expect("the worker node runs a Serve proxy");
+    let killed = Instant::now();
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    let flags = eventually("Envoy stops using the killed proxy", DEADLINE, || async {
+        envoy_health_flags(&gw.envoy, worker)
+            .await
+            .filter(|f| f != "healthy")
+    })
+    .await;
+    let detected = killed.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let log = load.stop().await;
+    eprintln!("killed proxy out of Envoy's rotation after {detected:?} ({flags})");
+    assert!(log.len() > 50, "{} requests", log.len());
+    assert_eq!(failures(&log), Vec::<String>::new(), "no request fails");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ray_a_deploy_failed_application_never_gets_traffic() {
+    let (a, b) = tokio::join!(RealRayCluster::start("a", 0), RealRayCluster::start("b", 0));
+    a.deploy(&[App::hello("/")]);
+    b.deploy(&[
+        App::hello("/"),
+        App {
+            name: "broken",
+            route_prefix: "/broken",
+            import_path: "apps:broken",
+            extra: "",
+        },
+    ]);
+    a.wait_for_app("hello", "RUNNING").await;
+    let gw = gateway(&services_yaml(
+        "a",
+        Some("b"),
+        "",
+        &[
+            cluster_yaml(&a, &[(a.head_proxy(), "head")]),
+            cluster_yaml(&b, &[(b.head_proxy(), "head")]),
+        ],
+    ))
+    .await;
+    b.wait_for_app("broken", "DEPLOY_FAILED").await;
+    b.wait_for_app("hello", "RUNNING").await;
+    eventually(
+        "ray-xds holds the switch on DEPLOY_FAILED",
+        DEADLINE,
+        || async {
+            let state: serde_json::Value =
+                serde_json::from_str(&admin_get(gw.xds.admin_addr, "/debug/state").await).ok()?;
+            let sw = &state["rayservices"][0]["switchover"];
+            sw["reason"]
+                .as_str()?
+                .contains("DEPLOY_FAILED")
+                .then_some(())
+        },
+    )
+    .await;
+    for path in ["/", "/broken", "/anything"] {
+        for _ in 0..20 {
+            let reply = ask(gw.port, path).await.unwrap();
+            assert_eq!(reply.cluster, "a", "{path}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ray_conformance_of_the_endpoints_ray_xds_reads() {
+    let a = RealRayCluster::start("a", 0).await;
+    a.deploy(&[
+        App::hello("/hello"),
+        App {
+            name: "slow",
+            route_prefix: "/slow",
+            import_path: "apps:slow",
+            extra: "args: { delay_s: 45 }",
+        },
+        App {
+            name: "broken",
+            route_prefix: "/broken",
+            import_path: "apps:broken",
+            extra: "",
+        },
+    ]);
+    a.wait_for_app("hello", "RUNNING").await;
+    a.wait_for_app("broken", "DEPLOY_FAILED").await;
+    let proxy = a.head_proxy();
+    conformance::applications_are(
+        &a.dashboard_url(),
+        &[
+            ("hello", "RUNNING", "/hello"),
+            ("slow", "DEPLOYING", "/slow"),
+            ("broken", "DEPLOY_FAILED", "/broken"),
+        ],
+    )
+    .await;
+    conformance::healthz_is_healthy(proxy).await;
+    a.wait_for_app("slow", "RUNNING").await;
+    conformance::applications_are(
+        &a.dashboard_url(),
+        &[
+            ("hello", "RUNNING", "/hello"),
+            ("slow", "RUNNING", "/slow"),
+            ("broken", "DEPLOY_FAILED", "/broken"),
+        ],
+    )
+    .await;
+    eventually("the proxy has every running route", DEADLINE, || async {
+        let (_, body) = http_get(&format!("http://{proxy}/-/routes")).await.ok()?;
+        body.contains("/slow").then_some(())
+    })
+    .await;
+    // Real Ray lists a DEPLOY_FAILED application's route too: ray-xds only requires the
+    // prefixes of RUNNING applications, so an extra one never holds a proxy back.
+    conformance::routes_are(
+        proxy,
+        &[
+            ("/hello", "hello"),
+            ("/slow", "slow"),
+            ("/broken", "broken"),
+        ],
+    )
+    .await;
+}
+
+/// The health flags Envoy shows for one endpoint of the `demo` service, once it has it.
+async fn envoy_health_flags(envoy: &Envoy, addr: SocketAddr) -> Option<String> {
+    let needle = format!("::{addr}::health_flags::");
+    envoy.admin("/clusters").await.lines().find_map(|l| {
+        l.split_once(&needle)
+            .filter(|(prefix, _)| prefix.starts_with("default/demo/"))
+            .map(|(_, flags)| flags.to_string())
+    })
+}
+
+impl Gateway {
+    fn xds_services_path(&self) -> std::path::PathBuf {
+        self._dir.path().join("services.yaml")
+    }
+}

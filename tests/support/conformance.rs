@@ -1,0 +1,165 @@
+//! One set of assertions about the Ray Serve endpoints ray-xds reads, run against both the
+//! simulator (`tests/sim_conformance.rs`) and real Ray 2.60 (`tests/real_ray.rs`), so the
+//! simulator cannot drift from the real thing unnoticed.
+//!
+//! Each function checks what ray-xds depends on (status codes, bodies, content types, the
+//! fields of `/api/serve/applications/` and their types), and that ray-xds's own parser
+//! reads the answer the same way.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use serde_json::Value;
+
+use super::http_get;
+
+async fn get_with_headers(url: &str) -> (u16, String, String) {
+    use http_body_util::BodyExt;
+    let uri: hyper::Uri = url.parse().unwrap();
+    let authority = uri.authority().unwrap().clone();
+    let stream = tokio::net::TcpStream::connect(authority.as_str())
+        .await
+        .unwrap_or_else(|e| panic!("connecting to {url}: {e}"));
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = hyper::Request::get(uri.path())
+        .header("host", authority.as_str())
+        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let content_type = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        content_type,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+/// A healthy proxy: `GET /-/healthz` is 200 `success`, as plain text.
+pub async fn healthz_is_healthy(proxy: SocketAddr) {
+    let (status, content_type, body) = get_with_headers(&format!("http://{proxy}/-/healthz")).await;
+    assert_eq!((status, body.as_str()), (200, "success"), "{proxy}");
+    assert_eq!(content_type, "text/plain; charset=utf-8", "{proxy}");
+}
+
+/// `GET /-/routes` is a JSON object, route prefix → application, exactly `expected`.
+pub async fn routes_are(proxy: SocketAddr, expected: &[(&str, &str)]) {
+    let (status, content_type, body) = get_with_headers(&format!("http://{proxy}/-/routes")).await;
+    assert_eq!(status, 200, "{proxy}: {body}");
+    assert_eq!(content_type, "application/json", "{proxy}");
+    let got: BTreeMap<String, String> =
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{proxy}: {e}: {body}"));
+    let want: BTreeMap<String, String> = expected
+        .iter()
+        .map(|(p, a)| (p.to_string(), a.to_string()))
+        .collect();
+    assert_eq!(got, want, "{proxy}");
+}
+
+/// `GET /api/serve/applications/` has the shape ray-xds reads, lists the applications
+/// with the given statuses and route prefixes, and ray-xds's parser agrees. Returns the
+/// document.
+pub async fn applications_are(dashboard: &str, expected: &[(&str, &str, &str)]) -> Value {
+    let url = format!("{dashboard}/api/serve/applications/");
+    let (status, body) = http_get(&url).await.unwrap();
+    assert_eq!(status, 200, "{url}: {body}");
+    let doc: Value = serde_json::from_str(&body).unwrap();
+    let apps = doc["applications"]
+        .as_object()
+        .expect("applications is an object");
+    let mut got: Vec<(String, String, String)> = apps
+        .iter()
+        .map(|(name, a)| {
+            assert_eq!(a["name"].as_str(), Some(name.as_str()), "{name}");
+            assert!(a["message"].is_string(), "{name}: message is a string");
+            assert!(a["deployments"].is_object(), "{name}: deployments");
+            (
+                name.clone(),
+                a["status"]
+                    .as_str()
+                    .expect("status is a string")
+                    .to_string(),
+                a["route_prefix"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    got.sort();
+    let mut want: Vec<(String, String, String)> = expected
+        .iter()
+        .map(|(n, s, r)| (n.to_string(), s.to_string(), r.to_string()))
+        .collect();
+    want.sort();
+    assert_eq!(got, want, "{url}");
+
+    // Proxies: node id → {node_id, node_ip, status}.
+    let proxies = doc["proxies"].as_object().expect("proxies is an object");
+    assert!(
+        !proxies.is_empty(),
+        "{url}: Serve runs, so proxies are listed"
+    );
+    for (node_id, p) in proxies {
+        assert_eq!(p["node_id"].as_str(), Some(node_id.as_str()));
+        let ip = p["node_ip"].as_str().expect("node_ip");
+        assert!(ip.parse::<std::net::IpAddr>().is_ok(), "node_ip {ip}");
+        let s = p["status"].as_str().expect("proxy status");
+        assert!(
+            ["STARTING", "HEALTHY", "UNHEALTHY", "DRAINING", "DRAINED"].contains(&s),
+            "proxy status {s}"
+        );
+    }
+    // Target groups: the HTTP proxies' addresses.
+    let groups = doc["target_groups"]
+        .as_array()
+        .expect("target_groups is a list");
+    for g in groups {
+        assert!(
+            ["HTTP", "gRPC"].contains(&g["protocol"].as_str().unwrap_or_default()),
+            "{g}"
+        );
+        assert!(g["route_prefix"].is_string(), "{g}");
+        for t in g["targets"].as_array().expect("targets is a list") {
+            assert!(
+                t["ip"]
+                    .as_str()
+                    .unwrap()
+                    .parse::<std::net::IpAddr>()
+                    .is_ok(),
+                "{t}"
+            );
+            assert!(
+                t["port"].as_u64().is_some_and(|p| p > 0 && p < 65536),
+                "{t}"
+            );
+        }
+    }
+    assert_eq!(
+        doc["http_options"]["keep_alive_timeout_s"].as_f64(),
+        Some(90.0),
+        "Ray 2.60's keep-alive, below which Envoy's idle timeout is set"
+    );
+    assert!(doc["controller_info"]["node_id"].is_string());
+
+    // ray-xds reads it the same way.
+    let parsed = ray_xds::live::dashboard::parse(body.as_bytes()).expect("ray-xds parses it");
+    for (name, status, prefix) in expected {
+        let app = &parsed.applications[*name];
+        assert_eq!(app.status.as_str(), *status, "{name}");
+        assert_eq!(
+            app.route_prefix.as_deref().unwrap_or_default(),
+            *prefix,
+            "{name}"
+        );
+    }
+    assert_eq!(parsed.proxies.len(), proxies.len());
+    doc
+}

@@ -1,0 +1,467 @@
+//! Real Ray Serve 2.60 clusters for tests: installed by `scripts/install-ray.sh` into
+//! `.venv-ray/`, started and stopped by the test that uses them.
+//!
+//! Each cluster gets its own addresses: a veth pair from the benchmarking range
+//! 198.18.0.0/15 (RFC 2544), host side `198.18.N.1` for the head node, and, for a worker
+//! node, a network namespace of ours holding `198.18.N.2`. Ray reports nodes by IP, so
+//! each node needs its own: the dashboard then lists every proxy at an address that
+//! reaches it, and two proxies of one cluster can both use the Serve port. Nothing leaves
+//! the machine: the addresses exist only on interfaces the test created.
+//!
+//! Every port is one that was free a moment ago, and every cluster has its own
+//! `--temp-dir`, so clusters run side by side. Teardown, pass or fail: the `ray start
+//! --block` process groups are killed (Ray's workers exit when their raylet does), the
+//! namespace and veth are deleted; and a watchdog process does the same if the test
+//! process dies without unwinding.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use super::{free_port, project_root};
+
+/// The `ray` command, installed on first use.
+pub fn ray_binary() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        if let Ok(p) = std::env::var("RAY_XDS_RAY") {
+            return PathBuf::from(p);
+        }
+        let out = Command::new("bash")
+            .arg(project_root().join("scripts/install-ray.sh"))
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("running scripts/install-ray.sh");
+        assert!(out.status.success(), "installing Ray failed");
+        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    })
+    .clone()
+}
+
+fn serve_binary() -> PathBuf {
+    ray_binary().with_file_name("serve")
+}
+
+/// An application to deploy: `(name, route_prefix, import_path, args)`.
+pub struct App {
+    pub name: &'static str,
+    pub route_prefix: &'static str,
+    /// `apps:hello`, `apps:slow` or `apps:broken` (tests/ray_apps/apps.py).
+    pub import_path: &'static str,
+    /// Extra YAML for the application (e.g. `args: { delay_s: 15 }`).
+    pub extra: &'static str,
+}
+
+impl App {
+    pub const fn hello(route_prefix: &'static str) -> App {
+        App {
+            name: "hello",
+            route_prefix,
+            import_path: "apps:hello",
+            extra: "",
+        }
+    }
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn ip(args: &[&str]) -> bool {
+    Command::new("ip")
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Network plumbing for one cluster: a veth pair, and a namespace for its worker.
+struct Subnet {
+    n: u16,
+    namespace: String,
+    host_link: String,
+}
+
+impl Subnet {
+    fn create() -> Subnet {
+        // A /24 of 198.18.0.0/15 no other test (or leftover) uses.
+        let taken = run(Command::new("ip").args(["-o", "-4", "addr", "show"]));
+        let start = (std::process::id() as u16).wrapping_mul(7) % 500;
+        for i in 0..500u16 {
+            let n = (start + i) % 500 + 1;
+            let (third, second) = (n % 256, 18 + n / 256);
+            let prefix = format!("198.{second}.{third}.");
+            if taken.contains(&prefix) {
+                continue;
+            }
+            let namespace = format!("rxds-{n}");
+            let host_link = format!("rx{n}h");
+            let ns_link = format!("rx{n}n");
+            if !ip(&["netns", "add", &namespace]) {
+                continue; // another process took it first
+            }
+            let ok = ip(&[
+                "link", "add", &host_link, "type", "veth", "peer", "name", &ns_link,
+            ]) && ip(&["link", "set", &ns_link, "netns", &namespace])
+                && ip(&["addr", "add", &format!("{prefix}1/24"), "dev", &host_link])
+                && ip(&["link", "set", &host_link, "up"])
+                && ip(&[
+                    "netns",
+                    "exec",
+                    &namespace,
+                    "ip",
+                    "addr",
+                    "add",
+                    &format!("{prefix}2/24"),
+                    "dev",
+                    &ns_link,
+                ])
+                && ip(&[
+                    "netns", "exec", &namespace, "ip", "link", "set", &ns_link, "up",
+                ])
+                && ip(&["netns", "exec", &namespace, "ip", "link", "set", "lo", "up"]);
+            let subnet = Subnet {
+                n,
+                namespace,
+                host_link,
+            };
+            assert!(
+                ok,
+                "creating network namespace {} failed (are we root?)",
+                subnet.namespace
+            );
+            return subnet;
+        }
+        panic!("no free /24 in 198.18.0.0/15");
+    }
+
+    fn addr(&self, host: u8) -> IpAddr {
+        IpAddr::V4(Ipv4Addr::new(
+            198,
+            18 + (self.n / 256) as u8,
+            (self.n % 256) as u8,
+            host,
+        ))
+    }
+}
+
+impl Drop for Subnet {
+    fn drop(&mut self) {
+        ip(&["link", "del", &self.host_link]);
+        ip(&["netns", "del", &self.namespace]);
+    }
+}
+
+/// A `ray start --block` process group, killed on drop.
+struct RayNode {
+    child: std::process::Child,
+    pgid: i32,
+    log: PathBuf,
+}
+
+impl Drop for RayNode {
+    fn drop(&mut self) {
+        unsafe {
+            libc::kill(-self.pgid, libc::SIGKILL);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// A real single-head Ray cluster, optionally with one worker node.
+pub struct RealRayCluster {
+    pub name: String,
+    pub dashboard_port: u16,
+    pub serve_port: u16,
+    pub gcs_port: u16,
+    temp_dir: tempfile::TempDir,
+    // Drop order: nodes (workers first), then the watchdog, then the network.
+    workers: Vec<RayNode>,
+    head: Option<RayNode>,
+    watchdog: Option<std::process::Child>,
+    subnet: Subnet,
+}
+
+impl RealRayCluster {
+    /// Starts the cluster and waits for its dashboard (about 15 s per node).
+    pub async fn start(name: &str, workers: usize) -> RealRayCluster {
+        assert!(workers <= 1, "one worker node at most");
+        let ray = ray_binary();
+        let subnet = Subnet::create();
+        let temp_dir = tempfile::Builder::new()
+            .prefix("ray-xds-ray-")
+            .tempdir()
+            .unwrap();
+        let (gcs_port, dashboard_port, serve_port) = (free_port(), free_port(), free_port());
+        let common = |cmd: &mut Command| {
+            cmd.args([
+                "--block",
+                "--num-cpus=2",
+                "--object-store-memory=100000000",
+                "--disable-usage-stats",
+                "--min-worker-port=0",
+                "--max-worker-port=0",
+            ]);
+        };
+        let head_ip = subnet.addr(1);
+        let mut cmd = Command::new(&ray);
+        cmd.args(["start", "--head"])
+            .arg(format!("--port={gcs_port}"))
+            .arg(format!("--node-ip-address={head_ip}"))
+            .arg("--dashboard-host=127.0.0.1")
+            .arg(format!("--dashboard-port={dashboard_port}"))
+            .arg(format!("--temp-dir={}", temp_dir.path().display()));
+        for (flag, port) in [
+            ("--node-manager-port", free_port()),
+            ("--object-manager-port", free_port()),
+            ("--ray-client-server-port", free_port()),
+            ("--dashboard-agent-listen-port", free_port()),
+            ("--dashboard-agent-grpc-port", free_port()),
+            ("--runtime-env-agent-port", free_port()),
+            ("--metrics-export-port", free_port()),
+        ] {
+            cmd.arg(format!("{flag}={port}"));
+        }
+        common(&mut cmd);
+        let head = spawn_node(cmd, temp_dir.path().join("head.log"));
+        let mut cluster = RealRayCluster {
+            name: name.into(),
+            dashboard_port,
+            serve_port,
+            gcs_port,
+            temp_dir,
+            workers: Vec::new(),
+            watchdog: None,
+            head: Some(head),
+            subnet,
+        };
+        cluster.start_watchdog();
+        cluster.wait_for_dashboard().await;
+        for _ in 0..workers {
+            let mut cmd = Command::new("ip");
+            cmd.args(["netns", "exec", &cluster.subnet.namespace])
+                .arg(&ray)
+                .arg("start")
+                .arg(format!("--address={head_ip}:{gcs_port}"))
+                .arg(format!("--node-ip-address={}", cluster.subnet.addr(2)));
+            common(&mut cmd);
+            let log = cluster.temp_dir.path().join("worker.log");
+            cluster.workers.push(spawn_node(cmd, log));
+        }
+        if workers > 0 {
+            cluster.wait_for_nodes(1 + workers).await;
+        }
+        cluster
+    }
+
+    /// Kills every process of this cluster if the test process dies without unwinding.
+    fn start_watchdog(&mut self) {
+        let groups: Vec<String> = self
+            .head
+            .iter()
+            .chain(&self.workers)
+            .map(|n| format!("-{}", n.pgid))
+            .collect();
+        let script = format!(
+            "while kill -0 {test} 2>/dev/null; do sleep 1; done; kill -KILL -- {groups} 2>/dev/null; ip link del {link} 2>/dev/null; ip netns del {ns} 2>/dev/null",
+            test = std::process::id(),
+            groups = groups.join(" "),
+            link = self.subnet.host_link,
+            ns = self.subnet.namespace,
+        );
+        if let Some(mut old) = self.watchdog.take() {
+            let _ = old.kill();
+            let _ = old.wait();
+        }
+        use std::os::unix::process::CommandExt;
+        self.watchdog = Command::new("sh")
+            .args(["-c", &script])
+            .process_group(0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok();
+    }
+
+    pub fn dashboard_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.dashboard_port)
+    }
+
+    /// The head node's address (the head's Serve proxy is at this and `serve_port`).
+    pub fn head_ip(&self) -> IpAddr {
+        self.subnet.addr(1)
+    }
+
+    pub fn worker_ip(&self) -> IpAddr {
+        self.subnet.addr(2)
+    }
+
+    pub fn head_proxy(&self) -> SocketAddr {
+        SocketAddr::new(self.head_ip(), self.serve_port)
+    }
+
+    pub fn worker_proxy(&self) -> SocketAddr {
+        SocketAddr::new(self.worker_ip(), self.serve_port)
+    }
+
+    async fn wait_for_dashboard(&self) {
+        let url = format!("{}/api/serve/applications/", self.dashboard_url());
+        let started = Instant::now();
+        while super::http_get(&url).await.map(|(c, _)| c) != Ok(200) {
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "Ray's dashboard did not come up: {}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    async fn wait_for_nodes(&mut self, count: usize) {
+        // Each node's process group must be known to the watchdog.
+        self.start_watchdog();
+        let url = format!("{}/nodes?view=summary", self.dashboard_url());
+        let started = Instant::now();
+        loop {
+            let alive = super::http_get(&url)
+                .await
+                .ok()
+                .and_then(|(_, body)| serde_json::from_str::<serde_json::Value>(&body).ok())
+                .and_then(|v| v["data"]["summary"].as_array().map(Vec::len))
+                .unwrap_or(0);
+            if alive >= count {
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "Ray worker node did not join: {}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// Deploys applications with `serve deploy` (replacing any earlier config). Each
+    /// replica knows its cluster's name (RAY_XDS_TEST_CLUSTER).
+    pub fn deploy(&self, apps: &[App]) {
+        let mut yaml = format!(
+            "proxy_location: EveryNode\nhttp_options: {{ host: 0.0.0.0, port: {} }}\napplications:\n",
+            self.serve_port
+        );
+        let working_dir = project_root().join("tests/ray_apps");
+        for app in apps {
+            yaml += &format!(
+                "  - name: {}\n    route_prefix: {}\n    import_path: {}\n    runtime_env: {{ working_dir: \"local://{}\", env_vars: {{ RAY_XDS_TEST_CLUSTER: {} }} }}\n",
+                app.name,
+                app.route_prefix,
+                app.import_path,
+                working_dir.display(),
+                self.name
+            );
+            if !app.extra.is_empty() {
+                yaml += &format!("    {}\n", app.extra);
+            }
+        }
+        let path = self.temp_dir.path().join("serve.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        run(Command::new(serve_binary())
+            .arg("deploy")
+            .arg(&path)
+            .arg("-a")
+            .arg(self.dashboard_url()));
+    }
+
+    /// What the dashboard says about application `app` (`None` until it lists it).
+    pub async fn app_status(&self, app: &str) -> Option<String> {
+        let (_, body) =
+            super::http_get(&format!("{}/api/serve/applications/", self.dashboard_url()))
+                .await
+                .ok()?;
+        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+        v["applications"][app]["status"]
+            .as_str()
+            .map(str::to_string)
+    }
+
+    /// Waits until application `app` has `status`.
+    pub async fn wait_for_app(&self, app: &str, status: &str) {
+        let started = Instant::now();
+        while self.app_status(app).await.as_deref() != Some(status) {
+            assert!(
+                started.elapsed() < Duration::from_secs(180),
+                "application {app} of {} never reached {status} (now {:?}): {}",
+                self.name,
+                self.app_status(app).await,
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The pid of the Serve proxy on the worker node (`None` if none runs now).
+    pub fn worker_proxy_pid(&self) -> Option<i32> {
+        let pids = run(Command::new("ip").args(["netns", "pids", &self.subnet.namespace]));
+        pids.lines()
+            .filter_map(|l| l.trim().parse::<i32>().ok())
+            .find(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .map(|c| String::from_utf8_lossy(&c).starts_with("ray::ProxyActor"))
+                    .unwrap_or(false)
+            })
+    }
+
+    /// The tail of the cluster's own logs, for failure messages.
+    pub fn logs(&self) -> String {
+        let mut out = String::new();
+        for node in self.head.iter().chain(&self.workers) {
+            let text = std::fs::read_to_string(&node.log).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(15).collect();
+            out += &format!("\n--- {} ---\n", node.log.display());
+            for line in tail.into_iter().rev() {
+                out += line;
+                out.push('\n');
+            }
+        }
+        out
+    }
+}
+
+fn spawn_node(mut cmd: Command, log: PathBuf) -> RayNode {
+    use std::os::unix::process::CommandExt;
+    let file = std::fs::File::create(&log).unwrap();
+    cmd.stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .stdin(Stdio::null())
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .process_group(0);
+    let child = cmd.spawn().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    let pgid = child.id() as i32;
+    RayNode { child, pgid, log }
+}
+
+impl Drop for RealRayCluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- Ray cluster {} ---{}", self.name, self.logs());
+        }
+        self.workers.clear();
+        self.head = None;
+        // Ray's worker processes exit once their raylet is gone; give them a moment
+        // before the namespace they may sit in goes.
+        std::thread::sleep(Duration::from_millis(300));
+        if let Some(mut w) = self.watchdog.take() {
+            let _ = w.kill();
+            let _ = w.wait();
+        }
+    }
+}
