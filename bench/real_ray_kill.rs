@@ -76,22 +76,30 @@ async fn main() {
 
     let stop = Arc::new(AtomicBool::new(false));
     let (sent, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let reasons: Arc<std::sync::Mutex<std::collections::BTreeMap<String, usize>>> =
+        Default::default();
     let load = tokio::spawn({
-        let (stop, sent, failed) = (stop.clone(), sent.clone(), failed.clone());
+        let (stop, sent, failed, reasons) =
+            (stop.clone(), sent.clone(), failed.clone(), reasons.clone());
         let gap = Duration::from_micros(1_000_000 / args.rps.max(1));
         async move {
             let mut tick = tokio::time::interval(gap);
             while !stop.load(Ordering::Relaxed) {
                 tick.tick().await;
                 let (sent, failed) = (sent.clone(), failed.clone());
+                let reasons = reasons.clone();
                 tokio::spawn(async move {
-                    let ok = http("POST", &format!("http://127.0.0.1:{port}/"), "{}")
-                        .await
-                        .is_ok_and(|(s, _)| s == 200);
+                    let outcome = http("POST", &format!("http://127.0.0.1:{port}/"), "{}").await;
                     sent.fetch_add(1, Ordering::Relaxed);
-                    if !ok {
-                        failed.fetch_add(1, Ordering::Relaxed);
-                    }
+                    let why = match outcome {
+                        Ok((200, _)) => return,
+                        Ok((status, body)) => {
+                            format!("{status} {}", body.chars().take(60).collect::<String>())
+                        }
+                        Err(e) => e.chars().take(60).collect(),
+                    };
+                    failed.fetch_add(1, Ordering::Relaxed);
+                    *reasons.lock().unwrap().entry(why).or_insert(0usize) += 1;
                 });
             }
         }
@@ -124,7 +132,10 @@ async fn main() {
         };
         tokio::time::sleep(Duration::from_secs(1)).await;
         let lost = failed.load(Ordering::Relaxed) - failed_before;
-        println!("trial {trial}: out of Envoy's rotation after {out:?}, {lost} requests failed");
+        let why = std::mem::take(&mut *reasons.lock().unwrap());
+        println!(
+            "trial {trial}: out of Envoy's rotation after {out:?}, {lost} requests failed {why:?}"
+        );
         times.push(out);
         // Ray restarts the proxy (a new process) before the next trial.
         eventually(

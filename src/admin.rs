@@ -6,8 +6,9 @@
 //! - `/metrics`: Prometheus text;
 //! - `/debug/snapshot`: every resource of the current snapshot with its version;
 //! - `/debug/clients`: every connected Envoy, its subscriptions and ACK/NACK state;
-//! - `/debug/state`: per cluster, each proxy's probe state and endpoint health with the
-//!   reason, and what the cluster's dashboard says (application statuses, staleness);
+//! - `/debug/state`: per cluster, where its proxies come from (the source, or discovered
+//!   from its dashboard), each proxy's probe state and endpoint health with the reason,
+//!   and what the cluster's dashboard says (application statuses, staleness);
 //!   the source's state (each Kubernetes watch, how stale, what it skipped and why).
 
 use std::sync::Arc;
@@ -147,6 +148,7 @@ async fn live_state(State(state): State<AdminState>) -> Response {
                 "envoy_cluster": name,
                 "role": if cluster.name == service.active_cluster { "active" } else if service.pending_cluster.as_deref() == Some(cluster.name.as_str()) { "pending" } else { "other" },
                 "fail_open": health.fail_open.contains(&name),
+                "proxies_from": if cluster.discover { "dashboard" } else { "source" },
                 "proxies": proxies,
                 "dashboard": dashboards.clusters.get(&name),
             }));

@@ -71,6 +71,10 @@ pub struct RayCluster {
     pub dashboard: Option<String>,
     /// Sorted by address.
     pub proxies: Vec<Proxy>,
+    /// The proxies are discovered from the dashboard rather than listed by the source:
+    /// the source gives none, and `live::discovery` fills `proxies` from the dashboard's
+    /// last answer. Such a cluster always has a `dashboard`.
+    pub discover: bool,
 }
 
 /// A Ray Serve HTTP proxy: one per Ray node that runs one.
@@ -158,6 +162,12 @@ impl RayService {
             if !names.insert(cluster.name.as_str()) {
                 return Err(format!("cluster {} is defined twice", cluster.name));
             }
+            if cluster.discover && cluster.dashboard.is_none() {
+                return Err(format!(
+                    "cluster {} discovers its proxies from its dashboard but has no dashboard",
+                    cluster.name
+                ));
+            }
             let mut addrs = BTreeSet::new();
             for proxy in &cluster.proxies {
                 if !addrs.insert(proxy.address) {
@@ -234,6 +244,37 @@ impl Model {
         &self.services
     }
 
+    /// True when some cluster discovers its proxies from its dashboard.
+    pub fn discovers(&self) -> bool {
+        self.services
+            .iter()
+            .flat_map(|s| &s.clusters)
+            .any(|c| c.discover)
+    }
+
+    /// This model with the proxies of every discovering cluster replaced by
+    /// `found(envoy cluster name, cluster)`, sorted and deduplicated by address (the
+    /// first of equal addresses stays), so the model stays valid.
+    pub fn with_discovered_proxies(
+        &self,
+        mut found: impl FnMut(&str, &RayCluster) -> Vec<Proxy>,
+    ) -> Model {
+        let mut m = self.clone();
+        for service in &mut m.services {
+            for i in 0..service.clusters.len() {
+                if !service.clusters[i].discover {
+                    continue;
+                }
+                let name = service.envoy_cluster_name(&service.clusters[i].name);
+                let mut proxies = found(&name, &service.clusters[i]);
+                proxies.sort_by_key(|p| p.address);
+                proxies.dedup_by_key(|p| p.address);
+                service.clusters[i].proxies = proxies;
+            }
+        }
+        m
+    }
+
     /// This model without the proxies at `addresses` (still valid: removing proxies
     /// breaks no invariant).
     pub fn without_proxies(&self, addresses: &BTreeSet<SocketAddr>) -> Model {
@@ -301,6 +342,7 @@ pub(crate) mod test_support {
             clusters: vec![RayCluster {
                 name: cluster.into(),
                 dashboard: None,
+                discover: false,
                 proxies: ports
                     .iter()
                     .enumerate()
@@ -390,6 +432,52 @@ mod tests {
                 service: "default/a".into()
             }
         );
+    }
+
+    #[test]
+    fn a_discovering_cluster_needs_a_dashboard() {
+        let mut a = service("a", "a1", &[]);
+        a.clusters[0].discover = true;
+        let err = Model::new(vec![a.clone()]).unwrap_err().to_string();
+        assert!(err.contains("has no dashboard"), "{err}");
+        a.clusters[0].dashboard = Some("http://127.0.0.1:8265".into());
+        let m = Model::new(vec![a]).unwrap();
+        assert!(m.discovers());
+        assert!(!Model::new(vec![service("b", "b1", &[8000])])
+            .unwrap()
+            .discovers());
+    }
+
+    #[test]
+    fn discovered_proxies_are_sorted_and_deduplicated() {
+        let mut a = service("a", "a1", &[]);
+        a.clusters[0].discover = true;
+        a.clusters[0].dashboard = Some("http://127.0.0.1:8265".into());
+        let listed = service("b", "b1", &[9000]);
+        let m = Model::new(vec![a, listed]).unwrap();
+        let proxy = |port: u16, node_type| Proxy {
+            address: SocketAddr::from(([127, 0, 0, 1], port)),
+            node_type,
+            draining: false,
+        };
+        let mut asked = Vec::new();
+        let found = m.with_discovered_proxies(|name, _| {
+            asked.push(name.to_string());
+            vec![
+                proxy(8001, NodeType::Worker),
+                proxy(8000, NodeType::Worker),
+                proxy(8001, NodeType::Head),
+            ]
+        });
+        assert_eq!(asked, ["default/a/a1"]);
+        let ports: Vec<(u16, NodeType)> = found.services()[0].clusters[0]
+            .proxies
+            .iter()
+            .map(|p| (p.address.port(), p.node_type))
+            .collect();
+        assert_eq!(ports, [(8000, NodeType::Worker), (8001, NodeType::Worker)]);
+        // A listed cluster is left alone.
+        assert_eq!(found.services()[1], m.services()[1]);
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! Wiring: binds the listeners, starts the source, the pipeline, the xDS server and the
 //! admin server, and stops them all on one shutdown token.
 //!
-//! Data flow: source → `watch<Model>` → prober and dashboard poller →
-//! `watch<ProbeStates>`, `watch<DashboardStates>`; the pipeline joins all three (assess
-//! health, translate, snapshot) → `watch<Snapshot>` → one task per xDS stream. Each
-//! channel has exactly one writer.
+//! Data flow: source → `watch<Model>` → dashboard poller → `watch<DashboardStates>`;
+//! discovery joins the source's model and the dashboards into the effective
+//! `watch<Model>` (a cluster known by its dashboard alone gets the proxies it lists) →
+//! prober → `watch<ProbeStates>`; the pipeline joins the effective model, probes and
+//! dashboards (assess health, translate, snapshot) → `watch<Snapshot>` → one task per
+//! xDS stream. Each channel has exactly one writer.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -20,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::{self, AdminState};
 use crate::config::{Config, GatewaySettings, SourceConfig};
 use crate::live::dashboards::{DashboardPoller, DashboardStates};
+use crate::live::discovery::discover;
 use crate::live::health::{assess, HealthMap};
 use crate::live::health::{EndpointHealth, Verdict};
 use crate::live::probe::ProbeState;
@@ -130,18 +133,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         }
     };
 
-    let (probes_tx, probes_rx) = watch::channel(Arc::new(ProbeStates::default()));
-    {
-        let prober = Prober {
-            config: config.prober,
-            metrics: metrics.clone(),
-        };
-        let (models, token) = (models_rx.clone(), shutdown.clone());
-        tasks.spawn(async move {
-            prober.run(models, probes_tx, token).await;
-            Ok(())
-        });
-    }
+    // The dashboard poller needs only the dashboards: it reads the source's model.
     let (dashboards_tx, dashboards_rx) = watch::channel(Arc::new(DashboardStates::default()));
     let (refresh_tx, refresh_rx) = tokio::sync::mpsc::unbounded_channel();
     {
@@ -156,9 +148,34 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             Ok(())
         });
     }
+    // Everything else reads the effective model: the source's, with the proxies of the
+    // clusters known by their dashboard alone.
+    let (effective_tx, effective_rx) = watch::channel(models_rx.borrow().clone());
+    {
+        let (source, dashboards, token) =
+            (models_rx.clone(), dashboards_rx.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            effective_models(source, dashboards, effective_tx, token).await;
+            Ok(())
+        });
+    }
+    let (probes_tx, probes_rx) = watch::channel(Arc::new(ProbeStates::default()));
+    {
+        let prober = Prober {
+            config: config.prober,
+            metrics: metrics.clone(),
+        };
+        let (models, token) = (effective_rx.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            prober.run(models, probes_tx, token).await;
+            Ok(())
+        });
+    }
     let first_round = config.prober.defaults.timeout * 2 + Duration::from_millis(200);
+    let first_answer = config.dashboard.timeout + Duration::from_millis(500);
+    let source_models = models_rx;
     let inputs = Inputs {
-        models: models_rx,
+        models: effective_rx,
         probes: probes_rx,
         dashboards: dashboards_rx,
     };
@@ -201,6 +218,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
                 _ = token.cancelled() => return Ok(()),
                 synced = source_status.wait_for(|s| s.synced) => if synced.is_err() { return Ok(()) },
             }
+            // A cluster known by its dashboard alone has no proxies until the dashboard
+            // answers: wait (briefly) for that, so that a restart does not publish it
+            // empty.
+            first_discovery(&source_models, &inputs, first_answer).await;
             // Then wait (briefly) for every proxy's first probe, so that a restarted
             // ray-xds publishes the health Envoy already has, not "unknown" for everyone.
             let model = inputs.models.borrow().clone();
@@ -277,8 +298,102 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     })
 }
 
+/// The single writer of the effective model: the source's model, with each cluster that
+/// discovers its proxies given those its dashboard last listed ([`discover`]). Re-run when
+/// either input changes; published only on change. When no cluster discovers, the
+/// source's model is forwarded as is (the same `Arc`: no copy, no comparison, and
+/// dashboard polls cost nothing here).
+async fn effective_models(
+    mut source: watch::Receiver<Arc<Model>>,
+    mut dashboards: watch::Receiver<Arc<DashboardStates>>,
+    effective: watch::Sender<Arc<Model>>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let model = source.borrow_and_update().clone();
+        let discovers = model.discovers();
+        if discovers {
+            let states = dashboards.borrow_and_update().clone();
+            let next = discover(&model, &states);
+            effective.send_if_modified(|current| {
+                let changed = **current != next;
+                if changed {
+                    *current = Arc::new(next);
+                }
+                changed
+            });
+        } else {
+            effective.send_if_modified(|current| {
+                let changed = !Arc::ptr_eq(current, &model);
+                if changed {
+                    *current = model;
+                }
+                changed
+            });
+        }
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                changed = source.changed() => {
+                    if changed.is_err() { return }
+                    break;
+                }
+                changed = dashboards.changed() => {
+                    if changed.is_err() { return }
+                    if discovers { break }
+                }
+            }
+        }
+    }
+}
+
+/// Waits, at most `bound`, until the dashboard of every cluster that discovers its
+/// proxies has answered (or failed) once and the effective model holds what it said.
+async fn first_discovery(source: &watch::Receiver<Arc<Model>>, inputs: &Inputs, bound: Duration) {
+    let model = source.borrow().clone();
+    let discovering: BTreeSet<String> = model
+        .services()
+        .iter()
+        .flat_map(|s| {
+            s.clusters
+                .iter()
+                .filter(|c| c.discover)
+                .map(|c| s.envoy_cluster_name(&c.name))
+        })
+        .collect();
+    if discovering.is_empty() {
+        return;
+    }
+    let (mut dashboards, mut effective) = (inputs.dashboards.clone(), inputs.models.clone());
+    let answered = async {
+        let polled = dashboards.wait_for(|d| {
+            discovering.iter().all(|c| {
+                d.clusters
+                    .get(c)
+                    .is_some_and(|d| d.status.is_some() || d.last_error.is_some())
+            })
+        });
+        if polled.await.is_err() {
+            return;
+        }
+        // Another task derives the effective model from the dashboards: wait until it
+        // has caught up with them. (Each borrow is released at once: the other tasks
+        // never hold one channel while writing another, so this cannot deadlock.)
+        let _ = effective
+            .wait_for(|m| {
+                let (s, d) = (source.borrow().clone(), inputs.dashboards.borrow().clone());
+                **m == discover(&s, &d)
+            })
+            .await;
+    };
+    if tokio::time::timeout(bound, answered).await.is_err() {
+        tracing::warn!(clusters = ?discovering, "a dashboard to discover proxies from has not answered yet; starting without its proxies");
+    }
+}
+
 /// The pipeline's inputs, each written by one task.
 struct Inputs {
+    /// The effective model (see [`effective_models`]).
     models: watch::Receiver<Arc<Model>>,
     probes: watch::Receiver<Arc<ProbeStates>>,
     dashboards: watch::Receiver<Arc<DashboardStates>>,
@@ -452,6 +567,23 @@ impl Pipeline {
                 _ = shutdown.cancelled() => return,
                 changed = inputs.models.changed() => {
                     if changed.is_err() { return }
+                    // New proxies are held back until their first probe: wait for it
+                    // (briefly) so that the change is built and pushed once, with health.
+                    let model = inputs.models.borrow().clone();
+                    let new: Vec<SocketAddr> = model
+                        .services()
+                        .iter()
+                        .flat_map(|s| &s.clusters)
+                        .flat_map(|c| &c.proxies)
+                        .map(|p| p.address)
+                        .filter(|a| !self.published_proxies.contains(a))
+                        .collect();
+                    if !new.is_empty() {
+                        let probed = inputs.probes.wait_for(|p| {
+                            new.iter().all(|a| p.proxies.get(a).is_some_and(|s| s.state != ProbeState::Unknown))
+                        });
+                        let _ = tokio::time::timeout(self.first_probe_wait, probed).await;
+                    }
                 }
                 changed = inputs.probes.changed() => if changed.is_err() { return },
                 changed = inputs.dashboards.changed() => if changed.is_err() { return },
@@ -490,4 +622,91 @@ pub struct LiveViews {
     pub health: watch::Receiver<Arc<HealthMap>>,
     pub switchover: watch::Receiver<Arc<Switchover>>,
     pub source: watch::Receiver<Arc<SourceStatus>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::live::dashboard::{HttpProxy, ServeStatus};
+    use crate::live::dashboards::ClusterDashboard;
+    use crate::model::test_support::service;
+    use crate::model::NodeType;
+
+    const URL: &str = "http://127.0.0.1:8265";
+    const CLUSTER: &str = "default/a/a1";
+
+    fn discovering() -> Arc<Model> {
+        let mut a = service("a", "a1", &[]);
+        a.clusters[0].discover = true;
+        a.clusters[0].dashboard = Some(URL.into());
+        Arc::new(Model::new(vec![a]).unwrap())
+    }
+
+    fn answer(ports: &[u16]) -> Arc<DashboardStates> {
+        let mut d = ClusterDashboard::new(URL.into());
+        d.status = Some(ServeStatus {
+            http_proxies: ports
+                .iter()
+                .map(|p| HttpProxy {
+                    address: SocketAddr::from(([127, 0, 0, 1], *p)),
+                    node_id: format!("n{p}"),
+                    node_type: NodeType::Worker,
+                    status: None,
+                })
+                .collect(),
+            ..Default::default()
+        });
+        Arc::new(DashboardStates {
+            clusters: [(CLUSTER.to_string(), d)].into(),
+        })
+    }
+
+    async fn next(rx: &mut watch::Receiver<Arc<Model>>) -> Arc<Model> {
+        tokio::time::timeout(Duration::from_secs(10), rx.changed())
+            .await
+            .expect("published in time")
+            .unwrap();
+        rx.borrow_and_update().clone()
+    }
+
+    fn ports(m: &Model) -> Vec<u16> {
+        m.services()[0].clusters[0]
+            .proxies
+            .iter()
+            .map(|p| p.address.port())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn without_discovery_the_source_model_is_forwarded_as_is() {
+        let first = Arc::new(Model::new(vec![service("a", "a1", &[8000])]).unwrap());
+        let (source_tx, source) = watch::channel(first.clone());
+        let (dash_tx, dashboards) = watch::channel(Arc::new(DashboardStates::default()));
+        let (tx, mut rx) = watch::channel(Arc::new(Model::default()));
+        let token = CancellationToken::new();
+        tokio::spawn(effective_models(source, dashboards, tx, token.clone()));
+        assert!(Arc::ptr_eq(&next(&mut rx).await, &first));
+        dash_tx.send_replace(answer(&[9000]));
+        let second = Arc::new(Model::new(vec![service("a", "a1", &[8001])]).unwrap());
+        source_tx.send_replace(second.clone());
+        assert!(Arc::ptr_eq(&next(&mut rx).await, &second));
+        token.cancel();
+    }
+
+    #[tokio::test]
+    async fn discovered_proxies_follow_the_dashboard() {
+        let (_source_tx, source) = watch::channel(discovering());
+        let (dash_tx, dashboards) = watch::channel(Arc::new(DashboardStates::default()));
+        let (tx, mut rx) = watch::channel(discovering());
+        let token = CancellationToken::new();
+        tokio::spawn(effective_models(source, dashboards, tx, token.clone()));
+        dash_tx.send_replace(answer(&[8000, 8001]));
+        assert_eq!(ports(&*next(&mut rx).await), [8000, 8001]);
+        dash_tx.send_replace(answer(&[8000]));
+        assert_eq!(ports(&*next(&mut rx).await), [8000]);
+        dash_tx.send_replace(answer(&[8000, 8002]));
+        assert_eq!(ports(&*next(&mut rx).await), [8000, 8002]);
+        assert!(rx.borrow().services()[0].clusters[0].discover);
+        token.cancel();
+    }
 }

@@ -89,10 +89,13 @@ async fn gateway(services: &str) -> Gateway {
     }
 }
 
+/// One request: when it was sent (unix seconds), and what came back.
+type Sent = (f64, Result<Reply, String>);
+
 /// Requests through Envoy in the background: each reply with the time it was sent.
 struct Load {
     stop: Arc<std::sync::atomic::AtomicBool>,
-    log: Arc<Mutex<Vec<(f64, Result<Reply, String>)>>>,
+    log: Arc<Mutex<Vec<Sent>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -123,14 +126,14 @@ impl Load {
             .count()
     }
 
-    async fn stop(self) -> Vec<(f64, Result<Reply, String>)> {
+    async fn stop(self) -> Vec<Sent> {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         self.task.await.unwrap();
         Arc::try_unwrap(self.log).unwrap().into_inner().unwrap()
     }
 }
 
-fn failures(log: &[(f64, Result<Reply, String>)]) -> Vec<String> {
+fn failures(log: &[Sent]) -> Vec<String> {
     log.iter()
         .filter_map(|(_, r)| r.as_ref().err().cloned())
         .collect()
@@ -217,7 +220,7 @@ async fn real_ray_traffic_moves_to_a_new_cluster_only_once_its_application_runs(
     .await;
     let log = load.stop().await;
     assert_eq!(failures(&log), Vec::<String>::new(), "no request fails");
-    let from_b: Vec<&(f64, Result<Reply, String>)> = log
+    let from_b: Vec<&Sent> = log
         .iter()
         .filter(|(_, r)| r.as_ref().is_ok_and(|r| r.cluster == "b"))
         .collect();
@@ -407,4 +410,55 @@ impl Gateway {
     fn xds_services_path(&self) -> std::path::PathBuf {
         self._dir.path().join("services.yaml")
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ray_proxies_are_discovered_from_the_real_dashboard() {
+    let a = RealRayCluster::start("a", 1).await;
+    a.deploy(&[App {
+        extra: "deployments: [ { name: Hello, num_replicas: 2 } ]",
+        ..App::hello("/")
+    }]);
+    a.wait_for_app("hello", "RUNNING").await;
+    // The cluster is given by its dashboard alone: no `proxies:` key.
+    let cluster = format!(
+        "      - name: a\n        dashboard: {}\n",
+        a.dashboard_url()
+    );
+    let gw = gateway(&services_yaml("a", None, "", &[cluster])).await;
+    for (proxy, node_type) in [(a.head_proxy(), "head"), (a.worker_proxy(), "worker")] {
+        eventually(
+            &format!("the {node_type} proxy {proxy}, discovered, is healthy in Envoy"),
+            DEADLINE,
+            || async { (envoy_health_flags(&gw.envoy, proxy).await? == "healthy").then_some(()) },
+        )
+        .await;
+    }
+    let state: serde_json::Value =
+        serde_json::from_str(&admin_get(gw.xds.admin_addr, "/debug/state").await).unwrap();
+    let cluster = &state["rayservices"][0]["clusters"][0];
+    let kinds: Vec<(String, String)> = cluster["proxies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["address"].as_str().unwrap().to_string(),
+                p["node_type"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            (a.head_proxy().to_string(), "head".to_string()),
+            (a.worker_proxy().to_string(), "worker".to_string())
+        ],
+        "the controller's node is the head"
+    );
+    let mut nodes = std::collections::BTreeSet::new();
+    for _ in 0..40 {
+        nodes.insert(ask(gw.port, "/").await.unwrap().node_ip);
+    }
+    assert_eq!(nodes.len(), 2, "both replicas answer: {nodes:?}");
 }

@@ -9,7 +9,15 @@
 //! curl -X PUT 'http://127.0.0.1:8299/dashboard/apps/hello?route_prefix=/&status=DEPLOYING'
 //! curl -X PUT 'http://127.0.0.1:8299/dashboard/apps/hello?route_prefix=/&deploying_for_ms=10000&then=RUNNING'
 //! curl -X PUT -d unavailable http://127.0.0.1:8299/dashboard/mode   # normal|unavailable|hang|garbage
+//! curl -X PUT -d DRAINING http://127.0.0.1:8299/dashboard/proxies/127.0.0.1:8001  # its status in the dashboard
+//! curl -X DELETE http://127.0.0.1:8299/dashboard/proxies/127.0.0.1:8001           # gone from the dashboard
 //! ```
+//!
+//! The dashboard lists every proxy it runs, as Ray does (`proxies`, and `target_groups`
+//! while HEALTHY), the head proxy on the controller's node and `http_options.port` the
+//! head's port, so ray-xds can discover them from the dashboard alone. In
+//! `/dashboard/proxies/{node}`, `{node}` is `ip:port` (one proxy; a new one is a worker)
+//! or an IP (every proxy on it; a new one on `http_options.port`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -158,9 +166,24 @@ fn control_router(control: Control) -> Router {
             }),
         )
         .route(
-            "/dashboard/proxies/{ip}",
-            put(|State(c): State<Control>, Path(ip): Path<String>, body: String| async move {
-                c.dashboard.set_proxy(&ip, body.trim());
+            "/dashboard/proxies/{node}",
+            put(|State(c): State<Control>, Path(node): Path<String>, body: String| async move {
+                let status = body.trim();
+                match node.parse::<SocketAddr>() {
+                    Ok(addr) => {
+                        if !c.dashboard.set_proxy_status(addr, status) {
+                            c.dashboard.add_proxy(addr, NodeType::Worker, status);
+                        }
+                    }
+                    Err(_) => c.dashboard.set_proxy(&node, status),
+                }
+                "ok\n"
+            })
+            .delete(|State(c): State<Control>, Path(node): Path<String>| async move {
+                match node.parse::<SocketAddr>() {
+                    Ok(addr) => c.dashboard.remove_proxy_at(addr),
+                    Err(_) => c.dashboard.remove_proxy(&node),
+                }
                 "ok\n"
             }),
         )
@@ -197,8 +220,17 @@ async fn main() -> anyhow::Result<()> {
         proxies: Arc::new(Mutex::new(HashMap::new())),
         dashboard: dashboard.clone(),
     };
+    // Ray's proxies all listen on `http_options.port`: here, the head's.
+    let head = args
+        .proxies
+        .iter()
+        .find(|(_, t)| *t == NodeType::Head)
+        .or(args.proxies.first());
+    if let Some((address, _)) = head {
+        dashboard.set_http_port(address.port());
+    }
     for (address, node_type) in &args.proxies {
-        dashboard.set_proxy(&address.ip().to_string(), "HEALTHY");
+        dashboard.add_proxy(*address, *node_type, "HEALTHY");
         let config = ProxyConfig {
             cluster: args.cluster.clone(),
             node_type: *node_type,

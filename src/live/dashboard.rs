@@ -5,6 +5,24 @@
 //! `tests/fixtures/ray-serve-2.60/`). This module turns that answer into a small domain
 //! type, [`ServeStatus`], and fetches it over HTTP with [`DashboardClient`].
 //!
+//! It also reads where Ray's HTTP proxies listen ([`ServeStatus::http_proxies`]), so that a
+//! cluster can be given by its dashboard alone (`live::discovery`):
+//!
+//! - every target of a `target_groups` entry whose `protocol` is `HTTP` (gRPC groups are
+//!   skipped), deduplicated by `ip:port`;
+//! - and every proxy in `proxies` that owns no such target, at its `node_ip` and
+//!   `http_options.port` (8000, Ray's default, when absent): Ray lists a proxy while it is
+//!   STARTING, before it is a target, and a DRAINING proxy leaves `target_groups` but must
+//!   stay listed so that it drains instead of vanishing. A target belongs to the proxy
+//!   whose `actor_name` is the target's `name`, else to the only proxy on its IP.
+//! - Node type, a heuristic: Ray Serve runs its controller on the head node (and always
+//!   keeps a proxy there), so a proxy is `head` when its node is `controller_info`'s
+//!   (same `node_id` when both are known, else same `node_ip`), `worker` otherwise. With no
+//!   `controller_info` every proxy is a worker.
+//! - An entry with garbage (an `ip` or `node_ip` that is not an IP address, a port that
+//!   is not a number in 1..=65535, a target that is not an object) is left out alone; a
+//!   `target_groups` that is not a list counts as none. It never fails the parse.
+//!
 //! Invariants:
 //!
 //! - No `serde_json::Value` leaks out: the public API is [`ServeStatus`] and friends.
@@ -21,6 +39,7 @@
 //!   clones share the pool).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -30,8 +49,13 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Map, Value};
 
+use crate::model::NodeType;
+
 /// The path of the Serve status endpoint on the dashboard.
 pub const APPLICATIONS_PATH: &str = "/api/serve/applications/";
+
+/// The Serve HTTP proxies' port when `http_options.port` is absent (Ray's default).
+pub const DEFAULT_HTTP_PORT: u16 = 8000;
 
 /// The largest body [`DashboardClient::fetch`] accepts (8 MiB); a bigger one is
 /// [`DashboardError::Malformed`].
@@ -52,6 +76,21 @@ pub struct ServeStatus {
     pub target_capacity: Option<f64>,
     /// `http_options.keep_alive_timeout_s` of the Serve proxies, when known.
     pub keep_alive_timeout_s: Option<f64>,
+    /// Where the Serve HTTP proxies listen (see the module doc), sorted by address, each
+    /// address once.
+    pub http_proxies: Vec<HttpProxy>,
+}
+
+/// A Serve HTTP proxy to send requests to, read from `target_groups` and `proxies`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpProxy {
+    pub address: SocketAddr,
+    /// The Ray node it runs on; empty for a target that no entry of `proxies` owns.
+    pub node_id: String,
+    /// `Head` when it runs on the controller's node (a heuristic, see the module doc).
+    pub node_type: NodeType,
+    /// Its status in `proxies`; `None` for a target that no entry of `proxies` owns.
+    pub status: Option<ProxyStatus>,
 }
 
 /// One Serve application.
@@ -185,6 +224,17 @@ impl ServeStatus {
             .find(|p| p.node_ip == ip)
             .map(|p| &p.status)
     }
+
+    /// The status of the proxy listening at `address`, else of the proxy on its IP (when
+    /// several proxies share an IP, as in tests on one host, the address tells them
+    /// apart).
+    pub fn proxy_status_at(&self, address: SocketAddr) -> Option<&ProxyStatus> {
+        self.http_proxies
+            .binary_search_by_key(&address, |p| p.address)
+            .ok()
+            .and_then(|i| self.http_proxies[i].status.as_ref())
+            .or_else(|| self.proxy_status_by_ip(&address.ip().to_string()))
+    }
 }
 
 /// Why the dashboard could not tell us the Serve status.
@@ -245,6 +295,8 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
         );
     }
 
+    // Node id → the proxy's actor name: a target's `name` says which proxy it is.
+    let mut actor_names = BTreeMap::new();
     for (node_id, proxy) in object_field(&root, "proxies")? {
         let Value::Object(proxy) = proxy else {
             return Err(DashboardError::Malformed(format!(
@@ -252,10 +304,12 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
             )));
         };
         let id = string_field(proxy, "node_id");
+        let id = if id.is_empty() { node_id.clone() } else { id };
+        actor_names.insert(id.clone(), string_field(proxy, "actor_name"));
         status.proxies.insert(
             node_id.clone(),
             ServeProxy {
-                node_id: if id.is_empty() { node_id.clone() } else { id },
+                node_id: id,
                 node_ip: string_field(proxy, "node_ip"),
                 status: ProxyStatus::from_ray(&string_field(proxy, "status")),
             },
@@ -267,7 +321,123 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
         .get("http_options")
         .and_then(|o| o.get("keep_alive_timeout_s"))
         .and_then(Value::as_f64);
+    status.http_proxies = http_proxies(&root, &status.proxies, &actor_names);
     Ok(status)
+}
+
+/// The HTTP proxies of the answer: see the module doc for the rules.
+fn http_proxies(
+    root: &Map<String, Value>,
+    proxies: &BTreeMap<String, ServeProxy>,
+    actor_names: &BTreeMap<String, String>,
+) -> Vec<HttpProxy> {
+    let controller = root.get("controller_info").and_then(Value::as_object);
+    let controller_id = controller
+        .map(|c| string_field(c, "node_id"))
+        .unwrap_or_default();
+    let controller_ip = controller
+        .map(|c| string_field(c, "node_ip"))
+        .unwrap_or_default();
+    let is_head = |proxy: &ServeProxy| {
+        if !controller_id.is_empty() && !proxy.node_id.is_empty() {
+            proxy.node_id == controller_id
+        } else {
+            !controller_ip.is_empty() && proxy.node_ip == controller_ip
+        }
+    };
+    let node_type = |head: bool| {
+        if head {
+            NodeType::Head
+        } else {
+            NodeType::Worker
+        }
+    };
+
+    let mut out: BTreeMap<SocketAddr, HttpProxy> = BTreeMap::new();
+    let mut owning = BTreeSet::new();
+    let groups = root.get("target_groups").and_then(Value::as_array);
+    let http_groups = groups.into_iter().flatten().filter(|g| {
+        g.get("protocol")
+            .and_then(Value::as_str)
+            .is_some_and(|p| p.eq_ignore_ascii_case("http"))
+    });
+    let targets = http_groups
+        .filter_map(|g| g.get("targets").and_then(Value::as_array))
+        .flatten()
+        .filter_map(Value::as_object);
+    for target in targets {
+        let ip = target.get("ip").and_then(Value::as_str).and_then(ip_addr);
+        let port = target.get("port").and_then(port_number);
+        let (Some(ip), Some(port)) = (ip, port) else {
+            continue;
+        };
+        let address = SocketAddr::new(ip, port);
+        if out.contains_key(&address) {
+            continue;
+        }
+        let name = string_field(target, "name");
+        let by_name = proxies
+            .values()
+            .find(|p| !name.is_empty() && actor_names.get(&p.node_id) == Some(&name));
+        let owner = by_name.or_else(|| {
+            let mut on_ip = proxies.values().filter(|p| ip_addr(&p.node_ip) == Some(ip));
+            on_ip.next().filter(|_| on_ip.next().is_none())
+        });
+        let proxy = match owner {
+            Some(p) => {
+                owning.insert(p.node_id.clone());
+                HttpProxy {
+                    address,
+                    node_id: p.node_id.clone(),
+                    node_type: node_type(is_head(p)),
+                    status: Some(p.status.clone()),
+                }
+            }
+            None => HttpProxy {
+                address,
+                node_id: String::new(),
+                node_type: node_type(
+                    !controller_ip.is_empty() && ip_addr(&controller_ip) == Some(ip),
+                ),
+                status: None,
+            },
+        };
+        out.insert(address, proxy);
+    }
+
+    let http_port = match root.get("http_options").and_then(|o| o.get("port")) {
+        None | Some(Value::Null) => Some(DEFAULT_HTTP_PORT),
+        Some(port) => port_number(port),
+    };
+    for proxy in proxies.values() {
+        if owning.contains(&proxy.node_id) {
+            continue;
+        }
+        let (Some(ip), Some(port)) = (ip_addr(&proxy.node_ip), http_port) else {
+            continue;
+        };
+        out.entry(SocketAddr::new(ip, port))
+            .or_insert_with(|| HttpProxy {
+                address: SocketAddr::new(ip, port),
+                node_id: proxy.node_id.clone(),
+                node_type: node_type(is_head(proxy)),
+                status: Some(proxy.status.clone()),
+            });
+    }
+    out.into_values().collect()
+}
+
+/// An IP address, or `None` for anything else (a host name, garbage).
+fn ip_addr(text: &str) -> Option<IpAddr> {
+    text.parse().ok()
+}
+
+/// A port a proxy can listen on: an integer in 1..=65535.
+fn port_number(value: &Value) -> Option<u16> {
+    value
+        .as_u64()
+        .and_then(|p| u16::try_from(p).ok())
+        .filter(|p| *p != 0)
 }
 
 fn malformed(reason: &str) -> DashboardError {
@@ -430,6 +600,16 @@ mod tests {
         assert_eq!(s.proxy_status_by_ip("192.0.2.3"), None);
         assert_eq!(s.keep_alive_timeout_s, Some(90.0));
         assert_eq!(s.target_capacity, None);
+        // The one target, on the controller's node: the head.
+        assert_eq!(
+            s.http_proxies,
+            [HttpProxy {
+                address: "192.0.2.2:8000".parse().unwrap(),
+                node_id: NODE_ID.into(),
+                node_type: NodeType::Head,
+                status: Some(ProxyStatus::Healthy),
+            }]
+        );
     }
 
     #[test]
@@ -584,6 +764,231 @@ mod tests {
 
         let nulls = parse(br#"{"applications": null, "proxies": null}"#).unwrap();
         assert_eq!(nulls, ServeStatus::default());
+    }
+
+    // HTTP proxies from `target_groups` and `proxies`, on variants of 02-running.json.
+
+    const WORKER_ID: &str = "f00dfeed";
+
+    fn running() -> Value {
+        serde_json::from_slice(&fixture!("02-running.json")).unwrap()
+    }
+
+    /// Adds a worker node's proxy with `status` on `ip` to `proxies` (not to targets).
+    fn add_worker(v: &mut Value, node_id: &str, ip: &str, status: &str) {
+        v["proxies"][node_id] = serde_json::json!({
+            "node_id": node_id,
+            "node_ip": ip,
+            "node_instance_id": "",
+            "actor_id": "0123",
+            "actor_name": format!("SERVE_PROXY_ACTOR-{node_id}"),
+            "worker_id": "4567",
+            "log_file_path": format!("/serve/proxy_{ip}.log"),
+            "status": status,
+        });
+    }
+
+    /// Adds a target to the first (HTTP) target group.
+    fn add_target(v: &mut Value, target: Value) {
+        v["target_groups"][0]["targets"]
+            .as_array_mut()
+            .unwrap()
+            .push(target);
+    }
+
+    fn http(v: &Value) -> Vec<(String, NodeType, Option<String>)> {
+        parse(v.to_string().as_bytes())
+            .unwrap()
+            .http_proxies
+            .into_iter()
+            .map(|p| {
+                (
+                    p.address.to_string(),
+                    p.node_type,
+                    p.status.map(|s| s.to_string()),
+                )
+            })
+            .collect()
+    }
+
+    fn healthy(address: &str, node_type: NodeType) -> (String, NodeType, Option<String>) {
+        (address.into(), node_type, Some("HEALTHY".into()))
+    }
+
+    #[test]
+    fn no_serve_has_no_http_proxies() {
+        let s = parse(&fixture!("01-no-serve.json")).unwrap();
+        assert!(s.http_proxies.is_empty());
+    }
+
+    #[test]
+    fn two_proxies_head_and_worker() {
+        let mut v = running();
+        add_worker(&mut v, WORKER_ID, "192.0.2.3", "HEALTHY");
+        add_target(
+            &mut v,
+            serde_json::json!({"ip": "192.0.2.3", "port": 8000, "instance_id": "",
+                               "name": format!("SERVE_PROXY_ACTOR-{WORKER_ID}")}),
+        );
+        assert_eq!(
+            http(&v),
+            [
+                healthy("192.0.2.2:8000", NodeType::Head),
+                healthy("192.0.2.3:8000", NodeType::Worker)
+            ]
+        );
+        let s = parse(v.to_string().as_bytes()).unwrap();
+        assert_eq!(s.http_proxies[1].node_id, WORKER_ID);
+    }
+
+    #[test]
+    fn a_starting_or_draining_proxy_outside_the_targets_is_listed_at_the_http_port() {
+        let mut v = running();
+        add_worker(&mut v, "starting-node", "192.0.2.3", "STARTING");
+        add_worker(&mut v, "draining-node", "192.0.2.4", "DRAINING");
+        v["http_options"]["port"] = 8123.into();
+        // The targets keep the port Ray listed them with.
+        assert_eq!(
+            http(&v),
+            [
+                healthy("192.0.2.2:8000", NodeType::Head),
+                (
+                    "192.0.2.3:8123".into(),
+                    NodeType::Worker,
+                    Some("STARTING".into())
+                ),
+                (
+                    "192.0.2.4:8123".into(),
+                    NodeType::Worker,
+                    Some("DRAINING".into())
+                ),
+            ]
+        );
+        let s = parse(v.to_string().as_bytes()).unwrap();
+        assert_eq!(
+            s.proxy_status_at("192.0.2.4:8123".parse().unwrap()),
+            Some(&ProxyStatus::Draining)
+        );
+        // Without http_options, Ray's default port.
+        v.as_object_mut().unwrap().remove("http_options");
+        assert_eq!(http(&v)[1].0, "192.0.2.3:8000");
+        // The head left the targets too (draining): still listed, still the head.
+        v["target_groups"][0]["targets"] = serde_json::json!([]);
+        assert_eq!(http(&v)[0], healthy("192.0.2.2:8000", NodeType::Head));
+    }
+
+    #[test]
+    fn grpc_groups_are_skipped_and_targets_deduplicated() {
+        let mut v = running();
+        let mut grpc = v["target_groups"][0].clone();
+        grpc["protocol"] = "gRPC".into();
+        grpc["targets"][0]["port"] = 9000.into();
+        grpc["targets"][0]["ip"] = "192.0.2.9".into();
+        let per_app = v["target_groups"][0].clone();
+        v["target_groups"].as_array_mut().unwrap().push(grpc);
+        v["target_groups"].as_array_mut().unwrap().push(per_app);
+        assert_eq!(http(&v), [healthy("192.0.2.2:8000", NodeType::Head)]);
+    }
+
+    #[test]
+    fn several_proxies_on_one_ip_are_told_apart_by_name() {
+        // As in tests on one host (Ray's TEST_WORKER_NODE_HTTP_PORT, or the simulator).
+        let mut v = running();
+        add_worker(&mut v, WORKER_ID, "192.0.2.2", "HEALTHY");
+        add_target(
+            &mut v,
+            serde_json::json!({"ip": "192.0.2.2", "port": 8001,
+                               "name": format!("SERVE_PROXY_ACTOR-{WORKER_ID}")}),
+        );
+        assert_eq!(
+            http(&v),
+            [
+                healthy("192.0.2.2:8000", NodeType::Head),
+                healthy("192.0.2.2:8001", NodeType::Worker)
+            ]
+        );
+        let s = parse(v.to_string().as_bytes()).unwrap();
+        assert_eq!(
+            s.proxy_status_at("192.0.2.2:8001".parse().unwrap()),
+            Some(&ProxyStatus::Healthy)
+        );
+    }
+
+    #[test]
+    fn a_target_no_proxy_owns_is_kept() {
+        let mut v = running();
+        add_target(&mut v, serde_json::json!({"ip": "192.0.2.7", "port": 8000}));
+        add_target(&mut v, serde_json::json!({"ip": "192.0.2.2", "port": 8002}));
+        let s = parse(v.to_string().as_bytes()).unwrap();
+        let unowned = &s.http_proxies[2];
+        assert_eq!(
+            (unowned.address.to_string(), unowned.node_type),
+            ("192.0.2.7:8000".into(), NodeType::Worker)
+        );
+        assert_eq!((unowned.node_id.as_str(), &unowned.status), ("", &None));
+        // On the controller's IP, no name: the one proxy there owns it.
+        assert_eq!(s.http_proxies[1].address.to_string(), "192.0.2.2:8002");
+        assert_eq!(s.http_proxies[1].node_type, NodeType::Head);
+    }
+
+    #[test]
+    fn without_controller_info_every_proxy_is_a_worker() {
+        let mut v = running();
+        v.as_object_mut().unwrap().remove("controller_info");
+        assert_eq!(http(&v), [healthy("192.0.2.2:8000", NodeType::Worker)]);
+        // With only the controller's IP, the IP decides.
+        v["controller_info"] = serde_json::json!({"node_ip": "192.0.2.2"});
+        assert_eq!(http(&v), [healthy("192.0.2.2:8000", NodeType::Head)]);
+    }
+
+    #[test]
+    fn garbage_entries_are_skipped_alone() {
+        let mut v = running();
+        for bad in [
+            serde_json::json!({"ip": "not-an-ip", "port": 8000}),
+            serde_json::json!({"ip": "example.com", "port": 8000}),
+            serde_json::json!({"ip": "192.0.2.5", "port": 70000}),
+            serde_json::json!({"ip": "192.0.2.5", "port": 0}),
+            serde_json::json!({"ip": "192.0.2.5", "port": -1}),
+            serde_json::json!({"ip": "192.0.2.5", "port": "8000"}),
+            serde_json::json!({"ip": "192.0.2.5", "port": 8000.5}),
+            serde_json::json!({"ip": "192.0.2.5"}),
+            serde_json::json!({"port": 8000}),
+            serde_json::json!("192.0.2.5:8000"),
+            Value::Null,
+        ] {
+            add_target(&mut v, bad);
+        }
+        add_target(
+            &mut v,
+            serde_json::json!({"ip": "2001:db8::1", "port": 8000}),
+        );
+        add_worker(&mut v, "bad-ip", "nowhere", "STARTING");
+        v["target_groups"].as_array_mut().unwrap().extend([
+            serde_json::json!(7),
+            serde_json::json!({"protocol": "HTTP", "targets": "x"}),
+        ]);
+        let want = [
+            healthy("192.0.2.2:8000", NodeType::Head),
+            ("[2001:db8::1]:8000".into(), NodeType::Worker, None),
+        ];
+        assert_eq!(http(&v), want);
+        // The proxy with a bad IP is still in `proxies` (its status is known).
+        let s = parse(v.to_string().as_bytes()).unwrap();
+        assert_eq!(s.proxies["bad-ip"].status, ProxyStatus::Starting);
+
+        // A bad http_options.port: proxies outside the targets have no address.
+        let mut v = running();
+        add_worker(&mut v, WORKER_ID, "192.0.2.3", "STARTING");
+        v["http_options"]["port"] = "eighty".into();
+        assert_eq!(http(&v), [healthy("192.0.2.2:8000", NodeType::Head)]);
+
+        // target_groups that is not a list: no targets, the proxies still count.
+        let mut v = running();
+        v["target_groups"] = serde_json::json!({"targets": []});
+        assert_eq!(http(&v), [healthy("192.0.2.2:8000", NodeType::Head)]);
+        v["target_groups"] = Value::Null;
+        assert_eq!(http(&v), [healthy("192.0.2.2:8000", NodeType::Head)]);
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //!
 //! For each proxy, in order:
 //! 1. its probe state (unknown until first probed; Envoy treats unknown as healthy);
-//! 2. DRAINING if its cluster's dashboard lists its node's proxy as DRAINING;
+//! 2. DRAINING if its cluster's dashboard lists its proxy (by address, else its node's IP)
+//!    as DRAINING;
 //! 3. DRAINING ("no new traffic") if it is healthy but does not serve every route prefix
 //!    of its cluster's RUNNING applications (from the dashboard) in its `/-/routes`, while
 //!    another healthy proxy of the cluster does (a proxy that just started and has not
@@ -123,9 +124,8 @@ pub fn assess(model: &Model, probes: &ProbeStates, dashboards: &DashboardStates)
                             "the source says it is going away (pod terminating)",
                         );
                     }
-                    let ip = proxy.address.ip().to_string();
                     if let Some(ProxyStatus::Draining) =
-                        dashboard.and_then(|d| d.proxy_status_by_ip(&ip))
+                        dashboard.and_then(|d| d.proxy_status_at(proxy.address))
                     {
                         v = verdict(
                             EndpointHealth::Draining,

@@ -4,10 +4,13 @@
 //! - [`probe`] and [`prober`]: every Ray Serve proxy probed directly;
 //! - [`dashboard`] and [`dashboards`]: each cluster's Ray dashboard, the authority on
 //!   application status, polled;
+//! - [`discovery`]: the pure step that gives a cluster known only by its dashboard the
+//!   proxies that dashboard lists;
 //! - [`health`]: the pure combination of all of it into each endpoint's health.
 
 pub mod dashboard;
 pub mod dashboards;
+pub mod discovery;
 pub mod health;
 pub mod probe;
 pub mod prober;

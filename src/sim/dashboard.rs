@@ -15,10 +15,18 @@
 //!   so tests can also serve statuses a client does not know.
 //! - Generated ids (node, actor, worker) are deterministic functions of the node IP and
 //!   application name, in the same formats as the captures.
+//! - The proxies it lists are in `proxies` (every one, whatever its status) and, as
+//!   targets of the one HTTP target group, only while HEALTHY, as Ray lists them: a
+//!   STARTING proxy is not a target yet and a DRAINING one no longer is. The controller
+//!   (`controller_info`) runs on the head proxy's node, else the first proxy's.
+//! - Real Ray runs one proxy per node, all on `http_options.port`. Tests on one host may
+//!   also place proxies at any `ip:port` ([`SimDashboard::add_proxy`]): such a proxy is
+//!   its own node (node id from `ip:port`), listed as a target on its own port.
 //! - Clones share one state; [`DashboardMode::Hang`] requests are released when the mode
 //!   changes or when [`SimDashboard::serve`] is shut down, so shutdown never waits forever.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -31,6 +39,8 @@ use serde_json::{json, Map, Value};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
+
+use crate::model::NodeType;
 
 /// The path the dashboard serves the Serve status on.
 const APPLICATIONS_PATH: &str = "/api/serve/applications/";
@@ -67,13 +77,34 @@ struct Shared {
     started: SystemTime,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct SimState {
     apps: BTreeMap<String, SimApp>,
-    /// Node IP → proxy status.
-    proxies: BTreeMap<String, String>,
+    /// `(node IP, port)` → proxy; no port: on `http_port`, as Ray's proxies.
+    proxies: BTreeMap<(String, Option<u16>), SimProxy>,
+    /// `http_options.port`.
+    http_port: u16,
     mode: DashboardMode,
     requests: u64,
+}
+
+impl Default for SimState {
+    fn default() -> Self {
+        SimState {
+            apps: BTreeMap::new(),
+            proxies: BTreeMap::new(),
+            http_port: HTTP_PORT,
+            mode: DashboardMode::default(),
+            requests: 0,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SimProxy {
+    status: String,
+    /// Runs on the head node: the controller's.
+    head: bool,
 }
 
 #[derive(Debug)]
@@ -153,18 +184,70 @@ impl SimDashboard {
         self.state().apps.remove(name);
     }
 
-    /// Adds or replaces the Serve proxy on the node with IP `node_ip`, with `status`
-    /// (`STARTING`, `HEALTHY`, `UNHEALTHY` or `DRAINING`). Its node id is
-    /// [`node_id_for`]`(node_ip)`.
+    /// Sets the status of every Serve proxy on IP `node_ip` to `status` (`STARTING`,
+    /// `HEALTHY`, `UNHEALTHY` or `DRAINING`); with none there, adds one, on
+    /// `http_options.port`, whose node id is [`node_id_for`]`(node_ip)`.
     pub fn set_proxy(&self, node_ip: &str, status: &str) {
-        self.state()
-            .proxies
-            .insert(node_ip.to_string(), status.to_string());
+        let mut state = self.state();
+        let mut found = false;
+        for ((ip, _), proxy) in state.proxies.iter_mut() {
+            if ip == node_ip {
+                proxy.status = status.to_string();
+                found = true;
+            }
+        }
+        if !found {
+            state.proxies.insert(
+                (node_ip.to_string(), None),
+                SimProxy {
+                    status: status.to_string(),
+                    head: false,
+                },
+            );
+        }
     }
 
-    /// Removes the proxy on the node with IP `node_ip`, if present.
+    /// Removes every proxy on IP `node_ip`.
     pub fn remove_proxy(&self, node_ip: &str) {
-        self.state().proxies.remove(node_ip);
+        self.state().proxies.retain(|(ip, _), _| ip != node_ip);
+    }
+
+    /// Adds or replaces the proxy listening at `address`, a node of its own (node id
+    /// [`node_id_for`]`("ip:port")`), with `status`; a `Head` proxy's node runs the
+    /// controller.
+    pub fn add_proxy(&self, address: SocketAddr, node_type: NodeType, status: &str) {
+        self.state().proxies.insert(
+            (address.ip().to_string(), Some(address.port())),
+            SimProxy {
+                status: status.to_string(),
+                head: node_type == NodeType::Head,
+            },
+        );
+    }
+
+    /// Sets the status of the proxy added at `address`; false if there is none.
+    pub fn set_proxy_status(&self, address: SocketAddr, status: &str) -> bool {
+        let key = (address.ip().to_string(), Some(address.port()));
+        match self.state().proxies.get_mut(&key) {
+            Some(proxy) => {
+                proxy.status = status.to_string();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Removes the proxy added at `address`, if present.
+    pub fn remove_proxy_at(&self, address: SocketAddr) {
+        self.state()
+            .proxies
+            .remove(&(address.ip().to_string(), Some(address.port())));
+    }
+
+    /// Sets `http_options.port`, where proxies set with [`set_proxy`](Self::set_proxy)
+    /// listen (8000 by default, as in the captures).
+    pub fn set_http_port(&self, port: u16) {
+        self.state().http_port = port;
     }
 
     /// Changes how requests are answered, from the next request on; requests hung by
@@ -220,36 +303,45 @@ impl SimDashboard {
             });
         }
 
-        let head_ip = state
+        // A proxy's node: its IP, or `ip:port` for one placed at its own port.
+        let node = |(ip, port): &(String, Option<u16>)| match port {
+            Some(port) => format!("{ip}:{port}"),
+            None => ip.clone(),
+        };
+        let (head_key, head_ip) = state
             .proxies
-            .keys()
-            .next()
-            .cloned()
-            .unwrap_or_else(|| "127.0.0.1".to_string());
-        let head_id = node_id_for(&head_ip);
+            .iter()
+            .find(|(_, p)| p.head)
+            .or_else(|| state.proxies.iter().next())
+            .map(|(key, _)| (node(key), key.0.clone()))
+            .unwrap_or_else(|| ("127.0.0.1".to_string(), "127.0.0.1".to_string()));
+        let head_id = node_id_for(&head_key);
 
         let mut proxies = Map::new();
         let mut targets = Vec::new();
-        for (ip, status) in &state.proxies {
-            let node_id = node_id_for(ip);
+        for (key, proxy) in &state.proxies {
+            let (ip, node_key) = (&key.0, node(key));
+            let node_id = node_id_for(&node_key);
             let actor_name = format!("SERVE_PROXY_ACTOR-{node_id}");
-            targets.push(json!({
-                "ip": ip,
-                "port": HTTP_PORT,
-                "instance_id": "",
-                "name": actor_name,
-            }));
+            if proxy.status == "HEALTHY" {
+                targets.push(json!({
+                    "ip": ip,
+                    "port": key.1.unwrap_or(state.http_port),
+                    "instance_id": "",
+                    "name": actor_name,
+                }));
+            }
             proxies.insert(
                 node_id.clone(),
                 json!({
                     "node_id": node_id,
                     "node_ip": ip,
                     "node_instance_id": "",
-                    "actor_id": actor_id_for("proxy", ip),
+                    "actor_id": actor_id_for("proxy", &node_key),
                     "actor_name": actor_name,
-                    "worker_id": hex_id(&format!("worker/proxy/{ip}"), 56),
+                    "worker_id": hex_id(&format!("worker/proxy/{node_key}"), 56),
                     "log_file_path": format!("/serve/proxy_{ip}.log"),
-                    "status": status,
+                    "status": proxy.status,
                 }),
             );
         }
@@ -271,15 +363,15 @@ impl SimDashboard {
                 "node_id": head_id,
                 "node_ip": head_ip,
                 "node_instance_id": "",
-                "actor_id": actor_id_for("controller", &head_ip),
+                "actor_id": actor_id_for("controller", &head_key),
                 "actor_name": "SERVE_CONTROLLER_ACTOR",
-                "worker_id": hex_id(&format!("worker/controller/{head_ip}"), 56),
+                "worker_id": hex_id(&format!("worker/controller/{head_key}"), 56),
                 "log_file_path": "/serve/controller_11660.log",
             },
             "proxy_location": "EveryNode",
             "http_options": {
                 "host": "0.0.0.0",
-                "port": HTTP_PORT,
+                "port": state.http_port,
                 "root_path": "",
                 "request_timeout_s": null,
                 "keep_alive_timeout_s": 90,
@@ -434,8 +526,9 @@ fn deployment_name(app: &str) -> String {
     }
 }
 
-/// The Ray node id the simulator gives the node with IP `node_ip`: 56 hex characters,
-/// a deterministic function of the IP.
+/// The Ray node id the simulator gives the node with IP `node_ip` (or, for a proxy
+/// placed with [`SimDashboard::add_proxy`], `ip:port`): 56 hex characters, a
+/// deterministic function of it.
 pub fn node_id_for(node_ip: &str) -> String {
     hex_id(&format!("node/{node_ip}"), 56)
 }
@@ -886,6 +979,87 @@ mod tests {
         }
         running.stop().await;
         assert_eq!(hung.await.unwrap(), 503);
+    }
+
+    #[tokio::test]
+    async fn lists_its_proxies_as_ray_does() {
+        let sim = SimDashboard::new();
+        sim.set_app("hello", "/hello", "RUNNING");
+        sim.set_http_port(8100);
+        let addr = |s: &str| -> SocketAddr { s.parse().unwrap() };
+        sim.add_proxy(addr("127.0.0.3:8100"), NodeType::Worker, "HEALTHY");
+        sim.add_proxy(addr("127.0.0.2:8100"), NodeType::Head, "HEALTHY");
+        sim.add_proxy(addr("127.0.0.4:8100"), NodeType::Worker, "STARTING");
+        let running = start(&sim).await;
+        let client = DashboardClient::new(Duration::from_secs(2));
+        let listed = |s: &crate::live::dashboard::ServeStatus| -> Vec<(String, NodeType, String)> {
+            s.http_proxies
+                .iter()
+                .map(|p| {
+                    let status = p.status.as_ref().map(|s| s.to_string()).unwrap_or_default();
+                    (p.address.to_string(), p.node_type, status)
+                })
+                .collect()
+        };
+        let status = client.fetch(&running.base).await.unwrap();
+        let entry = |a: &str, t, s: &str| (a.to_string(), t, s.to_string());
+        assert_eq!(
+            listed(&status),
+            [
+                entry("127.0.0.2:8100", NodeType::Head, "HEALTHY"),
+                entry("127.0.0.3:8100", NodeType::Worker, "HEALTHY"),
+                entry("127.0.0.4:8100", NodeType::Worker, "STARTING"),
+            ]
+        );
+        // Only HEALTHY proxies are targets; every proxy is in `proxies`.
+        let (_, body) = get_raw(&running.base).await;
+        let served: Value = serde_json::from_slice(&body).unwrap();
+        let targets: Vec<&str> = served["target_groups"][0]["targets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["ip"].as_str().unwrap())
+            .collect();
+        assert_eq!(targets, ["127.0.0.2", "127.0.0.3"]);
+        assert_eq!(served["proxies"].as_object().unwrap().len(), 3);
+        assert_eq!(served["http_options"]["port"], 8100);
+        assert_eq!(
+            served["controller_info"]["node_id"],
+            node_id_for("127.0.0.2:8100")
+        );
+
+        // Proxies come, change and go.
+        assert!(sim.set_proxy_status(addr("127.0.0.3:8100"), "DRAINING"));
+        assert!(!sim.set_proxy_status(addr("127.0.0.9:8100"), "DRAINING"));
+        sim.remove_proxy_at(addr("127.0.0.4:8100"));
+        let status = client.fetch(&running.base).await.unwrap();
+        assert_eq!(
+            listed(&status),
+            [
+                entry("127.0.0.2:8100", NodeType::Head, "HEALTHY"),
+                entry("127.0.0.3:8100", NodeType::Worker, "DRAINING"),
+            ]
+        );
+
+        // Several proxies on one IP (the simulator on one host), each on its own port.
+        sim.remove_proxy("127.0.0.3");
+        sim.add_proxy(addr("127.0.0.2:8101"), NodeType::Worker, "HEALTHY");
+        let status = client.fetch(&running.base).await.unwrap();
+        assert_eq!(
+            listed(&status),
+            [
+                entry("127.0.0.2:8100", NodeType::Head, "HEALTHY"),
+                entry("127.0.0.2:8101", NodeType::Worker, "HEALTHY"),
+            ]
+        );
+        // set_proxy by IP sets every proxy on it.
+        sim.set_proxy("127.0.0.2", "UNHEALTHY");
+        let status = client.fetch(&running.base).await.unwrap();
+        assert!(status
+            .proxies
+            .values()
+            .all(|p| p.status == ProxyStatus::Unhealthy));
+        running.stop().await;
     }
 
     #[test]

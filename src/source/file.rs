@@ -5,6 +5,9 @@
 //! atomic renames and ConfigMap symlink swaps are seen) and re-read on a poll interval as
 //! a fallback. A change is parsed into a [`Model`]; a parse or validation failure is
 //! logged with its reason and counted, and the last good model keeps being served.
+//!
+//! A cluster with a `dashboard` and no `proxies` key discovers its proxies from that
+//! dashboard (`live::discovery`); `proxies: []` means none.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -113,8 +116,9 @@ struct ProbeSpec {
 struct ClusterSpec {
     name: String,
     dashboard: Option<String>,
-    #[serde(default)]
-    proxies: Vec<ProxySpec>,
+    /// Absent (or null) with a `dashboard`: the proxies are discovered from the
+    /// dashboard. An explicit list, even empty, is the proxies (none are discovered).
+    proxies: Option<Vec<ProxySpec>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -201,10 +205,12 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
                     .into_iter()
                     .map(|c| RayCluster {
                         name: c.name,
+                        discover: c.proxies.is_none() && c.dashboard.is_some(),
                         dashboard: c.dashboard,
                         proxies: c
                             .proxies
                             .into_iter()
+                            .flatten()
                             .map(|p| Proxy {
                                 address: p.address,
                                 node_type: match p.node_type {
@@ -362,6 +368,32 @@ rayservices:
             s.clusters[0].dashboard.as_deref(),
             Some("http://127.0.0.1:8265")
         );
+    }
+
+    #[test]
+    fn a_cluster_with_a_dashboard_and_no_proxies_discovers_them() {
+        let text = |cluster: &str| {
+            format!("rayservices:\n- name: x\n  active_cluster: c\n  clusters: [{cluster}]\n")
+        };
+        let cluster = |cluster: &str| {
+            parse(Path::new("s.yaml"), &text(cluster))
+                .unwrap()
+                .services()[0]
+                .clusters[0]
+                .clone()
+        };
+        let c = cluster("{name: c, dashboard: 'http://127.0.0.1:8265'}");
+        assert!(c.discover && c.proxies.is_empty());
+        assert!(cluster("{name: c, dashboard: 'http://127.0.0.1:8265', proxies: null}").discover);
+        // An explicit list, even empty, is the proxies.
+        let c = cluster("{name: c, dashboard: 'http://127.0.0.1:8265', proxies: []}");
+        assert!(!c.discover && c.proxies.is_empty());
+        // No dashboard: nothing to discover from.
+        let c = cluster("{name: c}");
+        assert!(!c.discover && c.proxies.is_empty());
+        // The documented example lists its proxies.
+        let model = parse(Path::new("services.yaml"), EXAMPLE).unwrap();
+        assert!(!model.discovers());
     }
 
     #[test]

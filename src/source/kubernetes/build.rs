@@ -196,6 +196,8 @@ fn cluster(
         name: name.to_string(),
         dashboard,
         proxies,
+        // The pods are the proxies: Kubernetes knows them before Ray does.
+        discover: false,
     }
 }
 

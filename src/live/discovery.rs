@@ -1,0 +1,197 @@
+//! Discovery: the proxies of a cluster given by its dashboard alone.
+//!
+//! [`discover`] is pure: it takes the source's model and what every dashboard last said,
+//! and gives the *effective* model, in which each cluster that discovers its proxies
+//! ([`RayCluster::discover`](crate::model::RayCluster::discover)) has the HTTP proxies of
+//! its dashboard's last answer
+//! ([`ServeStatus::http_proxies`](super::dashboard::ServeStatus::http_proxies): targets
+//! and listed proxies, head or worker by the controller's node). Clusters whose source
+//! lists their proxies are left as they are. The runtime runs it in one task, the single
+//! writer of the effective model.
+//!
+//! Invariants:
+//!
+//! - A dashboard whose last poll failed (stale) keeps its last answer, so its proxies
+//!   stay: a failed poll never withdraws proxies. Only an answer that no longer lists a
+//!   proxy removes it, as Ray does.
+//! - A dashboard that has never answered (or answered for another URL than the one the
+//!   cluster now names) gives no proxies.
+//! - Discovered proxies are never marked `draining` here: a DRAINING proxy stays in the
+//!   model and `live::health` drains it from the same dashboard answer.
+//! - The result is a valid [`Model`] (proxies sorted, each address once per cluster).
+
+use super::dashboards::DashboardStates;
+use crate::model::{Model, Proxy};
+
+/// The effective model: `model` with every discovering cluster's proxies taken from its
+/// dashboard's last known answer in `dashboards`.
+pub fn discover(model: &Model, dashboards: &DashboardStates) -> Model {
+    model.with_discovered_proxies(|envoy_cluster, cluster| {
+        let answer = dashboards
+            .clusters
+            .get(envoy_cluster)
+            .filter(|d| cluster.dashboard.as_deref() == Some(d.url.as_str()))
+            .and_then(|d| d.status.as_ref());
+        answer
+            .map(|status| {
+                status
+                    .http_proxies
+                    .iter()
+                    .map(|p| Proxy {
+                        address: p.address,
+                        node_type: p.node_type,
+                        draining: false,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::live::dashboard::{parse, HttpProxy, ProxyStatus, ServeStatus};
+    use crate::live::dashboards::ClusterDashboard;
+    use crate::model::test_support::service;
+    use crate::model::NodeType;
+    use pretty_assertions::assert_eq;
+    use std::net::SocketAddr;
+
+    const URL: &str = "http://192.0.2.2:8265";
+    const CLUSTER: &str = "default/a/a1";
+
+    /// Service `a`: cluster `a1` discovers from URL; service `b` lists one proxy.
+    fn model() -> Model {
+        let mut a = service("a", "a1", &[]);
+        a.clusters[0].discover = true;
+        a.clusters[0].dashboard = Some(URL.into());
+        let mut b = service("b", "b1", &[9000]);
+        b.clusters[0].dashboard = Some("http://192.0.2.50:8265".into());
+        Model::new(vec![a, b]).unwrap()
+    }
+
+    fn proxy(address: &str, node_type: NodeType, status: &str) -> HttpProxy {
+        HttpProxy {
+            address: address.parse().unwrap(),
+            node_id: format!("node-{address}"),
+            node_type,
+            status: Some(ProxyStatus::from_ray(status)),
+        }
+    }
+
+    fn answered(proxies: Vec<HttpProxy>) -> ClusterDashboard {
+        let mut d = ClusterDashboard::new(URL.into());
+        d.status = Some(ServeStatus {
+            http_proxies: proxies,
+            ..Default::default()
+        });
+        d
+    }
+
+    fn states(entries: Vec<(&str, ClusterDashboard)>) -> DashboardStates {
+        DashboardStates {
+            clusters: entries
+                .into_iter()
+                .map(|(c, d)| (c.to_string(), d))
+                .collect(),
+        }
+    }
+
+    fn discovered(m: &Model) -> Vec<(SocketAddr, NodeType, bool)> {
+        m.services()[0].clusters[0]
+            .proxies
+            .iter()
+            .map(|p| (p.address, p.node_type, p.draining))
+            .collect()
+    }
+
+    #[test]
+    fn fills_a_discovering_cluster_from_its_dashboard() {
+        let d = states(vec![(
+            CLUSTER,
+            answered(vec![
+                proxy("192.0.2.2:8000", NodeType::Head, "HEALTHY"),
+                proxy("192.0.2.3:8000", NodeType::Worker, "STARTING"),
+                proxy("192.0.2.4:8000", NodeType::Worker, "DRAINING"),
+            ]),
+        )]);
+        let m = discover(&model(), &d);
+        assert_eq!(
+            discovered(&m),
+            [
+                ("192.0.2.2:8000".parse().unwrap(), NodeType::Head, false),
+                ("192.0.2.3:8000".parse().unwrap(), NodeType::Worker, false),
+                ("192.0.2.4:8000".parse().unwrap(), NodeType::Worker, false),
+            ]
+        );
+        // The listed service is untouched.
+        assert_eq!(m.services()[1], model().services()[1]);
+        assert!(m.services()[0].clusters[0].discover);
+    }
+
+    #[test]
+    fn a_dashboard_that_never_answered_gives_no_proxies() {
+        let m = discover(&model(), &DashboardStates::default());
+        assert_eq!(m, model());
+        // Polled but failing from the start: still nothing.
+        let mut d = ClusterDashboard::new(URL.into());
+        d.stale = true;
+        d.last_error = Some("dashboard unreachable".into());
+        let m = discover(&model(), &states(vec![(CLUSTER, d)]));
+        assert!(discovered(&m).is_empty());
+    }
+
+    #[test]
+    fn a_stale_dashboard_keeps_its_last_proxies() {
+        let mut d = answered(vec![proxy("192.0.2.2:8000", NodeType::Head, "HEALTHY")]);
+        d.stale = true;
+        d.last_error = Some("dashboard answered HTTP 503".into());
+        let m = discover(&model(), &states(vec![(CLUSTER, d)]));
+        assert_eq!(discovered(&m).len(), 1);
+    }
+
+    #[test]
+    fn proxies_come_and_go_with_the_answer() {
+        let two = answered(vec![
+            proxy("192.0.2.2:8000", NodeType::Head, "HEALTHY"),
+            proxy("192.0.2.3:8000", NodeType::Worker, "HEALTHY"),
+        ]);
+        let one = answered(vec![proxy("192.0.2.2:8000", NodeType::Head, "HEALTHY")]);
+        assert_eq!(
+            discovered(&discover(&model(), &states(vec![(CLUSTER, two)]))).len(),
+            2
+        );
+        assert_eq!(
+            discovered(&discover(&model(), &states(vec![(CLUSTER, one)]))).len(),
+            1
+        );
+        // Serve not running any more: no proxies.
+        let none = answered(vec![]);
+        assert!(discovered(&discover(&model(), &states(vec![(CLUSTER, none)]))).is_empty());
+    }
+
+    #[test]
+    fn an_answer_for_another_url_does_not_count() {
+        let mut d = answered(vec![proxy("192.0.2.2:8000", NodeType::Head, "HEALTHY")]);
+        d.url = "http://192.0.2.99:8265".into();
+        let m = discover(&model(), &states(vec![(CLUSTER, d)]));
+        assert!(discovered(&m).is_empty());
+    }
+
+    #[test]
+    fn from_the_running_capture() {
+        let body = std::fs::read(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/ray-serve-2.60/02-running.json"
+        ))
+        .unwrap();
+        let mut d = ClusterDashboard::new(URL.into());
+        d.status = Some(parse(&body).unwrap());
+        let m = discover(&model(), &states(vec![(CLUSTER, d)]));
+        assert_eq!(
+            discovered(&m),
+            [("192.0.2.2:8000".parse().unwrap(), NodeType::Head, false)]
+        );
+    }
+}

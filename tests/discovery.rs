@@ -1,0 +1,314 @@
+//! Discovery from the dashboard, end to end: a cluster that `services.yaml` gives by its
+//! dashboard alone gets the proxies that (simulated) dashboard lists, in a real Envoy;
+//! proxies added to the list appear, removed ones disappear, a DRAINING one drains, and
+//! a dashboard that stops answering keeps its endpoints. Also: `ray-serve-sim` lists the
+//! proxies it runs so that ray-xds can discover them.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use ray_xds::live::dashboard::DashboardClient;
+use ray_xds::model::NodeType;
+use ray_xds::sim::dashboard::{DashboardMode, SimDashboard};
+use ray_xds::sim::{serve_proxy, ProxyConfig};
+use support::*;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+const DEADLINE: Duration = Duration::from_secs(30);
+const CLUSTER: &str = "default/demo/demo-a";
+
+/// Listeners on `127.0.0.<2..>`, all on one port, as Ray's proxies (one per node, each
+/// on `http_options.port`).
+async fn same_port_listeners(n: u8) -> (u16, Vec<TcpListener>) {
+    for _ in 0..50 {
+        let first = TcpListener::bind("127.0.0.2:0").await.unwrap();
+        let port = first.local_addr().unwrap().port();
+        let mut listeners = vec![first];
+        for i in 1..n {
+            match TcpListener::bind(SocketAddr::from(([127, 0, 0, 2 + i], port))).await {
+                Ok(l) => listeners.push(l),
+                Err(_) => break,
+            }
+        }
+        if listeners.len() == n as usize {
+            return (port, listeners);
+        }
+    }
+    panic!("no port free on every loopback address");
+}
+
+/// A simulated RayCluster of three nodes, `127.0.0.2` (head), `.3` and `.4` (workers),
+/// every proxy serving; its dashboard lists the head and `.3` only.
+struct Cluster {
+    port: u16,
+    dashboard: SimDashboard,
+    dashboard_url: String,
+    shutdown: CancellationToken,
+}
+
+impl Cluster {
+    async fn start() -> Cluster {
+        let shutdown = CancellationToken::new();
+        let (port, listeners) = same_port_listeners(3).await;
+        for (i, listener) in listeners.into_iter().enumerate() {
+            let config = ProxyConfig {
+                cluster: "demo-a".into(),
+                node_type: if i == 0 {
+                    NodeType::Head
+                } else {
+                    NodeType::Worker
+                },
+                routes: BTreeMap::from([("/".to_string(), "hello".to_string())]),
+            };
+            tokio::spawn(serve_proxy(listener, config, shutdown.clone()));
+        }
+        let dashboard = SimDashboard::new();
+        dashboard.set_app("hello", "/", "RUNNING");
+        dashboard.set_http_port(port);
+        let node = |host: u8| SocketAddr::from(([127, 0, 0, host], port));
+        dashboard.add_proxy(node(2), NodeType::Head, "HEALTHY");
+        dashboard.add_proxy(node(3), NodeType::Worker, "HEALTHY");
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dashboard_url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(dashboard.clone().serve(listener, shutdown.clone()));
+        Cluster {
+            port,
+            dashboard,
+            dashboard_url,
+            shutdown,
+        }
+    }
+
+    /// The proxy of node `127.0.0.<host>`.
+    fn node(&self, host: u8) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, host], self.port))
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Envoy's hosts of the cluster and their health flags, from its admin `/clusters`.
+async fn envoy_hosts(envoy: &Envoy) -> BTreeMap<String, String> {
+    let text = envoy.admin("/clusters").await;
+    let prefix = format!("{CLUSTER}::");
+    text.lines()
+        .filter_map(|l| l.strip_prefix(&prefix))
+        .filter_map(|l| l.split_once("::health_flags::"))
+        .map(|(host, flags)| (host.to_string(), flags.to_string()))
+        .collect()
+}
+
+/// Waits until Envoy's hosts satisfy `check`.
+async fn wait_hosts(
+    envoy: &Envoy,
+    what: &str,
+    check: impl Fn(&BTreeMap<String, String>) -> bool,
+) -> BTreeMap<String, String> {
+    eventually(what, DEADLINE, || async {
+        Some(envoy_hosts(envoy).await).filter(|h| check(h))
+    })
+    .await
+}
+
+/// Which proxies served `n` requests through Envoy (`FAILED` for failures).
+async fn served_by(gateway_port: u16, n: usize) -> BTreeMap<String, usize> {
+    let mut by = BTreeMap::new();
+    for _ in 0..n {
+        let who = through_envoy(gateway_port)
+            .await
+            .map_or("FAILED".to_string(), |s| s.proxy);
+        *by.entry(who).or_default() += 1;
+    }
+    by
+}
+
+async fn debug_cluster(admin: SocketAddr) -> serde_json::Value {
+    let state: serde_json::Value =
+        serde_json::from_str(&admin_get(admin, "/debug/state").await).unwrap_or_default();
+    state["rayservices"][0]["clusters"][0].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_given_by_its_dashboard_alone() {
+    let cluster = Cluster::start().await;
+    let (head, w3, w4) = (cluster.node(2), cluster.node(3), cluster.node(4));
+    let dir = tempfile::tempdir().unwrap();
+    let services = dir.path().join("services.yaml");
+    std::fs::write(
+        &services,
+        format!(
+            "rayservices:\n  - name: demo\n    hosts: [\"*\"]\n    active_cluster: demo-a\n    clusters:\n      - name: demo-a\n        dashboard: {}\n",
+            cluster.dashboard_url
+        ),
+    )
+    .unwrap();
+    let mut config = test_config(&services, 0);
+    config.dashboard.poll_interval = Duration::from_millis(200);
+    // Generous timeouts, so that the start-up waits (for the dashboard's first answer,
+    // then for the first probes) cannot run out on a busy machine.
+    config.dashboard.timeout = Duration::from_secs(10);
+    config.prober.defaults.timeout = Duration::from_secs(2);
+    let xds = ray_xds::runtime::start(config, Default::default())
+        .await
+        .unwrap();
+    let admin = xds.admin_addr;
+
+    // The first snapshot already has the dashboard's proxies.
+    eventually("ray-xds is ready", DEADLINE, || async {
+        let (status, _) = http_get(&format!("http://{admin}/readyz")).await.ok()?;
+        (status == 200).then_some(())
+    })
+    .await;
+    let snapshot = admin_get(admin, "/debug/snapshot").await;
+    for proxy in [head, w3] {
+        assert!(
+            snapshot.contains(&proxy.to_string()),
+            "{proxy} in the first snapshot: {snapshot}"
+        );
+    }
+    let state = debug_cluster(admin).await;
+    assert_eq!(state["proxies_from"], "dashboard", "{state}");
+    let types: BTreeMap<String, String> = state["proxies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["address"].as_str().unwrap().to_string(),
+                p["node_type"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        types,
+        BTreeMap::from([
+            (head.to_string(), "head".to_string()),
+            (w3.to_string(), "worker".to_string())
+        ])
+    );
+
+    let envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
+    let gateway = envoy.gateway_port().await;
+
+    // Traffic flows, to the worker: the controller's node is the head, and head_proxy's
+    // default (fallback) keeps it for when no worker is healthy.
+    wait_hosts(&envoy, "Envoy has both proxies, the head drained", |h| {
+        h.len() == 2
+            && h.get(&head.to_string())
+                .is_some_and(|f| f.contains("draining"))
+            && h.get(&w3.to_string()).is_some_and(|f| f == "healthy")
+    })
+    .await;
+    let by = served_by(gateway, 20).await;
+    assert_eq!(by, BTreeMap::from([(w3.to_string(), 20)]));
+
+    // A proxy Ray starts (STARTING: not a target yet) appears, then serves once HEALTHY.
+    cluster
+        .dashboard
+        .add_proxy(w4, NodeType::Worker, "STARTING");
+    wait_hosts(&envoy, "the new proxy appears in Envoy", |h| {
+        h.contains_key(&w4.to_string())
+    })
+    .await;
+    cluster.dashboard.set_proxy_status(w4, "HEALTHY");
+    eventually("the new proxy serves", DEADLINE, || async {
+        through_envoy(gateway)
+            .await
+            .filter(|s| s.proxy == w4.to_string())
+    })
+    .await;
+
+    // A proxy Ray removes disappears.
+    cluster.dashboard.remove_proxy_at(w3);
+    wait_hosts(&envoy, "the removed proxy leaves Envoy", |h| {
+        !h.contains_key(&w3.to_string()) && h.len() == 2
+    })
+    .await;
+    let by = served_by(gateway, 20).await;
+    assert_eq!(by, BTreeMap::from([(w4.to_string(), 20)]));
+
+    // A dashboard that stops answering keeps its endpoints: several polls fail, nothing
+    // is withdrawn.
+    cluster.dashboard.set_mode(DashboardMode::Unavailable);
+    let failures = |m: &str| metric(m, "ray_xds_dashboard_poll_errors_total{reason=\"status\"}");
+    eventually("several dashboard polls fail", DEADLINE, || async {
+        let m = admin_get(admin, "/metrics").await;
+        (failures(&m) >= 5.0).then_some(())
+    })
+    .await;
+    let state = debug_cluster(admin).await;
+    assert_eq!(state["dashboard"]["stale"], true, "{state}");
+    assert_eq!(state["proxies"].as_array().unwrap().len(), 2, "{state}");
+    let hosts = envoy_hosts(&envoy).await;
+    assert_eq!(
+        hosts.keys().cloned().collect::<BTreeSet<_>>(),
+        BTreeSet::from([head.to_string(), w4.to_string()]),
+        "{hosts:?}"
+    );
+    let by = served_by(gateway, 20).await;
+    assert_eq!(by, BTreeMap::from([(w4.to_string(), 20)]));
+
+    // A DRAINING proxy leaves Ray's targets but stays listed: it drains instead of
+    // vanishing, and the head takes over (the only proxy not draining).
+    cluster.dashboard.set_mode(DashboardMode::Normal);
+    cluster.dashboard.set_proxy_status(w4, "DRAINING");
+    wait_hosts(&envoy, "the draining proxy drains in Envoy", |h| {
+        h.get(&w4.to_string())
+            .is_some_and(|f| f.contains("draining"))
+            && h.get(&head.to_string()).is_some_and(|f| f == "healthy")
+    })
+    .await;
+    let by = served_by(gateway, 20).await;
+    assert_eq!(by, BTreeMap::from([(head.to_string(), 20)]));
+
+    drop(envoy);
+    xds.stop().await.unwrap();
+}
+
+/// `ray-serve-sim` lists the proxies it runs, as Ray does, with the head on the
+/// controller's node.
+#[tokio::test]
+async fn the_simulator_binary_lists_its_proxies() {
+    let (p1, p2, dash) = (free_port(), free_port(), free_port());
+    let _sim = spawn(
+        "ray-serve-sim",
+        Command::new(env!("CARGO_BIN_EXE_ray-serve-sim"))
+            .args(["--cluster", "c1", "--app", "/hello=hello"])
+            .args([
+                "--proxy",
+                &format!("127.0.0.1:{p2}=worker"),
+                "--proxy",
+                &format!("127.0.0.1:{p1}=head"),
+            ])
+            .args(["--dashboard", &format!("127.0.0.1:{dash}")])
+            .stdout(Stdio::null()),
+    );
+    let client = DashboardClient::new(Duration::from_secs(5));
+    let url = format!("http://127.0.0.1:{dash}");
+    let status = eventually("the dashboard lists both proxies", DEADLINE, || async {
+        client
+            .fetch(&url)
+            .await
+            .ok()
+            .filter(|s| s.http_proxies.len() == 2)
+    })
+    .await;
+    let listed: BTreeMap<u16, NodeType> = status
+        .http_proxies
+        .iter()
+        .map(|p| (p.address.port(), p.node_type))
+        .collect();
+    assert_eq!(
+        listed,
+        BTreeMap::from([(p1, NodeType::Head), (p2, NodeType::Worker)])
+    );
+}
