@@ -182,6 +182,7 @@ async fn live_state(State(state): State<AdminState>) -> Response {
             "watches": watches,
             "unrouted": source.unrouted,
             "problems": source.problems,
+            "kuberay_application_statuses": source.kuberay_application_statuses,
         },
         "rayservices": services,
         "probes_complete": probes.complete,

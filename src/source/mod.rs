@@ -24,6 +24,10 @@ pub struct SourceStatus {
     pub unrouted: Vec<String>,
     /// What the source currently ignores, and why.
     pub problems: Vec<String>,
+    /// Kubernetes: what KubeRay's status says of each cluster's applications (RayService →
+    /// cluster → application → status). A hint only: KubeRay blanks it during upgrades and
+    /// head loss; each cluster's own dashboard decides.
+    pub kuberay_application_statuses: kubernetes::build::Hints,
 }
 
 /// One Kubernetes watch.

@@ -39,7 +39,12 @@ pub struct Built {
     pub problems: Vec<Problem>,
     /// RayServices whose status names no RayCluster yet.
     pub unrouted: Vec<String>,
+    /// What KubeRay's status says of each cluster's applications (RayService → cluster →
+    /// application → status), shown in `/debug/state` as a hint; never used for routing.
+    pub hints: Hints,
 }
+
+pub type Hints = BTreeMap<String, BTreeMap<String, BTreeMap<String, String>>>;
 
 pub fn build<'a>(
     rayservices: impl IntoIterator<Item = &'a RayServiceObject>,
@@ -73,6 +78,22 @@ pub fn build<'a>(
                 continue;
             }
         };
+        for status in r.active.iter().chain(&r.pending) {
+            if let (Some(cluster), Some(apps)) =
+                (&status.ray_cluster_name, &status.application_statuses)
+            {
+                built
+                    .hints
+                    .entry(format!("{}/{}", r.namespace, r.name))
+                    .or_default()
+                    .insert(
+                        cluster.clone(),
+                        apps.iter()
+                            .map(|(app, s)| (app.clone(), s.status.clone().unwrap_or_default()))
+                            .collect(),
+                    );
+            }
+        }
         let annotated = annotations::read(&r.annotations);
         for (key, message) in annotated.problems {
             built.problems.push(Problem {
@@ -277,6 +298,26 @@ mod tests {
             "the not-Running pod has no endpoint; the terminating one drains"
         );
         assert_eq!(s.cluster("llm-b").unwrap().proxies.len(), 1);
+    }
+
+    #[test]
+    fn kuberay_application_statuses_are_kept_as_hints_only() {
+        let mut r = rs("llm", Some("llm-a"), Some("llm-b"));
+        r.active.as_mut().unwrap().application_statuses = Some(
+            [(
+                "app".to_string(),
+                super::super::objects::AppStatusHint {
+                    status: Some("RUNNING".into()),
+                },
+            )]
+            .into(),
+        );
+        let built = build(&[r], &[]);
+        assert_eq!(built.hints["ml/llm"]["llm-a"]["app"], "RUNNING");
+        assert!(
+            !built.hints["ml/llm"].contains_key("llm-b"),
+            "absent is unknown, not an empty list"
+        );
     }
 
     #[test]

@@ -83,8 +83,9 @@ impl Resource {
 
 type Key = (String, String);
 
-/// What a rebuild found: problems (message, metric reason) and unrouted RayServices.
-type Found = (Vec<(String, &'static str)>, Vec<String>);
+/// What a rebuild found: problems (message, metric reason), unrouted RayServices and
+/// KubeRay's application statuses.
+type Found = (Vec<(String, &'static str)>, Vec<String>, build::Hints);
 
 /// One watch's objects and progress.
 struct Watch {
@@ -332,15 +333,15 @@ impl State {
             models.send_replace(model.clone());
             self.last_model = Some(model);
         }
-        self.publish_status(status, Some((problems, built.unrouted)));
+        self.publish_status(status, Some((problems, built.unrouted, built.hints)));
     }
 
     /// Publishes the status; `found` is what the last rebuild found (`None` keeps the
     /// previous problems). Each problem is logged and counted once, when it first appears.
     fn publish_status(&mut self, status: &watch::Sender<Arc<SourceStatus>>, found: Option<Found>) {
         let previous = status.borrow().clone();
-        let (problems, unrouted) = match found {
-            Some((problems, unrouted)) => {
+        let (problems, unrouted, hints) = match found {
+            Some((problems, unrouted, hints)) => {
                 for (problem, reason) in &problems {
                     if !self.reported.contains(problem) {
                         tracing::warn!(reason, "Kubernetes source: {problem}");
@@ -354,9 +355,13 @@ impl State {
                     }
                 }
                 self.reported = problems.into_iter().map(|(p, _)| p).collect();
-                (self.reported.iter().cloned().collect(), unrouted)
+                (self.reported.iter().cloned().collect(), unrouted, hints)
             }
-            None => (previous.problems.clone(), previous.unrouted.clone()),
+            None => (
+                previous.problems.clone(),
+                previous.unrouted.clone(),
+                previous.kuberay_application_statuses.clone(),
+            ),
         };
         let synced = self.synced();
         self.metrics.source_synced.set(synced as i64);
@@ -366,6 +371,7 @@ impl State {
             watches: self.watches.iter().map(|w| w.status.clone()).collect(),
             unrouted,
             problems,
+            kuberay_application_statuses: hints,
         }));
     }
 }
