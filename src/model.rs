@@ -275,6 +275,14 @@ impl Model {
         m
     }
 
+    /// Every proxy of every cluster.
+    pub fn proxies(&self) -> impl Iterator<Item = &Proxy> {
+        self.services
+            .iter()
+            .flat_map(|s| &s.clusters)
+            .flat_map(|c| &c.proxies)
+    }
+
     /// This model without the proxies at `addresses` (still valid: removing proxies
     /// breaks no invariant).
     pub fn without_proxies(&self, addresses: &BTreeSet<SocketAddr>) -> Model {

@@ -224,19 +224,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             first_discovery(&source_models, &inputs, first_answer).await;
             // Then wait (briefly) for every proxy's first probe, so that a restarted
             // ray-xds publishes the health Envoy already has, not "unknown" for everyone.
-            let model = inputs.models.borrow().clone();
-            let wanted: BTreeSet<std::net::SocketAddr> = model
-                .services()
-                .iter()
-                .flat_map(|s| &s.clusters)
-                .flat_map(|c| &c.proxies)
-                .map(|p| p.address)
-                .collect();
-            let mut probes = inputs.probes.clone();
-            let probed = probes.wait_for(|p| {
-                p.complete && wanted.iter().all(|a| p.proxies.contains_key(a))
-            });
-            let _ = tokio::time::timeout(first_round, probed).await;
+            let wanted: Vec<SocketAddr> =
+                inputs.models.borrow().proxies().map(|p| p.address).collect();
+            first_probes(&mut inputs.probes.clone(), &wanted, first_round).await;
             let first = pipeline.build(&inputs, None);
             pipeline.published(&first);
             snapshots_tx.send_replace(first.clone());
@@ -347,6 +337,25 @@ async fn effective_models(
     }
 }
 
+/// Waits, at most `bound`, until each of `addresses` has had its first probe.
+async fn first_probes(
+    probes: &mut watch::Receiver<Arc<ProbeStates>>,
+    addresses: &[SocketAddr],
+    bound: Duration,
+) {
+    if addresses.is_empty() {
+        return;
+    }
+    let probed = probes.wait_for(|p| {
+        addresses.iter().all(|a| {
+            p.proxies
+                .get(a)
+                .is_some_and(|s| s.state != ProbeState::Unknown)
+        })
+    });
+    let _ = tokio::time::timeout(bound, probed).await;
+}
+
 /// Waits, at most `bound`, until the dashboard of every cluster that discovers its
 /// proxies has answered (or failed) once and the effective model holds what it said.
 async fn first_discovery(source: &watch::Receiver<Arc<Model>>, inputs: &Inputs, bound: Duration) {
@@ -443,12 +452,7 @@ impl Pipeline {
         // requests before anyone knows, and its health would follow in a second push.
         let mut held = BTreeSet::new();
         self.held_until = None;
-        for proxy in model
-            .services()
-            .iter()
-            .flat_map(|s| &s.clusters)
-            .flat_map(|c| &c.proxies)
-        {
+        for proxy in model.proxies() {
             if self.published_proxies.contains(&proxy.address) {
                 continue;
             }
@@ -467,13 +471,7 @@ impl Pipeline {
         } else {
             model.without_proxies(&held)
         };
-        self.published_proxies = model
-            .services()
-            .iter()
-            .flat_map(|s| &s.clusters)
-            .flat_map(|c| &c.proxies)
-            .map(|p| p.address)
-            .collect();
+        self.published_proxies = model.proxies().map(|p| p.address).collect();
         let mut health = assess(&model, &probes, &dashboards);
         let departed = self.departed.envoy_cluster_names();
         if !departed.is_empty() {
@@ -569,21 +567,14 @@ impl Pipeline {
                     if changed.is_err() { return }
                     // New proxies are held back until their first probe: wait for it
                     // (briefly) so that the change is built and pushed once, with health.
-                    let model = inputs.models.borrow().clone();
-                    let new: Vec<SocketAddr> = model
-                        .services()
-                        .iter()
-                        .flat_map(|s| &s.clusters)
-                        .flat_map(|c| &c.proxies)
+                    let new: Vec<SocketAddr> = inputs
+                        .models
+                        .borrow()
+                        .proxies()
                         .map(|p| p.address)
                         .filter(|a| !self.published_proxies.contains(a))
                         .collect();
-                    if !new.is_empty() {
-                        let probed = inputs.probes.wait_for(|p| {
-                            new.iter().all(|a| p.proxies.get(a).is_some_and(|s| s.state != ProbeState::Unknown))
-                        });
-                        let _ = tokio::time::timeout(self.first_probe_wait, probed).await;
-                    }
+                    first_probes(&mut inputs.probes, &new, self.first_probe_wait).await;
                 }
                 changed = inputs.probes.changed() => if changed.is_err() { return },
                 changed = inputs.dashboards.changed() => if changed.is_err() { return },

@@ -33,12 +33,7 @@ async fn start(traffic: &str) -> Stack {
     let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
         .await
         .unwrap();
-    let envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
-    let port = envoy.gateway_port().await;
-    eventually("traffic flows", DEADLINE, || async {
-        through_envoy(port).await
-    })
-    .await;
+    let (envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Sotw).await;
     Stack {
         _dir: dir,
         port,

@@ -81,12 +81,7 @@ async fn an_upgrade_moves_only_once_the_new_cluster_runs() {
     let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
         .await
         .unwrap();
-    let _envoy = Envoy::start(Bootstrap::Delta, xds.xds_addr.port());
-    let port = _envoy.gateway_port().await;
-    eventually("traffic flows", DEADLINE, || async {
-        through_envoy(port).await
-    })
-    .await;
+    let (_envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Delta).await;
     for _ in 0..30 {
         assert_eq!(
             through_envoy(port).await.map(|s| s.cluster).as_deref(),
@@ -162,12 +157,7 @@ async fn an_early_flip_keeps_serving_from_the_ready_cluster() {
     let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
         .await
         .unwrap();
-    let _envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
-    let port = _envoy.gateway_port().await;
-    eventually("traffic flows", DEADLINE, || async {
-        through_envoy(port).await
-    })
-    .await;
+    let (_envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Sotw).await;
     // The source names b active while its applications still deploy.
     write_atomic(
         &services,
@@ -333,12 +323,7 @@ async fn a_switch_waits_until_every_connected_envoy_warmed_the_new_cluster() {
     let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
         .await
         .unwrap();
-    let envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
-    let port = envoy.gateway_port().await;
-    eventually("traffic flows", DEADLINE, || async {
-        through_envoy(port).await
-    })
-    .await;
+    let (_envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Sotw).await;
     // A second Envoy takes the clusters and has not ACKed them yet.
     let mut laggard = RawEnvoy::connect(xds.xds_addr, "laggard").await;
     let clusters = laggard.next().await;

@@ -231,12 +231,7 @@ async fn pods_come_drain_and_go_and_traffic_follows() {
     let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
         .await
         .unwrap();
-    let envoy = Envoy::start(Bootstrap::Delta, xds.xds_addr.port());
-    let port = envoy.gateway_port().await;
-    eventually("traffic flows from the initial list", DEADLINE, || async {
-        through_envoy(port).await
-    })
-    .await;
+    let (envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Delta).await;
     let ready = admin_get(xds.admin_addr, "/readyz").await;
     assert!(ready.starts_with("ready"), "{ready}");
 
@@ -314,12 +309,7 @@ async fn an_upgrade_through_kuberay_status_loses_no_request() {
     let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
         .await
         .unwrap();
-    let envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
-    let port = envoy.gateway_port().await;
-    eventually("traffic flows", DEADLINE, || async {
-        through_envoy(port).await
-    })
-    .await;
+    let (_envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Sotw).await;
     let load = Load::start(port);
 
     // KubeRay brings up the pending cluster; its application is still deploying.
@@ -388,12 +378,7 @@ async fn bad_objects_dropped_watches_410_and_an_absent_api_server_keep_the_serve
     let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
         .await
         .unwrap();
-    let envoy = Envoy::start(Bootstrap::Delta, xds.xds_addr.port());
-    let port = envoy.gateway_port().await;
-    eventually("traffic flows", DEADLINE, || async {
-        through_envoy(port).await
-    })
-    .await;
+    let (_envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Delta).await;
     let state = debug_state(xds.admin_addr).await;
     let problems = state["source"]["problems"].to_string();
     assert!(
@@ -514,12 +499,7 @@ async fn not_ready_and_nothing_served_until_every_watch_has_listed() {
         (code == 200).then_some(())
     })
     .await;
-    let envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
-    let port = envoy.gateway_port().await;
-    eventually("traffic flows", DEADLINE, || async {
-        through_envoy(port).await
-    })
-    .await;
+    let (_envoy, _port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Sotw).await;
     shutdown.cancel();
 }
 

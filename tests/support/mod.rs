@@ -387,6 +387,20 @@ pub async fn through_envoy(gateway_port: u16) -> Option<Served> {
     }
 }
 
+/// Starts Envoy against ray-xds's xDS port and waits until a request through it reaches
+/// a proxy; returns Envoy and its listener port.
+pub async fn envoy_carrying_traffic(xds_port: u16, bootstrap: Bootstrap) -> (Envoy, u16) {
+    let envoy = Envoy::start(bootstrap, xds_port);
+    let port = envoy.gateway_port().await;
+    eventually(
+        "traffic flows through Envoy",
+        Duration::from_secs(30),
+        || async { through_envoy(port).await },
+    )
+    .await;
+    (envoy, port)
+}
+
 /// Polls `check` until it returns `Some`, or panics with `what` after `deadline`.
 pub async fn eventually<T, F, Fut>(what: &str, deadline: Duration, mut check: F) -> T
 where
