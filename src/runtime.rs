@@ -432,6 +432,14 @@ struct Pipeline {
 }
 
 impl Pipeline {
+    /// The addresses of `model`'s proxies that the last snapshot did not have.
+    fn unpublished<'a>(&'a self, model: &'a Model) -> impl Iterator<Item = SocketAddr> + 'a {
+        model
+            .proxies()
+            .map(|p| p.address)
+            .filter(|a| !self.published_proxies.contains(a))
+    }
+
     fn build(&mut self, inputs: &Inputs, previous: Option<&Snapshot>) -> Arc<Snapshot> {
         let source_model = inputs.models.borrow().clone();
         let probes = inputs.probes.borrow().clone();
@@ -451,21 +459,19 @@ impl Pipeline {
         // first probe: published as "unknown", Envoy would count it healthy and send it
         // requests before anyone knows, and its health would follow in a second push.
         let mut held = BTreeSet::new();
-        self.held_until = None;
-        for proxy in model.proxies() {
-            if self.published_proxies.contains(&proxy.address) {
-                continue;
-            }
-            let until = match probes.proxies.get(&proxy.address) {
+        let mut held_until: Option<SystemTime> = None;
+        for address in self.unpublished(&model) {
+            let until = match probes.proxies.get(&address) {
                 Some(p) if p.state != ProbeState::Unknown => continue,
                 Some(p) => p.since + self.first_probe_wait,
                 None => now + self.first_probe_wait,
             };
             if until > now {
-                held.insert(proxy.address);
-                self.held_until = Some(self.held_until.map_or(until, |u| u.min(until)));
+                held.insert(address);
+                held_until = Some(held_until.map_or(until, |u| u.min(until)));
             }
         }
+        self.held_until = held_until;
         let model = if held.is_empty() {
             model
         } else {
@@ -567,13 +573,7 @@ impl Pipeline {
                     if changed.is_err() { return }
                     // New proxies are held back until their first probe: wait for it
                     // (briefly) so that the change is built and pushed once, with health.
-                    let new: Vec<SocketAddr> = inputs
-                        .models
-                        .borrow()
-                        .proxies()
-                        .map(|p| p.address)
-                        .filter(|a| !self.published_proxies.contains(a))
-                        .collect();
+                    let new: Vec<SocketAddr> = self.unpublished(&inputs.models.borrow()).collect();
                     first_probes(&mut inputs.probes, &new, self.first_probe_wait).await;
                 }
                 changed = inputs.probes.changed() => if changed.is_err() { return },

@@ -87,14 +87,20 @@ type Key = (String, String);
 /// KubeRay's application statuses.
 type Found = (Vec<(String, &'static str)>, Vec<String>, build::Hints);
 
+/// A decoded object of either kind (each watch holds one kind).
+#[derive(Clone, Debug)]
+enum Object {
+    RayService(RayServiceObject),
+    Pod(PodObject),
+}
+
 /// One watch's objects and progress.
 struct Watch {
     resource: Resource,
     status: WatchStatus,
-    rayservices: BTreeMap<Key, RayServiceObject>,
-    pods: BTreeMap<Key, PodObject>,
+    objects: BTreeMap<Key, Object>,
     /// During a (re-)list: what it has delivered so far.
-    listing: Option<(BTreeMap<Key, RayServiceObject>, BTreeMap<Key, PodObject>)>,
+    listing: Option<BTreeMap<Key, Object>>,
     /// Objects that failed to decode, by key, with why.
     malformed: BTreeMap<Key, String>,
     listing_malformed: BTreeMap<Key, String>,
@@ -164,8 +170,7 @@ impl KubernetesSource {
                         errors: 0,
                         relists: 0,
                     },
-                    rayservices: BTreeMap::new(),
-                    pods: BTreeMap::new(),
+                    objects: BTreeMap::new(),
                     listing: None,
                     malformed: BTreeMap::new(),
                     listing_malformed: BTreeMap::new(),
@@ -228,6 +233,10 @@ fn now_unix() -> f64 {
 }
 
 impl State {
+    fn objects(&self) -> impl Iterator<Item = &Object> {
+        self.watches.iter().flat_map(|w| w.objects.values())
+    }
+
     fn synced(&self) -> bool {
         self.watches.iter().all(|w| w.status.synced)
     }
@@ -269,28 +278,25 @@ impl State {
                 false
             }
             watcher::Event::InitDone => {
-                let (rayservices, pods) = w.listing.take().unwrap_or_default();
-                w.rayservices = rayservices;
-                w.pods = pods;
+                w.objects = w.listing.take().unwrap_or_default();
                 w.malformed = std::mem::take(&mut w.listing_malformed);
                 w.status.synced = true;
                 w.status.state = "watching";
-                w.status.objects = w.rayservices.len() + w.pods.len();
+                w.status.objects = w.objects.len();
                 true
             }
             watcher::Event::Apply(obj) => {
                 w.status.state = "watching";
                 w.decode_applied(&obj);
-                w.status.objects = w.rayservices.len() + w.pods.len();
+                w.status.objects = w.objects.len();
                 true
             }
             watcher::Event::Delete(obj) => {
                 w.status.state = "watching";
                 let key = key_of(&obj);
-                w.rayservices.remove(&key);
-                w.pods.remove(&key);
+                w.objects.remove(&key);
                 w.malformed.remove(&key);
-                w.status.objects = w.rayservices.len() + w.pods.len();
+                w.status.objects = w.objects.len();
                 true
             }
         }
@@ -302,8 +308,14 @@ impl State {
         status: &watch::Sender<Arc<SourceStatus>>,
     ) {
         let built = build::build(
-            self.watches.iter().flat_map(|w| w.rayservices.values()),
-            self.watches.iter().flat_map(|w| w.pods.values()),
+            self.objects().filter_map(|o| match o {
+                Object::RayService(r) => Some(r),
+                Object::Pod(_) => None,
+            }),
+            self.objects().filter_map(|o| match o {
+                Object::Pod(p) => Some(p),
+                Object::RayService(_) => None,
+            }),
         );
         let mut problems: Vec<(String, &'static str)> = built
             .problems
@@ -384,43 +396,39 @@ fn key_of(obj: &DynamicObject) -> Key {
 }
 
 impl Watch {
+    /// One object decoded as this watch's kind.
+    fn decode(&self, obj: &DynamicObject) -> Result<Object, String> {
+        match self.resource {
+            Resource::RayServices => RayServiceObject::decode(obj).map(Object::RayService),
+            Resource::Pods => PodObject::decode(obj).map(Object::Pod),
+        }
+    }
+
     fn decode_into_listing(&mut self, obj: &DynamicObject) {
         let key = key_of(obj);
-        let Some((rayservices, pods)) = self.listing.as_mut() else {
+        let decoded = self.decode(obj);
+        let Some(listing) = self.listing.as_mut() else {
             return;
         };
-        let decoded = match self.resource {
-            Resource::RayServices => RayServiceObject::decode(obj).map(|r| {
-                rayservices.insert(key.clone(), r);
-            }),
-            Resource::Pods => PodObject::decode(obj).map(|p| {
-                pods.insert(key.clone(), p);
-            }),
-        };
-        if let Err(why) = decoded {
-            // Keep what we had for it: a bad write must not withdraw a good object.
-            if let Some(r) = self.rayservices.get(&key) {
-                rayservices.insert(key.clone(), r.clone());
+        match decoded {
+            Ok(object) => {
+                listing.insert(key, object);
             }
-            if let Some(p) = self.pods.get(&key) {
-                pods.insert(key.clone(), p.clone());
+            Err(why) => {
+                // Keep what we had for it: a bad write must not withdraw a good object.
+                if let Some(object) = self.objects.get(&key) {
+                    listing.insert(key.clone(), object.clone());
+                }
+                self.listing_malformed.insert(key, why);
             }
-            self.listing_malformed.insert(key, why);
         }
     }
 
     fn decode_applied(&mut self, obj: &DynamicObject) {
         let key = key_of(obj);
-        let decoded = match self.resource {
-            Resource::RayServices => RayServiceObject::decode(obj).map(|r| {
-                self.rayservices.insert(key.clone(), r);
-            }),
-            Resource::Pods => PodObject::decode(obj).map(|p| {
-                self.pods.insert(key.clone(), p);
-            }),
-        };
-        match decoded {
-            Ok(()) => {
+        match self.decode(obj) {
+            Ok(object) => {
+                self.objects.insert(key.clone(), object);
                 self.malformed.remove(&key);
             }
             Err(why) => {
