@@ -7,13 +7,12 @@ mod support;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::cluster::v3::Cluster;
-use envoy_types::pb::envoy::config::core::v3::Node;
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 use prost::Message;
 use ray_xds::model::NodeType;
 use ray_xds::sim::dashboard::SimDashboard;
 use ray_xds::xds::snapshot::{CLUSTER_TYPE_URL, ENDPOINTS_TYPE_URL};
+use support::ads;
 use support::*;
 use tokio_util::sync::CancellationToken;
 
@@ -242,59 +241,14 @@ async fn a_cluster_the_source_drops_drains_then_goes() {
     shutdown.cancel();
 }
 
-/// A bare ADS client (SotW) that takes clusters and ACKs only when told to.
-struct RawEnvoy {
-    requests: tokio::sync::mpsc::Sender<DiscoveryRequest>,
-    responses: tonic::Streaming<DiscoveryResponse>,
-}
-
-impl RawEnvoy {
-    async fn connect(xds: std::net::SocketAddr, id: &str) -> RawEnvoy {
-        let (requests, rx) = tokio::sync::mpsc::channel(16);
-        let mut client = AggregatedDiscoveryServiceClient::connect(format!("http://{xds}"))
-            .await
-            .unwrap();
-        let responses = client
-            .stream_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        let raw = RawEnvoy {
-            requests,
-            responses,
-        };
-        raw.send(DiscoveryRequest {
-            node: Some(Node {
-                id: id.into(),
-                ..Default::default()
-            }),
-            type_url: CLUSTER_TYPE_URL.into(),
-            ..Default::default()
-        })
-        .await;
-        raw
-    }
-
-    async fn send(&self, r: DiscoveryRequest) {
-        self.requests.send(r).await.unwrap();
-    }
-
-    async fn next(&mut self) -> DiscoveryResponse {
-        tokio::time::timeout(DEADLINE, self.responses.message())
-            .await
-            .expect("a response in time")
-            .unwrap()
-            .expect("stream open")
-    }
-
-    fn ack(r: &DiscoveryResponse, names: Vec<String>) -> DiscoveryRequest {
-        DiscoveryRequest {
-            version_info: r.version_info.clone(),
-            response_nonce: r.nonce.clone(),
-            type_url: r.type_url.clone(),
-            resource_names: names,
-            ..Default::default()
-        }
+/// The ACK of SotW response `r`, subscribing to `names`.
+fn ack(r: &DiscoveryResponse, names: Vec<String>) -> DiscoveryRequest {
+    DiscoveryRequest {
+        version_info: r.version_info.clone(),
+        response_nonce: r.nonce.clone(),
+        type_url: r.type_url.clone(),
+        resource_names: names,
+        ..Default::default()
     }
 }
 
@@ -325,8 +279,16 @@ async fn a_switch_waits_until_every_connected_envoy_warmed_the_new_cluster() {
         .unwrap();
     let (_envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Sotw).await;
     // A second Envoy takes the clusters and has not ACKed them yet.
-    let mut laggard = RawEnvoy::connect(xds.xds_addr, "laggard").await;
-    let clusters = laggard.next().await;
+    let (laggard, mut responses) = ads::sotw_stream(xds.xds_addr).await;
+    laggard
+        .send(DiscoveryRequest {
+            node: ads::node("laggard"),
+            type_url: CLUSTER_TYPE_URL.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let clusters = ads::next(&mut responses).await;
     let names: Vec<String> = clusters
         .resources
         .iter()
@@ -355,16 +317,17 @@ async fn a_switch_waits_until_every_connected_envoy_warmed_the_new_cluster() {
     }
 
     // The laggard ACKs the clusters, then asks for and ACKs their endpoints.
-    laggard.send(RawEnvoy::ack(&clusters, vec![])).await;
+    laggard.send(ack(&clusters, vec![])).await.unwrap();
     laggard
         .send(DiscoveryRequest {
             type_url: ENDPOINTS_TYPE_URL.into(),
             resource_names: names.clone(),
             ..Default::default()
         })
-        .await;
+        .await
+        .unwrap();
     let endpoints = loop {
-        let r = laggard.next().await;
+        let r = ads::next(&mut responses).await;
         if r.type_url == ENDPOINTS_TYPE_URL {
             break r;
         }
@@ -374,7 +337,7 @@ async fn a_switch_waits_until_every_connected_envoy_warmed_the_new_cluster() {
         "warming",
         "clusters alone are not warm"
     );
-    laggard.send(RawEnvoy::ack(&endpoints, names)).await;
+    laggard.send(ack(&endpoints, names)).await.unwrap();
     let failed = drive(port, |c| c == "b").await;
     assert_eq!(failed, 0);
     let sw = switch_state(xds.admin_addr).await.unwrap();

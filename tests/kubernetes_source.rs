@@ -505,8 +505,6 @@ async fn not_ready_and_nothing_served_until_every_watch_has_listed() {
 
 mod two_replicas {
     use super::*;
-    use envoy_types::pb::envoy::config::core::v3::Node;
-    use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
     use envoy_types::pb::envoy::service::discovery::v3::{
         DeltaDiscoveryRequest, DeltaDiscoveryResponse,
     };
@@ -520,14 +518,7 @@ mod two_replicas {
 
     impl DeltaClient {
         async fn connect(xds: SocketAddr) -> DeltaClient {
-            let (requests, rx) = tokio::sync::mpsc::channel(16);
-            let responses = AggregatedDiscoveryServiceClient::connect(format!("http://{xds}"))
-                .await
-                .unwrap()
-                .delta_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
-                .await
-                .unwrap()
-                .into_inner();
+            let (requests, responses) = support::ads::delta_stream(xds).await;
             DeltaClient {
                 requests,
                 responses,
@@ -542,10 +533,7 @@ mod two_replicas {
         ) {
             self.requests
                 .send(DeltaDiscoveryRequest {
-                    node: Some(Node {
-                        id: "moving-envoy".into(),
-                        ..Default::default()
-                    }),
+                    node: support::ads::node("moving-envoy"),
                     type_url: type_url.into(),
                     resource_names_subscribe: names,
                     initial_resource_versions: known,
@@ -556,11 +544,7 @@ mod two_replicas {
         }
 
         async fn next(&mut self) -> DeltaDiscoveryResponse {
-            tokio::time::timeout(DEADLINE, self.responses.message())
-                .await
-                .expect("a response in time")
-                .unwrap()
-                .expect("stream open")
+            support::ads::next(&mut self.responses).await
         }
 
         async fn ack(&self, r: &DeltaDiscoveryResponse) {

@@ -5,18 +5,14 @@ mod support;
 
 use std::time::Duration;
 
-use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
-use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+    DeltaDiscoveryRequest, DiscoveryRequest, DiscoveryResponse,
 };
 use ray_xds::model::NodeType;
 use ray_xds::xds::snapshot::{CLUSTER_TYPE_URL, ENDPOINTS_TYPE_URL};
+use support::ads::{delta_stream, next, node, sotw_stream};
 use support::*;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::Streaming;
 
 const DEADLINE: Duration = Duration::from_secs(20);
 
@@ -43,59 +39,10 @@ async fn server() -> Server {
     }
 }
 
-async fn client(s: &Server) -> AggregatedDiscoveryServiceClient<tonic::transport::Channel> {
-    AggregatedDiscoveryServiceClient::connect(format!("http://{}", s.running.xds_addr))
-        .await
-        .unwrap()
-}
-
-fn node(id: &str) -> Option<Node> {
-    Some(Node {
-        id: id.into(),
-        cluster: "test".into(),
-        ..Default::default()
-    })
-}
-
-async fn sotw_stream(s: &Server) -> (mpsc::Sender<DiscoveryRequest>, Streaming<DiscoveryResponse>) {
-    let (tx, rx) = mpsc::channel(16);
-    let responses = client(s)
-        .await
-        .stream_aggregated_resources(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    (tx, responses)
-}
-
-async fn delta_stream(
-    s: &Server,
-) -> (
-    mpsc::Sender<DeltaDiscoveryRequest>,
-    Streaming<DeltaDiscoveryResponse>,
-) {
-    let (tx, rx) = mpsc::channel(16);
-    let responses = client(s)
-        .await
-        .delta_aggregated_resources(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    (tx, responses)
-}
-
-async fn next<T>(responses: &mut Streaming<T>) -> T {
-    tokio::time::timeout(DEADLINE, responses.message())
-        .await
-        .expect("a response in time")
-        .unwrap()
-        .expect("stream open")
-}
-
 #[tokio::test]
 async fn sotw_client_gets_clusters_acks_and_follows_changes() {
     let s = server().await;
-    let (tx, mut rx) = sotw_stream(&s).await;
+    let (tx, mut rx) = sotw_stream(s.running.xds_addr).await;
     tx.send(DiscoveryRequest {
         node: node("sotw-1"),
         type_url: CLUSTER_TYPE_URL.into(),
@@ -180,7 +127,7 @@ async fn sotw_client_gets_clusters_acks_and_follows_changes() {
 #[tokio::test]
 async fn delta_client_gets_only_changes() {
     let s = server().await;
-    let (tx, mut rx) = delta_stream(&s).await;
+    let (tx, mut rx) = delta_stream(s.running.xds_addr).await;
     tx.send(DeltaDiscoveryRequest {
         node: node("delta-1"),
         type_url: ENDPOINTS_TYPE_URL.into(),
@@ -202,7 +149,7 @@ async fn delta_client_gets_only_changes() {
 
     // A reconnecting client that already holds the current version is sent nothing;
     // one with an outdated version gets the update.
-    let (tx2, mut rx2) = delta_stream(&s).await;
+    let (tx2, mut rx2) = delta_stream(s.running.xds_addr).await;
     let mut req = DeltaDiscoveryRequest {
         node: node("delta-2"),
         type_url: ENDPOINTS_TYPE_URL.into(),
@@ -238,7 +185,7 @@ async fn delta_client_gets_only_changes() {
 #[tokio::test]
 async fn an_unknown_type_url_ends_only_that_stream() {
     let s = server().await;
-    let (good_tx, mut good_rx) = sotw_stream(&s).await;
+    let (good_tx, mut good_rx) = sotw_stream(s.running.xds_addr).await;
     good_tx
         .send(DiscoveryRequest {
             node: node("good"),
@@ -249,7 +196,7 @@ async fn an_unknown_type_url_ends_only_that_stream() {
         .unwrap();
     let cds = next(&mut good_rx).await;
 
-    let (bad_tx, mut bad_rx) = sotw_stream(&s).await;
+    let (bad_tx, mut bad_rx) = sotw_stream(s.running.xds_addr).await;
     bad_tx
         .send(DiscoveryRequest {
             type_url: "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret".into(),
@@ -299,7 +246,7 @@ struct Garbage {
 #[tokio::test]
 async fn garbage_and_oversized_messages_end_only_that_stream() {
     let s = server().await;
-    let (good_tx, mut good_rx) = delta_stream(&s).await;
+    let (good_tx, mut good_rx) = delta_stream(s.running.xds_addr).await;
     good_tx
         .send(DeltaDiscoveryRequest {
             node: node("good"),
@@ -339,7 +286,7 @@ async fn garbage_and_oversized_messages_end_only_that_stream() {
     assert_eq!(err.code(), tonic::Code::Internal, "{err}");
 
     // An oversized request (more than the 4 MiB limit).
-    let (big_tx, mut big_rx) = sotw_stream(&s).await;
+    let (big_tx, mut big_rx) = sotw_stream(s.running.xds_addr).await;
     big_tx
         .send(DiscoveryRequest {
             type_url: ENDPOINTS_TYPE_URL.into(),
@@ -395,7 +342,7 @@ async fn a_stuck_client_does_not_delay_others() {
     // The stuck client subscribes and then never reads or ACKs anything.
     let mut stuck = Vec::new();
     for i in 0..5 {
-        let (tx, rx) = sotw_stream(&s).await;
+        let (tx, rx) = sotw_stream(s.running.xds_addr).await;
         tx.send(DiscoveryRequest {
             node: node(&format!("stuck-{i}")),
             type_url: ENDPOINTS_TYPE_URL.into(),
@@ -406,7 +353,7 @@ async fn a_stuck_client_does_not_delay_others() {
         .unwrap();
         stuck.push((tx, rx));
     }
-    let (tx, mut rx) = sotw_stream(&s).await;
+    let (tx, mut rx) = sotw_stream(s.running.xds_addr).await;
     let eds = "default/demo/demo-a".to_string();
     tx.send(DiscoveryRequest {
         node: node("live"),

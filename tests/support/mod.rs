@@ -18,6 +18,7 @@ use ray_xds::model::NodeType;
 use ray_xds::sim::{serve_proxy_with, ProxyConfig, ProxyHandle, ProxyMode, Served};
 use tokio_util::sync::CancellationToken;
 
+pub mod ads;
 pub mod conformance;
 pub mod fake_apiserver;
 pub mod real_ray;
