@@ -26,12 +26,13 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use envoy_types::pb::envoy::config::cluster::v3::cluster::CommonLbConfig;
+use ray_serve_sim::dashboard::SimDashboard;
 use ray_xds::config::GatewaySettings;
 use ray_xds::metrics::Metrics;
 use ray_xds::model::{Model, NodeType};
-use ray_xds::sim::dashboard::SimDashboard;
 use ray_xds::xds::grpc::AdsService;
-use ray_xds::xds::server::{AdsServer, Clients};
+use ray_xds::xds::server::AdsServer;
+use ray_xds::xds::Clients;
 use ray_xds::xds::Snapshot;
 use support::*;
 use tokio::sync::watch;
@@ -82,7 +83,9 @@ impl SimProxy {
         let address: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let process = spawn(
             "ray-serve-sim",
-            Command::new(env!("CARGO_BIN_EXE_ray-serve-sim"))
+            // This benchmark's own binary, run as the simulator (see `main`).
+            Command::new(std::env::current_exe().expect("the benchmark's own path"))
+                .arg(AS_SIM)
                 .args(["--cluster", cluster, "--app", "/=hello"])
                 .args(["--proxy", &format!("{address}={node_type}")])
                 .args(["--control", &format!("127.0.0.1:{control}")])
@@ -404,8 +407,13 @@ fn baseline_snapshot(
         "    head_proxy: include\n    clusters:\n",
     );
     let model: Model = ray_xds::source::file::parse(Path::new("baseline.yaml"), &text).unwrap();
-    let mut resources =
-        ray_xds::translate::translate(&model, &Default::default(), &Default::default(), gateway);
+    let mut resources = ray_xds::translate::translate(
+        &model,
+        &Default::default(),
+        &Default::default(),
+        gateway,
+        &Default::default(),
+    );
     for c in &mut resources.clusters {
         c.outlier_detection = None;
         c.circuit_breakers = None;
@@ -645,8 +653,32 @@ fn describe(r: &LoadResult, fault_at: u64) -> String {
     )
 }
 
-#[tokio::main]
-async fn main() {
+/// Run as `<bench> --as-ray-serve-sim <args>`, this binary is `ray-serve-sim`: every
+/// simulated proxy is then a process of its own that a scenario can SIGKILL, without
+/// needing the simulator's binary to be built beside this one.
+const AS_SIM: &str = "--as-ray-serve-sim";
+
+fn main() {
+    let mut argv = std::env::args_os();
+    let program = argv.next();
+    let mut rest = argv.peekable();
+    if rest.peek().is_some_and(|a| a == AS_SIM) {
+        rest.next();
+        if let Err(e) =
+            ray_serve_sim::cli::main_with(std::iter::once("ray-serve-sim".into()).chain(rest))
+        {
+            eprintln!("ray-serve-sim: {e:#}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    let _ = program;
+    tokio::runtime::Runtime::new()
+        .expect("a tokio runtime")
+        .block_on(bench_main());
+}
+
+async fn bench_main() {
     let args = Args::parse();
     let scenarios: Vec<String> = if args.scenarios.is_empty() {
         SCENARIOS.iter().map(|s| s.to_string()).collect()

@@ -16,8 +16,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use ray_xds::model::NodeType;
-use ray_xds::sim::{serve_proxy_with, ProxyConfig, ProxyHandle, ProxyMode};
+use ray_serve_sim::NodeType;
+use ray_serve_sim::{serve_proxy_with, ProxyConfig, ProxyHandle, ProxyMode};
 use support::*;
 use tokio_util::sync::CancellationToken;
 

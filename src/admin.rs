@@ -23,10 +23,14 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::live::dashboards::DashboardStates;
+use crate::live::health::HealthMap;
+use crate::live::prober::ProbeStates;
 use crate::metrics::Metrics;
-use crate::runtime::LiveViews;
-use crate::xds::server::Clients;
-use crate::xds::{ResourceType, Snapshot};
+use crate::model::Model;
+use crate::pipeline::switchover::Switchover;
+use crate::source::SourceStatus;
+use crate::xds::{Clients, ResourceType, Snapshot};
 
 #[derive(Clone)]
 pub struct AdminState {
@@ -35,6 +39,19 @@ pub struct AdminState {
     /// `None` until the first snapshot is built.
     pub snapshots: watch::Receiver<Option<Arc<Snapshot>>>,
     pub live: LiveViews,
+}
+
+/// What `/debug/state` shows: the latest value of each channel, each written by its own
+/// task.
+#[derive(Clone)]
+pub struct LiveViews {
+    /// The effective model.
+    pub models: watch::Receiver<Arc<Model>>,
+    pub probes: watch::Receiver<Arc<ProbeStates>>,
+    pub dashboards: watch::Receiver<Arc<DashboardStates>>,
+    pub health: watch::Receiver<Arc<HealthMap>>,
+    pub switchover: watch::Receiver<Arc<Switchover>>,
+    pub source: watch::Receiver<Arc<SourceStatus>>,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -147,7 +164,8 @@ async fn live_state(State(state): State<AdminState>) -> Response {
                 "name": cluster.name,
                 "envoy_cluster": name,
                 "role": if cluster.name == service.active_cluster { "active" } else if service.pending_cluster.as_deref() == Some(cluster.name.as_str()) { "pending" } else { "other" },
-                "fail_open": health.fail_open.contains(&name),
+                "fail_open": health.cluster(&name).fail_open,
+                "ready_proxies": health.cluster(&name).ready,
                 "proxies_from": if cluster.discover { "dashboard" } else { "source" },
                 "proxies": proxies,
                 "dashboard": dashboards.clusters.get(&name),

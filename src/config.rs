@@ -11,10 +11,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::live::probe::ProbeSettings;
-use crate::live::prober::ProberConfig;
-use crate::policy::TrafficPolicy;
-use crate::switchover::{ModeKind, SwitchoverOverrides, SwitchoverPolicy};
+use crate::policy::{dashboard, probe, switchover, traffic, GlobalOverrides, Policies};
 use serde::Deserialize;
 
 /// An xDS control plane that keeps Envoy in front of Ray Serve routing around dying Ray nodes.
@@ -81,98 +78,83 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_SOURCE_FILE_POLL_INTERVAL", value_parser = humantime::parse_duration)]
     pub source_file_poll_interval: Option<Duration>,
 
-    /// How often each Ray Serve proxy is probed (GET /-/healthz), with ±20% jitter
-    /// [config: probe.interval; default 500ms].
-    #[arg(long, env = "RAY_XDS_PROBE_INTERVAL", value_parser = humantime::parse_duration)]
-    pub probe_interval: Option<Duration>,
-
-    /// How long a probe may take [config: probe.timeout; default 250ms].
-    #[arg(long, env = "RAY_XDS_PROBE_TIMEOUT", value_parser = humantime::parse_duration)]
-    pub probe_timeout: Option<Duration>,
-
-    /// Consecutive failed probes that make a proxy unhealthy (a refused connection counts
-    /// at once) [config: probe.unhealthy_threshold; default 2].
-    #[arg(long, env = "RAY_XDS_PROBE_UNHEALTHY_THRESHOLD")]
-    pub probe_unhealthy_threshold: Option<u32>,
-
-    /// Consecutive good probes that make a proxy healthy again
-    /// [config: probe.healthy_threshold; default 2].
-    #[arg(long, env = "RAY_XDS_PROBE_HEALTHY_THRESHOLD")]
-    pub probe_healthy_threshold: Option<u32>,
-
-    /// Probes in flight at once, across all proxies [config: probe.max_concurrent; default 256].
-    #[arg(long, env = "RAY_XDS_PROBE_MAX_CONCURRENT")]
-    pub probe_max_concurrent: Option<usize>,
-
-    /// How often a healthy proxy's /-/routes is read again [config: probe.routes_interval;
-    /// default 10s].
-    #[arg(long, env = "RAY_XDS_PROBE_ROUTES_INTERVAL", value_parser = humantime::parse_duration)]
-    pub probe_routes_interval: Option<Duration>,
-
-    /// How often each cluster's Ray dashboard is polled [config: dashboard.poll_interval;
-    /// default 2s].
-    #[arg(long, env = "RAY_XDS_DASHBOARD_POLL_INTERVAL", value_parser = humantime::parse_duration)]
-    pub dashboard_poll_interval: Option<Duration>,
-
-    /// How long a dashboard poll may take [config: dashboard.timeout; default 1s].
-    #[arg(long, env = "RAY_XDS_DASHBOARD_TIMEOUT", value_parser = humantime::parse_duration)]
-    pub dashboard_timeout: Option<Duration>,
-
-    /// Retries of a failed request, each on another proxy [config: traffic.retries; default 3].
-    #[arg(long, env = "RAY_XDS_RETRIES")]
-    pub retries: Option<u32>,
-
-    /// How long one try may wait for its response to start; 0 disables
-    /// [config: traffic.per_try_timeout; default 10s].
-    #[arg(long, env = "RAY_XDS_PER_TRY_TIMEOUT", value_parser = humantime::parse_duration)]
-    pub per_try_timeout: Option<Duration>,
-
-    /// Deadline of a whole request, retries included; 0 is none
-    /// [config: traffic.route_timeout; default 0s].
-    #[arg(long, env = "RAY_XDS_ROUTE_TIMEOUT", value_parser = humantime::parse_duration)]
-    pub route_timeout: Option<Duration>,
-
-    /// Replay requests the proxy reset mid-way (safe only for idempotent work)
-    /// [config: traffic.idempotent; default false].
-    #[arg(long, env = "RAY_XDS_IDEMPOTENT")]
-    pub idempotent: Option<bool>,
-
-    /// First retry back-off interval [config: traffic.retry_back_off; default 25ms].
-    #[arg(long, env = "RAY_XDS_RETRY_BACK_OFF", value_parser = humantime::parse_duration)]
-    pub retry_back_off: Option<Duration>,
-
-    /// 502/503/504 in a row before a proxy is ejected
-    /// [config: traffic.consecutive_gateway_failure; default 3].
-    #[arg(long, env = "RAY_XDS_CONSECUTIVE_GATEWAY_FAILURE")]
-    pub consecutive_gateway_failure: Option<u32>,
-
-    /// Connect failures, resets and timeouts in a row before a proxy is ejected
-    /// [config: traffic.consecutive_local_origin_failure; default 2].
-    #[arg(long, env = "RAY_XDS_CONSECUTIVE_LOCAL_ORIGIN_FAILURE")]
-    pub consecutive_local_origin_failure: Option<u32>,
-
-    /// Outlier detection sweep interval [config: traffic.outlier_interval; default 1s].
-    #[arg(long, env = "RAY_XDS_OUTLIER_INTERVAL", value_parser = humantime::parse_duration)]
-    pub outlier_interval: Option<Duration>,
-
-    /// First ejection's length [config: traffic.base_ejection_time; default 5s].
-    #[arg(long, env = "RAY_XDS_BASE_EJECTION_TIME", value_parser = humantime::parse_duration)]
-    pub base_ejection_time: Option<Duration>,
-
-    /// Most of a cluster's proxies ejected at once, in percent
-    /// [config: traffic.max_ejection_percent; default 50].
-    #[arg(long, env = "RAY_XDS_MAX_EJECTION_PERCENT")]
-    pub max_ejection_percent: Option<u32>,
-
-    /// Concurrent retries allowed per cluster (circuit breaker)
-    /// [config: traffic.max_retries; default 1024].
-    #[arg(long, env = "RAY_XDS_MAX_RETRIES")]
-    pub max_retries: Option<u32>,
-
     /// Largest gRPC message accepted from an xDS client [config: xds.max_message_bytes;
     /// default 4194304].
     #[arg(long, env = "RAY_XDS_XDS_MAX_MESSAGE_BYTES")]
     pub xds_max_message_bytes: Option<usize>,
+
+    /// Every policy setting (probe, dashboard, traffic, switchover), each with its own
+    /// flag and environment variable, declared in `policy`.
+    #[command(flatten)]
+    pub policy: PolicyFlags,
+}
+
+/// The policy flags: one per setting declared in `policy`, with its environment variable
+/// (`RAY_XDS_` and the flag in upper snake case). Each value is checked by its setting's
+/// rule when the command line is parsed.
+#[derive(Debug, Clone, Default)]
+pub struct PolicyFlags {
+    pub overrides: GlobalOverrides,
+}
+
+/// Checks one flag's text by the rule of its setting.
+fn check_flag(flag: &str, text: &str) -> Result<(), String> {
+    let mut one = GlobalOverrides::default();
+    one.set_flag(flag, text)?;
+    one.validate()
+}
+
+impl clap::FromArgMatches for PolicyFlags {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let mut flags = PolicyFlags::default();
+        flags.update_from_arg_matches(matches)?;
+        Ok(flags)
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        for field in crate::policy::all_fields() {
+            if let Some(text) = matches.get_one::<String>(field.flag) {
+                self.overrides.set_flag(field.flag, text).map_err(|e| {
+                    clap::Error::raw(
+                        clap::error::ErrorKind::ValueValidation,
+                        format!("--{}: {e}\n", field.flag),
+                    )
+                })?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl clap::Args for PolicyFlags {
+    fn augment_args(mut cmd: clap::Command) -> clap::Command {
+        for field in crate::policy::all_fields() {
+            // clap keeps `&'static str`s; these few strings live as long as the process.
+            let env: &'static str = Box::leak(field.env().into_boxed_str());
+            let flag = field.flag;
+            cmd = cmd.arg(
+                clap::Arg::new(flag)
+                    .long(flag)
+                    .env(env)
+                    .help(format!(
+                        "{} [config: {}; default {}; {}]",
+                        field.doc,
+                        field.path(),
+                        (field.default)(),
+                        (field.range)()
+                    ))
+                    .value_parser(move |text: &str| -> Result<String, String> {
+                        check_flag(flag, text)?;
+                        Ok(text.to_string())
+                    }),
+            );
+        }
+        cmd
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
 }
 
 /// The validated configuration the runtime runs with.
@@ -183,26 +165,9 @@ pub struct Config {
     pub admin_listen: SocketAddr,
     pub gateway: GatewaySettings,
     pub source: SourceConfig,
-    pub prober: ProberConfig,
-    pub dashboard: DashboardSettings,
-    /// The global switchover policy; RayServices override parts of it.
-    pub switchover: SwitchoverPolicy,
-}
-
-/// How Ray dashboards are polled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DashboardSettings {
-    pub poll_interval: Duration,
-    pub timeout: Duration,
-}
-
-impl Default for DashboardSettings {
-    fn default() -> Self {
-        DashboardSettings {
-            poll_interval: Duration::from_secs(2),
-            timeout: Duration::from_secs(1),
-        }
-    }
+    /// The global probe, dashboard, traffic and switchover policies; RayServices
+    /// override parts of them.
+    pub policies: Policies,
 }
 
 /// What `translate` needs to know about the Envoy it configures.
@@ -212,8 +177,6 @@ pub struct GatewaySettings {
     pub listener_port: u16,
     pub upstream_idle_timeout: Duration,
     pub connect_timeout: Duration,
-    /// The global traffic policy; RayServices override parts of it.
-    pub traffic: TrafficPolicy,
 }
 
 impl Default for GatewaySettings {
@@ -223,7 +186,6 @@ impl Default for GatewaySettings {
             listener_port: 10000,
             upstream_idle_timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(1),
-            traffic: TrafficPolicy::default(),
         }
     }
 }
@@ -286,101 +248,13 @@ struct FileConfig {
     #[serde(default)]
     source: Option<SourceSection>,
     #[serde(default)]
-    probe: ProbeSection,
+    probe: probe::GlobalProbe,
     #[serde(default)]
-    dashboard: DashboardSection,
+    dashboard: dashboard::GlobalDashboard,
     #[serde(default)]
-    traffic: TrafficSection,
+    traffic: traffic::GlobalTraffic,
     #[serde(default)]
-    switchover: Option<SwitchoverSpec>,
-}
-
-/// `switchover:` in ray-xds.yaml (the global policy) and in services.yaml (one
-/// RayService's overrides).
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct SwitchoverSpec {
-    #[serde(default)]
-    mode: Option<ShiftModeSpec>,
-    /// Progressive steps, in percent, ending at 100.
-    steps: Option<Vec<u32>>,
-    #[serde(default, with = "humantime_serde")]
-    interval: Option<Duration>,
-    min_ready_proxies: Option<u32>,
-    #[serde(default, with = "humantime_serde")]
-    drain_grace: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    warm_timeout: Option<Duration>,
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "lowercase")]
-enum ShiftModeSpec {
-    Atomic,
-    Progressive,
-}
-
-impl SwitchoverSpec {
-    /// The overrides this spec sets, checked.
-    pub(crate) fn overrides(&self) -> Result<SwitchoverOverrides, String> {
-        let o = SwitchoverOverrides {
-            mode: self.mode.map(|m| match m {
-                ShiftModeSpec::Atomic => ModeKind::Atomic,
-                ShiftModeSpec::Progressive => ModeKind::Progressive,
-            }),
-            steps: self.steps.clone(),
-            interval: self.interval,
-            min_ready_proxies: self.min_ready_proxies,
-            drain_grace: self.drain_grace,
-            warm_timeout: self.warm_timeout,
-        };
-        o.validate()?;
-        Ok(o)
-    }
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TrafficSection {
-    retries: Option<u32>,
-    #[serde(default, with = "humantime_serde")]
-    per_try_timeout: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    route_timeout: Option<Duration>,
-    idempotent: Option<bool>,
-    #[serde(default, with = "humantime_serde")]
-    retry_back_off: Option<Duration>,
-    consecutive_gateway_failure: Option<u32>,
-    consecutive_local_origin_failure: Option<u32>,
-    #[serde(default, with = "humantime_serde")]
-    outlier_interval: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    base_ejection_time: Option<Duration>,
-    max_ejection_percent: Option<u32>,
-    max_retries: Option<u32>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ProbeSection {
-    #[serde(default, with = "humantime_serde")]
-    interval: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    timeout: Option<Duration>,
-    unhealthy_threshold: Option<u32>,
-    healthy_threshold: Option<u32>,
-    max_concurrent: Option<usize>,
-    #[serde(default, with = "humantime_serde")]
-    routes_interval: Option<Duration>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DashboardSection {
-    #[serde(default, with = "humantime_serde")]
-    poll_interval: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    timeout: Option<Duration>,
+    switchover: switchover::GlobalSwitchover,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -505,57 +379,23 @@ impl Config {
                 .connect_timeout
                 .or(file.gateway.connect_timeout)
                 .unwrap_or(defaults.connect_timeout),
-            traffic: {
-                let (t, d) = (&file.traffic, TrafficPolicy::default());
-                TrafficPolicy {
-                    retries: args.retries.or(t.retries).unwrap_or(d.retries),
-                    per_try_timeout: args
-                        .per_try_timeout
-                        .or(t.per_try_timeout)
-                        .unwrap_or(d.per_try_timeout),
-                    route_timeout: args
-                        .route_timeout
-                        .or(t.route_timeout)
-                        .unwrap_or(d.route_timeout),
-                    idempotent: args.idempotent.or(t.idempotent).unwrap_or(d.idempotent),
-                    retry_back_off: args
-                        .retry_back_off
-                        .or(t.retry_back_off)
-                        .unwrap_or(d.retry_back_off),
-                    consecutive_gateway_failure: args
-                        .consecutive_gateway_failure
-                        .or(t.consecutive_gateway_failure)
-                        .unwrap_or(d.consecutive_gateway_failure),
-                    consecutive_local_origin_failure: args
-                        .consecutive_local_origin_failure
-                        .or(t.consecutive_local_origin_failure)
-                        .unwrap_or(d.consecutive_local_origin_failure),
-                    outlier_interval: args
-                        .outlier_interval
-                        .or(t.outlier_interval)
-                        .unwrap_or(d.outlier_interval),
-                    base_ejection_time: args
-                        .base_ejection_time
-                        .or(t.base_ejection_time)
-                        .unwrap_or(d.base_ejection_time),
-                    max_ejection_percent: args
-                        .max_ejection_percent
-                        .or(t.max_ejection_percent)
-                        .unwrap_or(d.max_ejection_percent),
-                    max_retries: args.max_retries.or(t.max_retries).unwrap_or(d.max_retries),
-                }
-            },
         };
-        let t = &gateway.traffic;
-        if t.max_ejection_percent > 100
-            || t.outlier_interval.is_zero()
-            || t.base_ejection_time.is_zero()
-            || t.retry_back_off.is_zero()
-        {
-            return Err(ConfigError::Invalid(
-                "traffic: max_ejection_percent is at most 100; outlier_interval, base_ejection_time and retry_back_off must be above 0".into(),
-            ));
-        }
+        // Policies: defaults, then the file's sections, then flags and environment,
+        // every value checked by its setting's own rule.
+        let from_file = GlobalOverrides {
+            probe: file.probe,
+            dashboard: file.dashboard,
+            traffic: file.traffic,
+            switchover: file.switchover,
+        };
+        from_file
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("{}: {e}", config_name(args))))?;
+        let overrides = from_file.or(args.policy.overrides.clone());
+        overrides
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("the command line: {e}")))?;
+        let policies = Policies::default().with_global(&overrides);
         if gateway.upstream_idle_timeout.is_zero()
             || gateway.upstream_idle_timeout >= Duration::from_secs(90)
         {
@@ -613,74 +453,8 @@ impl Config {
                     .into(),
             )),
         };
-        let d = ProberConfig::default();
-        let prober = ProberConfig {
-            defaults: ProbeSettings {
-                interval: args
-                    .probe_interval
-                    .or(file.probe.interval)
-                    .unwrap_or(d.defaults.interval),
-                timeout: args
-                    .probe_timeout
-                    .or(file.probe.timeout)
-                    .unwrap_or(d.defaults.timeout),
-                unhealthy_threshold: args
-                    .probe_unhealthy_threshold
-                    .or(file.probe.unhealthy_threshold)
-                    .unwrap_or(d.defaults.unhealthy_threshold),
-                healthy_threshold: args
-                    .probe_healthy_threshold
-                    .or(file.probe.healthy_threshold)
-                    .unwrap_or(d.defaults.healthy_threshold),
-            },
-            max_concurrent: args
-                .probe_max_concurrent
-                .or(file.probe.max_concurrent)
-                .unwrap_or(d.max_concurrent),
-            routes_interval: args
-                .probe_routes_interval
-                .or(file.probe.routes_interval)
-                .unwrap_or(d.routes_interval),
-        };
-        let p = &prober.defaults;
-        if p.interval.is_zero()
-            || p.timeout.is_zero()
-            || p.unhealthy_threshold == 0
-            || p.healthy_threshold == 0
-            || prober.max_concurrent == 0
-        {
-            return Err(ConfigError::Invalid(
-                "probe: interval, timeout, thresholds and max_concurrent must be above 0".into(),
-            ));
-        }
-        let dd = DashboardSettings::default();
-        let dashboard = DashboardSettings {
-            poll_interval: args
-                .dashboard_poll_interval
-                .or(file.dashboard.poll_interval)
-                .unwrap_or(dd.poll_interval),
-            timeout: args
-                .dashboard_timeout
-                .or(file.dashboard.timeout)
-                .unwrap_or(dd.timeout),
-        };
-        if dashboard.poll_interval.is_zero() || dashboard.timeout.is_zero() {
-            return Err(ConfigError::Invalid(
-                "dashboard: poll_interval and timeout must be above 0".into(),
-            ));
-        }
-        let switchover = match &file.switchover {
-            Some(spec) => SwitchoverPolicy::default().with(
-                &spec
-                    .overrides()
-                    .map_err(|e| ConfigError::Invalid(format!("{}: {e}", config_name(args))))?,
-            ),
-            None => SwitchoverPolicy::default(),
-        };
         Ok(Config {
-            prober,
-            dashboard,
-            switchover,
+            policies,
             xds_listen: args
                 .xds_listen
                 .or(file.xds.listen)
@@ -783,10 +557,10 @@ mod tests {
     #[test]
     fn traffic_policy() {
         let c = load("traffic: { retries: 5, idempotent: true, max_ejection_percent: 30 }\nsource: { file: { path: a.yaml } }\n").unwrap();
-        assert_eq!(c.gateway.traffic.retries, 5);
-        assert!(c.gateway.traffic.idempotent);
-        assert_eq!(c.gateway.traffic.max_ejection_percent, 30);
-        assert_eq!(c.gateway.traffic.per_try_timeout, Duration::from_secs(10));
+        assert_eq!(c.policies.traffic.retries, 5);
+        assert!(c.policies.traffic.idempotent);
+        assert_eq!(c.policies.traffic.max_ejection_percent, 30);
+        assert_eq!(c.policies.traffic.per_try_timeout, Duration::from_secs(10));
         assert!(load(
             "traffic: { max_ejection_percent: 101 }\nsource: { file: { path: a.yaml } }\n"
         )
@@ -833,15 +607,15 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            c.switchover.mode,
-            crate::switchover::ShiftMode::Progressive {
+            c.policies.switchover.shift(),
+            crate::policy::switchover::ShiftMode::Progressive {
                 steps: vec![30, 100],
                 interval: Duration::from_secs(2)
             }
         );
-        assert_eq!(c.switchover.drain_grace, Duration::from_secs(5));
-        assert_eq!(c.switchover.warm_timeout, Duration::from_secs(3));
-        assert_eq!(c.switchover.min_ready_proxies, 1);
+        assert_eq!(c.policies.switchover.drain_grace, Duration::from_secs(5));
+        assert_eq!(c.policies.switchover.warm_timeout, Duration::from_secs(3));
+        assert_eq!(c.policies.switchover.min_ready_proxies, 1);
         let err = load("source: { file: { path: s.yaml } }\nswitchover: { steps: [50] }\n")
             .unwrap_err()
             .to_string();
@@ -855,10 +629,10 @@ mod tests {
     #[test]
     fn probe_and_dashboard_settings() {
         let c = load("probe: { interval: 1s, unhealthy_threshold: 3 }\ndashboard: { poll_interval: 5s }\nsource: { file: { path: a.yaml } }\n").unwrap();
-        assert_eq!(c.prober.defaults.interval, Duration::from_secs(1));
-        assert_eq!(c.prober.defaults.unhealthy_threshold, 3);
-        assert_eq!(c.prober.defaults.timeout, Duration::from_millis(250));
-        assert_eq!(c.dashboard.poll_interval, Duration::from_secs(5));
+        assert_eq!(c.policies.probe.interval, Duration::from_secs(1));
+        assert_eq!(c.policies.probe.unhealthy_threshold, 3);
+        assert_eq!(c.policies.probe.timeout, Duration::from_millis(250));
+        assert_eq!(c.policies.dashboard.poll_interval, Duration::from_secs(5));
         assert!(
             load("probe: { healthy_threshold: 0 }\nsource: { file: { path: a.yaml } }\n").is_err()
         );
@@ -911,6 +685,52 @@ mod tests {
             "RAY_XDS_SOURCE_FILE",
         ] {
             assert!(help.contains(env), "{env} missing from --help");
+        }
+        for field in crate::policy::all_fields() {
+            assert!(
+                help.contains(&format!("--{}", field.flag)),
+                "--{}",
+                field.flag
+            );
+            assert!(help.contains(&field.env()), "{}", field.env());
+        }
+    }
+
+    #[test]
+    fn a_policy_flag_beats_the_file_and_is_checked_by_its_rule() {
+        use clap::Parser;
+        let f = write("traffic: { retries: 5 }\nprobe: { timeout: 100ms }\nsource: { file: { path: a.yaml } }\n");
+        let path = f.path().to_str().unwrap();
+        let cli = Cli::try_parse_from([
+            "ray-xds",
+            "serve",
+            "-c",
+            path,
+            "--retries",
+            "2",
+            "--switchover-steps",
+            "50,100",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command;
+        let c = Config::load(&args).unwrap();
+        assert_eq!(c.policies.traffic.retries, 2);
+        assert_eq!(c.policies.probe.timeout, Duration::from_millis(100));
+        assert_eq!(
+            c.policies.switchover.shift(),
+            crate::policy::switchover::ShiftMode::Progressive {
+                steps: vec![50, 100],
+                interval: Duration::from_secs(10)
+            }
+        );
+        for bad in [
+            ["--base-ejection-time", "0s"],
+            ["--probe-max-concurrent", "18446744073709551615"],
+            ["--max-ejection-percent", "150"],
+            ["--switchover-steps", "50,90"],
+        ] {
+            let err = Cli::try_parse_from(["ray-xds", "serve", bad[0], bad[1]]).unwrap_err();
+            assert!(err.to_string().contains(bad[0]), "{err}");
         }
     }
 }

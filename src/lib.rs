@@ -1,30 +1,31 @@
 //! ray-xds: an xDS control plane that keeps Envoy in front of Ray Serve.
 //!
-//! The modules follow the data flow:
+//! The modules follow the data flow, bottom layer first (no module imports one above it):
 //!
-//! - [`config`]: command line, environment and config file → a typed [`config::Config`];
-//! - [`source`]: where RayServices come from (the watched `services.yaml` file now),
-//!   each source the single writer of a [`model::Model`];
+//! - [`policy`]: every tunable setting (probe, dashboard, traffic, switchover), declared
+//!   once, with its default, range, flag and annotation;
 //! - [`model`]: the domain model, free of Kubernetes and protobuf types;
-//! - [`policy`]: traffic policy (outlier detection, retries, timeouts) and its defaults;
-//! - [`switchover`]: readiness-gated weights between a RayService's clusters;
-//! - [`translate`]: the pure function from a model to Envoy resources;
-//! - [`xds`]: versioned snapshots, sans-IO ADS state machines (state of the world and
-//!   delta) and the thin tonic server around them;
-//! - [`live`]: live state from the running clusters (proxy probes, dashboards);
-//! - [`admin`] and [`metrics`]: health, readiness, Prometheus and debug views;
-//! - [`runtime`]: wiring, one shutdown token for everything;
-//! - [`sim`]: a simulated Ray Serve, for tests and the demo.
+//! - [`config`]: command line, environment and config file → a typed [`config::Config`];
+//! - [`xds`]: Envoy's side only: versioned consistent snapshots, sans-IO ADS state
+//!   machines (state of the world and delta) and the thin gRPC server around them;
+//! - [`source`]: where RayServices come from (a watched `services.yaml`, or Kubernetes),
+//!   each source the single writer of a [`model::Model`];
+//! - [`live`]: what the running clusters say (proxy probes, dashboards, discovery) and
+//!   [`live::health`], the one authority on each endpoint's health;
+//! - [`translate`]: the pure function from a model and its health to Envoy resources;
+//! - [`pipeline`]: the pure step from all inputs to a snapshot (switchover, departed
+//!   clusters, withheld proxies), and the task that runs it;
+//! - [`metrics`] and [`admin`]: Prometheus, health, readiness and debug views;
+//! - [`runtime`]: wiring, one shutdown token for everything.
 
 pub mod admin;
 pub mod config;
 pub mod live;
 pub mod metrics;
 pub mod model;
+pub mod pipeline;
 pub mod policy;
 pub mod runtime;
-pub mod sim;
 pub mod source;
-pub mod switchover;
 pub mod translate;
 pub mod xds;

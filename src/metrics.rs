@@ -1,7 +1,9 @@
 //! Prometheus metrics, served on the admin port's `/metrics`.
 //!
 //! One [`Metrics`] is shared by every part; label sets are small and fixed (protocol,
-//! xDS type, source), never per-client or per-resource, so cardinality stays bounded.
+//! xDS type, source), never per-client or per-resource, so cardinality stays bounded. The
+//! one per-object family, `switchover_weight{rayservice,cluster}`, holds only clusters
+//! that exist: the pipeline removes a series when its cluster goes.
 
 use std::sync::Mutex;
 
@@ -12,6 +14,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+
+use crate::xds::ResourceType;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ProtocolLabels {
@@ -51,7 +55,7 @@ pub struct StateLabels {
     pub state: &'static str,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
 pub struct WeightLabels {
     pub rayservice: String,
     pub cluster: String,
@@ -93,6 +97,7 @@ pub struct Metrics {
     pub source_objects_skipped: Family<ObjectProblemLabels, Counter>,
     pub source_watch_errors: Family<ResourceLabels, Counter>,
     pub source_synced: Gauge,
+    pub inconsistent_snapshots: Counter,
 }
 
 impl Default for Metrics {
@@ -128,6 +133,7 @@ impl Metrics {
             source_objects_skipped: Family::default(),
             source_watch_errors: Family::default(),
             source_synced: Gauge::default(),
+            inconsistent_snapshots: Counter::default(),
             registry: Registry::with_prefix("ray_xds"),
         };
         let registry = &mut m.registry;
@@ -230,6 +236,11 @@ impl Metrics {
             "1 once every watch of the source has delivered its first full list",
             m.source_synced.clone(),
         );
+        registry.register(
+            "inconsistent_snapshots",
+            "Snapshots refused because their resources did not fit together (a bug); the previous one was kept",
+            m.inconsistent_snapshots.clone(),
+        );
         m
     }
 
@@ -270,5 +281,58 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// The xDS server's reports, counted.
+impl crate::xds::Observer for Metrics {
+    fn stream_opened(&self, protocol: &'static str) {
+        self.streams
+            .get_or_create(&ProtocolLabels { protocol })
+            .inc();
+    }
+
+    fn stream_closed(&self, protocol: &'static str) {
+        self.streams
+            .get_or_create(&ProtocolLabels { protocol })
+            .dec();
+    }
+
+    fn subscribed(&self, protocol: &'static str, ty: ResourceType) {
+        self.subscriptions
+            .get_or_create(&Metrics::type_labels(protocol, ty.label()))
+            .inc();
+    }
+
+    fn unsubscribed(&self, protocol: &'static str, ty: ResourceType) {
+        self.subscriptions
+            .get_or_create(&Metrics::type_labels(protocol, ty.label()))
+            .dec();
+    }
+
+    fn pushed(&self, protocol: &'static str, ty: ResourceType, resources: usize) {
+        let labels = Metrics::type_labels(protocol, ty.label());
+        self.pushes.get_or_create(&labels).inc();
+        self.pushed_resources
+            .get_or_create(&labels)
+            .inc_by(resources as u64);
+    }
+
+    fn acked(&self, protocol: &'static str, ty: ResourceType) {
+        self.acks
+            .get_or_create(&Metrics::type_labels(protocol, ty.label()))
+            .inc();
+    }
+
+    fn nacked(&self, protocol: &'static str, ty: ResourceType) {
+        self.nacks
+            .get_or_create(&Metrics::type_labels(protocol, ty.label()))
+            .inc();
+    }
+
+    fn stream_error(&self, protocol: &'static str, reason: &'static str) {
+        self.stream_errors
+            .get_or_create(&ReasonLabels { protocol, reason })
+            .inc();
     }
 }

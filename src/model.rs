@@ -1,8 +1,8 @@
 //! The domain model: what ray-xds knows about RayServices, free of Kubernetes and
 //! protobuf types.
 //!
-//! Sources (the file source now, Kubernetes later) build a [`Model`] and hand it to the
-//! pipeline; `translate` turns it into Envoy resources. A `Model` is always valid:
+//! Sources (the file and Kubernetes) build a [`Model`]; the pipeline joins it with live
+//! state and `translate` turns it into Envoy resources. A `Model` is always valid:
 //! [`Model::new`] checks the invariants that Envoy would otherwise reject (unique
 //! virtual-host domains, an active cluster that exists, IP endpoints), so a bad input is
 //! refused at the source and the last good model keeps being served.
@@ -45,22 +45,12 @@ pub enum HeadProxy {
     Fallback,
 }
 
-/// Probe settings a RayService overrides; `None` keeps the global value.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ProbeOverrides {
-    pub interval: Option<std::time::Duration>,
-    pub timeout: Option<std::time::Duration>,
-    pub unhealthy_threshold: Option<u32>,
-    pub healthy_threshold: Option<u32>,
-}
-
-/// Per-RayService policy.
+/// Per-RayService policy: which traffic its head proxy gets, and its overrides of the
+/// global probe, traffic and switchover policies (checked by the source that read them).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServicePolicy {
     pub head_proxy: HeadProxy,
-    pub probe: ProbeOverrides,
-    pub traffic: crate::policy::TrafficOverrides,
-    pub switchover: crate::switchover::SwitchoverOverrides,
+    pub overrides: crate::policy::ServiceOverrides,
 }
 
 /// One RayCluster and the Ray Serve HTTP proxies it runs.

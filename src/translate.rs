@@ -8,7 +8,7 @@
 //! - one route configuration, [`ROUTE_CONFIG_NAME`], with a virtual host per RayService;
 //! - one EDS cluster per RayCluster, named `<namespace>/<rayservice>/<raycluster>`;
 //! - one ClusterLoadAssignment per cluster, with an endpoint per Ray Serve proxy and its
-//!   health from [`HealthMap`] (computed by `live::health`).
+//!   health from [`HealthMap`] (decided by `live::health`; a withheld proxy is left out).
 //!
 //! Routes go to the active cluster through `weighted_clusters`, so that a later
 //! switchover only changes weights.
@@ -26,11 +26,13 @@ use envoy_types::pb::envoy::extensions::upstreams::http::v3 as upstream_http;
 use envoy_types::pb::google::protobuf;
 use envoy_types::util::pack_any;
 
+use std::collections::BTreeMap;
+
 use crate::config::GatewaySettings;
 use crate::live::health::{EndpointHealth, HealthMap};
 use crate::model::{Model, RayService};
-use crate::policy::TrafficPolicy;
-use crate::switchover::Switchover;
+use crate::policy::traffic::TrafficPolicy;
+use crate::xds::Resources;
 use envoy_types::pb::envoy::extensions::retry::host::previous_hosts::v3::PreviousHostsPredicate;
 
 pub const LISTENER_NAME: &str = "ray-serve-http";
@@ -38,20 +40,16 @@ pub const ROUTE_CONFIG_NAME: &str = "ray-serve-http";
 /// Filter-metadata namespace under which endpoints carry ray-xds facts (node type).
 pub const METADATA_NAMESPACE: &str = "ray-xds";
 
-/// The Envoy resources for one model, typed, before encoding.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Resources {
-    pub clusters: Vec<cluster::Cluster>,
-    pub endpoints: Vec<endpoint::ClusterLoadAssignment>,
-    pub listeners: Vec<listener::Listener>,
-    pub routes: Vec<route::RouteConfiguration>,
-}
+/// Percent of traffic per RayCluster, by RayService key (`<namespace>/<name>`); a
+/// RayService missing here sends everything to its active cluster.
+pub type Weights = BTreeMap<String, Vec<(String, u32)>>;
 
 pub fn translate(
     model: &Model,
     health: &HealthMap,
-    switchover: &Switchover,
+    weights: &Weights,
     gateway: &GatewaySettings,
+    traffic: &TrafficPolicy,
 ) -> Resources {
     let mut out = Resources {
         listeners: vec![http_listener(gateway)],
@@ -59,14 +57,18 @@ pub fn translate(
     };
     let mut virtual_hosts = Vec::new();
     for service in model.services() {
-        let policy = gateway.traffic.with(&service.policy.traffic);
+        let policy = traffic.with(&service.policy.overrides.traffic);
         for ray_cluster in &service.clusters {
             let name = service.envoy_cluster_name(&ray_cluster.name);
             out.clusters.push(eds_cluster(&name, gateway, &policy));
             out.endpoints
                 .push(load_assignment(&name, ray_cluster, health));
         }
-        virtual_hosts.push(virtual_host(service, &switchover.weights(service), &policy));
+        let active = [(service.active_cluster.clone(), 100)];
+        let weights = weights
+            .get(&service.key())
+            .map_or(&active[..], Vec::as_slice);
+        virtual_hosts.push(virtual_host(service, weights, &policy));
     }
     out.routes.push(route::RouteConfiguration {
         name: ROUTE_CONFIG_NAME.into(),
@@ -237,7 +239,17 @@ fn load_assignment(
     let lb_endpoints = ray_cluster
         .proxies
         .iter()
-        .map(|proxy| endpoint::LbEndpoint {
+        .filter_map(|proxy| {
+            let health = match health.health(name, proxy.address) {
+                EndpointHealth::Withheld => return None,
+                EndpointHealth::Unknown => core::HealthStatus::Unknown,
+                EndpointHealth::Healthy => core::HealthStatus::Healthy,
+                EndpointHealth::Unhealthy => core::HealthStatus::Unhealthy,
+                EndpointHealth::Draining => core::HealthStatus::Draining,
+            };
+            Some((proxy, health))
+        })
+        .map(|(proxy, health)| endpoint::LbEndpoint {
             host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(
                 endpoint::Endpoint {
                     address: Some(socket_address(
@@ -248,12 +260,7 @@ fn load_assignment(
                     ..Default::default()
                 },
             )),
-            health_status: match health.health(name, proxy.address) {
-                EndpointHealth::Unknown => core::HealthStatus::Unknown,
-                EndpointHealth::Healthy => core::HealthStatus::Healthy,
-                EndpointHealth::Unhealthy => core::HealthStatus::Unhealthy,
-                EndpointHealth::Draining => core::HealthStatus::Draining,
-            } as i32,
+            health_status: health as i32,
             metadata: Some(core::Metadata {
                 filter_metadata: [(
                     METADATA_NAMESPACE.to_string(),
@@ -291,7 +298,7 @@ fn load_assignment(
 /// idempotent (see `policy::TrafficPolicy`).
 fn retry_policy(policy: &TrafficPolicy) -> route::RetryPolicy {
     route::RetryPolicy {
-        retry_on: policy.retry_on(),
+        retry_on: retry_on(policy),
         num_retries: u32_value(policy.retries),
         per_try_timeout: (!policy.per_try_timeout.is_zero())
             .then(|| duration(policy.per_try_timeout)),
@@ -313,9 +320,28 @@ fn retry_policy(policy: &TrafficPolicy) -> route::RetryPolicy {
     }
 }
 
+/// Envoy's `retry_on` for a policy.
+pub fn retry_on(policy: &TrafficPolicy) -> String {
+    // gateway-error: 502/503/504 and per-try timeouts (Ray's own proxy never answers
+    // 502 or 504; Envoy does, for connection trouble), so a hung proxy costs one
+    // per-try timeout. Anything slower than `per_try_timeout` to start answering is
+    // tried again elsewhere: keep it above the slowest time to first byte.
+    let mut on = vec![
+        "connect-failure",
+        "refused-stream",
+        "reset-before-request",
+        "gateway-error",
+        "retriable-status-codes",
+    ];
+    if policy.idempotent {
+        on.push("reset");
+    }
+    on.join(",")
+}
+
 fn virtual_host(
     service: &RayService,
-    weights: &[(&str, u32)],
+    weights: &[(String, u32)],
     policy: &TrafficPolicy,
 ) -> route::VirtualHost {
     route::VirtualHost {
@@ -352,33 +378,11 @@ fn virtual_host(
     }
 }
 
-/// The clusters a route configuration sends traffic to.
-pub fn referenced_clusters(config: &route::RouteConfiguration) -> Vec<String> {
-    let mut names = Vec::new();
-    for vh in &config.virtual_hosts {
-        for r in &vh.routes {
-            if let Some(route::route::Action::Route(action)) = &r.action {
-                match &action.cluster_specifier {
-                    Some(route::route_action::ClusterSpecifier::Cluster(name)) => {
-                        names.push(name.clone())
-                    }
-                    Some(route::route_action::ClusterSpecifier::WeightedClusters(w)) => {
-                        names.extend(w.clusters.iter().map(|c| c.name.clone()))
-                    }
-                    _ => {}
-                }
-            }
-        }
-    }
-    names.sort();
-    names.dedup();
-    names
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::test_support::service;
+    use crate::xds::snapshot::referenced_clusters;
 
     #[test]
     fn one_cluster_and_assignment_per_ray_cluster() {
@@ -390,8 +394,9 @@ mod tests {
         let r = translate(
             &model,
             &HealthMap::default(),
-            &Switchover::default(),
+            &Weights::default(),
             &GatewaySettings::default(),
+            &TrafficPolicy::default(),
         );
         let names: Vec<_> = r.clusters.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names, ["default/a/a1", "default/a/a2", "default/b/b1"]);
@@ -399,7 +404,7 @@ mod tests {
         assert_eq!(r.endpoints[0].endpoints[0].lb_endpoints.len(), 2);
         assert_eq!(r.listeners.len(), 1);
         assert_eq!(r.routes[0].virtual_hosts.len(), 2);
-        // For now the route goes to the active cluster only.
+        // With no switchover known, the route goes to the active cluster only.
         assert_eq!(
             referenced_clusters(&r.routes[0]),
             ["default/a/a1", "default/b/b1"]
@@ -409,10 +414,10 @@ mod tests {
     #[test]
     fn is_deterministic() {
         let model = Model::new(vec![service("a", "a1", &[8000, 8001])]).unwrap();
-        let g = GatewaySettings::default();
+        let (g, t) = (GatewaySettings::default(), TrafficPolicy::default());
         assert_eq!(
-            translate(&model, &HealthMap::default(), &Switchover::default(), &g),
-            translate(&model, &HealthMap::default(), &Switchover::default(), &g)
+            translate(&model, &HealthMap::default(), &Weights::default(), &g, &t),
+            translate(&model, &HealthMap::default(), &Weights::default(), &g, &t)
         );
     }
 
@@ -421,11 +426,45 @@ mod tests {
         let r = translate(
             &Model::default(),
             &HealthMap::default(),
-            &Switchover::default(),
+            &Weights::default(),
             &GatewaySettings::default(),
+            &TrafficPolicy::default(),
         );
         assert_eq!(r.listeners.len(), 1);
         assert_eq!(r.routes.len(), 1);
         assert!(r.clusters.is_empty());
+    }
+
+    #[test]
+    fn replay_after_reset_only_when_idempotent() {
+        let p = TrafficPolicy::default();
+        assert!(!retry_on(&p).split(',').any(|r| r == "reset"));
+        let p = TrafficPolicy {
+            idempotent: true,
+            ..p
+        };
+        assert!(retry_on(&p).split(',').any(|r| r == "reset"));
+    }
+
+    #[test]
+    fn a_withheld_proxy_is_not_published() {
+        use crate::live::health::{Reason, Verdict};
+        let model = Model::new(vec![service("a", "a1", &[8000, 8001])]).unwrap();
+        let mut health = HealthMap::default();
+        health.endpoints.insert(
+            ("default/a/a1".into(), "127.0.0.1:8001".parse().unwrap()),
+            Verdict {
+                health: EndpointHealth::Withheld,
+                reason: Reason::AwaitingFirstProbe,
+            },
+        );
+        let r = translate(
+            &model,
+            &health,
+            &Weights::default(),
+            &GatewaySettings::default(),
+            &TrafficPolicy::default(),
+        );
+        assert_eq!(r.endpoints[0].endpoints[0].lb_endpoints.len(), 1);
     }
 }

@@ -8,13 +8,12 @@ mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+
 use std::time::Duration;
 
-use ray_xds::live::dashboard::DashboardClient;
-use ray_xds::model::NodeType;
-use ray_xds::sim::dashboard::{DashboardMode, SimDashboard};
-use ray_xds::sim::{serve_proxy, ProxyConfig};
+use ray_serve_sim::dashboard::{DashboardMode, SimDashboard};
+use ray_serve_sim::NodeType;
+use ray_serve_sim::{serve_proxy, ProxyConfig};
 use support::*;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -152,11 +151,11 @@ async fn a_cluster_given_by_its_dashboard_alone() {
     )
     .unwrap();
     let mut config = test_config(&services, 0);
-    config.dashboard.poll_interval = Duration::from_millis(200);
+    config.policies.dashboard.poll_interval = Duration::from_millis(200);
     // Generous timeouts, so that the start-up waits (for the dashboard's first answer,
     // then for the first probes) cannot run out on a busy machine.
-    config.dashboard.timeout = Duration::from_secs(10);
-    config.prober.defaults.timeout = Duration::from_secs(2);
+    config.policies.dashboard.timeout = Duration::from_secs(10);
+    config.policies.probe.timeout = Duration::from_secs(2);
     let xds = ray_xds::runtime::start(config, Default::default())
         .await
         .unwrap();
@@ -272,43 +271,4 @@ async fn a_cluster_given_by_its_dashboard_alone() {
 
     drop(envoy);
     xds.stop().await.unwrap();
-}
-
-/// `ray-serve-sim` lists the proxies it runs, as Ray does, with the head on the
-/// controller's node.
-#[tokio::test]
-async fn the_simulator_binary_lists_its_proxies() {
-    let (p1, p2, dash) = (free_port(), free_port(), free_port());
-    let _sim = spawn(
-        "ray-serve-sim",
-        Command::new(env!("CARGO_BIN_EXE_ray-serve-sim"))
-            .args(["--cluster", "c1", "--app", "/hello=hello"])
-            .args([
-                "--proxy",
-                &format!("127.0.0.1:{p2}=worker"),
-                "--proxy",
-                &format!("127.0.0.1:{p1}=head"),
-            ])
-            .args(["--dashboard", &format!("127.0.0.1:{dash}")])
-            .stdout(Stdio::null()),
-    );
-    let client = DashboardClient::new(Duration::from_secs(5));
-    let url = format!("http://127.0.0.1:{dash}");
-    let status = eventually("the dashboard lists both proxies", DEADLINE, || async {
-        client
-            .fetch(&url)
-            .await
-            .ok()
-            .filter(|s| s.http_proxies.len() == 2)
-    })
-    .await;
-    let listed: BTreeMap<u16, NodeType> = status
-        .http_proxies
-        .iter()
-        .map(|p| (p.address.port(), p.node_type))
-        .collect();
-    assert_eq!(
-        listed,
-        BTreeMap::from([(p1, NodeType::Head), (p2, NodeType::Worker)])
-    );
 }

@@ -5,7 +5,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use ray_xds::model::NodeType;
+use ray_serve_sim::NodeType;
 use support::*;
 
 const DEADLINE: Duration = Duration::from_secs(30);

@@ -7,8 +7,8 @@ mod support;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use ray_xds::model::NodeType;
-use ray_xds::sim::ProxyMode;
+use ray_serve_sim::NodeType;
+use ray_serve_sim::ProxyMode;
 use support::*;
 
 const DEADLINE: Duration = Duration::from_secs(30);

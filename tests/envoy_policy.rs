@@ -6,8 +6,8 @@ mod support;
 
 use std::time::Duration;
 
-use ray_xds::model::NodeType;
-use ray_xds::sim::ProxyMode;
+use ray_serve_sim::NodeType;
+use ray_serve_sim::ProxyMode;
 use support::*;
 
 const DEADLINE: Duration = Duration::from_secs(30);

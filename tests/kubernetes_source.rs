@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use ray_serve_sim::dashboard::SimDashboard;
+use ray_serve_sim::NodeType;
 use ray_xds::config::{Config, KubernetesSourceConfig, SourceConfig};
-use ray_xds::model::NodeType;
-use ray_xds::sim::dashboard::SimDashboard;
 use serde_json::{json, Value};
 use support::fake_apiserver::FakeApiServer;
 use support::*;
@@ -587,18 +587,31 @@ mod two_replicas {
         let two = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
             .await
             .unwrap();
-        let agreed = eventually(
-            "both replicas publish the same version",
-            DEADLINE,
-            || async {
-                let (v1, v2) = (
-                    snapshot_version(one.admin_addr).await,
-                    snapshot_version(two.admin_addr).await,
-                );
-                (!v1.is_empty() && v1 == v2).then_some(v1)
-            },
-        )
-        .await;
+        let started = std::time::Instant::now();
+        let agreed = loop {
+            let (v1, v2) = (
+                snapshot_version(one.admin_addr).await,
+                snapshot_version(two.admin_addr).await,
+            );
+            if !v1.is_empty() && v1 == v2 {
+                break v1;
+            }
+            if started.elapsed() > DEADLINE {
+                // Say why, for whoever reads a failure: what each replica serves and knows.
+                for (n, a) in [(1, one.admin_addr), (2, two.admin_addr)] {
+                    eprintln!(
+                        "--- replica {n}: /debug/state ---\n{}",
+                        admin_get(a, "/debug/state").await
+                    );
+                    eprintln!(
+                        "--- replica {n}: /debug/snapshot ---\n{}",
+                        admin_get(a, "/debug/snapshot").await
+                    );
+                }
+                panic!("the replicas did not agree within {DEADLINE:?}: {v1:?} vs {v2:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
         assert!(!agreed.is_empty());
 
         // An Envoy takes everything from replica one.

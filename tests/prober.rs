@@ -6,15 +6,15 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ray_serve_sim::dashboard::{DashboardMode, SimDashboard};
+use ray_serve_sim::NodeType;
+use ray_serve_sim::ProxyMode;
 use ray_xds::live::dashboards::{DashboardPoller, DashboardStates};
 use ray_xds::live::probe::{Outcome, ProbeState};
-use ray_xds::live::prober::{
-    probe_client, probe_healthz, read_routes, ProbeStates, Prober, ProberConfig,
-};
+use ray_xds::live::prober::{probe_client, probe_healthz, read_routes, ProbeStates, Prober};
 use ray_xds::metrics::Metrics;
-use ray_xds::model::{Model, NodeType};
-use ray_xds::sim::dashboard::{DashboardMode, SimDashboard};
-use ray_xds::sim::ProxyMode;
+use ray_xds::model::Model;
+use ray_xds::policy::probe::ProbePolicy;
 use support::*;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -111,10 +111,12 @@ fn run_prober(cluster: &SimCluster) -> Running {
     let (tx, rx) = watch::channel(Arc::new(ProbeStates::default()));
     let metrics = Arc::new(Metrics::new());
     let shutdown = CancellationToken::new();
-    let mut config = ProberConfig::default();
-    config.defaults.interval = Duration::from_millis(100);
+    let policy = ProbePolicy {
+        interval: Duration::from_millis(100),
+        ..Default::default()
+    };
     let prober = Prober {
-        config,
+        policy,
         metrics: metrics.clone(),
     };
     tokio::spawn(prober.run(models_rx, tx, shutdown.clone()));

@@ -6,8 +6,8 @@ mod support;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use ray_xds::model::NodeType;
-use ray_xds::sim::{serve_proxy, ProxyConfig};
+use ray_serve_sim::NodeType;
+use ray_serve_sim::{serve_proxy, ProxyConfig};
 
 struct Capture {
     status: u16,
@@ -119,7 +119,7 @@ async fn unknown_paths_are_404_and_apps_say_who_served() {
     assert_eq!(status, 404);
     let (status, _, body) = get(addr, "/hello/world").await;
     assert_eq!(status, 200);
-    let served: ray_xds::sim::Served = serde_json::from_str(&body).unwrap();
+    let served: ray_serve_sim::Served = serde_json::from_str(&body).unwrap();
     assert_eq!(
         (
             served.app.as_str(),
@@ -187,7 +187,7 @@ fn assert_shaped_like(served: &serde_json::Value, real: &serde_json::Value) {
     }
 }
 
-async fn sim_dashboard_body(sim: &ray_xds::sim::dashboard::SimDashboard) -> serde_json::Value {
+async fn sim_dashboard_body(sim: &ray_serve_sim::dashboard::SimDashboard) -> serde_json::Value {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!(
         "http://{}/api/serve/applications/",
@@ -202,7 +202,7 @@ async fn sim_dashboard_body(sim: &ray_xds::sim::dashboard::SimDashboard) -> serd
 
 #[tokio::test]
 async fn dashboard_proxies_and_target_groups_are_shaped_like_the_capture() {
-    use ray_xds::sim::dashboard::SimDashboard;
+    use ray_serve_sim::dashboard::SimDashboard;
     let real = running_capture();
 
     // As captured: one node, one proxy, on 8000.
@@ -280,7 +280,7 @@ async fn the_shared_conformance_assertions_hold_for_the_simulator() {
     support::conformance::healthz_is_healthy(proxy).await;
     support::conformance::routes_are(proxy, &[("/hello", "hello")]).await;
 
-    let dashboard = ray_xds::sim::dashboard::SimDashboard::new();
+    let dashboard = ray_serve_sim::dashboard::SimDashboard::new();
     dashboard.add_proxy(proxy, NodeType::Head, "HEALTHY");
     dashboard.set_app("hello", "/hello", "RUNNING");
     dashboard.set_app("slow", "/slow", "DEPLOYING");

@@ -17,6 +17,7 @@ fn golden(name: &str, services: &Path) {
         &Default::default(),
         &Default::default(),
         &GatewaySettings::default(),
+        &Default::default(),
     ));
     let mut out = format!("# snapshot version {}\n", snapshot.version());
     for ty in ResourceType::ALL {

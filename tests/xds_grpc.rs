@@ -9,7 +9,7 @@ use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DiscoveryRequest, DiscoveryResponse,
 };
-use ray_xds::model::NodeType;
+use ray_serve_sim::NodeType;
 use ray_xds::xds::snapshot::{CLUSTER_TYPE_URL, ENDPOINTS_TYPE_URL};
 use support::ads::{delta_stream, next, node, sotw_stream};
 use support::*;

@@ -7,7 +7,7 @@
 //! ([`ServeStatus::http_proxies`](super::dashboard::ServeStatus::http_proxies): targets
 //! and listed proxies, head or worker by the controller's node). Clusters whose source
 //! lists their proxies are left as they are. The runtime runs it in one task, the single
-//! writer of the effective model.
+//! writer of the effective model ([`run`]).
 //!
 //! Invariants:
 //!
@@ -19,6 +19,11 @@
 //! - Discovered proxies are never marked `draining` here: a DRAINING proxy stays in the
 //!   model and `live::health` drains it from the same dashboard answer.
 //! - The result is a valid [`Model`] (proxies sorted, each address once per cluster).
+
+use std::sync::Arc;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use super::dashboards::DashboardStates;
 use crate::model::{Model, Proxy};
@@ -46,6 +51,55 @@ pub fn discover(model: &Model, dashboards: &DashboardStates) -> Model {
             })
             .unwrap_or_default()
     })
+}
+
+/// The single writer of the effective model: the source's model, with each cluster that
+/// discovers its proxies given those its dashboard last listed ([`discover`]). Re-run when
+/// either input changes; published only on change. When no cluster discovers, the
+/// source's model is forwarded as is (the same `Arc`: no copy, no comparison, and
+/// dashboard polls cost nothing here).
+pub async fn run(
+    mut source: watch::Receiver<Arc<Model>>,
+    mut dashboards: watch::Receiver<Arc<DashboardStates>>,
+    effective: watch::Sender<Arc<Model>>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let model = source.borrow_and_update().clone();
+        let discovers = model.discovers();
+        if discovers {
+            let states = dashboards.borrow_and_update().clone();
+            let next = discover(&model, &states);
+            effective.send_if_modified(|current| {
+                let changed = **current != next;
+                if changed {
+                    *current = Arc::new(next);
+                }
+                changed
+            });
+        } else {
+            effective.send_if_modified(|current| {
+                let changed = !Arc::ptr_eq(current, &model);
+                if changed {
+                    *current = model;
+                }
+                changed
+            });
+        }
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                changed = source.changed() => {
+                    if changed.is_err() { return }
+                    break;
+                }
+                changed = dashboards.changed() => {
+                    if changed.is_err() { return }
+                    if discovers { break }
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -193,5 +247,94 @@ mod tests {
             discovered(&m),
             [("192.0.2.2:8000".parse().unwrap(), NodeType::Head, false)]
         );
+    }
+}
+
+#[cfg(test)]
+mod task_tests {
+    use super::*;
+    use crate::live::dashboard::{HttpProxy, ServeStatus};
+    use crate::live::dashboards::ClusterDashboard;
+    use crate::model::test_support::service;
+    use crate::model::NodeType;
+    use std::net::SocketAddr;
+    use std::time::Duration;
+
+    const URL: &str = "http://127.0.0.1:8265";
+    const CLUSTER: &str = "default/a/a1";
+
+    fn discovering() -> Arc<Model> {
+        let mut a = service("a", "a1", &[]);
+        a.clusters[0].discover = true;
+        a.clusters[0].dashboard = Some(URL.into());
+        Arc::new(Model::new(vec![a]).unwrap())
+    }
+
+    fn answer(ports: &[u16]) -> Arc<DashboardStates> {
+        let mut d = ClusterDashboard::new(URL.into());
+        d.status = Some(ServeStatus {
+            http_proxies: ports
+                .iter()
+                .map(|p| HttpProxy {
+                    address: SocketAddr::from(([127, 0, 0, 1], *p)),
+                    node_id: format!("n{p}"),
+                    node_type: NodeType::Worker,
+                    status: None,
+                })
+                .collect(),
+            ..Default::default()
+        });
+        Arc::new(DashboardStates {
+            clusters: [(CLUSTER.to_string(), d)].into(),
+        })
+    }
+
+    async fn next(rx: &mut watch::Receiver<Arc<Model>>) -> Arc<Model> {
+        tokio::time::timeout(Duration::from_secs(10), rx.changed())
+            .await
+            .expect("published in time")
+            .unwrap();
+        rx.borrow_and_update().clone()
+    }
+
+    fn ports(m: &Model) -> Vec<u16> {
+        m.services()[0].clusters[0]
+            .proxies
+            .iter()
+            .map(|p| p.address.port())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn without_discovery_the_source_model_is_forwarded_as_is() {
+        let first = Arc::new(Model::new(vec![service("a", "a1", &[8000])]).unwrap());
+        let (source_tx, source) = watch::channel(first.clone());
+        let (dash_tx, dashboards) = watch::channel(Arc::new(DashboardStates::default()));
+        let (tx, mut rx) = watch::channel(Arc::new(Model::default()));
+        let token = CancellationToken::new();
+        tokio::spawn(run(source, dashboards, tx, token.clone()));
+        assert!(Arc::ptr_eq(&next(&mut rx).await, &first));
+        dash_tx.send_replace(answer(&[9000]));
+        let second = Arc::new(Model::new(vec![service("a", "a1", &[8001])]).unwrap());
+        source_tx.send_replace(second.clone());
+        assert!(Arc::ptr_eq(&next(&mut rx).await, &second));
+        token.cancel();
+    }
+
+    #[tokio::test]
+    async fn discovered_proxies_follow_the_dashboard() {
+        let (_source_tx, source) = watch::channel(discovering());
+        let (dash_tx, dashboards) = watch::channel(Arc::new(DashboardStates::default()));
+        let (tx, mut rx) = watch::channel(discovering());
+        let token = CancellationToken::new();
+        tokio::spawn(run(source, dashboards, tx, token.clone()));
+        dash_tx.send_replace(answer(&[8000, 8001]));
+        assert_eq!(ports(&*next(&mut rx).await), [8000, 8001]);
+        dash_tx.send_replace(answer(&[8000]));
+        assert_eq!(ports(&*next(&mut rx).await), [8000]);
+        dash_tx.send_replace(answer(&[8000, 8002]));
+        assert_eq!(ports(&*next(&mut rx).await), [8000, 8002]);
+        assert!(rx.borrow().services()[0].clusters[0].discover);
+        token.cancel();
     }
 }

@@ -1,26 +1,33 @@
-//! Endpoint health: the pure combination of everything ray-xds knows about a proxy into
-//! the `health_status` Envoy gets for it.
+//! Endpoint health: the one place that decides, from everything ray-xds knows about a
+//! proxy, the `health_status` Envoy gets for it, whether it is published at all, and
+//! whether it counts as ready for a switchover. Pure.
 //!
-//! For each proxy, in order:
+//! For each proxy, in order (a later rule overrides an earlier one):
 //! 1. its probe state (unknown until first probed; Envoy treats unknown as healthy);
-//! 2. DRAINING if its cluster's dashboard lists its proxy (by address, else its node's IP)
-//!    as DRAINING;
-//! 3. DRAINING ("no new traffic") if it is healthy but does not serve every route prefix
-//!    of its cluster's RUNNING applications (from the dashboard) in its `/-/routes`, while
-//!    another healthy proxy of the cluster does (a proxy that just started and has not
-//!    loaded its route table yet; if no proxy serves them all, the routes are simply not
-//!    re-read yet, and nobody is held back);
-//! 4. fail-open: if every proxy of a cluster that is not draining is unhealthy, ray-xds
+//! 2. withheld (not published at all) while it is new and waits for its first probe
+//!    ([`Facts::withheld`]): published as unknown, Envoy would send it requests before
+//!    anyone knows, and its health would need a second push;
+//! 3. DRAINING when the source says it is going away (a terminating pod);
+//! 4. DRAINING when its cluster's dashboard lists its proxy as DRAINING;
+//! 5. DRAINING ("no new traffic") when it is healthy but does not serve every route prefix
+//!    of its cluster's RUNNING applications, while another healthy proxy of the cluster
+//!    does (one that just started and has not loaded its routes; if no proxy serves them
+//!    all, the routes are simply not re-read yet, and nobody is held back);
+//! 6. fail-open: when every proxy of a cluster that is not draining is unhealthy, ray-xds
 //!    cannot tell a dead cluster from a broken path between itself and the proxies, so it
-//!    publishes those proxies healthy and lets Envoy's own outlier detection decide;
-//!    publishing them unhealthy could only cause an outage of its own making;
-//! 5. the RayService's `head_proxy` policy: `exclude` drains the head proxy, `include`
-//!    leaves it alone, `fallback` drains it while any worker proxy of its cluster is
-//!    healthy (or unknown).
+//!    publishes them healthy and lets Envoy's outlier detection decide;
+//! 7. the RayService's `head_proxy` policy: `exclude` drains the head proxy, `include`
+//!    leaves it alone, `fallback` drains it while any worker proxy is healthy or unknown;
+//! 8. DRAINING for every proxy of a cluster the source dropped and that drains for its
+//!    grace period ([`Facts::departed`]).
 //!
+//! Per cluster it also counts what the switchover reads: proxies *ready* (probe healthy,
+//! not going away, serving every RUNNING application's route prefix; head or not; never
+//! fail-open) and proxies *routable* (published healthy or unknown, not by fail-open).
 //! DRAINING keeps in-flight requests and takes no new ones.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
 use std::net::SocketAddr;
 
 use serde::Serialize;
@@ -31,28 +38,98 @@ use super::probe::ProbeState;
 use super::prober::ProbeStates;
 use crate::model::{HeadProxy, Model, NodeType};
 
+/// What Envoy is told about an endpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EndpointHealth {
+    /// Not published at all (see [`Reason::AwaitingFirstProbe`]).
+    Withheld,
     Unknown,
     Healthy,
     Unhealthy,
     Draining,
 }
 
+/// Why an endpoint has its health.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reason {
+    NotProbedYet,
+    AwaitingFirstProbe,
+    ProbeHealthy,
+    ProbeFailed(String),
+    ProxyDraining,
+    SourceDraining,
+    DashboardDraining,
+    MissingRoutes(Vec<String>),
+    RoutesUnknown,
+    FailOpen(Box<Reason>),
+    HeadExcluded,
+    HeadFallback,
+    ClusterDeparted,
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reason::NotProbedYet => f.write_str("not probed yet"),
+            Reason::AwaitingFirstProbe => {
+                f.write_str("new: not published until its first probe (or the wait ends)")
+            }
+            Reason::ProbeHealthy => f.write_str("probe healthy"),
+            Reason::ProbeFailed(why) => write!(f, "probe: {why}"),
+            Reason::ProxyDraining => f.write_str("proxy says it is draining"),
+            Reason::SourceDraining => {
+                f.write_str("the source says it is going away (pod terminating)")
+            }
+            Reason::DashboardDraining => f.write_str("dashboard lists its proxy as DRAINING"),
+            Reason::MissingRoutes(missing) => {
+                write!(f, "does not serve route prefixes {missing:?} yet")
+            }
+            Reason::RoutesUnknown => f.write_str("its routes are not known yet"),
+            Reason::FailOpen(why) => write!(
+                f,
+                "fail-open: every proxy of the cluster fails its probe ({why})"
+            ),
+            Reason::HeadExcluded => f.write_str("head_proxy: exclude"),
+            Reason::HeadFallback => f.write_str("head_proxy: fallback, a worker proxy is healthy"),
+            Reason::ClusterDeparted => {
+                f.write_str("its cluster left the source: draining until removed")
+            }
+        }
+    }
+}
+
+impl Serialize for Reason {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 /// An endpoint's health and the reason for it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Verdict {
     pub health: EndpointHealth,
-    pub reason: String,
+    pub reason: Reason,
+}
+
+/// What the switchover reads of one cluster.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ClusterHealth {
+    /// Proxies probe-healthy, not going away, serving every RUNNING application's route
+    /// prefix (head or not; fail-open never counts).
+    pub ready: u32,
+    /// Proxies Envoy may send new requests to on ray-xds's own knowledge: published
+    /// healthy or unknown, not by fail-open.
+    pub routable: u32,
+    /// Every proxy of the cluster failed its probe: published healthy anyway.
+    pub fail_open: bool,
 }
 
 /// The health of every endpoint, keyed by Envoy cluster name and proxy address.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct HealthMap {
     pub endpoints: BTreeMap<(String, SocketAddr), Verdict>,
-    /// Envoy clusters published fail-open.
-    pub fail_open: BTreeSet<String>,
+    pub clusters: BTreeMap<String, ClusterHealth>,
 }
 
 impl HealthMap {
@@ -61,9 +138,37 @@ impl HealthMap {
             .get(&(cluster.to_string(), address))
             .map_or(EndpointHealth::Unknown, |v| v.health)
     }
+
+    pub fn cluster(&self, cluster: &str) -> ClusterHealth {
+        self.clusters.get(cluster).copied().unwrap_or_default()
+    }
+
+    /// Envoy clusters published fail-open.
+    pub fn fail_open(&self) -> BTreeSet<&str> {
+        self.clusters
+            .iter()
+            .filter(|(_, c)| c.fail_open)
+            .map(|(n, _)| n.as_str())
+            .collect()
+    }
 }
 
-pub fn assess(model: &Model, probes: &ProbeStates, dashboards: &DashboardStates) -> HealthMap {
+/// What the pipeline knows beyond probes and dashboards.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Facts<'a> {
+    /// New proxies not published until their first probe.
+    pub withheld: Option<&'a BTreeSet<SocketAddr>>,
+    /// Envoy clusters the source dropped, draining for their grace period.
+    pub departed: Option<&'a BTreeSet<String>>,
+}
+
+pub fn assess(
+    model: &Model,
+    probes: &ProbeStates,
+    dashboards: &DashboardStates,
+    facts: Facts<'_>,
+) -> HealthMap {
+    let withheld = |a: &SocketAddr| facts.withheld.is_some_and(|w| w.contains(a));
     let mut out = HealthMap::default();
     for service in model.services() {
         for cluster in &service.clusters {
@@ -72,9 +177,7 @@ pub fn assess(model: &Model, probes: &ProbeStates, dashboards: &DashboardStates)
                 .clusters
                 .get(&name)
                 .and_then(|d| d.status.as_ref());
-            // Route prefixes of the applications the dashboard says are RUNNING; enforced
-            // only while some healthy proxy of the cluster serves them all, so that a new
-            // application (or routes not re-read yet) never drains the whole cluster.
+            // Route prefixes of the applications the dashboard says are RUNNING.
             let required: BTreeSet<String> = dashboard
                 .map(|d| {
                     d.applications
@@ -84,100 +187,81 @@ pub fn assess(model: &Model, probes: &ProbeStates, dashboards: &DashboardStates)
                         .collect()
                 })
                 .unwrap_or_default();
-            let someone_serves_all = cluster.proxies.iter().any(|p| {
-                probes.proxies.get(&p.address).is_some_and(|probe| {
+            let serves_all = |address: &SocketAddr| {
+                probes.proxies.get(address).is_some_and(|probe| {
                     probe.state == ProbeState::Healthy
-                        && probe.routes.as_ref().is_some_and(|r| required.is_subset(r))
+                        && (required.is_empty()
+                            || probe.routes.as_ref().is_some_and(|r| required.is_subset(r)))
                 })
-            });
-            let required = if someone_serves_all {
-                required
-            } else {
-                BTreeSet::new()
             };
-            let mut verdicts: Vec<(SocketAddr, NodeType, Verdict)> = cluster
-                .proxies
-                .iter()
-                .map(|proxy| {
-                    let probe = probes.proxies.get(&proxy.address);
-                    let mut v = match probe.map(|p| p.state) {
-                        None | Some(ProbeState::Unknown) => {
-                            verdict(EndpointHealth::Unknown, "not probed yet")
-                        }
-                        Some(ProbeState::Healthy) => {
-                            verdict(EndpointHealth::Healthy, "probe healthy")
-                        }
-                        Some(ProbeState::Unhealthy) => Verdict {
-                            health: EndpointHealth::Unhealthy,
-                            reason: format!(
-                                "probe: {}",
-                                probe.map(|p| p.reason.as_str()).unwrap_or("")
-                            ),
-                        },
-                        Some(ProbeState::Draining) => {
-                            verdict(EndpointHealth::Draining, "proxy says it is draining")
-                        }
-                    };
-                    if proxy.draining {
-                        v = verdict(
-                            EndpointHealth::Draining,
-                            "the source says it is going away (pod terminating)",
-                        );
+            // Enforced only while some healthy proxy serves them all, so that a new
+            // application (or routes not re-read yet) never drains the whole cluster.
+            let enforce_routes =
+                !required.is_empty() && cluster.proxies.iter().any(|p| serves_all(&p.address));
+            let mut summary = ClusterHealth::default();
+            let mut verdicts: Vec<(SocketAddr, NodeType, Verdict)> = Vec::new();
+            for proxy in &cluster.proxies {
+                let probe = probes.proxies.get(&proxy.address);
+                let state = probe.map_or(ProbeState::Unknown, |p| p.state);
+                let mut v = match state {
+                    ProbeState::Unknown => verdict(EndpointHealth::Unknown, Reason::NotProbedYet),
+                    ProbeState::Healthy => verdict(EndpointHealth::Healthy, Reason::ProbeHealthy),
+                    ProbeState::Unhealthy => verdict(
+                        EndpointHealth::Unhealthy,
+                        Reason::ProbeFailed(probe.map(|p| p.reason.clone()).unwrap_or_default()),
+                    ),
+                    ProbeState::Draining => {
+                        verdict(EndpointHealth::Draining, Reason::ProxyDraining)
                     }
-                    if let Some(ProxyStatus::Draining) =
-                        dashboard.and_then(|d| d.proxy_status_at(proxy.address))
-                    {
-                        v = verdict(
-                            EndpointHealth::Draining,
-                            "dashboard lists its proxy as DRAINING",
-                        );
-                    }
-                    if v.health == EndpointHealth::Healthy && !required.is_empty() {
-                        match probe.and_then(|p| p.routes.as_ref()) {
-                            Some(routes) if required.is_subset(routes) => {}
-                            Some(routes) => {
-                                let missing: Vec<&String> = required.difference(routes).collect();
-                                v = Verdict {
-                                    health: EndpointHealth::Draining,
-                                    reason: format!(
-                                        "does not serve route prefixes {missing:?} yet"
-                                    ),
-                                };
-                            }
-                            None => {
-                                v = verdict(
-                                    EndpointHealth::Draining,
-                                    "its routes are not known yet",
-                                )
-                            }
+                };
+                if state == ProbeState::Unknown && withheld(&proxy.address) {
+                    v = verdict(EndpointHealth::Withheld, Reason::AwaitingFirstProbe);
+                }
+                if proxy.draining {
+                    v = verdict(EndpointHealth::Draining, Reason::SourceDraining);
+                }
+                if let Some(ProxyStatus::Draining) =
+                    dashboard.and_then(|d| d.proxy_status_at(proxy.address))
+                {
+                    v = verdict(EndpointHealth::Draining, Reason::DashboardDraining);
+                }
+                if v.health == EndpointHealth::Healthy && enforce_routes {
+                    match probe.and_then(|p| p.routes.as_ref()) {
+                        Some(routes) if required.is_subset(routes) => {}
+                        Some(routes) => {
+                            let missing = required.difference(routes).cloned().collect();
+                            v = verdict(EndpointHealth::Draining, Reason::MissingRoutes(missing));
                         }
+                        None => v = verdict(EndpointHealth::Draining, Reason::RoutesUnknown),
                     }
-                    (proxy.address, proxy.node_type, v)
-                })
-                .collect();
-
-            let serving = verdicts
-                .iter()
-                .filter(|(_, _, v)| v.health != EndpointHealth::Draining);
-            let (mut candidates, mut all_unhealthy) = (0, true);
-            for (_, _, v) in serving {
-                candidates += 1;
-                all_unhealthy &= v.health == EndpointHealth::Unhealthy;
+                }
+                if v.health == EndpointHealth::Healthy && serves_all(&proxy.address) {
+                    summary.ready += 1;
+                }
+                verdicts.push((proxy.address, proxy.node_type, v));
             }
-            if candidates > 0 && all_unhealthy {
+
+            // Fail-open: every proxy that could serve fails its probe.
+            let mut candidates = verdicts
+                .iter()
+                .filter(|(_, _, v)| {
+                    !matches!(
+                        v.health,
+                        EndpointHealth::Draining | EndpointHealth::Withheld
+                    )
+                })
+                .peekable();
+            let all_unhealthy = candidates.peek().is_some()
+                && candidates.all(|(_, _, v)| v.health == EndpointHealth::Unhealthy);
+            if all_unhealthy {
                 for (_, _, v) in verdicts
                     .iter_mut()
                     .filter(|(_, _, v)| v.health == EndpointHealth::Unhealthy)
                 {
-                    *v = Verdict {
-                        health: EndpointHealth::Healthy,
-                        reason: format!(
-                            "fail-open: every proxy of the cluster fails its probe ({})",
-                            v.reason
-                        ),
-                    };
+                    let why = std::mem::replace(&mut v.reason, Reason::NotProbedYet);
+                    *v = verdict(EndpointHealth::Healthy, Reason::FailOpen(Box::new(why)));
                 }
-                out.fail_open.insert(name.clone());
+                summary.fail_open = true;
             }
 
             let worker_up = verdicts.iter().any(|(_, t, v)| {
@@ -185,36 +269,48 @@ pub fn assess(model: &Model, probes: &ProbeStates, dashboards: &DashboardStates)
                     && matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
             });
             for (_, node_type, v) in verdicts.iter_mut() {
-                if *node_type != NodeType::Head || v.health == EndpointHealth::Draining {
+                if *node_type != NodeType::Head
+                    || matches!(
+                        v.health,
+                        EndpointHealth::Draining | EndpointHealth::Withheld
+                    )
+                {
                     continue;
                 }
                 match service.policy.head_proxy {
                     HeadProxy::Include => {}
                     HeadProxy::Exclude => {
-                        *v = verdict(EndpointHealth::Draining, "head_proxy: exclude")
+                        *v = verdict(EndpointHealth::Draining, Reason::HeadExcluded)
                     }
                     HeadProxy::Fallback if worker_up => {
-                        *v = verdict(
-                            EndpointHealth::Draining,
-                            "head_proxy: fallback, a worker proxy is healthy",
-                        )
+                        *v = verdict(EndpointHealth::Draining, Reason::HeadFallback)
                     }
                     HeadProxy::Fallback => {}
                 }
             }
-            for (address, _, v) in verdicts {
+
+            let departed = facts.departed.is_some_and(|d| d.contains(&name));
+            for (address, _, mut v) in verdicts {
+                if departed && v.health != EndpointHealth::Withheld {
+                    v = verdict(EndpointHealth::Draining, Reason::ClusterDeparted);
+                }
+                let routable =
+                    matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
+                        && !matches!(v.reason, Reason::FailOpen(_));
+                summary.routable += routable as u32;
                 out.endpoints.insert((name.clone(), address), v);
             }
+            if departed {
+                summary.ready = 0;
+            }
+            out.clusters.insert(name, summary);
         }
     }
     out
 }
 
-fn verdict(health: EndpointHealth, reason: &str) -> Verdict {
-    Verdict {
-        health,
-        reason: reason.into(),
-    }
+fn verdict(health: EndpointHealth, reason: Reason) -> Verdict {
+    Verdict { health, reason }
 }
 
 #[cfg(test)]
@@ -260,11 +356,16 @@ mod tests {
     fn head_proxy_policies() {
         let all_up = probes(&[(8000, P::Healthy), (8001, P::Healthy), (8002, P::Healthy)]);
         let none = DashboardStates::default();
-        let m = assess(&model(HeadProxy::Include), &all_up, &none);
+        let m = assess(&model(HeadProxy::Include), &all_up, &none, Facts::default());
         assert_eq!(health(&m, 8000), Healthy);
-        let m = assess(&model(HeadProxy::Exclude), &all_up, &none);
+        let m = assess(&model(HeadProxy::Exclude), &all_up, &none, Facts::default());
         assert_eq!(health(&m, 8000), Draining);
-        let m = assess(&model(HeadProxy::Fallback), &all_up, &none);
+        let m = assess(
+            &model(HeadProxy::Fallback),
+            &all_up,
+            &none,
+            Facts::default(),
+        );
         assert_eq!(health(&m, 8000), Draining, "a worker is healthy");
         assert_eq!(health(&m, 8001), Healthy);
         // Workers down: the head takes the traffic.
@@ -273,10 +374,15 @@ mod tests {
             (8001, P::Unhealthy),
             (8002, P::Unhealthy),
         ]);
-        let m = assess(&model(HeadProxy::Fallback), &workers_down, &none);
+        let m = assess(
+            &model(HeadProxy::Fallback),
+            &workers_down,
+            &none,
+            Facts::default(),
+        );
         assert_eq!(health(&m, 8000), Healthy);
         assert_eq!(health(&m, 8001), Unhealthy);
-        assert!(m.fail_open.is_empty());
+        assert!(m.fail_open().is_empty());
     }
 
     #[test]
@@ -290,13 +396,15 @@ mod tests {
             &model(HeadProxy::Include),
             &down,
             &DashboardStates::default(),
+            Facts::default(),
         );
         assert_eq!(health(&m, 8000), Healthy);
         assert_eq!(health(&m, 8001), Healthy);
         assert_eq!(health(&m, 8002), Draining, "draining stays draining");
-        assert!(m.fail_open.contains(CLUSTER));
+        assert!(m.cluster(CLUSTER).fail_open);
         assert!(m.endpoints[&(CLUSTER.to_string(), addr(8001))]
             .reason
+            .to_string()
             .starts_with("fail-open"));
         // One proxy healthy: no fail-open.
         let one = probes(&[
@@ -308,9 +416,10 @@ mod tests {
             &model(HeadProxy::Include),
             &one,
             &DashboardStates::default(),
+            Facts::default(),
         );
         assert_eq!(health(&m, 8000), Unhealthy);
-        assert!(m.fail_open.is_empty());
+        assert!(m.fail_open().is_empty());
     }
 
     fn dashboard(status: ServeStatus) -> DashboardStates {
@@ -338,33 +447,59 @@ mod tests {
         proxy.node_ip = "127.0.0.1".into();
         proxy.status = ProxyStatus::Draining;
         let up = probes(&[(8000, P::Healthy), (8001, P::Healthy), (8002, P::Healthy)]);
-        let m = assess(&model(HeadProxy::Include), &up, &dashboard(status.clone()));
+        let m = assess(
+            &model(HeadProxy::Include),
+            &up,
+            &dashboard(status.clone()),
+            Facts::default(),
+        );
         assert_eq!(health(&m, 8001), Draining);
 
         // Healthy in the dashboard, but the proxies serve "/" while the app is at "/hello".
         status.proxies.values_mut().next().unwrap().status = ProxyStatus::Healthy;
         // Nobody serves /hello: nobody is held back for it.
-        let m = assess(&model(HeadProxy::Include), &up, &dashboard(status.clone()));
+        let m = assess(
+            &model(HeadProxy::Include),
+            &up,
+            &dashboard(status.clone()),
+            Facts::default(),
+        );
         assert_eq!(health(&m, 8001), Healthy);
         // One proxy serves it: the others, lagging behind, take no new traffic.
         let mut one = up.clone();
         one.proxies.get_mut(&addr(8002)).unwrap().routes = Some(["/hello".to_string()].into());
-        let m = assess(&model(HeadProxy::Include), &one, &dashboard(status.clone()));
+        let m = assess(
+            &model(HeadProxy::Include),
+            &one,
+            &dashboard(status.clone()),
+            Facts::default(),
+        );
         assert_eq!(health(&m, 8001), Draining);
         assert_eq!(health(&m, 8002), Healthy);
         assert!(m.endpoints[&(CLUSTER.to_string(), addr(8001))]
             .reason
+            .to_string()
             .contains("/hello"));
         // A DEPLOYING application's prefix is not required.
         let mut deploying = status.clone();
         deploying.applications.get_mut("hello").unwrap().status = AppStatus::Deploying;
-        let m = assess(&model(HeadProxy::Include), &one, &dashboard(deploying));
+        let m = assess(
+            &model(HeadProxy::Include),
+            &one,
+            &dashboard(deploying),
+            Facts::default(),
+        );
         assert_eq!(health(&m, 8001), Healthy);
         let mut serving = up.clone();
         for p in serving.proxies.values_mut() {
             p.routes = Some(["/hello".to_string()].into());
         }
-        let m = assess(&model(HeadProxy::Include), &serving, &dashboard(status));
+        let m = assess(
+            &model(HeadProxy::Include),
+            &serving,
+            &dashboard(status),
+            Facts::default(),
+        );
         assert_eq!(health(&m, 8001), Healthy);
     }
 
@@ -374,8 +509,77 @@ mod tests {
             &model(HeadProxy::Include),
             &ProbeStates::default(),
             &DashboardStates::default(),
+            Facts::default(),
         );
         assert_eq!(health(&m, 8001), Unknown);
-        assert!(m.fail_open.is_empty());
+        assert!(m.fail_open().is_empty());
+    }
+
+    #[test]
+    fn a_new_proxy_is_withheld_until_its_first_probe_and_a_departed_cluster_drains() {
+        let none = DashboardStates::default();
+        let some = probes(&[(8000, P::Healthy), (8001, P::Healthy)]);
+        let withheld: BTreeSet<SocketAddr> = [addr(8002)].into();
+        let facts = Facts {
+            withheld: Some(&withheld),
+            departed: None,
+        };
+        let m = assess(&model(HeadProxy::Include), &some, &none, facts);
+        assert_eq!(health(&m, 8002), Withheld);
+        assert_eq!(m.cluster(CLUSTER).routable, 2, "withheld is not routable");
+        // Once probed, withholding no longer applies.
+        let all = probes(&[(8000, P::Healthy), (8001, P::Healthy), (8002, P::Unhealthy)]);
+        let m = assess(&model(HeadProxy::Include), &all, &none, facts);
+        assert_eq!(health(&m, 8002), Unhealthy);
+
+        let departed: BTreeSet<String> = [CLUSTER.to_string()].into();
+        let facts = Facts {
+            withheld: None,
+            departed: Some(&departed),
+        };
+        let m = assess(&model(HeadProxy::Include), &all, &none, facts);
+        for port in [8000, 8001, 8002] {
+            assert_eq!(health(&m, port), Draining);
+        }
+        assert_eq!(
+            m.cluster(CLUSTER),
+            ClusterHealth::default(),
+            "nothing ready or routable"
+        );
+    }
+
+    #[test]
+    fn ready_counts_live_proxies_whatever_the_head_policy_and_never_fail_open() {
+        let none = DashboardStates::default();
+        let up = probes(&[(8000, P::Healthy), (8001, P::Healthy), (8002, P::Unknown)]);
+        let m = assess(&model(HeadProxy::Fallback), &up, &none, Facts::default());
+        assert_eq!(
+            health(&m, 8000),
+            Draining,
+            "the head waits behind its workers"
+        );
+        let c = m.cluster(CLUSTER);
+        assert_eq!((c.ready, c.routable), (2, 2), "{c:?}");
+        let down = probes(&[
+            (8000, P::Unhealthy),
+            (8001, P::Unhealthy),
+            (8002, P::Unhealthy),
+        ]);
+        let m = assess(&model(HeadProxy::Include), &down, &none, Facts::default());
+        let c = m.cluster(CLUSTER);
+        assert!(c.fail_open);
+        assert_eq!(
+            (c.ready, c.routable),
+            (0, 0),
+            "fail-open is not readiness: {c:?}"
+        );
+        // A proxy the source says is going away is never ready.
+        let mut going = model(HeadProxy::Include);
+        let mut s = going.services()[0].clone();
+        s.clusters[0].proxies[1].draining = true;
+        going = Model::new(vec![s]).unwrap();
+        let all = probes(&[(8000, P::Healthy), (8001, P::Healthy), (8002, P::Healthy)]);
+        let m = assess(&going, &all, &none, Facts::default());
+        assert_eq!(m.cluster(CLUSTER).ready, 2);
     }
 }

@@ -9,43 +9,11 @@
 //!   `healthy_threshold` consecutive successes make an unhealthy or draining proxy healthy.
 
 use std::collections::BTreeSet;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use serde::Serialize;
 
-/// How a proxy is probed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ProbeSettings {
-    pub interval: Duration,
-    pub timeout: Duration,
-    pub unhealthy_threshold: u32,
-    pub healthy_threshold: u32,
-}
-
-impl Default for ProbeSettings {
-    fn default() -> Self {
-        ProbeSettings {
-            interval: Duration::from_millis(500),
-            timeout: Duration::from_millis(250),
-            unhealthy_threshold: 2,
-            healthy_threshold: 2,
-        }
-    }
-}
-
-impl ProbeSettings {
-    pub fn with(self, o: &crate::model::ProbeOverrides) -> ProbeSettings {
-        ProbeSettings {
-            interval: o.interval.unwrap_or(self.interval),
-            timeout: o.timeout.unwrap_or(self.timeout),
-            unhealthy_threshold: o
-                .unhealthy_threshold
-                .unwrap_or(self.unhealthy_threshold)
-                .max(1),
-            healthy_threshold: o.healthy_threshold.unwrap_or(self.healthy_threshold).max(1),
-        }
-    }
-}
+use crate::policy::probe::ProbePolicy;
 
 /// What one `GET /-/healthz` found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -128,7 +96,7 @@ impl ProxyProbe {
     pub fn observe(
         &mut self,
         outcome: &Outcome,
-        settings: &ProbeSettings,
+        settings: &ProbePolicy,
         now: SystemTime,
     ) -> Option<Transition> {
         let (next, reason) = match outcome {
@@ -179,10 +147,10 @@ impl ProxyProbe {
 mod tests {
     use super::*;
 
-    fn probe() -> (ProxyProbe, ProbeSettings, SystemTime) {
+    fn probe() -> (ProxyProbe, ProbePolicy, SystemTime) {
         (
             ProxyProbe::new(SystemTime::UNIX_EPOCH),
-            ProbeSettings::default(),
+            ProbePolicy::default(),
             SystemTime::UNIX_EPOCH,
         )
     }
@@ -254,18 +222,5 @@ mod tests {
             p.observe(&Outcome::Healthy, &s, t).unwrap().to,
             ProbeState::Healthy
         );
-    }
-
-    #[test]
-    fn overrides_apply() {
-        let o = crate::model::ProbeOverrides {
-            interval: Some(Duration::from_secs(2)),
-            unhealthy_threshold: Some(0),
-            ..Default::default()
-        };
-        let s = ProbeSettings::default().with(&o);
-        assert_eq!(s.interval, Duration::from_secs(2));
-        assert_eq!(s.unhealthy_threshold, 1, "at least one");
-        assert_eq!(s.timeout, Duration::from_millis(250));
     }
 }

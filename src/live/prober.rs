@@ -24,29 +24,10 @@ use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::probe::{Outcome, ProbeSettings, ProbeState, ProxyProbe};
+use super::probe::{Outcome, ProbeState, ProxyProbe};
 use crate::metrics::Metrics;
 use crate::model::Model;
-
-/// Global prober settings.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ProberConfig {
-    pub defaults: ProbeSettings,
-    /// Probes in flight at once, across all proxies.
-    pub max_concurrent: usize,
-    /// How often a healthy proxy's `/-/routes` is read again.
-    pub routes_interval: Duration,
-}
-
-impl Default for ProberConfig {
-    fn default() -> Self {
-        ProberConfig {
-            defaults: ProbeSettings::default(),
-            max_concurrent: 256,
-            routes_interval: Duration::from_secs(10),
-        }
-    }
-}
+use crate::policy::probe::ProbePolicy;
 
 /// The probe state of every proxy, published by the prober.
 #[derive(Clone, Debug, Default)]
@@ -67,7 +48,8 @@ struct Report {
 }
 
 pub struct Prober {
-    pub config: ProberConfig,
+    /// The global probe policy; each RayService overrides parts of it.
+    pub policy: ProbePolicy,
     pub metrics: Arc<Metrics>,
 }
 
@@ -79,16 +61,18 @@ impl Prober {
         states: watch::Sender<Arc<ProbeStates>>,
         shutdown: CancellationToken,
     ) {
-        let client = probe_client(self.config.defaults.timeout);
-        let permits = Arc::new(Semaphore::new(self.config.max_concurrent.max(1)));
+        let client = probe_client(self.policy.timeout);
+        let permits = Arc::new(Semaphore::new(
+            self.policy.max_concurrent.clamp(1, Semaphore::MAX_PERMITS),
+        ));
         let (tx, mut rx) = mpsc::channel::<Report>(1024);
-        let mut tasks: BTreeMap<SocketAddr, (ProbeSettings, JoinHandle<()>)> = BTreeMap::new();
+        let mut tasks: BTreeMap<SocketAddr, (ProbePolicy, JoinHandle<()>)> = BTreeMap::new();
         let mut current = ProbeStates::default();
         let mut models_changed = true;
         loop {
             if models_changed {
                 let model = models.borrow_and_update().clone();
-                let wanted = targets(&model, &self.config.defaults);
+                let wanted = targets(&model, &self.policy);
                 tasks.retain(|addr, (settings, task)| {
                     let keep = wanted.get(addr) == Some(settings);
                     if !keep {
@@ -100,13 +84,13 @@ impl Prober {
                     tasks.entry(*addr).or_insert_with(|| {
                         let task = ProbeTask {
                             address: *addr,
-                            settings: *settings,
-                            routes_interval: self.config.routes_interval,
+                            settings: settings.clone(),
+                            routes_interval: self.policy.routes_interval,
                             client: client.clone(),
                             permits: permits.clone(),
                             reports: tx.clone(),
                         };
-                        (*settings, tokio::spawn(task.run()))
+                        (settings.clone(), tokio::spawn(task.run()))
                     });
                 }
                 let before = current.proxies.len();
@@ -155,7 +139,7 @@ impl Prober {
     fn apply(
         &self,
         current: &mut ProbeStates,
-        tasks: &BTreeMap<SocketAddr, (ProbeSettings, JoinHandle<()>)>,
+        tasks: &BTreeMap<SocketAddr, (ProbePolicy, JoinHandle<()>)>,
         report: Report,
     ) -> bool {
         let (Some(probe), Some((settings, _))) = (
@@ -193,13 +177,13 @@ impl Prober {
 }
 
 /// Every proxy of the model with the probe settings of its RayService.
-fn targets(model: &Model, defaults: &ProbeSettings) -> BTreeMap<SocketAddr, ProbeSettings> {
+fn targets(model: &Model, defaults: &ProbePolicy) -> BTreeMap<SocketAddr, ProbePolicy> {
     let mut out = BTreeMap::new();
     for service in model.services() {
-        let settings = defaults.with(&service.policy.probe);
+        let settings = defaults.with(&service.policy.overrides.probe);
         for cluster in &service.clusters {
             for proxy in &cluster.proxies {
-                out.entry(proxy.address).or_insert(settings);
+                out.entry(proxy.address).or_insert_with(|| settings.clone());
             }
         }
     }
@@ -208,7 +192,7 @@ fn targets(model: &Model, defaults: &ProbeSettings) -> BTreeMap<SocketAddr, Prob
 
 struct ProbeTask {
     address: SocketAddr,
-    settings: ProbeSettings,
+    settings: ProbePolicy,
     routes_interval: Duration,
     client: HttpClient,
     permits: Arc<Semaphore>,

@@ -19,8 +19,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{parse_yaml, ConfigError};
 use crate::metrics::Metrics;
-use crate::model::{
-    HeadProxy, Model, NodeType, ProbeOverrides, Proxy, RayCluster, RayService, ServicePolicy,
+use crate::model::{HeadProxy, Model, NodeType, Proxy, RayCluster, RayService, ServicePolicy};
+use crate::policy::ServiceOverrides;
+use crate::policy::{
+    probe::ProbeOverrides, switchover::SwitchoverOverrides, traffic::TrafficOverrides,
 };
 
 #[derive(Debug, Deserialize)]
@@ -44,52 +46,13 @@ struct ServiceSpec {
     /// `exclude`, `include` or `fallback` (default).
     #[serde(default)]
     head_proxy: Option<HeadProxySpec>,
+    /// Overrides of the global `probe:`, `traffic:` and `switchover:` policies.
     #[serde(default)]
-    probe: Option<ProbeSpec>,
+    probe: ProbeOverrides,
     #[serde(default)]
-    traffic: Option<TrafficSpec>,
+    traffic: TrafficOverrides,
     #[serde(default)]
-    switchover: Option<crate::config::SwitchoverSpec>,
-}
-
-/// Per-RayService traffic policy; see `policy::TrafficPolicy` for each field.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct TrafficSpec {
-    pub retries: Option<u32>,
-    #[serde(default, with = "humantime_serde")]
-    pub per_try_timeout: Option<std::time::Duration>,
-    #[serde(default, with = "humantime_serde")]
-    pub route_timeout: Option<std::time::Duration>,
-    pub idempotent: Option<bool>,
-    pub consecutive_gateway_failure: Option<u32>,
-    pub consecutive_local_origin_failure: Option<u32>,
-    #[serde(default, with = "humantime_serde")]
-    pub base_ejection_time: Option<std::time::Duration>,
-    pub max_ejection_percent: Option<u32>,
-    #[serde(default, with = "humantime_serde")]
-    pub retry_back_off: Option<std::time::Duration>,
-    #[serde(default, with = "humantime_serde")]
-    pub outlier_interval: Option<std::time::Duration>,
-    pub max_retries: Option<u32>,
-}
-
-impl TrafficSpec {
-    pub(crate) fn overrides(&self) -> crate::policy::TrafficOverrides {
-        crate::policy::TrafficOverrides {
-            retries: self.retries,
-            per_try_timeout: self.per_try_timeout,
-            route_timeout: self.route_timeout,
-            idempotent: self.idempotent,
-            consecutive_gateway_failure: self.consecutive_gateway_failure,
-            consecutive_local_origin_failure: self.consecutive_local_origin_failure,
-            base_ejection_time: self.base_ejection_time,
-            max_ejection_percent: self.max_ejection_percent,
-            retry_back_off: self.retry_back_off,
-            outlier_interval: self.outlier_interval,
-            max_retries: self.max_retries,
-        }
-    }
+    switchover: SwitchoverOverrides,
 }
 
 #[derive(Debug, Deserialize)]
@@ -98,17 +61,6 @@ enum HeadProxySpec {
     Exclude,
     Include,
     Fallback,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ProbeSpec {
-    #[serde(default, with = "humantime_serde")]
-    interval: Option<std::time::Duration>,
-    #[serde(default, with = "humantime_serde")]
-    timeout: Option<std::time::Duration>,
-    unhealthy_threshold: Option<u32>,
-    healthy_threshold: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -156,39 +108,27 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
         .rayservices
         .into_iter()
         .map(|s| {
-            let switchover = match &s.switchover {
-                Some(spec) => spec.overrides().map_err(|e| {
-                    ConfigError::Invalid(format!(
-                        "{}: rayservice {}/{}: {e}",
-                        file.display(),
-                        s.namespace,
-                        s.name
-                    ))
-                })?,
-                None => Default::default(),
+            let overrides = ServiceOverrides {
+                probe: s.probe,
+                traffic: s.traffic,
+                switchover: s.switchover,
             };
+            overrides.validate().map_err(|e| {
+                ConfigError::Invalid(format!(
+                    "{}: rayservice {}/{}: {e}",
+                    file.display(),
+                    s.namespace,
+                    s.name
+                ))
+            })?;
             Ok(RayService {
                 policy: ServicePolicy {
-                    switchover,
+                    overrides,
                     head_proxy: match s.head_proxy {
                         Some(HeadProxySpec::Exclude) => HeadProxy::Exclude,
                         Some(HeadProxySpec::Include) => HeadProxy::Include,
                         Some(HeadProxySpec::Fallback) | None => HeadProxy::Fallback,
                     },
-                    probe: s
-                        .probe
-                        .map(|p| ProbeOverrides {
-                            interval: p.interval,
-                            timeout: p.timeout,
-                            unhealthy_threshold: p.unhealthy_threshold,
-                            healthy_threshold: p.healthy_threshold,
-                        })
-                        .unwrap_or_default(),
-                    traffic: s
-                        .traffic
-                        .as_ref()
-                        .map(TrafficSpec::overrides)
-                        .unwrap_or_default(),
                 },
                 hosts: s.hosts.unwrap_or_else(|| {
                     vec![
@@ -416,18 +356,20 @@ rayservices:
         let policy = model.services()[0].policy.clone();
         assert_eq!(policy.head_proxy, HeadProxy::Exclude);
         assert_eq!(
-            policy.probe.interval,
+            policy.overrides.probe.interval,
             Some(std::time::Duration::from_secs(1))
         );
-        assert_eq!(policy.probe.unhealthy_threshold, Some(3));
-        assert_eq!(policy.probe.timeout, None);
+        assert_eq!(policy.overrides.probe.unhealthy_threshold, Some(3));
+        assert_eq!(policy.overrides.probe.timeout, None);
         let text = EXAMPLE.replace(
             "    active_cluster: demo-a\n",
             "    active_cluster: demo-a\n    traffic: { retries: 5, idempotent: true, per_try_timeout: 30s }\n",
         );
         let traffic = parse(Path::new("s.yaml"), &text).unwrap().services()[0]
             .policy
-            .traffic;
+            .overrides
+            .traffic
+            .clone();
         assert_eq!((traffic.retries, traffic.idempotent), (Some(5), Some(true)));
         assert_eq!(
             traffic.per_try_timeout,
@@ -501,5 +443,32 @@ rayservices:
             err.contains("services.yaml: rayservice default/demo: active_cluster"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn an_override_out_of_range_rejects_the_edit_naming_the_field() {
+        for (line, field) in [
+            (
+                "traffic: { base_ejection_time: 0s }",
+                "traffic.base_ejection_time",
+            ),
+            ("probe: { interval: 0s }", "probe.interval"),
+            (
+                "traffic: { max_ejection_percent: 150 }",
+                "traffic.max_ejection_percent",
+            ),
+            (
+                "traffic: { retry_back_off: 18446744073709551615s }",
+                "retry_back_off",
+            ),
+            ("switchover: { steps: [50, 90] }", "switchover.steps"),
+        ] {
+            let text = EXAMPLE.replace(
+                "    active_cluster: demo-a\n",
+                &format!("    active_cluster: demo-a\n    {line}\n"),
+            );
+            let err = parse(Path::new("s.yaml"), &text).unwrap_err().to_string();
+            assert!(err.contains(field), "{line}: {err}");
+        }
     }
 }

@@ -319,8 +319,8 @@ impl AdsProtocol for DeltaStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::test_support::service;
-    use crate::xds::ordering::tests::snapshot_of;
+    use crate::xds::fixtures::service;
+    use crate::xds::fixtures::snapshot_of;
     use envoy_types::pb::google::rpc::Status;
 
     fn subscribe(ty: ResourceType, names: &[&str]) -> DeltaDiscoveryRequest {

@@ -1,28 +1,23 @@
-//! The ADS gRPC service, wired by hand around tonic's transport and request decoding.
-//!
-//! Why not the generated server: tonic's codec keeps, per stream, an encode buffer at the
-//! capacity of the largest response it ever sent (a full cluster list, the initial sync)
-//! and a decode buffer at the largest request chunk, for the life of the stream; with
-//! thousands of idle Envoys that was most of our memory. Here each response is framed into
-//! its own `Bytes` (5-byte gRPC header + message) and freed once written, and requests are
-//! read by [`RequestStream`], whose buffer is released between messages.
+//! The ADS gRPC service, wired by hand around tonic's transport: routes each call to a
+//! stream task of [`super::server`] with the protocol's state machine, and turns what the
+//! task sends into a response body ([`super::codec`] frames the messages; see there why
+//! not tonic's codec).
 //!
 //! Invariants: a stream's task sends only framed messages, then at most one error; the
-//! body ends with `grpc-status` trailers. A request over the size limit is refused from
-//! its header, before it is buffered; compressed requests are refused.
+//! body ends with `grpc-status` trailers.
 
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
 use http_body::Frame;
-use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 use tonic::server::NamedService;
 use tonic::Status;
 
+use super::codec::RequestStream;
 use super::delta::DeltaStream;
 use super::server::AdsServer;
 use super::sotw::SotwStream;
@@ -31,20 +26,6 @@ const SOTW_PATH: &str =
     "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
 const DELTA_PATH: &str =
     "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
-
-/// A request buffer larger than this is dropped once it is empty.
-const KEEP_REQUEST_BUFFER_BYTES: usize = 1024;
-
-/// One gRPC message, framed: compression flag 0, big-endian length, the message.
-pub fn frame<M: prost::Message>(message: &M) -> Bytes {
-    let len = message.encoded_len();
-    let mut buf = BytesMut::with_capacity(5 + len);
-    buf.put_u8(0);
-    buf.put_u32(len as u32);
-    // Cannot fail: the buffer has room for `encoded_len` bytes.
-    let _ = message.encode(&mut buf);
-    buf.freeze()
-}
 
 /// The tower service `tonic::transport::Server::add_service` takes.
 #[derive(Clone)]
@@ -62,12 +43,7 @@ impl AdsService {
     }
 
     fn decode<T: prost::Message + Default>(&self, body: tonic::body::Body) -> RequestStream<T> {
-        RequestStream {
-            body,
-            buf: BytesMut::new(),
-            max_message_bytes: self.max_message_bytes,
-            _message: std::marker::PhantomData,
-        }
+        RequestStream::new(body, self.max_message_bytes)
     }
 }
 
@@ -149,153 +125,5 @@ impl http_body::Body for FramedBody {
 
     fn is_end_stream(&self) -> bool {
         self.ended
-    }
-}
-
-/// The messages of a gRPC request body.
-pub struct RequestStream<T> {
-    body: tonic::body::Body,
-    buf: BytesMut,
-    max_message_bytes: usize,
-    _message: std::marker::PhantomData<fn() -> T>,
-}
-
-impl<T: prost::Message + Default> RequestStream<T> {
-    /// The next message; `Ok(None)` when the client ended the stream.
-    pub async fn message(&mut self) -> Result<Option<T>, Status> {
-        loop {
-            if let Some(message) = self.decode_buffered()? {
-                return Ok(Some(message));
-            }
-            match self.body.frame().await {
-                None if self.buf.is_empty() => return Ok(None),
-                None => return Err(Status::internal("the stream ended inside a message")),
-                Some(Err(status)) => return Err(status),
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        self.buf.extend_from_slice(&data);
-                    }
-                }
-            }
-        }
-    }
-
-    fn decode_buffered(&mut self) -> Result<Option<T>, Status> {
-        if self.buf.len() < 5 {
-            return Ok(None);
-        }
-        if self.buf[0] != 0 {
-            return Err(Status::unimplemented(
-                "compressed xDS requests are not supported",
-            ));
-        }
-        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
-        if len > self.max_message_bytes {
-            return Err(Status::out_of_range(format!(
-                "a request of {len} bytes is over the limit of {} bytes",
-                self.max_message_bytes
-            )));
-        }
-        if self.buf.len() < 5 + len {
-            self.buf.reserve(5 + len - self.buf.len());
-            return Ok(None);
-        }
-        let mut message = self.buf.split_to(5 + len);
-        let message = message.split_off(5).freeze();
-        if self.buf.is_empty() && self.buf.capacity() > KEEP_REQUEST_BUFFER_BYTES {
-            self.buf = BytesMut::new();
-        }
-        T::decode(message)
-            .map(Some)
-            .map_err(|e| Status::internal(format!("undecodable request: {e}")))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
-
-    fn stream(chunks: Vec<Vec<u8>>, max: usize) -> RequestStream<DiscoveryRequest> {
-        let frames = chunks
-            .into_iter()
-            .map(|c| Ok::<_, Status>(Frame::data(Bytes::from(c))));
-        let body = http_body_util::StreamBody::new(futures::stream::iter(frames));
-        RequestStream {
-            body: tonic::body::Body::new(body),
-            buf: BytesMut::new(),
-            max_message_bytes: max,
-            _message: std::marker::PhantomData,
-        }
-    }
-
-    fn request(type_url: &str) -> DiscoveryRequest {
-        DiscoveryRequest {
-            type_url: type_url.into(),
-            ..Default::default()
-        }
-    }
-
-    #[tokio::test]
-    async fn reads_messages_across_and_within_chunks() {
-        let mut bytes = frame(&request("a")).to_vec();
-        bytes.extend_from_slice(&frame(&request("b")));
-        bytes.extend_from_slice(&frame(&request("c")));
-        let (first, rest) = bytes.split_at(3);
-        let (second, third) = rest.split_at(20);
-        let mut s = stream(vec![first.to_vec(), second.to_vec(), third.to_vec()], 1024);
-        for want in ["a", "b", "c"] {
-            assert_eq!(s.message().await.unwrap().unwrap().type_url, want);
-        }
-        assert!(s.message().await.unwrap().is_none());
-
-        // A large request does not leave a large buffer behind.
-        let big = frame(&DiscoveryRequest {
-            resource_names: (0..200)
-                .map(|i| format!("default/service-{i}/cluster"))
-                .collect(),
-            ..Default::default()
-        });
-        let mut s = stream(vec![big[..4000].to_vec(), big[4000..].to_vec()], 1 << 20);
-        assert_eq!(
-            s.message().await.unwrap().unwrap().resource_names.len(),
-            200
-        );
-        assert!(
-            s.buf.capacity() <= KEEP_REQUEST_BUFFER_BYTES,
-            "{}",
-            s.buf.capacity()
-        );
-    }
-
-    #[tokio::test]
-    async fn refuses_oversized_compressed_truncated_and_garbage() {
-        let big = frame(&DiscoveryRequest {
-            resource_names: vec!["x".repeat(100)],
-            ..Default::default()
-        });
-        // Refused from the header alone: only the first 5 bytes are sent.
-        let err = stream(vec![big[..5].to_vec()], 50)
-            .message()
-            .await
-            .unwrap_err();
-        assert_eq!(err.code(), tonic::Code::OutOfRange);
-
-        let mut compressed = frame(&request("a")).to_vec();
-        compressed[0] = 1;
-        let err = stream(vec![compressed], 1024).message().await.unwrap_err();
-        assert_eq!(err.code(), tonic::Code::Unimplemented);
-
-        let whole = frame(&request("abc"));
-        let err = stream(vec![whole[..whole.len() - 1].to_vec()], 1024)
-            .message()
-            .await
-            .unwrap_err();
-        assert_eq!(err.code(), tonic::Code::Internal);
-
-        // Field 2 (node, a message) with a fixed64 wire type.
-        let garbage = vec![0, 0, 0, 0, 9, 0x11, 1, 2, 3, 4, 5, 6, 7, 8];
-        let err = stream(vec![garbage], 1024).message().await.unwrap_err();
-        assert_eq!(err.code(), tonic::Code::Internal);
     }
 }

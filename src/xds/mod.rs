@@ -5,11 +5,20 @@
 //! - [`sotw`] and [`delta`]: one sans-IO state machine per stream, turning requests and
 //!   snapshots into responses, unit-tested without sockets;
 //! - [`server`]: one task per stream, reading the latest snapshot from a `watch`
-//!   channel (latest state wins; nothing queues per stream);
-//! - [`grpc`]: the gRPC service around it: tonic transport and request decoding, our own
-//!   response framing.
+//!   channel (latest state wins; nothing queues per stream), reporting to an
+//!   [`Observer`];
+//! - [`clients`]: the connected streams, what each Envoy holds, which have warmed what;
+//! - [`codec`] and [`grpc`]: gRPC framing and the tower service around the streams.
+//!
+//! This layer knows Envoy and the xDS protocol, not Ray: it serves whatever consistent
+//! [`Snapshot`] it is given, and reports through [`Observer`] and [`Clients`] instead of
+//! importing anything of the domain.
 
+pub mod clients;
+pub mod codec;
 pub mod delta;
+#[cfg(test)]
+pub(crate) mod fixtures;
 pub mod grpc;
 pub mod ordering;
 pub mod server;
@@ -20,7 +29,27 @@ use serde::Serialize;
 
 use envoy_types::pb::envoy::config::core::v3::Node;
 
-pub use snapshot::{ResourceType, Snapshot};
+pub use clients::Clients;
+pub use snapshot::{Inconsistent, ResourceType, Resources, Snapshot};
+
+/// What the server reports as streams come, go and exchange messages: ray-xds counts it
+/// in its metrics. Every method does nothing by default.
+pub trait Observer: Send + Sync + 'static {
+    fn stream_opened(&self, _protocol: &'static str) {}
+    fn stream_closed(&self, _protocol: &'static str) {}
+    /// A stream's first request for a type.
+    fn subscribed(&self, _protocol: &'static str, _ty: ResourceType) {}
+    /// A stream that had subscribed to a type ended.
+    fn unsubscribed(&self, _protocol: &'static str, _ty: ResourceType) {}
+    fn pushed(&self, _protocol: &'static str, _ty: ResourceType, _resources: usize) {}
+    fn acked(&self, _protocol: &'static str, _ty: ResourceType) {}
+    fn nacked(&self, _protocol: &'static str, _ty: ResourceType) {}
+    /// A stream ended on a client error (`reason` is a short metric label).
+    fn stream_error(&self, _protocol: &'static str, _reason: &'static str) {}
+}
+
+/// Observes nothing.
+impl Observer for () {}
 
 /// What a request meant, for logs, metrics and `/debug/clients`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -348,21 +348,9 @@ pub fn desired(
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-    use crate::config::GatewaySettings;
-    use crate::model::test_support::service;
-    use crate::model::Model;
-    use crate::translate::translate;
-
-    pub fn snapshot_of(services: Vec<crate::model::RayService>) -> Snapshot {
-        Snapshot::from_resources(&translate(
-            &Model::new(services).unwrap(),
-            &Default::default(),
-            &Default::default(),
-            &GatewaySettings::default(),
-        ))
-    }
+    use crate::xds::fixtures::{service, snapshot_of};
 
     fn hold_all(snapshot: &Snapshot, ty: ResourceType) -> Holding {
         Holding::from_resources(snapshot.resources(ty))

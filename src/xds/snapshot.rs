@@ -5,6 +5,12 @@
 //! Its version is a hash of its type and encoded bytes, and the snapshot's version a
 //! hash of every resource version, so equal models give equal versions on any replica
 //! and after any restart.
+//!
+//! Invariant: a snapshot made by [`Snapshot::build`] is consistent (as go-control-plane's
+//! `Snapshot.Consistent()`): every EDS cluster has its ClusterLoadAssignment and every
+//! assignment its cluster, every cluster a route names exists, and every route
+//! configuration a listener names over RDS exists. Envoy would otherwise warm forever or
+//! route to nothing.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -14,7 +20,152 @@ use envoy_types::pb::google::protobuf::Any;
 use prost::{Message, Name};
 use sha2::{Digest, Sha256};
 
-use crate::translate::{referenced_clusters, Resources};
+use envoy_types::pb::envoy::config::cluster::v3::{self as cluster_pb, Cluster};
+use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::config::listener::v3::{self as listener_pb, Listener};
+use envoy_types::pb::envoy::config::route::v3::{self as route_pb, RouteConfiguration};
+use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::{
+    http_connection_manager::RouteSpecifier, HttpConnectionManager,
+};
+
+/// Typed Envoy resources, before encoding: what a snapshot is built from.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Resources {
+    pub clusters: Vec<Cluster>,
+    pub endpoints: Vec<ClusterLoadAssignment>,
+    pub listeners: Vec<Listener>,
+    pub routes: Vec<RouteConfiguration>,
+}
+
+/// Why a set of resources does not fit together.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Inconsistent {
+    #[error("EDS cluster {0:?} has no ClusterLoadAssignment")]
+    ClusterWithoutEndpoints(String),
+    #[error("ClusterLoadAssignment {0:?} has no EDS cluster")]
+    EndpointsWithoutCluster(String),
+    #[error("route configuration {route:?} names cluster {cluster:?}, which does not exist")]
+    MissingCluster { route: String, cluster: String },
+    #[error(
+        "listener {listener:?} takes route configuration {route:?} over RDS, which does not exist"
+    )]
+    MissingRoute { listener: String, route: String },
+    #[error("two {0} resources are named {1:?}")]
+    Duplicate(&'static str, String),
+}
+
+impl Resources {
+    /// Checks that the resources fit together (see the module doc).
+    pub fn consistent(&self) -> Result<(), Inconsistent> {
+        use std::collections::BTreeSet;
+        fn names<'a>(
+            ty: &'static str,
+            it: impl Iterator<Item = &'a str>,
+        ) -> Result<BTreeSet<&'a str>, Inconsistent> {
+            let mut out = BTreeSet::new();
+            for n in it {
+                if !out.insert(n) {
+                    return Err(Inconsistent::Duplicate(ty, n.to_string()));
+                }
+            }
+            Ok(out)
+        }
+        let clusters = names("cluster", self.clusters.iter().map(|c| c.name.as_str()))?;
+        let assignments = names(
+            "endpoints",
+            self.endpoints.iter().map(|e| e.cluster_name.as_str()),
+        )?;
+        let routes = names("route", self.routes.iter().map(|r| r.name.as_str()))?;
+        names("listener", self.listeners.iter().map(|l| l.name.as_str()))?;
+        let eds = cluster_pb::cluster::ClusterDiscoveryType::Type(
+            cluster_pb::cluster::DiscoveryType::Eds as i32,
+        );
+        let mut eds_names = BTreeSet::new();
+        for c in &self.clusters {
+            if c.cluster_discovery_type.as_ref() == Some(&eds) {
+                let name = c
+                    .eds_cluster_config
+                    .as_ref()
+                    .map(|e| e.service_name.as_str())
+                    .filter(|n| !n.is_empty())
+                    .unwrap_or(&c.name);
+                if !assignments.contains(name) {
+                    return Err(Inconsistent::ClusterWithoutEndpoints(name.to_string()));
+                }
+                eds_names.insert(name);
+            }
+        }
+        if let Some(orphan) = assignments.difference(&eds_names).next() {
+            return Err(Inconsistent::EndpointsWithoutCluster(orphan.to_string()));
+        }
+        for r in &self.routes {
+            for cluster in referenced_clusters(r) {
+                if !clusters.contains(cluster.as_str()) {
+                    return Err(Inconsistent::MissingCluster {
+                        route: r.name.clone(),
+                        cluster,
+                    });
+                }
+            }
+        }
+        for l in &self.listeners {
+            for route in rds_route_names(l) {
+                if !routes.contains(route.as_str()) {
+                    return Err(Inconsistent::MissingRoute {
+                        listener: l.name.clone(),
+                        route,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The clusters a route configuration sends traffic to, sorted, each once.
+pub fn referenced_clusters(config: &RouteConfiguration) -> Vec<String> {
+    let mut names = Vec::new();
+    for vh in &config.virtual_hosts {
+        for r in &vh.routes {
+            if let Some(route_pb::route::Action::Route(action)) = &r.action {
+                match &action.cluster_specifier {
+                    Some(route_pb::route_action::ClusterSpecifier::Cluster(name)) => {
+                        names.push(name.clone())
+                    }
+                    Some(route_pb::route_action::ClusterSpecifier::WeightedClusters(w)) => {
+                        names.extend(w.clusters.iter().map(|c| c.name.clone()))
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// The route configurations a listener's HTTP connection managers take over RDS.
+fn rds_route_names(listener: &Listener) -> Vec<String> {
+    let mut out = Vec::new();
+    for chain in &listener.filter_chains {
+        for filter in &chain.filters {
+            let Some(listener_pb::filter::ConfigType::TypedConfig(any)) = &filter.config_type
+            else {
+                continue;
+            };
+            if any.type_url != <HttpConnectionManager as Name>::type_url() {
+                continue;
+            }
+            if let Ok(hcm) = HttpConnectionManager::decode(&*any.value) {
+                if let Some(RouteSpecifier::Rds(rds)) = hcm.route_specifier {
+                    out.push(rds.route_config_name);
+                }
+            }
+        }
+    }
+    out
+}
 
 /// The resource types ray-xds serves, in make-before-break push order: clusters before
 /// their endpoints before listeners before routes.
@@ -233,6 +384,18 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// A consistent snapshot of `resources`, sharing every unchanged resource with
+    /// `previous`; an inconsistent set is refused.
+    pub fn build(
+        resources: &Resources,
+        previous: Option<&Snapshot>,
+    ) -> Result<Snapshot, Inconsistent> {
+        resources.consistent()?;
+        Ok(Snapshot::from_resources_reusing(resources, previous))
+    }
+
+    /// A snapshot of `resources`, unchecked (tests and benchmarks build odd ones on
+    /// purpose).
     pub fn from_resources(resources: &Resources) -> Snapshot {
         Snapshot::from_resources_reusing(resources, None)
     }
@@ -337,38 +500,19 @@ fn short_hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::GatewaySettings;
-    use crate::model::test_support::service;
-    use crate::model::Model;
-    use crate::translate::translate;
+    use crate::xds::fixtures::{resources_of, service};
 
     #[test]
     fn versions_are_content_hashes() {
-        let g = GatewaySettings::default();
-        let m1 = Model::new(vec![service("a", "a1", &[8000, 8001])]).unwrap();
-        let s1 = Snapshot::from_resources(&translate(
-            &m1,
-            &Default::default(),
-            &Default::default(),
-            &g,
-        ));
-        let s1_again = Snapshot::from_resources(&translate(
-            &m1,
-            &Default::default(),
-            &Default::default(),
-            &g,
-        ));
+        let m1 = resources_of(&[service("a", "a1", &[8000, 8001])]);
+        let s1 = Snapshot::from_resources(&m1);
+        let s1_again = Snapshot::from_resources(&m1);
         assert_eq!(s1.version(), s1_again.version());
         assert_eq!(s1.version().len(), 16);
 
         // Changing one endpoint changes that assignment's version and nothing else.
-        let m2 = Model::new(vec![service("a", "a1", &[8000, 8002])]).unwrap();
-        let s2 = Snapshot::from_resources(&translate(
-            &m2,
-            &Default::default(),
-            &Default::default(),
-            &g,
-        ));
+        let m2 = resources_of(&[service("a", "a1", &[8000, 8002])]);
+        let s2 = Snapshot::from_resources(&m2);
         assert_ne!(s1.version(), s2.version());
         for ty in ResourceType::ALL {
             for (name, r) in s1.resources(ty) {
@@ -380,27 +524,10 @@ mod tests {
 
     #[test]
     fn unchanged_resources_are_shared_with_the_previous_snapshot() {
-        let g = GatewaySettings::default();
-        let m1 = Model::new(vec![
-            service("a", "a1", &[8000]),
-            service("b", "b1", &[9000]),
-        ])
-        .unwrap();
-        let m2 = Model::new(vec![
-            service("a", "a1", &[8000]),
-            service("b", "b1", &[9001]),
-        ])
-        .unwrap();
-        let s1 = Snapshot::from_resources(&translate(
-            &m1,
-            &Default::default(),
-            &Default::default(),
-            &g,
-        ));
-        let s2 = Snapshot::from_resources_reusing(
-            &translate(&m2, &Default::default(), &Default::default(), &g),
-            Some(&s1),
-        );
+        let m1 = resources_of(&[service("a", "a1", &[8000]), service("b", "b1", &[9000])]);
+        let m2 = resources_of(&[service("a", "a1", &[8000]), service("b", "b1", &[9001])]);
+        let s1 = Snapshot::from_resources(&m1);
+        let s2 = Snapshot::from_resources_reusing(&m2, Some(&s1));
         let e = ResourceType::Endpoints;
         assert!(Arc::ptr_eq(
             &s1.resources(e)["default/a/a1"],
@@ -410,27 +537,13 @@ mod tests {
             &s1.resources(e)["default/b/b1"],
             &s2.resources(e)["default/b/b1"]
         ));
-        assert_eq!(
-            s2,
-            Snapshot::from_resources(&translate(
-                &m2,
-                &Default::default(),
-                &Default::default(),
-                &g
-            )),
-            "same content either way"
-        );
+        assert_eq!(s2, Snapshot::from_resources(&m2), "same content either way");
     }
 
     #[test]
     fn routes_know_their_clusters() {
-        let m = Model::new(vec![service("a", "a1", &[8000])]).unwrap();
-        let s = Snapshot::from_resources(&translate(
-            &m,
-            &Default::default(),
-            &Default::default(),
-            &GatewaySettings::default(),
-        ));
+        let m = resources_of(&[service("a", "a1", &[8000])]);
+        let s = Snapshot::from_resources(&m);
         let route = s.resources(ResourceType::Route).values().next().unwrap();
         assert_eq!(route.cluster_refs, vec![Arc::from("default/a/a1")]);
     }
@@ -441,5 +554,41 @@ mod tests {
             assert_eq!(ResourceType::from_type_url(ty.type_url()), Some(ty));
         }
         assert_eq!(ResourceType::from_type_url("type.googleapis.com/foo"), None);
+    }
+
+    #[test]
+    fn an_inconsistent_set_is_refused() {
+        let good = resources_of(&[service("a", "a1", &[8000])]);
+        assert!(Snapshot::build(&good, None).is_ok());
+        let mut no_endpoints = good.clone();
+        no_endpoints.endpoints.clear();
+        assert_eq!(
+            Snapshot::build(&no_endpoints, None).unwrap_err(),
+            Inconsistent::ClusterWithoutEndpoints("default/a/a1".into())
+        );
+        let mut orphan = good.clone();
+        orphan.clusters.clear();
+        assert!(matches!(
+            Snapshot::build(&orphan, None).unwrap_err(),
+            Inconsistent::EndpointsWithoutCluster(_)
+        ));
+        let mut dangling = good.clone();
+        dangling.clusters.push(dangling.clusters[0].clone());
+        assert!(matches!(
+            Snapshot::build(&dangling, None).unwrap_err(),
+            Inconsistent::Duplicate("cluster", _)
+        ));
+        let mut routeless = good.clone();
+        routeless.routes.clear();
+        assert!(matches!(
+            Snapshot::build(&routeless, None).unwrap_err(),
+            Inconsistent::MissingRoute { .. }
+        ));
+        let mut elsewhere = resources_of(&[service("a", "a1", &[8000])]);
+        elsewhere.routes = resources_of(&[service("b", "b1", &[8000])]).routes;
+        assert!(matches!(
+            Snapshot::build(&elsewhere, None).unwrap_err(),
+            Inconsistent::MissingCluster { .. }
+        ));
     }
 }

@@ -383,8 +383,8 @@ impl AdsProtocol for SotwStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::test_support::service;
-    use crate::xds::ordering::tests::snapshot_of;
+    use crate::xds::fixtures::service;
+    use crate::xds::fixtures::snapshot_of;
     use envoy_types::pb::google::rpc::Status;
 
     fn request(ty: ResourceType, names: &[&str], version: &str, nonce: &str) -> DiscoveryRequest {
@@ -688,7 +688,7 @@ mod tests {
         assert_eq!(out[0].2.resources.len(), 1);
     }
 
-    fn many_services(n: usize, proxies: usize) -> Vec<crate::model::RayService> {
+    fn many_services(n: usize, proxies: usize) -> Vec<crate::xds::fixtures::Service> {
         (0..n)
             .map(|i| {
                 let ports: Vec<u16> = (0..proxies as u16).map(|p| 8000 + p).collect();
@@ -776,7 +776,7 @@ mod tests {
             assert!(s.types[ty.index()].acked.is_whole(&before, ty), "{ty}");
         }
         let mut changed = many_services(3, 2);
-        changed[1].clusters[0].proxies[0].address.set_port(9999);
+        changed[1].clusters[0].ports[0] = 9999;
         let after = snapshot_of(changed);
         let out = s.poll(&after);
         assert_eq!(out.len(), 1);

@@ -13,9 +13,9 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use ray_serve_sim::NodeType;
+use ray_serve_sim::{serve_proxy_with, ProxyConfig, ProxyHandle, ProxyMode, Served};
 use ray_xds::config::{Config, GatewaySettings, SourceConfig};
-use ray_xds::model::NodeType;
-use ray_xds::sim::{serve_proxy_with, ProxyConfig, ProxyHandle, ProxyMode, Served};
 use tokio_util::sync::CancellationToken;
 
 pub mod ads;
@@ -335,9 +335,7 @@ pub fn test_config(services: &Path, gateway_port: u16) -> Config {
             path: services.to_path_buf(),
             poll_interval: Duration::from_millis(500),
         },
-        prober: Default::default(),
-        dashboard: Default::default(),
-        switchover: Default::default(),
+        policies: Default::default(),
     }
 }
 

@@ -6,39 +6,34 @@
 //! `ray-xds.io/` prefix that ray-xds does not know are reported too, so a typo is seen.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use crate::model::{HeadProxy, ServicePolicy};
-use crate::switchover::{ModeKind, SwitchoverOverrides};
+use crate::policy::Scope;
 
 pub const PREFIX: &str = "ray-xds.io/";
 
-/// Every annotation ray-xds reads, with what it means (the README's table is this list).
-pub const ANNOTATIONS: &[(&str, &str)] = &[
-    ("hosts", "comma-separated virtual-host domains (default: <name>.<namespace>, <name>.<namespace>.svc)"),
-    ("head-proxy", "exclude | include | fallback"),
-    ("probe-interval", "duration"),
-    ("probe-timeout", "duration"),
-    ("probe-unhealthy-threshold", "count"),
-    ("probe-healthy-threshold", "count"),
-    ("retries", "count"),
-    ("per-try-timeout", "duration (0s disables)"),
-    ("route-timeout", "duration (0s is none)"),
-    ("idempotent", "true | false"),
-    ("retry-back-off", "duration"),
-    ("consecutive-gateway-failure", "count"),
-    ("consecutive-local-origin-failure", "count"),
-    ("outlier-interval", "duration"),
-    ("base-ejection-time", "duration"),
-    ("max-ejection-percent", "0-100"),
-    ("max-retries", "count"),
-    ("switchover-mode", "atomic | progressive"),
-    ("switchover-steps", "comma-separated percents rising to 100, e.g. 10,25,50,100"),
-    ("switchover-interval", "duration"),
-    ("min-ready-proxies", "count, at least 1"),
-    ("drain-grace", "duration"),
-    ("warm-timeout", "duration"),
+/// The annotations that are not policy overrides: `(name, value, what it sets)`.
+pub const OWN: &[(&str, &str, &str)] = &[
+    ("hosts", "comma-separated domains", "the default hosts"),
+    (
+        "head-proxy",
+        "`exclude`, `include`, `fallback`",
+        "`head_proxy` (`excludeHeadPodFromServeSvc: true` wins)",
+    ),
 ];
+
+/// Every annotation ray-xds reads: its own, then one per policy setting a RayService may
+/// override (named after the setting's flag), as the README's table lists them.
+pub fn documented() -> Vec<String> {
+    OWN.iter()
+        .map(|(name, _, _)| name.to_string())
+        .chain(
+            crate::policy::all_fields()
+                .filter(|f| f.scope == Scope::Service)
+                .filter_map(|f| f.annotation.map(str::to_string)),
+        )
+        .collect()
+}
 
 /// What a RayService's annotations say.
 #[derive(Debug, Default, PartialEq)]
@@ -51,141 +46,70 @@ pub struct Annotated {
 
 pub fn read(annotations: &BTreeMap<String, String>) -> Annotated {
     let mut out = Annotated::default();
-    let p = &mut out.policy;
-    let mut switchover = SwitchoverOverrides::default();
     for (key, value) in annotations {
         let Some(name) = key.strip_prefix(PREFIX) else {
             continue;
         };
         let value = value.trim();
-        let result: Result<(), String> = (|| {
-            match name {
-                "hosts" => {
-                    let hosts: Vec<String> = value
-                        .split(',')
-                        .map(str::trim)
-                        .filter(|h| !h.is_empty())
-                        .map(str::to_string)
-                        .collect();
-                    if hosts.is_empty() {
-                        return Err("no host listed".into());
-                    }
+        let result: Result<(), String> = match name {
+            "hosts" => {
+                let hosts: Vec<String> = value
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|h| !h.is_empty())
+                    .map(str::to_string)
+                    .collect();
+                if hosts.is_empty() {
+                    Err("no host listed".into())
+                } else {
                     out.hosts = Some(hosts);
+                    Ok(())
                 }
-                "head-proxy" => {
-                    p.head_proxy = match value {
-                        "exclude" => HeadProxy::Exclude,
-                        "include" => HeadProxy::Include,
-                        "fallback" => HeadProxy::Fallback,
-                        _ => return Err("expected exclude, include or fallback".into()),
-                    }
-                }
-                "probe-interval" => p.probe.interval = Some(positive(value)?),
-                "probe-timeout" => p.probe.timeout = Some(positive(value)?),
-                "probe-unhealthy-threshold" => {
-                    p.probe.unhealthy_threshold = Some(count_at_least(value, 1)?)
-                }
-                "probe-healthy-threshold" => {
-                    p.probe.healthy_threshold = Some(count_at_least(value, 1)?)
-                }
-                "retries" => p.traffic.retries = Some(count_at_least(value, 0)?),
-                "per-try-timeout" => p.traffic.per_try_timeout = Some(duration(value)?),
-                "route-timeout" => p.traffic.route_timeout = Some(duration(value)?),
-                "idempotent" => p.traffic.idempotent = Some(boolean(value)?),
-                "retry-back-off" => p.traffic.retry_back_off = Some(positive(value)?),
-                "consecutive-gateway-failure" => {
-                    p.traffic.consecutive_gateway_failure = Some(count_at_least(value, 1)?)
-                }
-                "consecutive-local-origin-failure" => {
-                    p.traffic.consecutive_local_origin_failure = Some(count_at_least(value, 1)?)
-                }
-                "outlier-interval" => p.traffic.outlier_interval = Some(positive(value)?),
-                "base-ejection-time" => p.traffic.base_ejection_time = Some(positive(value)?),
-                "max-ejection-percent" => {
-                    let v = count_at_least(value, 0)?;
-                    if v > 100 {
-                        return Err("at most 100".into());
-                    }
-                    p.traffic.max_ejection_percent = Some(v)
-                }
-                "max-retries" => p.traffic.max_retries = Some(count_at_least(value, 1)?),
-                "switchover-mode" => {
-                    switchover.mode = Some(match value {
-                        "atomic" => ModeKind::Atomic,
-                        "progressive" => ModeKind::Progressive,
-                        _ => return Err("expected atomic or progressive".into()),
-                    })
-                }
-                "switchover-steps" => {
-                    let steps = value
-                        .split(',')
-                        .map(|s| s.trim().parse::<u32>())
-                        .collect::<Result<Vec<_>, _>>()
-                        .map_err(|e| format!("not a list of percents: {e}"))?;
-                    let check = SwitchoverOverrides {
-                        steps: Some(steps.clone()),
-                        ..Default::default()
-                    };
-                    check.validate()?;
-                    switchover.steps = Some(steps);
-                }
-                "switchover-interval" => switchover.interval = Some(positive(value)?),
-                "min-ready-proxies" => {
-                    switchover.min_ready_proxies = Some(count_at_least(value, 1)?)
-                }
-                "drain-grace" => switchover.drain_grace = Some(duration(value)?),
-                "warm-timeout" => switchover.warm_timeout = Some(duration(value)?),
-                _ => return Err("unknown ray-xds annotation".into()),
             }
-            Ok(())
-        })();
+            "head-proxy" => {
+                let head = match value {
+                    "exclude" => Some(HeadProxy::Exclude),
+                    "include" => Some(HeadProxy::Include),
+                    "fallback" => Some(HeadProxy::Fallback),
+                    _ => None,
+                };
+                match head {
+                    Some(h) => {
+                        out.policy.head_proxy = h;
+                        Ok(())
+                    }
+                    None => Err("expected exclude, include or fallback".into()),
+                }
+            }
+            // Each value is checked alone, by the same rule as everywhere else: a bad one
+            // changes nothing.
+            _ => match out.policy.overrides.set_annotation(name, value) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err("unknown ray-xds annotation".into()),
+                Err(why) => Err(why),
+            },
+        };
         if let Err(why) = result {
             out.problems
                 .push((key.clone(), format!("{value:?}: {why}")));
         }
     }
     // An explicit `atomic` with steps or an interval: keep the mode, drop the rest.
-    if let Err(why) = switchover.validate() {
+    let switchover = &mut out.policy.overrides.switchover;
+    if let Err(why) = crate::policy::CheckOverrides::check(&*switchover) {
         out.problems
             .push((format!("{PREFIX}switchover-mode"), why.to_string()));
         switchover.steps = None;
         switchover.interval = None;
     }
-    out.policy.switchover = switchover;
     out
-}
-
-fn duration(v: &str) -> Result<Duration, String> {
-    humantime::parse_duration(v).map_err(|e| format!("not a duration: {e}"))
-}
-
-fn positive(v: &str) -> Result<Duration, String> {
-    let d = duration(v)?;
-    if d.is_zero() {
-        return Err("must be above 0".into());
-    }
-    Ok(d)
-}
-
-fn count_at_least(v: &str, min: u32) -> Result<u32, String> {
-    let n: u32 = v.parse().map_err(|_| "not a whole number".to_string())?;
-    if n < min {
-        return Err(format!("must be at least {min}"));
-    }
-    Ok(n)
-}
-
-fn boolean(v: &str) -> Result<bool, String> {
-    match v {
-        "true" => Ok(true),
-        "false" => Ok(false),
-        _ => Err("expected true or false".into()),
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::switchover::ModeKind;
+    use std::time::Duration;
 
     fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs
@@ -221,8 +145,9 @@ mod tests {
             ("drain-grace", "45s"),
             ("warm-timeout", "3s"),
         ];
-        assert_eq!(values.len(), ANNOTATIONS.len());
-        for ((name, _), (doc, _)) in values.iter().zip(ANNOTATIONS) {
+        let documented = documented();
+        assert_eq!(values.len(), documented.len());
+        for ((name, _), doc) in values.iter().zip(&documented) {
             assert_eq!(name, doc, "the documented list and this test agree");
         }
         let a = read(&annotations(&values));
@@ -233,16 +158,22 @@ mod tests {
         );
         let p = &a.policy;
         assert_eq!(p.head_proxy, HeadProxy::Exclude);
-        assert_eq!(p.probe.timeout, Some(Duration::from_millis(300)));
-        assert_eq!(p.probe.healthy_threshold, Some(1));
-        assert_eq!(p.traffic.retries, Some(5));
-        assert_eq!(p.traffic.route_timeout, Some(Duration::ZERO));
-        assert_eq!(p.traffic.idempotent, Some(true));
-        assert_eq!(p.traffic.max_ejection_percent, Some(30));
-        assert_eq!(p.switchover.mode, Some(ModeKind::Progressive));
-        assert_eq!(p.switchover.steps, Some(vec![20, 60, 100]));
-        assert_eq!(p.switchover.min_ready_proxies, Some(2));
-        assert_eq!(p.switchover.warm_timeout, Some(Duration::from_secs(3)));
+        assert_eq!(p.overrides.probe.timeout, Some(Duration::from_millis(300)));
+        assert_eq!(p.overrides.probe.healthy_threshold, Some(1));
+        assert_eq!(p.overrides.traffic.retries, Some(5));
+        assert_eq!(p.overrides.traffic.route_timeout, Some(Duration::ZERO));
+        assert_eq!(p.overrides.traffic.idempotent, Some(true));
+        assert_eq!(p.overrides.traffic.max_ejection_percent, Some(30));
+        assert_eq!(p.overrides.switchover.mode, Some(ModeKind::Progressive));
+        assert_eq!(
+            p.overrides.switchover.steps,
+            Some(crate::policy::Steps(vec![20, 60, 100]))
+        );
+        assert_eq!(p.overrides.switchover.min_ready_proxies, Some(2));
+        assert_eq!(
+            p.overrides.switchover.warm_timeout,
+            Some(Duration::from_secs(3))
+        );
     }
 
     #[test]
@@ -271,8 +202,8 @@ mod tests {
             ]
         );
         assert!(a.problems[4].1.contains("unknown"), "{:?}", a.problems[4]);
-        assert_eq!(a.policy.traffic.idempotent, Some(true));
-        assert_eq!(a.policy.traffic.retries, None);
+        assert_eq!(a.policy.overrides.traffic.idempotent, Some(true));
+        assert_eq!(a.policy.overrides.traffic.retries, None);
         assert_eq!(a.hosts, None);
         // Other prefixes are none of our business.
         let mut other = BTreeMap::new();
@@ -286,8 +217,8 @@ mod tests {
             ("switchover-mode", "atomic"),
             ("switchover-interval", "5s"),
         ]));
-        assert_eq!(a.policy.switchover.mode, Some(ModeKind::Atomic));
-        assert_eq!(a.policy.switchover.interval, None);
+        assert_eq!(a.policy.overrides.switchover.mode, Some(ModeKind::Atomic));
+        assert_eq!(a.policy.overrides.switchover.interval, None);
         assert_eq!(a.problems.len(), 1);
     }
 }

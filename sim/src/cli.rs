@@ -1,4 +1,5 @@
-//! `ray-serve-sim`: simulated Ray Serve proxies (and optionally a dashboard) of one
+//! The `ray-serve-sim` command line (also run from a benchmark's own binary, so that each
+//! simulated cluster is a process a test can SIGKILL): simulated Ray Serve proxies (and optionally a dashboard) of one
 //! RayCluster, with a control endpoint to inject faults while it runs.
 //!
 //! ```text
@@ -24,20 +25,20 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::dashboard::{DashboardMode, SimDashboard};
+use crate::{serve_proxy_with, NodeType, ProxyConfig, ProxyHandle, ProxyMode};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::{post, put};
 use axum::Router;
 use clap::Parser;
-use ray_xds::model::NodeType;
-use ray_xds::sim::dashboard::{DashboardMode, SimDashboard};
-use ray_xds::sim::{serve_proxy_with, ProxyConfig, ProxyHandle, ProxyMode};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
 /// Simulated Ray Serve HTTP proxies that answer like Ray 2.60's.
 #[derive(Parser)]
-struct Args {
+#[command(name = "ray-serve-sim")]
+pub struct Args {
     /// RayCluster name the proxies report in their answers.
     #[arg(long)]
     cluster: String,
@@ -204,9 +205,17 @@ fn control_router(control: Control) -> Router {
         .with_state(control)
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+/// Runs the simulator with `args` (the program name first) until SIGTERM or Ctrl-C.
+pub fn main_with<I, T>(args: I) -> anyhow::Result<()>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let args = Args::parse_from(args);
+    tokio::runtime::Runtime::new()?.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     let routes: BTreeMap<String, String> = if args.apps.is_empty() {
         [("/".to_string(), "app".to_string())].into()
     } else {

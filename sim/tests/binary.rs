@@ -1,18 +1,20 @@
 //! `ray-serve-sim` as demos and benchmarks use it: proxies, dashboard and the control
-//! endpoint that injects faults at run time.
+//! endpoint that injects faults at run time; what it lists is what ray-xds discovers.
 
-mod support;
+mod common;
 
+use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use support::*;
+use common::*;
+use ray_xds::live::dashboard::DashboardClient;
+use ray_xds::model::NodeType;
 
 #[tokio::test]
 async fn the_control_endpoint_injects_faults() {
     let (p1, p2, dash, ctl) = (free_port(), free_port(), free_port(), free_port());
     let _sim = spawn(
-        "ray-serve-sim",
         Command::new(env!("CARGO_BIN_EXE_ray-serve-sim"))
             .args(["--cluster", "c1", "--app", "/hello=hello"])
             .args([
@@ -115,4 +117,46 @@ async fn the_control_endpoint_injects_faults() {
         .await
         .unwrap();
     assert_eq!(status, 503);
+}
+
+/// `ray-serve-sim` lists the proxies it runs, as Ray does, with the head on the
+/// controller's node.
+#[tokio::test]
+async fn the_simulator_binary_lists_its_proxies() {
+    let (p1, p2, dash) = (free_port(), free_port(), free_port());
+    let _sim = spawn(
+        Command::new(env!("CARGO_BIN_EXE_ray-serve-sim"))
+            .args(["--cluster", "c1", "--app", "/hello=hello"])
+            .args([
+                "--proxy",
+                &format!("127.0.0.1:{p2}=worker"),
+                "--proxy",
+                &format!("127.0.0.1:{p1}=head"),
+            ])
+            .args(["--dashboard", &format!("127.0.0.1:{dash}")])
+            .stdout(Stdio::null()),
+    );
+    let client = DashboardClient::new(Duration::from_secs(5));
+    let url = format!("http://127.0.0.1:{dash}");
+    let status = eventually(
+        "the dashboard lists both proxies",
+        Duration::from_secs(30),
+        || async {
+            client
+                .fetch(&url)
+                .await
+                .ok()
+                .filter(|s| s.http_proxies.len() == 2)
+        },
+    )
+    .await;
+    let listed: BTreeMap<u16, NodeType> = status
+        .http_proxies
+        .iter()
+        .map(|p| (p.address.port(), p.node_type))
+        .collect();
+    assert_eq!(
+        listed,
+        BTreeMap::from([(p1, NodeType::Head), (p2, NodeType::Worker)])
+    );
 }

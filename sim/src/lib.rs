@@ -25,9 +25,30 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::model::NodeType;
-
+pub mod cli;
 pub mod dashboard;
+
+/// Which kind of Ray node a proxy runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum NodeType {
+    Head,
+    Worker,
+}
+
+impl NodeType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeType::Head => "head",
+            NodeType::Worker => "worker",
+        }
+    }
+}
+
+impl std::fmt::Display for NodeType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// What one simulated proxy is.
 #[derive(Debug, Clone)]

@@ -3,12 +3,12 @@
 //! Traffic follows readiness, not labels. The cluster *serving* keeps its traffic until a
 //! *target* (the source's pending cluster, or a new active cluster the source named early)
 //! is ready: every application RUNNING on the target's own dashboard (skipped when it has
-//! none configured), and at least `min_ready_proxies` of its proxies healthy and serving
-//! every application's route prefix. Then traffic moves: `atomic` (0 → 100) or
-//! `progressive` (the configured steps, one per interval). If the target stops being ready
-//! mid-shift, traffic goes back to the serving cluster and the shift waits. At 100 the
-//! target becomes the serving cluster, whatever the source's labels say, until the source
-//! names another.
+//! none configured), and at least `min_ready_proxies` of its proxies ready as
+//! `live::health` counts them (probe healthy, serving every application's route prefix).
+//! Then traffic moves: `atomic` (0 → 100) or `progressive` (the configured steps, one per
+//! interval). If the target stops being ready mid-shift, traffic goes back to the serving
+//! cluster and the shift waits. At 100 the target becomes the serving cluster, whatever
+//! the source's labels say, until the source names another.
 //!
 //! Make before break, twice over: traffic starts to move only once every connected Envoy
 //! that takes the target cluster has ACKed it and its endpoints ([`EnvoyWarmth`]), so all
@@ -17,151 +17,20 @@
 //! its own stream: it only gets a route naming a cluster once it has warmed that cluster
 //! (`xds::ordering`). No Envoy ever routes to a cold cluster.
 //!
-//! Pure: time is passed in.
+//! Pure: time, health and the Envoys' warmth are passed in; [`Switchover::next_wake`]
+//! says when time alone would change something.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 
 use crate::live::dashboard::AppStatus;
 use crate::live::dashboards::DashboardStates;
-use crate::live::probe::ProbeState;
-use crate::live::prober::ProbeStates;
-use crate::model::{Model, RayCluster, RayService};
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ShiftMode {
-    Atomic,
-    /// Target weights in percent, ending at 100, one step per interval.
-    Progressive {
-        steps: Vec<u32>,
-        interval: Duration,
-    },
-}
-
-/// How one RayService switches between RayClusters.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SwitchoverPolicy {
-    pub mode: ShiftMode,
-    /// Healthy proxies serving every route the target needs before traffic moves.
-    pub min_ready_proxies: u32,
-    /// How long a cluster the source dropped stays with Envoy, its endpoints DRAINING,
-    /// so requests in flight on it finish before it is removed.
-    pub drain_grace: Duration,
-    /// How long a ready target waits for every connected Envoy to warm it before traffic
-    /// moves without the laggards (each of which still switches once it has warmed it).
-    pub warm_timeout: Duration,
-}
-
-impl Default for SwitchoverPolicy {
-    fn default() -> Self {
-        SwitchoverPolicy {
-            mode: ShiftMode::Atomic,
-            min_ready_proxies: 1,
-            drain_grace: Duration::from_secs(30),
-            warm_timeout: Duration::from_secs(10),
-        }
-    }
-}
-
-/// The progressive steps used when none are given: 10, 25, 50, 100 every 10 s.
-pub const DEFAULT_STEPS: [u32; 4] = [10, 25, 50, 100];
-pub const DEFAULT_STEP_INTERVAL: Duration = Duration::from_secs(10);
-
-/// Whether a shift is atomic or progressive, as a RayService asks for it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ModeKind {
-    Atomic,
-    Progressive,
-}
-
-/// What a RayService overrides of the global switchover policy; `None` keeps the global
-/// value. Steps or an interval without a mode mean `progressive`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SwitchoverOverrides {
-    pub mode: Option<ModeKind>,
-    pub steps: Option<Vec<u32>>,
-    pub interval: Option<Duration>,
-    pub min_ready_proxies: Option<u32>,
-    pub drain_grace: Option<Duration>,
-    pub warm_timeout: Option<Duration>,
-}
-
-impl SwitchoverOverrides {
-    /// Checks what can be checked without the global policy: steps rise from above 0 to
-    /// 100, and an explicit `atomic` has no steps or interval.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.mode == Some(ModeKind::Atomic) && (self.steps.is_some() || self.interval.is_some())
-        {
-            return Err("switchover: steps and interval go with mode: progressive".into());
-        }
-        if let Some(steps) = &self.steps {
-            let rising = steps.windows(2).all(|w| w[0] < w[1]);
-            if steps.last() != Some(&100) || !rising || steps.first() == Some(&0) {
-                return Err(format!(
-                    "switchover: steps {steps:?} must rise from above 0 to 100"
-                ));
-            }
-        }
-        if self.min_ready_proxies == Some(0) {
-            return Err("switchover: min_ready_proxies must be at least 1".into());
-        }
-        Ok(())
-    }
-}
-
-impl From<SwitchoverPolicy> for SwitchoverOverrides {
-    fn from(p: SwitchoverPolicy) -> Self {
-        let (mode, steps, interval) = match p.mode {
-            ShiftMode::Atomic => (ModeKind::Atomic, None, None),
-            ShiftMode::Progressive { steps, interval } => {
-                (ModeKind::Progressive, Some(steps), Some(interval))
-            }
-        };
-        SwitchoverOverrides {
-            mode: Some(mode),
-            steps,
-            interval,
-            min_ready_proxies: Some(p.min_ready_proxies),
-            drain_grace: Some(p.drain_grace),
-            warm_timeout: Some(p.warm_timeout),
-        }
-    }
-}
-
-impl SwitchoverPolicy {
-    /// This policy with a RayService's overrides applied.
-    pub fn with(&self, o: &SwitchoverOverrides) -> SwitchoverPolicy {
-        let (base_steps, base_interval) = match &self.mode {
-            ShiftMode::Progressive { steps, interval } => (steps.clone(), *interval),
-            ShiftMode::Atomic => (DEFAULT_STEPS.to_vec(), DEFAULT_STEP_INTERVAL),
-        };
-        let kind = o.mode.unwrap_or(
-            if o.steps.is_some()
-                || o.interval.is_some()
-                || matches!(self.mode, ShiftMode::Progressive { .. })
-            {
-                ModeKind::Progressive
-            } else {
-                ModeKind::Atomic
-            },
-        );
-        let mode = match kind {
-            ModeKind::Atomic => ShiftMode::Atomic,
-            ModeKind::Progressive => ShiftMode::Progressive {
-                steps: o.steps.clone().unwrap_or(base_steps),
-                interval: o.interval.unwrap_or(base_interval),
-            },
-        };
-        SwitchoverPolicy {
-            mode,
-            min_ready_proxies: o.min_ready_proxies.unwrap_or(self.min_ready_proxies).max(1),
-            drain_grace: o.drain_grace.unwrap_or(self.drain_grace),
-            warm_timeout: o.warm_timeout.unwrap_or(self.warm_timeout),
-        }
-    }
-}
+use crate::live::health::HealthMap;
+use crate::model::{Model, RayService};
+use crate::policy::switchover::{ShiftMode, SwitchoverPolicy};
 
 /// Which connected Envoys have not yet warmed (ACKed) a cluster and its endpoints.
 pub trait EnvoyWarmth {
@@ -177,81 +46,40 @@ impl EnvoyWarmth for () {
     }
 }
 
-/// Clusters the source dropped, kept for their drain grace period.
-#[derive(Clone, Debug, Default)]
-pub struct Departed {
-    /// (RayService key, cluster) → the cluster as last listed, and when it may go.
-    clusters: BTreeMap<(String, String), (RayCluster, SystemTime)>,
+impl EnvoyWarmth for crate::xds::Clients {
+    fn cold_envoys(&self, envoy_cluster: &str) -> Vec<String> {
+        self.not_warmed(envoy_cluster)
+    }
 }
 
-impl Departed {
-    /// Notes the clusters `previous` had and `current` lacks, forgets expired ones and any
-    /// that came back, and returns `current` with the departed still draining added.
-    pub fn update(
-        &mut self,
-        previous: &Model,
-        current: &Model,
-        defaults: &SwitchoverPolicy,
-        now: SystemTime,
-    ) -> Model {
-        for old in previous.services() {
-            let Some(new) = current.services().iter().find(|s| s.key() == old.key()) else {
-                continue; // the whole RayService went: nothing routes to it any more
-            };
-            for cluster in &old.clusters {
-                if new.cluster(&cluster.name).is_none() {
-                    let until = now + defaults.with(&new.policy.switchover).drain_grace;
-                    self.clusters
-                        .entry((old.key(), cluster.name.clone()))
-                        .or_insert((cluster.clone(), until));
-                }
-            }
+/// Where one RayService's switchover stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// All traffic on the serving cluster; no target.
+    Stable,
+    /// A target exists but is not ready.
+    Waiting,
+    /// The target is ready; some connected Envoy has not ACKed it yet.
+    Warming,
+    /// Traffic is moving step by step.
+    Shifting,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Stable => "stable",
+            Phase::Waiting => "waiting",
+            Phase::Warming => "warming",
+            Phase::Shifting => "shifting",
         }
-        self.clusters.retain(|(service, cluster), (_, until)| {
-            *until > now
-                && current
-                    .services()
-                    .iter()
-                    .find(|s| s.key() == *service)
-                    .is_some_and(|s| s.cluster(cluster).is_none())
-        });
-        if self.clusters.is_empty() {
-            return current.clone();
-        }
-        let services = current
-            .services()
-            .iter()
-            .map(|s| {
-                let mut s = s.clone();
-                for ((service, _), (cluster, _)) in &self.clusters {
-                    if *service == s.key() {
-                        s.clusters.push(cluster.clone());
-                    }
-                }
-                s
-            })
-            .collect();
-        // Valid: the names were unique in `previous`, and none is in `current`.
-        Model::new(services).unwrap_or_else(|_| current.clone())
     }
+}
 
-    /// Whether `cluster` of `service` is draining after the source dropped it.
-    pub fn contains(&self, service: &str, cluster: &str) -> bool {
-        self.clusters
-            .contains_key(&(service.to_string(), cluster.to_string()))
-    }
-
-    /// The Envoy cluster names of every departed cluster.
-    pub fn envoy_cluster_names(&self) -> std::collections::BTreeSet<String> {
-        self.clusters
-            .keys()
-            .map(|(service, cluster)| format!("{service}/{cluster}"))
-            .collect()
-    }
-
-    /// When the next departed cluster may go.
-    pub fn next_expiry(&self) -> Option<SystemTime> {
-        self.clusters.values().map(|(_, until)| *until).min()
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -262,9 +90,7 @@ pub struct ServiceSwitch {
     pub serving: String,
     /// The cluster traffic is moving (or waiting to move) to.
     pub target: Option<String>,
-    /// `stable`, `waiting` (target not ready), `warming` (target ready, some Envoy has
-    /// not ACKed it yet), `shifting`.
-    pub phase: &'static str,
+    pub phase: Phase,
     pub reason: String,
     /// Percent of traffic per cluster (only clusters with some).
     pub weights: Vec<(String, u32)>,
@@ -276,16 +102,21 @@ pub struct ServiceSwitch {
     #[serde(skip)]
     warming_since: Option<SystemTime>,
     #[serde(skip)]
+    warm_timeout: Duration,
+    #[serde(skip)]
     step: usize,
     #[serde(skip)]
     step_since: Option<SystemTime>,
+    /// When the next progressive step is due.
+    #[serde(skip)]
+    step_due: Option<SystemTime>,
 }
 
 /// A change worth logging once.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SwitchEvent {
     pub service: String,
-    pub phase: &'static str,
+    pub phase: Phase,
     pub reason: String,
     pub weights: Vec<(String, u32)>,
 }
@@ -304,7 +135,7 @@ pub struct Switchover {
 pub fn readiness(
     service: &RayService,
     cluster: &str,
-    probes: &ProbeStates,
+    health: &HealthMap,
     dashboards: &DashboardStates,
     min_ready_proxies: u32,
     answered_since: Option<SystemTime>,
@@ -313,7 +144,6 @@ pub fn readiness(
         return Err(format!("cluster {cluster} is not listed"));
     };
     let envoy_name = service.envoy_cluster_name(cluster);
-    let mut prefixes = std::collections::BTreeSet::new();
     if c.dashboard.is_some() {
         let d = dashboards.clusters.get(&envoy_name);
         let Some(status) = d.and_then(|d| d.status.as_ref()) else {
@@ -346,38 +176,16 @@ pub fn readiness(
                 format!("applications not RUNNING: {}", waiting.join(", "))
             });
         }
-        prefixes = status.route_prefixes();
     }
-    let ready = c
-        .proxies
-        .iter()
-        .filter(|p| {
-            probes.proxies.get(&p.address).is_some_and(|probe| {
-                probe.state == ProbeState::Healthy
-                    && (prefixes.is_empty()
-                        || probe.routes.as_ref().is_some_and(|r| prefixes.is_subset(r)))
-            })
-        })
-        .count() as u32;
-    if ready < min_ready_proxies.max(1) {
+    let ready = health.cluster(&envoy_name).ready;
+    let need = min_ready_proxies.max(1);
+    if ready < need {
         return Err(format!(
-            "{ready} of {} proxies healthy and serving every route (need {})",
+            "{ready} of {} proxies healthy and serving every route (need {need})",
             c.proxies.len(),
-            min_ready_proxies.max(1)
         ));
     }
     Ok(())
-}
-
-fn has_healthy(service: &RayService, cluster: &str, probes: &ProbeStates) -> bool {
-    service.cluster(cluster).is_some_and(|c| {
-        c.proxies.iter().any(|p| {
-            probes
-                .proxies
-                .get(&p.address)
-                .is_some_and(|s| matches!(s.state, ProbeState::Healthy | ProbeState::Unknown))
-        })
-    })
 }
 
 impl Switchover {
@@ -392,7 +200,7 @@ impl Switchover {
     pub fn advance(
         &mut self,
         model: &Model,
-        probes: &ProbeStates,
+        health: &HealthMap,
         dashboards: &DashboardStates,
         envoys: &dyn EnvoyWarmth,
         now: SystemTime,
@@ -401,18 +209,22 @@ impl Switchover {
         let mut next = BTreeMap::new();
         for service in model.services() {
             let key = service.key();
-            let policy = &self.defaults.with(&service.policy.switchover);
+            let policy = self.defaults.with(&service.policy.overrides.switchover);
             let mut st = self.services.remove(&key).unwrap_or_else(|| ServiceSwitch {
                 serving: service.active_cluster.clone(),
                 target: None,
-                phase: "stable",
+                phase: Phase::Stable,
                 reason: String::new(),
                 weights: vec![],
                 target_since: None,
                 warming_since: None,
+                warm_timeout: policy.warm_timeout,
                 step: 0,
                 step_since: None,
+                step_due: None,
             });
+            st.warm_timeout = policy.warm_timeout;
+            st.step_due = None;
             let before = (st.phase, st.weights.clone(), st.reason.clone());
             if service.cluster(&st.serving).is_none() {
                 // The source removed the cluster we served: nothing to keep serving from.
@@ -442,10 +254,10 @@ impl Switchover {
             }
             match st.target.clone() {
                 None => {
-                    if st.phase != "stable" || st.reason.is_empty() {
+                    if st.phase != Phase::Stable || st.reason.is_empty() {
                         st.reason = format!("serving {}", st.serving);
                     }
-                    st.phase = "stable";
+                    st.phase = Phase::Stable;
                     st.step = 0;
                     st.weights = vec![(st.serving.clone(), 100)];
                 }
@@ -453,13 +265,14 @@ impl Switchover {
                     let ready = readiness(
                         service,
                         &target,
-                        probes,
+                        health,
                         dashboards,
                         policy.min_ready_proxies,
                         st.target_since,
                     );
-                    let desperate = !has_healthy(service, &st.serving, probes)
-                        && has_healthy(service, &target, probes);
+                    let routable =
+                        |c: &str| health.cluster(&service.envoy_cluster_name(c)).routable > 0;
+                    let desperate = !routable(&st.serving) && routable(&target);
                     if ready.is_err() {
                         st.warming_since = None;
                     }
@@ -487,7 +300,7 @@ impl Switchover {
                     }
                     match ready {
                         Ok(()) if !cold.is_empty() => {
-                            st.phase = "warming";
+                            st.phase = Phase::Warming;
                             st.reason = format!(
                                 "{target} is ready; waiting for {} Envoy(s) to ACK it and its \
                                  endpoints: {}",
@@ -497,22 +310,25 @@ impl Switchover {
                             st.weights = vec![(st.serving.clone(), 100)];
                         }
                         Err(why) if !desperate => {
-                            st.phase = "waiting";
+                            st.phase = Phase::Waiting;
                             st.reason = format!("{target} is not ready: {why}");
                             st.step = 0;
                             st.weights = vec![(st.serving.clone(), 100)];
                         }
                         _ => {
-                            let weight = match &policy.mode {
+                            let weight = match policy.shift() {
                                 ShiftMode::Atomic => 100,
                                 _ if desperate => 100,
                                 ShiftMode::Progressive { steps, interval } => {
                                     let due = st.step_since.is_none_or(|t| {
-                                        now.duration_since(t).unwrap_or_default() >= *interval
+                                        now.duration_since(t).unwrap_or_default() >= interval
                                     });
                                     if st.step == 0 || (due && st.step < steps.len()) {
                                         st.step += 1;
                                         st.step_since = Some(now);
+                                    }
+                                    if st.step < steps.len() {
+                                        st.step_due = st.step_since.map(|t| t + interval);
                                     }
                                     steps.get(st.step - 1).copied().unwrap_or(100).min(100)
                                 }
@@ -528,11 +344,12 @@ impl Switchover {
                                 };
                                 st.serving = target;
                                 st.target = None;
-                                st.phase = "stable";
+                                st.phase = Phase::Stable;
                                 st.step = 0;
+                                st.step_due = None;
                                 st.weights = vec![(st.serving.clone(), 100)];
                             } else {
-                                st.phase = "shifting";
+                                st.phase = Phase::Shifting;
                                 st.reason =
                                     format!("{target} is ready: {weight}% of traffic{warm_note}");
                                 st.weights =
@@ -556,17 +373,16 @@ impl Switchover {
         events
     }
 
-    /// Percent of traffic per cluster of one RayService (the active cluster alone if unknown).
-    pub fn weights<'a>(&'a self, service: &'a RayService) -> Vec<(&'a str, u32)> {
-        match self.services.get(&service.key()) {
-            Some(s) => s
-                .weights
-                .iter()
-                .filter(|(_, w)| *w > 0)
-                .map(|(c, w)| (c.as_str(), *w))
-                .collect(),
-            None => vec![(service.active_cluster.as_str(), 100)],
-        }
+    /// Percent of traffic per cluster of every RayService it knows (only clusters with
+    /// some); a RayService it does not know yet goes to its active cluster.
+    pub fn weights(&self) -> BTreeMap<String, Vec<(String, u32)>> {
+        self.services
+            .iter()
+            .map(|(key, s)| {
+                let w = s.weights.iter().filter(|(_, w)| *w > 0).cloned().collect();
+                (key.clone(), w)
+            })
+            .collect()
     }
 
     /// Dashboards to poll now, each asked once when a switch towards its cluster began.
@@ -574,15 +390,23 @@ impl Switchover {
         std::mem::take(&mut self.refresh)
     }
 
-    /// Whether any RayService is mid-shift (the pipeline re-runs on a timer then).
-    pub fn shifting(&self) -> bool {
-        self.services.values().any(|s| s.phase == "shifting")
+    /// When time alone next changes something: a progressive step falls due, or a warm
+    /// wait reaches its `warm_timeout`.
+    pub fn next_wake(&self) -> Option<SystemTime> {
+        self.services
+            .values()
+            .filter_map(|s| match s.phase {
+                Phase::Shifting => s.step_due,
+                Phase::Warming => s.warming_since.map(|t| t + s.warm_timeout),
+                Phase::Stable | Phase::Waiting => None,
+            })
+            .min()
     }
 
-    /// Whether any RayService waits for Envoys to warm its target (the pipeline re-runs
-    /// when an Envoy ACKs, and on a timer for `warm_timeout`).
+    /// Whether any RayService waits for Envoys to warm its target: the pipeline re-runs
+    /// when an Envoy ACKs.
     pub fn warming(&self) -> bool {
-        self.services.values().any(|s| s.phase == "warming")
+        self.services.values().any(|s| s.phase == Phase::Warming)
     }
 }
 
@@ -591,9 +415,14 @@ mod tests {
     use super::*;
     use crate::live::dashboard::parse;
     use crate::live::dashboards::ClusterDashboard;
+    use crate::live::health::{assess, Facts};
+    use crate::live::probe::ProbeState;
     use crate::live::probe::ProxyProbe;
+    use crate::live::prober::ProbeStates;
     use crate::model::test_support::service;
-    use crate::model::{Model, RayCluster};
+    use crate::model::RayCluster;
+    use crate::policy::switchover::SwitchoverOverrides;
+    use crate::policy::Steps;
     use std::net::SocketAddr;
 
     const A: &str = "a1";
@@ -604,7 +433,7 @@ mod tests {
     }
 
     /// RayService `s` with clusters a1 (port 8000) and b1 (port 9000), both with dashboards.
-    fn model(active: &str, pending: Option<&str>, policy: SwitchoverPolicy) -> Model {
+    fn model(active: &str, pending: Option<&str>, policy: SwitchoverOverrides) -> Model {
         let mut s = service("s", A, &[8000]);
         let mut b = service("s", B, &[9000]).clusters.remove(0);
         b.dashboard = Some("http://b".into());
@@ -612,7 +441,7 @@ mod tests {
         s.clusters.push(b);
         s.active_cluster = active.into();
         s.pending_cluster = pending.map(str::to_string);
-        s.policy.switchover = policy.into();
+        s.policy.overrides.switchover = policy;
         Model::new(vec![s]).unwrap()
     }
 
@@ -666,6 +495,22 @@ mod tests {
         }
     }
 
+    impl World {
+        fn health(&self, m: &Model) -> HealthMap {
+            assess(m, &self.probes, &self.dashboards, Facts::default())
+        }
+    }
+
+    fn advance(
+        s: &mut Switchover,
+        m: &Model,
+        world: &World,
+        envoys: &dyn EnvoyWarmth,
+        now: SystemTime,
+    ) -> Vec<SwitchEvent> {
+        s.advance(m, &world.health(m), &world.dashboards, envoys, now)
+    }
+
     fn weights(s: &Switchover) -> Vec<(String, u32)> {
         s.services["default/s"].weights.clone()
     }
@@ -681,10 +526,10 @@ mod tests {
         let mut world = World::new();
         world.apps("default/s/b1", "03-deploying.json");
         let mut s = Switchover::default();
-        let m = model(A, Some(B), SwitchoverPolicy::default());
-        s.advance(&m, &world.probes, &world.dashboards, &(), T0);
+        let m = model(A, Some(B), SwitchoverOverrides::default());
+        advance(&mut s, &m, &world, &(), T0);
         assert_eq!(weights(&s), w(&[(A, 100)]));
-        assert_eq!(s.services["default/s"].phase, "waiting");
+        assert_eq!(s.services["default/s"].phase, Phase::Waiting);
         assert!(
             s.services["default/s"].reason.contains("DEPLOYING"),
             "{}",
@@ -692,55 +537,50 @@ mod tests {
         );
 
         world.apps("default/s/b1", "02-running.json");
-        let events = s.advance(&m, &world.probes, &world.dashboards, &(), T0);
+        let events = advance(&mut s, &m, &world, &(), T0);
         assert_eq!(weights(&s), w(&[(B, 100)]));
         assert_eq!(events.len(), 1, "logged once");
         // The source still calls b1 pending: traffic stays on b1.
-        assert!(s
-            .advance(&m, &world.probes, &world.dashboards, &(), T0)
-            .is_empty());
+        assert!(advance(&mut s, &m, &world, &(), T0).is_empty());
         assert_eq!(weights(&s), w(&[(B, 100)]));
         // The source promotes b1.
-        let promoted = model(B, None, SwitchoverPolicy::default());
-        s.advance(&promoted, &world.probes, &world.dashboards, &(), T0);
+        let promoted = model(B, None, SwitchoverOverrides::default());
+        advance(&mut s, &promoted, &world, &(), T0);
         assert_eq!(weights(&s), w(&[(B, 100)]));
-        assert_eq!(s.services["default/s"].phase, "stable");
+        assert_eq!(s.services["default/s"].phase, Phase::Stable);
     }
 
     #[test]
     fn a_progressive_shift_steps_with_time_and_backs_off_when_unready() {
         let world = World::new();
-        let policy = SwitchoverPolicy {
-            mode: ShiftMode::Progressive {
-                steps: vec![10, 50, 100],
-                interval: Duration::from_secs(10),
-            },
-            min_ready_proxies: 1,
+        let policy = SwitchoverOverrides {
+            steps: Some(Steps(vec![10, 50, 100])),
+            interval: Some(Duration::from_secs(10)),
             ..Default::default()
         };
         let m = model(A, Some(B), policy);
         let mut s = Switchover::default();
         let at = |secs| T0 + Duration::from_secs(secs);
-        s.advance(&m, &world.probes, &world.dashboards, &(), at(0));
+        advance(&mut s, &m, &world, &(), at(0));
         assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
-        s.advance(&m, &world.probes, &world.dashboards, &(), at(5));
+        advance(&mut s, &m, &world, &(), at(5));
         assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
-        s.advance(&m, &world.probes, &world.dashboards, &(), at(10));
+        advance(&mut s, &m, &world, &(), at(10));
         assert_eq!(weights(&s), w(&[(A, 50), (B, 50)]));
-        assert!(s.shifting());
+        assert_eq!(s.services["default/s"].phase, Phase::Shifting);
         // b1's proxy fails: traffic goes back and the shift waits.
         let mut sick = World::new();
         sick.proxy(9000, ProbeState::Unhealthy);
-        s.advance(&m, &sick.probes, &sick.dashboards, &(), at(11));
+        advance(&mut s, &m, &sick, &(), at(11));
         assert_eq!(weights(&s), w(&[(A, 100)]));
-        assert_eq!(s.services["default/s"].phase, "waiting");
+        assert_eq!(s.services["default/s"].phase, Phase::Waiting);
         // Ready again: the shift starts over.
-        s.advance(&m, &world.probes, &world.dashboards, &(), at(12));
+        advance(&mut s, &m, &world, &(), at(12));
         assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
-        s.advance(&m, &world.probes, &world.dashboards, &(), at(22));
-        s.advance(&m, &world.probes, &world.dashboards, &(), at(32));
+        advance(&mut s, &m, &world, &(), at(22));
+        advance(&mut s, &m, &world, &(), at(32));
         assert_eq!(weights(&s), w(&[(B, 100)]));
-        assert!(!s.shifting());
+        assert_eq!(s.services["default/s"].phase, Phase::Stable);
     }
 
     #[test]
@@ -748,23 +588,23 @@ mod tests {
         let mut world = World::new();
         world.apps("default/s/b1", "03-deploying.json");
         let mut s = Switchover::default();
-        s.advance(
-            &model(A, None, SwitchoverPolicy::default()),
-            &world.probes,
-            &world.dashboards,
+        advance(
+            &mut s,
+            &model(A, None, SwitchoverOverrides::default()),
+            &world,
             &(),
             T0,
         );
         // KubeRay names b1 active before its applications run (or after replacing a1).
-        let flipped = model(B, None, SwitchoverPolicy::default());
-        s.advance(&flipped, &world.probes, &world.dashboards, &(), T0);
+        let flipped = model(B, None, SwitchoverOverrides::default());
+        advance(&mut s, &flipped, &world, &(), T0);
         assert_eq!(
             weights(&s),
             w(&[(A, 100)]),
             "traffic follows readiness, not labels"
         );
         world.apps("default/s/b1", "02-running.json");
-        s.advance(&flipped, &world.probes, &world.dashboards, &(), T0);
+        advance(&mut s, &flipped, &world, &(), T0);
         assert_eq!(weights(&s), w(&[(B, 100)]));
     }
 
@@ -774,17 +614,17 @@ mod tests {
         world.apps("default/s/b1", "03-deploying.json");
         world.proxy(8000, ProbeState::Unhealthy);
         let mut s = Switchover::default();
-        s.advance(
-            &model(A, None, SwitchoverPolicy::default()),
-            &world.probes,
-            &world.dashboards,
+        advance(
+            &mut s,
+            &model(A, None, SwitchoverOverrides::default()),
+            &world,
             &(),
             T0,
         );
-        s.advance(
-            &model(B, None, SwitchoverPolicy::default()),
-            &world.probes,
-            &world.dashboards,
+        advance(
+            &mut s,
+            &model(B, None, SwitchoverOverrides::default()),
+            &world,
             &(),
             T0,
         );
@@ -795,7 +635,7 @@ mod tests {
     #[test]
     fn a_status_read_before_the_switch_began_is_not_readiness() {
         let mut world = World::new();
-        let m = model(A, Some(B), SwitchoverPolicy::default());
+        let m = model(A, Some(B), SwitchoverOverrides::default());
         // b's dashboard last answered RUNNING at t=10; the upgrade starts at t=20.
         world
             .dashboards
@@ -805,14 +645,14 @@ mod tests {
             .last_success_unix = Some(10.0);
         let mut s = Switchover::default();
         let at = |secs| T0 + Duration::from_secs(secs);
-        s.advance(
-            &model(A, None, SwitchoverPolicy::default()),
-            &world.probes,
-            &world.dashboards,
+        advance(
+            &mut s,
+            &model(A, None, SwitchoverOverrides::default()),
+            &world,
             &(),
             at(15),
         );
-        s.advance(&m, &world.probes, &world.dashboards, &(), at(20));
+        advance(&mut s, &m, &world, &(), at(20));
         assert_eq!(weights(&s), w(&[(A, 100)]));
         assert!(s.services["default/s"]
             .reason
@@ -823,7 +663,7 @@ mod tests {
             .get_mut("default/s/b1")
             .unwrap()
             .last_success_unix = Some(21.0);
-        s.advance(&m, &world.probes, &world.dashboards, &(), at(21));
+        advance(&mut s, &m, &world, &(), at(21));
         assert_eq!(weights(&s), w(&[(B, 100)]));
     }
 
@@ -843,17 +683,17 @@ mod tests {
     #[test]
     fn traffic_moves_only_once_every_envoy_warmed_the_target() {
         let world = World::new();
-        let m = model(A, Some(B), SwitchoverPolicy::default());
+        let m = model(A, Some(B), SwitchoverOverrides::default());
         let mut s = Switchover::default();
         let at = |secs| T0 + Duration::from_secs(secs);
         let one_cold = Envoys(vec![
             ("gw-1", vec!["default/s/a1", "default/s/b1"]),
             ("gw-2", vec!["default/s/a1"]),
         ]);
-        s.advance(&m, &world.probes, &world.dashboards, &one_cold, at(0));
+        advance(&mut s, &m, &world, &one_cold, at(0));
         assert_eq!(weights(&s), w(&[(A, 100)]));
         let st = &s.services["default/s"];
-        assert_eq!(st.phase, "warming");
+        assert_eq!(st.phase, Phase::Warming);
         assert!(
             st.reason.contains("gw-2") && !st.reason.contains("gw-1"),
             "{}",
@@ -864,7 +704,7 @@ mod tests {
             ("gw-1", vec!["default/s/a1", "default/s/b1"]),
             ("gw-2", vec!["default/s/a1", "default/s/b1"]),
         ]);
-        s.advance(&m, &world.probes, &world.dashboards, &all_warm, at(1));
+        advance(&mut s, &m, &world, &all_warm, at(1));
         assert_eq!(weights(&s), w(&[(B, 100)]));
         assert!(!s.warming());
     }
@@ -872,26 +712,24 @@ mod tests {
     #[test]
     fn an_envoy_that_never_warms_holds_the_switch_only_for_warm_timeout() {
         let world = World::new();
-        let policy = SwitchoverPolicy {
-            warm_timeout: Duration::from_secs(5),
-            mode: ShiftMode::Progressive {
-                steps: vec![50, 100],
-                interval: Duration::from_secs(10),
-            },
+        let policy = SwitchoverOverrides {
+            warm_timeout: Some(Duration::from_secs(5)),
+            steps: Some(Steps(vec![50, 100])),
+            interval: Some(Duration::from_secs(10)),
             ..Default::default()
         };
         let m = model(A, Some(B), policy);
         let mut s = Switchover::default();
         let at = |secs| T0 + Duration::from_secs(secs);
         let stuck = Envoys(vec![("nacking", vec!["default/s/a1"])]);
-        s.advance(&m, &world.probes, &world.dashboards, &stuck, at(0));
-        s.advance(&m, &world.probes, &world.dashboards, &stuck, at(4));
+        advance(&mut s, &m, &world, &stuck, at(0));
+        advance(&mut s, &m, &world, &stuck, at(4));
         assert_eq!(weights(&s), w(&[(A, 100)]));
-        s.advance(&m, &world.probes, &world.dashboards, &stuck, at(5));
+        advance(&mut s, &m, &world, &stuck, at(5));
         assert_eq!(weights(&s), w(&[(A, 50), (B, 50)]));
         assert!(s.services["default/s"].reason.contains("nacking"));
         // Mid-shift, a newly connected cold Envoy does not roll the shift back.
-        s.advance(&m, &world.probes, &world.dashboards, &stuck, at(15));
+        advance(&mut s, &m, &world, &stuck, at(15));
         assert_eq!(weights(&s), w(&[(B, 100)]));
     }
 
@@ -900,18 +738,18 @@ mod tests {
         let world = World::new();
         let mut sick = World::new();
         sick.proxy(9000, ProbeState::Unhealthy);
-        let m = model(A, Some(B), SwitchoverPolicy::default());
+        let m = model(A, Some(B), SwitchoverOverrides::default());
         let mut s = Switchover::default();
         let at = |secs| T0 + Duration::from_secs(secs);
         let cold = Envoys(vec![("gw", vec![])]);
-        s.advance(&m, &world.probes, &world.dashboards, &cold, at(0));
-        s.advance(&m, &sick.probes, &sick.dashboards, &cold, at(8));
-        assert_eq!(s.services["default/s"].phase, "waiting");
+        advance(&mut s, &m, &world, &cold, at(0));
+        advance(&mut s, &m, &sick, &cold, at(8));
+        assert_eq!(s.services["default/s"].phase, Phase::Waiting);
         // Ready again at 9 s: the 10 s wait starts over, so it still holds at 18 s.
-        s.advance(&m, &world.probes, &world.dashboards, &cold, at(9));
-        s.advance(&m, &world.probes, &world.dashboards, &cold, at(18));
+        advance(&mut s, &m, &world, &cold, at(9));
+        advance(&mut s, &m, &world, &cold, at(18));
         assert_eq!(weights(&s), w(&[(A, 100)]));
-        s.advance(&m, &world.probes, &world.dashboards, &cold, at(19));
+        advance(&mut s, &m, &world, &cold, at(19));
         assert_eq!(weights(&s), w(&[(B, 100)]));
     }
 
@@ -919,135 +757,19 @@ mod tests {
     fn with_nothing_healthy_left_traffic_does_not_wait_for_warming() {
         let mut world = World::new();
         world.proxy(8000, ProbeState::Unhealthy);
-        let m = model(A, Some(B), SwitchoverPolicy::default());
+        let m = model(A, Some(B), SwitchoverOverrides::default());
         let mut s = Switchover::default();
-        s.advance(
-            &m,
-            &world.probes,
-            &world.dashboards,
-            &Envoys(vec![("gw", vec![])]),
-            T0,
-        );
+        advance(&mut s, &m, &world, &Envoys(vec![("gw", vec![])]), T0);
         assert_eq!(weights(&s), w(&[(B, 100)]));
-    }
-
-    #[test]
-    fn global_defaults_apply_unless_a_rayservice_overrides_them() {
-        let global = SwitchoverPolicy {
-            mode: ShiftMode::Progressive {
-                steps: vec![20, 100],
-                interval: Duration::from_secs(3),
-            },
-            drain_grace: Duration::from_secs(7),
-            ..Default::default()
-        };
-        assert_eq!(global.with(&SwitchoverOverrides::default()), global);
-        let atomic = global.with(&SwitchoverOverrides {
-            mode: Some(ModeKind::Atomic),
-            ..Default::default()
-        });
-        assert_eq!(atomic.mode, ShiftMode::Atomic);
-        assert_eq!(atomic.drain_grace, Duration::from_secs(7));
-        let slower = global.with(&SwitchoverOverrides {
-            interval: Some(Duration::from_secs(30)),
-            ..Default::default()
-        });
-        assert_eq!(
-            slower.mode,
-            ShiftMode::Progressive {
-                steps: vec![20, 100],
-                interval: Duration::from_secs(30)
-            }
-        );
-        // Steps alone make an atomic global policy progressive for this RayService.
-        let stepped = SwitchoverPolicy::default().with(&SwitchoverOverrides {
-            steps: Some(vec![50, 100]),
-            ..Default::default()
-        });
-        assert_eq!(
-            stepped.mode,
-            ShiftMode::Progressive {
-                steps: vec![50, 100],
-                interval: DEFAULT_STEP_INTERVAL
-            }
-        );
-        for bad in [
-            SwitchoverOverrides {
-                steps: Some(vec![50, 90]),
-                ..Default::default()
-            },
-            SwitchoverOverrides {
-                steps: Some(vec![0, 100]),
-                ..Default::default()
-            },
-            SwitchoverOverrides {
-                mode: Some(ModeKind::Atomic),
-                interval: Some(Duration::from_secs(1)),
-                ..Default::default()
-            },
-        ] {
-            assert!(bad.validate().is_err(), "{bad:?}");
-        }
-        // The drain grace a RayService inherits decides how long its dropped cluster stays.
-        let before = model(B, Some(A), SwitchoverPolicy::default());
-        let mut plain = before.services()[0].clone();
-        plain.policy.switchover = SwitchoverOverrides::default();
-        let before = Model::new(vec![plain.clone()]).unwrap();
-        plain.pending_cluster = None;
-        plain.clusters.retain(|c| c.name == B);
-        let after = Model::new(vec![plain]).unwrap();
-        let mut d = Departed::default();
-        d.update(&before, &after, &global, T0);
-        assert_eq!(d.next_expiry(), Some(T0 + Duration::from_secs(7)));
-    }
-
-    #[test]
-    fn a_dropped_cluster_drains_for_its_grace_period() {
-        let before = model(B, Some(A), SwitchoverPolicy::default());
-        let mut after = before.services()[0].clone();
-        after.pending_cluster = None;
-        after.clusters.retain(|c| c.name == B);
-        let after = Model::new(vec![after]).unwrap();
-        let mut d = Departed::default();
-        let kept = d.update(&before, &after, &SwitchoverPolicy::default(), T0);
-        assert!(kept.services()[0].cluster(A).is_some(), "a1 drains");
-        assert!(d.contains("default/s", A));
-        assert_eq!(d.next_expiry(), Some(T0 + Duration::from_secs(30)));
-        let still = d.update(
-            &after,
-            &after,
-            &SwitchoverPolicy::default(),
-            T0 + Duration::from_secs(29),
-        );
-        assert!(still.services()[0].cluster(A).is_some());
-        let gone = d.update(
-            &after,
-            &after,
-            &SwitchoverPolicy::default(),
-            T0 + Duration::from_secs(31),
-        );
-        assert!(gone.services()[0].cluster(A).is_none());
-        assert_eq!(d.next_expiry(), None);
-        // A cluster that comes back is the source's again.
-        let mut d = Departed::default();
-        d.update(&before, &after, &SwitchoverPolicy::default(), T0);
-        let back = d.update(
-            &after,
-            &before,
-            &SwitchoverPolicy::default(),
-            T0 + Duration::from_secs(1),
-        );
-        assert!(!d.contains("default/s", A));
-        assert_eq!(back, before);
     }
 
     #[test]
     fn readiness_needs_enough_proxies_serving_every_route() {
         let world = World::new();
-        let m = model(A, Some(B), SwitchoverPolicy::default());
+        let m = model(A, Some(B), SwitchoverOverrides::default());
         let svc = &m.services()[0];
-        assert!(readiness(svc, B, &world.probes, &world.dashboards, 1, None).is_ok());
-        let err = readiness(svc, B, &world.probes, &world.dashboards, 2, None).unwrap_err();
+        assert!(readiness(svc, B, &world.health(&m), &world.dashboards, 1, None).is_ok());
+        let err = readiness(svc, B, &world.health(&m), &world.dashboards, 2, None).unwrap_err();
         assert!(err.contains("1 of 1 proxies"), "{err}");
         let mut no_routes = World::new();
         no_routes
@@ -1056,7 +778,15 @@ mod tests {
             .get_mut(&addr(9000))
             .unwrap()
             .routes = Some(["/".to_string()].into());
-        assert!(readiness(svc, B, &no_routes.probes, &no_routes.dashboards, 1, None).is_err());
+        assert!(readiness(
+            svc,
+            B,
+            &no_routes.health(&m),
+            &no_routes.dashboards,
+            1,
+            None
+        )
+        .is_err());
         let mut stale = World::new();
         stale
             .dashboards
@@ -1064,23 +794,20 @@ mod tests {
             .get_mut("default/s/b1")
             .unwrap()
             .stale = true;
-        assert!(readiness(svc, B, &stale.probes, &stale.dashboards, 1, None)
-            .unwrap_err()
-            .contains("does not answer"));
+        assert!(
+            readiness(svc, B, &stale.health(&m), &stale.dashboards, 1, None)
+                .unwrap_err()
+                .contains("does not answer")
+        );
         // No dashboard configured: the proxies alone decide.
-        let mut plain = model(A, Some(B), SwitchoverPolicy::default()).services()[0].clone();
+        let mut plain = model(A, Some(B), SwitchoverOverrides::default()).services()[0].clone();
         plain
             .clusters
             .iter_mut()
             .for_each(|c: &mut RayCluster| c.dashboard = None);
-        assert!(readiness(
-            &plain,
-            B,
-            &world.probes,
-            &DashboardStates::default(),
-            1,
-            None
-        )
-        .is_ok());
+        let plain_model = Model::new(vec![plain.clone()]).unwrap();
+        let none = DashboardStates::default();
+        let health = assess(&plain_model, &world.probes, &none, Facts::default());
+        assert!(readiness(&plain, B, &health, &none, 1, None).is_ok());
     }
 }

@@ -1,0 +1,277 @@
+//! The pipeline's task: the single writer of the snapshot channel. It waits for an input
+//! to change (or for the time the last build asked to be woken at), runs
+//! [`Pipeline::build`], publishes the snapshot when its version changed, logs and counts
+//! what the build decided, and passes on its requests for fresh dashboard answers.
+//!
+//! Back-edges, both explicit here: dashboard refresh requests go back to the dashboard
+//! poller (an `mpsc` channel), and ACK notifications come back from the xDS server
+//! (`Clients::acked`) while a switch waits for Envoys to warm its target.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::{Event, Inputs, Output, Pipeline};
+use crate::live::dashboards::DashboardStates;
+use crate::live::discovery::discover;
+use crate::live::health::HealthMap;
+use crate::live::probe::ProbeState;
+use crate::live::prober::ProbeStates;
+use crate::metrics::{Metrics, StateLabels, WeightLabels};
+use crate::model::Model;
+use crate::xds::{Clients, Snapshot};
+
+use super::switchover::Switchover;
+
+/// The channels the pipeline reads, each written by one task.
+#[derive(Clone)]
+pub struct Sources {
+    /// The source's own model (to know which clusters discover their proxies).
+    pub source: watch::Receiver<Arc<Model>>,
+    /// The effective model: the source's, with discovered proxies.
+    pub models: watch::Receiver<Arc<Model>>,
+    pub probes: watch::Receiver<Arc<ProbeStates>>,
+    pub dashboards: watch::Receiver<Arc<DashboardStates>>,
+}
+
+/// The channels the pipeline writes.
+pub struct Sinks {
+    /// What the xDS streams serve.
+    pub snapshots: watch::Sender<Arc<Snapshot>>,
+    /// The same, `None` until the first snapshot (the xDS server and `/readyz` wait for
+    /// it).
+    pub published: watch::Sender<Option<Arc<Snapshot>>>,
+    pub health: watch::Sender<Arc<HealthMap>>,
+    pub switchover: watch::Sender<Arc<Switchover>>,
+    /// Asks the dashboard poller for an immediate answer from a cluster.
+    pub refresh: mpsc::UnboundedSender<String>,
+}
+
+/// How long the first snapshot waits for what it should not be built without.
+#[derive(Clone, Copy, Debug)]
+pub struct FirstBuild {
+    /// For the dashboards of clusters that discover their proxies to answer once.
+    pub dashboards: Duration,
+    /// For every proxy's first probe.
+    pub probes: Duration,
+}
+
+pub async fn run(
+    mut pipeline: Pipeline,
+    mut sources: Sources,
+    sinks: Sinks,
+    clients: Arc<Clients>,
+    metrics: Arc<Metrics>,
+    first: FirstBuild,
+    shutdown: CancellationToken,
+) {
+    // A cluster known by its dashboard alone has no proxies until the dashboard answers:
+    // wait (briefly) for that, so that a restart does not publish it empty. Then wait
+    // (briefly) for every proxy's first probe, so that a restarted ray-xds publishes the
+    // health Envoy already has, not "unknown" for everyone.
+    tokio::select! {
+        _ = shutdown.cancelled() => return,
+        _ = first_discovery(&sources, first.dashboards) => {}
+    }
+    let wanted: Vec<SocketAddr> = sources
+        .models
+        .borrow()
+        .proxies()
+        .map(|p| p.address)
+        .collect();
+    let mut probes = sources.probes.clone();
+    tokio::select! {
+        _ = shutdown.cancelled() => return,
+        _ = first_probes(&mut probes, &wanted, first.probes) => {}
+    }
+    let mut published: Option<Arc<Snapshot>> = None;
+    let mut weights = BTreeSet::new();
+    loop {
+        sources.models.mark_unchanged();
+        sources.probes.mark_unchanged();
+        sources.dashboards.mark_unchanged();
+        let model = sources.models.borrow().clone();
+        let probes = sources.probes.borrow().clone();
+        let dashboards = sources.dashboards.borrow().clone();
+        let started = std::time::Instant::now();
+        let out = pipeline.build(
+            &Inputs {
+                model: &model,
+                probes: &probes,
+                dashboards: &dashboards,
+                envoys: &*clients,
+            },
+            SystemTime::now(),
+        );
+        metrics
+            .translate_seconds
+            .observe(started.elapsed().as_secs_f64());
+        record(&out, &metrics, &mut weights);
+        for cluster in &out.refresh {
+            let _ = sinks.refresh.send(cluster.clone());
+        }
+        sinks.health.send_replace(out.health.clone());
+        sinks.switchover.send_replace(out.switchover.clone());
+        if published
+            .as_ref()
+            .is_none_or(|p| p.version() != out.snapshot.version())
+        {
+            metrics.snapshots.inc();
+            metrics.snapshot_resources.set(out.snapshot.len() as i64);
+            metrics.set_snapshot_version(out.snapshot.version());
+            tracing::info!(
+                version = out.snapshot.version(),
+                resources = out.snapshot.len(),
+                "snapshot published"
+            );
+            published = Some(out.snapshot.clone());
+            sinks.snapshots.send_replace(out.snapshot.clone());
+            sinks.published.send_replace(Some(out.snapshot.clone()));
+        }
+        let wake = out.wake_at.map(|t| {
+            t.duration_since(SystemTime::now()).unwrap_or_default() + Duration::from_millis(5)
+        });
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            changed = sources.models.changed() => {
+                if changed.is_err() { return }
+                // New proxies are withheld until their first probe: wait for it (briefly)
+                // so that the change is built and pushed once, with health.
+                let model = sources.models.borrow().clone();
+                loop {
+                    // Never hold a channel's borrow across an await.
+                    let probes = sources.probes.borrow().clone();
+                    let Some(due) = pipeline.first_probes_due(&model, &probes, SystemTime::now()) else { break };
+                    let left = due.duration_since(SystemTime::now()).unwrap_or_default();
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(left) => break,
+                        changed = sources.probes.changed() => if changed.is_err() { return },
+                    }
+                }
+            }
+            changed = sources.probes.changed() => if changed.is_err() { return },
+            changed = sources.dashboards.changed() => if changed.is_err() { return },
+            _ = clients.acked(), if out.wake_on_ack => {}
+            _ = tokio::time::sleep(wake.unwrap_or_default()), if wake.is_some() => {}
+        }
+    }
+}
+
+/// Logs and counts what one build decided; keeps `ray_xds_switchover_weight` to the
+/// clusters that exist (`exported` remembers which series it set).
+fn record(out: &Output, metrics: &Metrics, exported: &mut BTreeSet<WeightLabels>) {
+    for event in &out.events {
+        match event {
+            Event::Switch(e) => {
+                tracing::info!(rayservice = e.service, phase = %e.phase, weights = ?e.weights, "switchover: {}", e.reason);
+                metrics
+                    .switchover_transitions
+                    .get_or_create(&StateLabels {
+                        state: e.phase.as_str(),
+                    })
+                    .inc();
+            }
+            Event::FailOpenStarted(cluster) => {
+                tracing::warn!(cluster, "every proxy of the cluster fails its probe: publishing them healthy (fail-open); Envoy's outlier detection decides");
+                metrics.fail_open_events.inc();
+            }
+            Event::FailOpenEnded(cluster) => tracing::info!(cluster, "fail-open ended"),
+            Event::Inconsistent(why) => {
+                tracing::error!(error = %why, "translation gave an inconsistent snapshot; keeping the previous one");
+                metrics.inconsistent_snapshots.inc();
+            }
+        }
+    }
+    metrics
+        .fail_open_clusters
+        .set(out.health.fail_open().len() as i64);
+    let mut now = BTreeSet::new();
+    for (service, switch) in &out.switchover.services {
+        for (cluster, weight) in &switch.weights {
+            let labels = WeightLabels {
+                rayservice: service.clone(),
+                cluster: cluster.clone(),
+            };
+            metrics
+                .switchover_weight
+                .get_or_create(&labels)
+                .set(*weight as i64);
+            now.insert(labels);
+        }
+    }
+    for gone in exported.difference(&now) {
+        metrics.switchover_weight.remove(gone);
+    }
+    *exported = now;
+}
+
+/// Waits, at most `bound`, until each of `addresses` has had its first probe.
+pub async fn first_probes(
+    probes: &mut watch::Receiver<Arc<ProbeStates>>,
+    addresses: &[SocketAddr],
+    bound: Duration,
+) {
+    if addresses.is_empty() {
+        return;
+    }
+    let probed = probes.wait_for(|p| {
+        addresses.iter().all(|a| {
+            p.proxies
+                .get(a)
+                .is_some_and(|s| s.state != ProbeState::Unknown)
+        })
+    });
+    let _ = tokio::time::timeout(bound, probed).await;
+}
+
+/// Waits, at most `bound`, until the dashboard of every cluster that discovers its
+/// proxies has answered (or failed) once and the effective model holds what it said.
+async fn first_discovery(sources: &Sources, bound: Duration) {
+    let model = sources.source.borrow().clone();
+    let discovering: BTreeSet<String> = model
+        .services()
+        .iter()
+        .flat_map(|s| {
+            s.clusters
+                .iter()
+                .filter(|c| c.discover)
+                .map(|c| s.envoy_cluster_name(&c.name))
+        })
+        .collect();
+    if discovering.is_empty() {
+        return;
+    }
+    let (mut dashboards, mut effective) = (sources.dashboards.clone(), sources.models.clone());
+    let answered = async {
+        let polled = dashboards.wait_for(|d| {
+            discovering.iter().all(|c| {
+                d.clusters
+                    .get(c)
+                    .is_some_and(|d| d.status.is_some() || d.last_error.is_some())
+            })
+        });
+        if polled.await.is_err() {
+            return;
+        }
+        // Another task derives the effective model from the dashboards: wait until it
+        // has caught up with them. (Each borrow is released at once: the other tasks
+        // never hold one channel while writing another, so this cannot deadlock.)
+        let _ = effective
+            .wait_for(|m| {
+                let (s, d) = (
+                    sources.source.borrow().clone(),
+                    sources.dashboards.borrow().clone(),
+                );
+                **m == discover(&s, &d)
+            })
+            .await;
+    };
+    if tokio::time::timeout(bound, answered).await.is_err() {
+        tracing::warn!(clusters = ?discovering, "a dashboard to discover proxies from has not answered yet; starting without its proxies");
+    }
+}

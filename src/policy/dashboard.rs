@@ -1,0 +1,31 @@
+//! How ray-xds polls each RayCluster's Ray dashboard (`GET /api/serve/applications/`).
+
+use std::time::Duration;
+
+use super::{AfterOverride, CheckOverrides};
+
+crate::declare_policy! {
+    section "dashboard";
+    /// How each cluster's Ray dashboard is polled.
+    pub struct DashboardPolicy, service DashboardOverrides, global GlobalDashboard {
+        service {}
+        global {
+            /// How often each cluster's Ray dashboard is polled.
+            poll_interval: Duration = Duration::from_secs(2),
+                range(Duration::from_millis(50), Duration::from_secs(600)), flag "dashboard-poll-interval";
+            /// How long one dashboard poll may take.
+            timeout: Duration = Duration::from_secs(1),
+                range(Duration::from_millis(10), Duration::from_secs(60)), flag "dashboard-timeout";
+        }
+    }
+}
+
+impl CheckOverrides for DashboardOverrides {}
+impl AfterOverride<DashboardOverrides> for DashboardPolicy {}
+
+impl DashboardPolicy {
+    /// How long the first snapshot waits for the dashboards that list proxies to answer.
+    pub fn first_answer_wait(&self) -> Duration {
+        self.timeout + Duration::from_millis(500)
+    }
+}

@@ -1,0 +1,78 @@
+//! How ray-xds probes every Ray Serve proxy (`GET /-/healthz`, `GET /-/routes`).
+
+use std::time::Duration;
+
+use super::{AfterOverride, CheckOverrides};
+
+crate::declare_policy! {
+    section "probe";
+    /// How every Ray Serve proxy is probed.
+    pub struct ProbePolicy, service ProbeOverrides, global GlobalProbe {
+        service {
+            /// How often each proxy is probed, with ±20% jitter. A proxy that fails once
+            /// after being healthy is probed again after a fifth of it.
+            interval: Duration = Duration::from_millis(500),
+                range(Duration::from_millis(50), Duration::from_secs(600)), flag "probe-interval";
+            /// How long one probe may take.
+            timeout: Duration = Duration::from_millis(250),
+                range(Duration::from_millis(10), Duration::from_secs(60)), flag "probe-timeout";
+            /// Consecutive failed probes that make a proxy unhealthy (a refused connection counts at once).
+            unhealthy_threshold: u32 = 2, range(1, 100), flag "probe-unhealthy-threshold";
+            /// Consecutive good probes that make a proxy healthy again.
+            healthy_threshold: u32 = 2, range(1, 100), flag "probe-healthy-threshold";
+        }
+        global {
+            /// Probes in flight at once, across all proxies.
+            max_concurrent: usize = 256, range(1, 65_536), flag "probe-max-concurrent";
+            /// How often a healthy proxy's `/-/routes` is read again.
+            routes_interval: Duration = Duration::from_secs(10),
+                range(Duration::from_secs(1), Duration::from_secs(3600)), flag "probe-routes-interval";
+        }
+    }
+}
+
+impl CheckOverrides for ProbeOverrides {}
+impl AfterOverride<ProbeOverrides> for ProbePolicy {}
+
+impl ProbePolicy {
+    /// How long a new proxy may wait for its first probe before it is published anyway:
+    /// two timeouts (a connect and a request) and a little slack.
+    pub fn first_probe_wait(&self) -> Duration {
+        self.timeout * 2 + Duration::from_millis(200)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overrides_apply_and_are_checked() {
+        let o = ProbeOverrides {
+            interval: Some(Duration::from_secs(2)),
+            ..Default::default()
+        };
+        o.validate().unwrap();
+        let p = ProbePolicy::default().with(&o);
+        assert_eq!(p.interval, Duration::from_secs(2));
+        assert_eq!(p.timeout, Duration::from_millis(250));
+        for bad in [
+            ProbeOverrides {
+                interval: Some(Duration::ZERO),
+                ..Default::default()
+            },
+            ProbeOverrides {
+                unhealthy_threshold: Some(0),
+                ..Default::default()
+            },
+            ProbeOverrides {
+                timeout: Some(Duration::MAX),
+                ..Default::default()
+            },
+        ] {
+            let err = bad.validate().unwrap_err();
+            assert!(err.starts_with("probe."), "{err}");
+            assert!(err.contains("out of range"), "{err}");
+        }
+    }
+}

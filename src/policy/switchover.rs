@@ -1,0 +1,157 @@
+//! How traffic moves between a RayService's RayClusters (see `pipeline::switchover` for
+//! when it may move).
+
+use std::time::Duration;
+
+use super::{AfterOverride, CheckOverrides, Steps};
+
+/// Whether a shift is atomic or progressive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModeKind {
+    Atomic,
+    Progressive,
+}
+crate::lowercase_enum_value!(ModeKind { Atomic = "atomic", Progressive = "progressive" });
+
+/// The progressive steps used when none are given.
+pub const DEFAULT_STEPS: [u32; 4] = [10, 25, 50, 100];
+
+crate::declare_policy! {
+    section "switchover";
+    /// How one RayService switches between RayClusters.
+    pub struct SwitchoverPolicy, service SwitchoverOverrides, global GlobalSwitchover {
+        service {
+            /// Atomic (0 to 100 at once) or progressive (the steps, one per interval); steps or an interval alone imply progressive.
+            mode: ModeKind = ModeKind::Atomic, flag "switchover-mode";
+            /// Percent of traffic on the new cluster at each progressive step, rising to 100.
+            steps: Steps = Steps(DEFAULT_STEPS.to_vec()), flag "switchover-steps";
+            /// How long each progressive step lasts.
+            interval: Duration = Duration::from_secs(10),
+                range(Duration::from_millis(100), Duration::from_secs(24 * 3600)), flag "switchover-interval";
+            /// Healthy proxies serving every route the new cluster needs before traffic moves.
+            min_ready_proxies: u32 = 1, range(1, 10_000), flag "min-ready-proxies";
+            /// How long a cluster the source dropped stays, its endpoints draining, before it goes.
+            drain_grace: Duration = Duration::from_secs(30),
+                range(Duration::ZERO, Duration::from_secs(24 * 3600)), flag "drain-grace";
+            /// The longest wait for every connected Envoy to warm the new cluster before traffic moves without the laggards.
+            warm_timeout: Duration = Duration::from_secs(10),
+                range(Duration::ZERO, Duration::from_secs(3600)), flag "warm-timeout";
+        }
+        global {}
+    }
+}
+
+impl CheckOverrides for SwitchoverOverrides {
+    fn check(&self) -> Result<(), String> {
+        if self.mode == Some(ModeKind::Atomic) && (self.steps.is_some() || self.interval.is_some())
+        {
+            return Err("switchover: steps and interval go with mode: progressive".into());
+        }
+        Ok(())
+    }
+}
+
+impl AfterOverride<SwitchoverOverrides> for SwitchoverPolicy {
+    /// Steps or an interval without a mode mean `progressive`.
+    fn after_override(&mut self, o: &SwitchoverOverrides) {
+        if o.mode.is_none() && (o.steps.is_some() || o.interval.is_some()) {
+            self.mode = ModeKind::Progressive;
+        }
+    }
+}
+
+/// How a shift moves, as the switchover state machine uses it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShiftMode {
+    Atomic,
+    /// Target weights in percent, ending at 100, one step per interval.
+    Progressive {
+        steps: Vec<u32>,
+        interval: Duration,
+    },
+}
+
+impl SwitchoverPolicy {
+    pub fn shift(&self) -> ShiftMode {
+        match self.mode {
+            ModeKind::Atomic => ShiftMode::Atomic,
+            ModeKind::Progressive => ShiftMode::Progressive {
+                steps: self.steps.0.clone(),
+                interval: self.interval,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn global_defaults_apply_unless_a_rayservice_overrides_them() {
+        let global = SwitchoverPolicy::default().with_global(&GlobalSwitchover {
+            steps: Some(Steps(vec![20, 100])),
+            interval: Some(Duration::from_secs(3)),
+            drain_grace: Some(Duration::from_secs(7)),
+            ..Default::default()
+        });
+        assert_eq!(
+            global.shift(),
+            ShiftMode::Progressive {
+                steps: vec![20, 100],
+                interval: Duration::from_secs(3)
+            },
+            "steps imply progressive in ray-xds.yaml too"
+        );
+        assert_eq!(global.with(&SwitchoverOverrides::default()), global);
+        let atomic = global.with(&SwitchoverOverrides {
+            mode: Some(ModeKind::Atomic),
+            ..Default::default()
+        });
+        assert_eq!(atomic.shift(), ShiftMode::Atomic);
+        assert_eq!(atomic.drain_grace, Duration::from_secs(7));
+        let slower = global.with(&SwitchoverOverrides {
+            interval: Some(Duration::from_secs(30)),
+            ..Default::default()
+        });
+        assert_eq!(
+            slower.shift(),
+            ShiftMode::Progressive {
+                steps: vec![20, 100],
+                interval: Duration::from_secs(30)
+            }
+        );
+        let stepped = SwitchoverPolicy::default().with(&SwitchoverOverrides {
+            steps: Some(Steps(vec![50, 100])),
+            ..Default::default()
+        });
+        assert_eq!(
+            stepped.shift(),
+            ShiftMode::Progressive {
+                steps: vec![50, 100],
+                interval: Duration::from_secs(10)
+            }
+        );
+        for bad in [
+            SwitchoverOverrides {
+                steps: Some(Steps(vec![50, 90])),
+                ..Default::default()
+            },
+            SwitchoverOverrides {
+                steps: Some(Steps(vec![0, 100])),
+                ..Default::default()
+            },
+            SwitchoverOverrides {
+                min_ready_proxies: Some(0),
+                ..Default::default()
+            },
+            SwitchoverOverrides {
+                mode: Some(ModeKind::Atomic),
+                interval: Some(Duration::from_secs(1)),
+                ..Default::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+}
