@@ -225,3 +225,346 @@ impl Pipeline {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::live::dashboard::parse;
+    use crate::live::dashboards::ClusterDashboard;
+    use crate::live::probe::ProxyProbe;
+    use crate::model::test_support::service;
+    use crate::model::{Model, RayService};
+    use crate::policy::switchover::SwitchoverOverrides;
+    use crate::policy::Steps;
+    use crate::xds::ResourceType;
+    use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+    use envoy_types::pb::envoy::config::route::v3::{route, route_action, RouteConfiguration};
+    use prost::Message;
+    use std::time::Duration;
+
+    const T0: SystemTime = SystemTime::UNIX_EPOCH;
+
+    fn at(ms: u64) -> SystemTime {
+        T0 + Duration::from_millis(ms)
+    }
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    /// What the world looks like to one build.
+    #[derive(Default)]
+    struct World {
+        probes: ProbeStates,
+        dashboards: DashboardStates,
+    }
+
+    impl World {
+        fn probe(&mut self, port: u16, state: ProbeState, since: SystemTime) {
+            let mut p = ProxyProbe::new(since);
+            p.state = state;
+            p.routes = Some(["/hello".to_string()].into());
+            self.probes.proxies.insert(addr(port), p);
+        }
+
+        fn running(&mut self, cluster: &str) {
+            let path = concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/fixtures/ray-serve-2.60/02-running.json"
+            );
+            let status = parse(&std::fs::read(path).unwrap()).unwrap();
+            self.dashboards.clusters.insert(
+                cluster.into(),
+                ClusterDashboard {
+                    status: Some(status),
+                    last_success_unix: Some(1e9),
+                    ..ClusterDashboard::new("http://dashboard".into())
+                },
+            );
+        }
+    }
+
+    /// Envoys by node id, each with the clusters it has warmed.
+    struct Envoys(Vec<(&'static str, Vec<&'static str>)>);
+
+    impl EnvoyWarmth for Envoys {
+        fn cold_envoys(&self, cluster: &str) -> Vec<String> {
+            self.0
+                .iter()
+                .filter(|(_, warm)| !warm.contains(&cluster))
+                .map(|(id, _)| id.to_string())
+                .collect()
+        }
+    }
+
+    fn build(
+        p: &mut Pipeline,
+        m: &Arc<Model>,
+        w: &World,
+        envoys: &dyn EnvoyWarmth,
+        now: SystemTime,
+    ) -> Output {
+        p.build(
+            &Inputs {
+                model: m,
+                probes: &w.probes,
+                dashboards: &w.dashboards,
+                envoys,
+            },
+            now,
+        )
+    }
+
+    fn pipeline() -> Pipeline {
+        Pipeline::new(Policies::default(), GatewaySettings::default())
+    }
+
+    /// Endpoint address → health status, of one cluster in a snapshot.
+    fn endpoints(out: &Output, cluster: &str) -> Option<Vec<(u16, i32)>> {
+        let r = out
+            .snapshot
+            .resources(ResourceType::Endpoints)
+            .get(cluster)?;
+        let cla = ClusterLoadAssignment::decode(&*r.body.value).unwrap();
+        Some(
+            cla.endpoints[0]
+                .lb_endpoints
+                .iter()
+                .map(|e| {
+                    let port = e.hostname_port();
+                    (port, e.health_status)
+                })
+                .collect(),
+        )
+    }
+
+    trait HostnamePort {
+        fn hostname_port(&self) -> u16;
+    }
+
+    impl HostnamePort for envoy_types::pb::envoy::config::endpoint::v3::LbEndpoint {
+        fn hostname_port(&self) -> u16 {
+            use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
+            match &self.host_identifier {
+                Some(HostIdentifier::Endpoint(e)) => {
+                    e.hostname.rsplit(':').next().unwrap().parse().unwrap()
+                }
+                _ => panic!("an endpoint"),
+            }
+        }
+    }
+
+    /// Percent per cluster in the route of RayService `default/<service>`.
+    fn weights(out: &Output, service: &str) -> Vec<(String, u32)> {
+        let r = &out.snapshot.resources(ResourceType::Route)[crate::translate::ROUTE_CONFIG_NAME];
+        let config = RouteConfiguration::decode(&*r.body.value).unwrap();
+        let vh = config
+            .virtual_hosts
+            .iter()
+            .find(|v| v.name == format!("default/{service}"))
+            .unwrap();
+        let Some(route::Action::Route(action)) = &vh.routes[0].action else {
+            panic!("a route action")
+        };
+        let Some(route_action::ClusterSpecifier::WeightedClusters(w)) = &action.cluster_specifier
+        else {
+            panic!("weighted clusters")
+        };
+        w.clusters
+            .iter()
+            .map(|c| {
+                (
+                    c.name.rsplit('/').next().unwrap().to_string(),
+                    c.weight.unwrap().value,
+                )
+            })
+            .collect()
+    }
+
+    fn healthy() -> i32 {
+        envoy_types::pb::envoy::config::core::v3::HealthStatus::Healthy as i32
+    }
+
+    fn unknown() -> i32 {
+        envoy_types::pb::envoy::config::core::v3::HealthStatus::Unknown as i32
+    }
+
+    fn draining() -> i32 {
+        envoy_types::pb::envoy::config::core::v3::HealthStatus::Draining as i32
+    }
+
+    fn one(s: RayService) -> Arc<Model> {
+        Arc::new(Model::new(vec![s]).unwrap())
+    }
+
+    #[test]
+    fn a_new_proxy_is_withheld_until_its_first_probe_or_the_wait_ends() {
+        let mut p = pipeline();
+        let mut w = World::default();
+        let mut s = service("a", "a1", &[8000]);
+        s.policy.head_proxy = crate::model::HeadProxy::Include;
+        w.probe(8000, ProbeState::Healthy, T0);
+        let out = build(&mut p, &one(s.clone()), &w, &(), at(0));
+        assert_eq!(
+            endpoints(&out, "default/a/a1").unwrap(),
+            [(8000, healthy())]
+        );
+        assert_eq!(out.wake_at, None, "nothing waits on time");
+
+        // A second proxy appears, not probed yet: it is left out, and the build asks to be
+        // woken when its wait ends.
+        let mut grown = s.clone();
+        grown.clusters[0]
+            .proxies
+            .push(service("a", "a1", &[8001]).clusters[0].proxies[0].clone());
+        let grown = one(grown);
+        w.probe(8001, ProbeState::Unknown, at(1000));
+        let wait = Policies::default().probe.first_probe_wait();
+        assert_eq!(
+            p.first_probes_due(&grown, &w.probes, at(1000)),
+            Some(at(1000) + wait)
+        );
+        let out = build(&mut p, &grown, &w, &(), at(1000));
+        assert_eq!(
+            endpoints(&out, "default/a/a1").unwrap(),
+            [(8000, healthy())]
+        );
+        assert_eq!(out.wake_at, Some(at(1000) + wait));
+
+        // Its first probe arrives: published with its health, in one push.
+        let mut probed = World::default();
+        probed.probe(8000, ProbeState::Healthy, T0);
+        probed.probe(8001, ProbeState::Healthy, at(1100));
+        let out = build(&mut p, &grown, &probed, &(), at(1100));
+        assert_eq!(
+            endpoints(&out, "default/a/a1").unwrap(),
+            [(8000, healthy()), (8001, healthy())]
+        );
+        assert_eq!(p.first_probes_due(&grown, &probed.probes, at(1100)), None);
+
+        // Another one whose probe never comes is published unknown once its wait ends.
+        let mut p = pipeline();
+        build(&mut p, &one(s), &w, &(), at(0));
+        let out = build(&mut p, &grown, &w, &(), at(1000) + wait);
+        assert_eq!(
+            endpoints(&out, "default/a/a1").unwrap(),
+            [(8000, healthy()), (8001, unknown())]
+        );
+    }
+
+    /// RayService `s`: clusters a1 (8000) and b1 (9000), a1 active, b1 pending.
+    fn upgrade(overrides: SwitchoverOverrides) -> RayService {
+        let mut s = service("s", "a1", &[8000]);
+        s.clusters
+            .push(service("s", "b1", &[9000]).clusters.remove(0));
+        s.pending_cluster = Some("b1".into());
+        s.policy.head_proxy = crate::model::HeadProxy::Include;
+        s.policy.overrides.switchover = overrides;
+        s
+    }
+
+    fn ready_world() -> World {
+        let mut w = World::default();
+        w.probe(8000, ProbeState::Healthy, T0);
+        w.probe(9000, ProbeState::Healthy, T0);
+        w
+    }
+
+    #[test]
+    fn a_progressive_shift_wakes_for_each_step() {
+        let mut p = pipeline();
+        let w = ready_world();
+        let m = one(upgrade(SwitchoverOverrides {
+            steps: Some(Steps(vec![30, 100])),
+            interval: Some(Duration::from_secs(10)),
+            ..Default::default()
+        }));
+        let out = build(&mut p, &m, &w, &(), at(0));
+        assert_eq!(weights(&out, "s"), [("a1".into(), 70), ("b1".into(), 30)]);
+        assert_eq!(out.wake_at, Some(at(10_000)), "the next step is due then");
+        assert!(matches!(&out.events[..], [Event::Switch(_)]));
+        // Woken early (a probe changed): nothing moves.
+        let out = build(&mut p, &m, &w, &(), at(5_000));
+        assert_eq!(weights(&out, "s"), [("a1".into(), 70), ("b1".into(), 30)]);
+        assert!(out.events.is_empty());
+        let out = build(&mut p, &m, &w, &(), at(10_000));
+        assert_eq!(weights(&out, "s"), [("b1".into(), 100)]);
+        assert_eq!(out.wake_at, None);
+    }
+
+    #[test]
+    fn a_switch_waits_for_cold_envoys_until_they_ack_or_warm_timeout() {
+        let mut p = pipeline();
+        let w = ready_world();
+        let m = one(upgrade(SwitchoverOverrides::default()));
+        let cold = Envoys(vec![("gw", vec!["default/s/a1"])]);
+        let out = build(&mut p, &m, &w, &cold, at(0));
+        assert_eq!(weights(&out, "s"), [("a1".into(), 100)]);
+        assert!(out.wake_on_ack, "an ACK may end the wait");
+        let warm_timeout = Policies::default().switchover.warm_timeout;
+        assert_eq!(out.wake_at, Some(at(0) + warm_timeout));
+        // The Envoy ACKs b1: traffic moves.
+        let warm = Envoys(vec![("gw", vec!["default/s/a1", "default/s/b1"])]);
+        let out = build(&mut p, &m, &w, &warm, at(100));
+        assert_eq!(weights(&out, "s"), [("b1".into(), 100)]);
+        assert!(!out.wake_on_ack);
+        // An Envoy that never ACKs holds the switch only until warm_timeout.
+        let mut p = pipeline();
+        build(&mut p, &m, &w, &cold, at(0));
+        let out = build(&mut p, &m, &w, &cold, at(0) + warm_timeout);
+        assert_eq!(weights(&out, "s"), [("b1".into(), 100)]);
+    }
+
+    #[test]
+    fn a_dropped_cluster_drains_for_its_grace_then_goes() {
+        let mut p = pipeline();
+        let mut w = ready_world();
+        w.running("default/s/b1");
+        let m = one(upgrade(SwitchoverOverrides {
+            drain_grace: Some(Duration::from_secs(5)),
+            ..Default::default()
+        }));
+        let out = build(&mut p, &m, &w, &(), at(0));
+        assert_eq!(weights(&out, "s"), [("b1".into(), 100)]);
+        // The source promotes b1 and drops a1.
+        let mut promoted = upgrade(SwitchoverOverrides {
+            drain_grace: Some(Duration::from_secs(5)),
+            ..Default::default()
+        });
+        promoted.active_cluster = "b1".into();
+        promoted.pending_cluster = None;
+        promoted.clusters.retain(|c| c.name == "b1");
+        let promoted = one(promoted);
+        let out = build(&mut p, &promoted, &w, &(), at(1000));
+        assert_eq!(
+            endpoints(&out, "default/s/a1").unwrap(),
+            [(8000, draining())],
+            "a1 drains"
+        );
+        assert_eq!(weights(&out, "s"), [("b1".into(), 100)]);
+        assert_eq!(out.wake_at, Some(at(6000)));
+        let out = build(&mut p, &promoted, &w, &(), at(6000));
+        assert_eq!(endpoints(&out, "default/s/a1"), None, "a1 is gone");
+        assert_eq!(out.wake_at, None);
+    }
+
+    #[test]
+    fn fail_open_is_reported_once_when_it_starts_and_when_it_ends() {
+        let mut p = pipeline();
+        let mut w = World::default();
+        let m = one(service("a", "a1", &[8000, 8001]));
+        w.probe(8000, ProbeState::Unhealthy, T0);
+        w.probe(8001, ProbeState::Unhealthy, T0);
+        let out = build(&mut p, &m, &w, &(), at(0));
+        let fail_open: Vec<&Event> = out
+            .events
+            .iter()
+            .filter(|e| !matches!(e, Event::Switch(_)))
+            .collect();
+        assert_eq!(fail_open, [&Event::FailOpenStarted("default/a/a1".into())]);
+        assert!(build(&mut p, &m, &w, &(), at(1)).events.is_empty());
+        w.probe(8001, ProbeState::Healthy, T0);
+        let out = build(&mut p, &m, &w, &(), at(2));
+        assert_eq!(out.events, [Event::FailOpenEnded("default/a/a1".into())]);
+    }
+}
