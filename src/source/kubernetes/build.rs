@@ -46,6 +46,154 @@ pub struct Built {
 
 pub type Hints = BTreeMap<String, BTreeMap<String, BTreeMap<String, String>>>;
 
+/// One RayService, built alone: what [`assemble`] puts together. The index keeps one per
+/// RayService and rebuilds it only when its object or its clusters' pods change.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ServiceBuild {
+    /// `<namespace>/<name>`.
+    pub key: String,
+    /// `None` when it is not routed yet or is invalid on its own.
+    pub service: Option<RayService>,
+    pub problems: Vec<Problem>,
+    /// Its status names no RayCluster yet.
+    pub unrouted: bool,
+    /// KubeRay's application statuses per cluster.
+    pub hints: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+/// The clusters a RayService's status names: active (or a lone pending) and pending.
+pub fn cluster_names(r: &RayServiceObject) -> (Option<String>, Option<String>) {
+    let name_of = |s: &Option<super::objects::ClusterStatus>| {
+        s.as_ref()
+            .and_then(|s| s.ray_cluster_name.clone())
+            .filter(|n| !n.is_empty())
+    };
+    match (name_of(&r.active), name_of(&r.pending)) {
+        (Some(a), Some(p)) if a == p => (Some(a), None),
+        (Some(a), p) => (Some(a), p),
+        (None, Some(p)) => (Some(p), None),
+        (None, None) => (None, None),
+    }
+}
+
+/// Builds one RayService from its object and the pods of its clusters (`pods_of(cluster)`
+/// gives those of the RayService's namespace).
+pub fn service<'a>(
+    r: &RayServiceObject,
+    pods_of: impl Fn(&str) -> Vec<&'a PodObject>,
+) -> ServiceBuild {
+    let object = format!("rayservice {}/{}", r.namespace, r.name);
+    let mut built = ServiceBuild {
+        key: format!("{}/{}", r.namespace, r.name),
+        ..Default::default()
+    };
+    let (Some(active), pending) = cluster_names(r) else {
+        built.unrouted = true;
+        return built;
+    };
+    for status in r.active.iter().chain(&r.pending) {
+        if let (Some(cluster), Some(apps)) =
+            (&status.ray_cluster_name, &status.application_statuses)
+        {
+            built.hints.insert(
+                cluster.clone(),
+                apps.iter()
+                    .map(|(app, s)| (app.clone(), s.status.clone().unwrap_or_default()))
+                    .collect(),
+            );
+        }
+    }
+    let annotated = annotations::read(&r.annotations);
+    for (key, message) in annotated.problems {
+        built.problems.push(Problem {
+            object: object.clone(),
+            reason: "bad_annotation",
+            message: format!("annotation {key} ignored: {message}"),
+        });
+    }
+    let mut policy = annotated.policy;
+    if r.exclude_head_pod {
+        policy.head_proxy = HeadProxy::Exclude;
+    }
+    let clusters = std::iter::once(&active)
+        .chain(pending.as_ref())
+        .map(|name| cluster(name, &pods_of(name), &object, &mut built.problems))
+        .collect();
+    let service = RayService {
+        namespace: r.namespace.clone(),
+        name: r.name.clone(),
+        hosts: annotated.hosts.unwrap_or_else(|| {
+            vec![
+                format!("{}.{}", r.name, r.namespace),
+                format!("{}.{}.svc", r.name, r.namespace),
+            ]
+        }),
+        active_cluster: active,
+        pending_cluster: pending,
+        clusters,
+        policy,
+    };
+    // Valid on its own (hosts claimed by others are checked in `assemble`).
+    match Model::new(vec![service.clone()]) {
+        Ok(_) => built.service = Some(service),
+        Err(e) => built.problems.push(Problem {
+            object,
+            reason: "invalid_rayservice",
+            message: format!("left out: {e}"),
+        }),
+    }
+    built
+}
+
+/// Puts built RayServices (by `(namespace, name)`, so in a stable order) into one model: a
+/// RayService claiming a host an earlier one claims is left out and reported.
+pub fn assemble<'a>(built: impl IntoIterator<Item = &'a ServiceBuild>) -> Built {
+    let mut out = Built::default();
+    let mut services = Vec::new();
+    let mut claimed: BTreeMap<String, String> = BTreeMap::new();
+    for b in built {
+        out.problems.extend(b.problems.iter().cloned());
+        if b.unrouted {
+            out.unrouted.push(b.key.clone());
+        }
+        let Some(service) = &b.service else {
+            continue;
+        };
+        if !b.hints.is_empty() {
+            out.hints.insert(service.key(), b.hints.clone());
+        }
+        if let Some((host, other)) = service.hosts.iter().find_map(|h| {
+            claimed
+                .get(&h.to_ascii_lowercase())
+                .map(|o| (h.clone(), o.clone()))
+        }) {
+            out.problems.push(Problem {
+                object: format!("rayservice {}", service.key()),
+                reason: "host_conflict",
+                message: format!("left out: host {host:?} already routes to {other}"),
+            });
+            continue;
+        }
+        for h in &service.hosts {
+            claimed.insert(h.to_ascii_lowercase(), service.key());
+        }
+        services.push(service.clone());
+    }
+    match Model::new(services) {
+        Ok(model) => out.model = model,
+        // Every service was checked above; this would be a bug, not bad input.
+        Err(e) => out.problems.push(Problem {
+            object: "model".into(),
+            reason: "invalid_rayservice",
+            message: format!("no RayService routed: {e}"),
+        }),
+    }
+    out.problems.sort();
+    out.problems.dedup();
+    out
+}
+
+/// The model of a whole set of objects at once (the index builds the same incrementally).
 pub fn build<'a>(
     rayservices: impl IntoIterator<Item = &'a RayServiceObject>,
     pods: impl IntoIterator<Item = &'a PodObject>,
@@ -57,117 +205,20 @@ pub fn build<'a>(
             .or_default()
             .push(pod);
     }
-    let mut built = Built::default();
-    let mut services = Vec::new();
-    let mut claimed: BTreeMap<String, String> = BTreeMap::new();
     let mut rayservices: Vec<&RayServiceObject> = rayservices.into_iter().collect();
     rayservices.sort_by_key(|r| r.key());
-    for r in rayservices {
-        let object = format!("rayservice {}/{}", r.namespace, r.name);
-        let name_of = |s: &Option<super::objects::ClusterStatus>| {
-            s.as_ref()
-                .and_then(|s| s.ray_cluster_name.clone())
-                .filter(|n| !n.is_empty())
-        };
-        let (active, pending) = match (name_of(&r.active), name_of(&r.pending)) {
-            (Some(a), Some(p)) if a == p => (a, None),
-            (Some(a), p) => (a, p),
-            (None, Some(p)) => (p, None),
-            (None, None) => {
-                built.unrouted.push(format!("{}/{}", r.namespace, r.name));
-                continue;
-            }
-        };
-        for status in r.active.iter().chain(&r.pending) {
-            if let (Some(cluster), Some(apps)) =
-                (&status.ray_cluster_name, &status.application_statuses)
-            {
-                built
-                    .hints
-                    .entry(format!("{}/{}", r.namespace, r.name))
-                    .or_default()
-                    .insert(
-                        cluster.clone(),
-                        apps.iter()
-                            .map(|(app, s)| (app.clone(), s.status.clone().unwrap_or_default()))
-                            .collect(),
-                    );
-            }
-        }
-        let annotated = annotations::read(&r.annotations);
-        for (key, message) in annotated.problems {
-            built.problems.push(Problem {
-                object: object.clone(),
-                reason: "bad_annotation",
-                message: format!("annotation {key} ignored: {message}"),
-            });
-        }
-        let mut policy = annotated.policy;
-        if r.exclude_head_pod {
-            policy.head_proxy = HeadProxy::Exclude;
-        }
-        let clusters = std::iter::once(&active)
-            .chain(pending.as_ref())
-            .map(|name| {
-                let pods = by_cluster
-                    .get(&(r.namespace.as_str(), name.as_str()))
-                    .map(Vec::as_slice)
-                    .unwrap_or_default();
-                cluster(name, pods, &object, &mut built.problems)
+    let built: Vec<ServiceBuild> = rayservices
+        .iter()
+        .map(|r| {
+            service(r, |cluster| {
+                by_cluster
+                    .get(&(r.namespace.as_str(), cluster))
+                    .cloned()
+                    .unwrap_or_default()
             })
-            .collect();
-        let service = RayService {
-            namespace: r.namespace.clone(),
-            name: r.name.clone(),
-            hosts: annotated.hosts.unwrap_or_else(|| {
-                vec![
-                    format!("{}.{}", r.name, r.namespace),
-                    format!("{}.{}.svc", r.name, r.namespace),
-                ]
-            }),
-            active_cluster: active,
-            pending_cluster: pending,
-            clusters,
-            policy,
-        };
-        // Valid on its own, and no host another RayService claimed first.
-        if let Err(e) = Model::new(vec![service.clone()]) {
-            built.problems.push(Problem {
-                object,
-                reason: "invalid_rayservice",
-                message: format!("left out: {e}"),
-            });
-            continue;
-        }
-        if let Some((host, other)) = service.hosts.iter().find_map(|h| {
-            claimed
-                .get(&h.to_ascii_lowercase())
-                .map(|o| (h.clone(), o.clone()))
-        }) {
-            built.problems.push(Problem {
-                object,
-                reason: "host_conflict",
-                message: format!("left out: host {host:?} already routes to {other}"),
-            });
-            continue;
-        }
-        for h in &service.hosts {
-            claimed.insert(h.to_ascii_lowercase(), service.key());
-        }
-        services.push(service);
-    }
-    match Model::new(services) {
-        Ok(model) => built.model = model,
-        // Every service was checked above; this would be a bug, not bad input.
-        Err(e) => built.problems.push(Problem {
-            object: "model".into(),
-            reason: "invalid_rayservice",
-            message: format!("no RayService routed: {e}"),
-        }),
-    }
-    built.problems.sort();
-    built.problems.dedup();
-    built
+        })
+        .collect();
+    assemble(&built)
 }
 
 fn cluster(

@@ -4,7 +4,9 @@
 //! - [`objects`]: the fields we read, decoded one object at a time (a malformed object is
 //!   skipped alone; the rest of the list still counts);
 //! - [`annotations`]: `ray-xds.io/*` overrides on a RayService;
-//! - [`build`]: objects → model, pure.
+//! - [`build`]: objects → model, pure, one RayService at a time;
+//! - [`index`]: the objects and each RayService's part of the model, updated per object
+//!   (apply, delete, reset) so that a change rebuilds only the RayServices it touches.
 //!
 //! This module is the IO around them: kube-rs watchers (list, then watch; on 410 Gone or a
 //! dropped connection they re-list or resume, with back-off), one per resource and
@@ -18,6 +20,7 @@
 
 pub mod annotations;
 pub mod build;
+pub mod index;
 pub mod objects;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -88,7 +91,7 @@ type Key = (String, String);
 type Found = (Vec<(String, &'static str)>, Vec<String>, build::Hints);
 
 /// A decoded object of either kind (each watch holds one kind).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 enum Object {
     RayService(RayServiceObject),
     Pod(PodObject),
@@ -179,6 +182,7 @@ impl KubernetesSource {
         }
         let mut state = State {
             watches,
+            index: index::Index::default(),
             reported: BTreeSet::new(),
             last_model: None,
             metrics: self.metrics,
@@ -219,6 +223,7 @@ fn api_for(client: &kube::Client, ns: Option<&str>, ar: &ApiResource) -> Api<Dyn
 
 struct State {
     watches: Vec<Watch>,
+    index: index::Index,
     /// Problems already logged and counted (each is reported once while it lasts).
     reported: BTreeSet<String>,
     last_model: Option<Arc<Model>>,
@@ -233,10 +238,6 @@ fn now_unix() -> f64 {
 }
 
 impl State {
-    fn objects(&self) -> impl Iterator<Item = &Object> {
-        self.watches.iter().flat_map(|w| w.objects.values())
-    }
-
     fn synced(&self) -> bool {
         self.watches.iter().all(|w| w.status.synced)
     }
@@ -278,7 +279,16 @@ impl State {
                 false
             }
             watcher::Event::InitDone => {
-                w.objects = w.listing.take().unwrap_or_default();
+                let listed = w.listing.take().unwrap_or_default();
+                for key in w.objects.keys().filter(|k| !listed.contains_key(*k)) {
+                    remove(&mut self.index, w.resource, key);
+                }
+                for (key, object) in &listed {
+                    if w.objects.get(key) != Some(object) {
+                        insert(&mut self.index, object.clone());
+                    }
+                }
+                w.objects = listed;
                 w.malformed = std::mem::take(&mut w.listing_malformed);
                 w.status.synced = true;
                 w.status.state = "watching";
@@ -287,14 +297,18 @@ impl State {
             }
             watcher::Event::Apply(obj) => {
                 w.status.state = "watching";
-                w.decode_applied(&obj);
+                if let Some(object) = w.decode_applied(&obj) {
+                    insert(&mut self.index, object);
+                }
                 w.status.objects = w.objects.len();
                 true
             }
             watcher::Event::Delete(obj) => {
                 w.status.state = "watching";
                 let key = key_of(&obj);
-                w.objects.remove(&key);
+                if w.objects.remove(&key).is_some() {
+                    remove(&mut self.index, w.resource, &key);
+                }
                 w.malformed.remove(&key);
                 w.status.objects = w.objects.len();
                 true
@@ -307,16 +321,7 @@ impl State {
         models: &watch::Sender<Arc<Model>>,
         status: &watch::Sender<Arc<SourceStatus>>,
     ) {
-        let built = build::build(
-            self.objects().filter_map(|o| match o {
-                Object::RayService(r) => Some(r),
-                Object::Pod(_) => None,
-            }),
-            self.objects().filter_map(|o| match o {
-                Object::Pod(p) => Some(p),
-                Object::RayService(_) => None,
-            }),
-        );
+        let built = self.index.built();
         let mut problems: Vec<(String, &'static str)> = built
             .problems
             .iter()
@@ -424,16 +429,34 @@ impl Watch {
         }
     }
 
-    fn decode_applied(&mut self, obj: &DynamicObject) {
+    /// Decodes an applied object into this watch; the object when it decoded (a
+    /// malformed one keeps the last good state of its key).
+    fn decode_applied(&mut self, obj: &DynamicObject) -> Option<Object> {
         let key = key_of(obj);
         match self.decode(obj) {
             Ok(object) => {
-                self.objects.insert(key.clone(), object);
+                self.objects.insert(key.clone(), object.clone());
                 self.malformed.remove(&key);
+                Some(object)
             }
             Err(why) => {
                 self.malformed.insert(key, why);
+                None
             }
         }
+    }
+}
+
+fn insert(index: &mut index::Index, object: Object) {
+    match object {
+        Object::RayService(r) => index.apply_rayservice(r),
+        Object::Pod(p) => index.apply_pod(p),
+    }
+}
+
+fn remove(index: &mut index::Index, resource: Resource, key: &Key) {
+    match resource {
+        Resource::RayServices => index.delete_rayservice(key),
+        Resource::Pods => index.delete_pod(key),
     }
 }
