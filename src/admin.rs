@@ -4,8 +4,10 @@
 //! - `/readyz`: 200 once the source has its first full state (for Kubernetes, every
 //!   watch has listed) and the first snapshot is built (503 before);
 //! - `/metrics`: Prometheus text;
-//! - `/debug/snapshot`: every resource of the current snapshot with its version;
-//! - `/debug/clients`: every connected Envoy, its subscriptions and ACK/NACK state;
+//! - `/debug/snapshot`: every resource of the current snapshot with its version, as proto
+//!   JSON (as Envoy's `/config_dump`);
+//! - `/debug/clients`: every connected Envoy, its subscriptions and ACK/NACK state, and
+//!   per resource what it holds against the current snapshot (CSDS `ClientConfig`);
 //! - `/debug/state`: per cluster, where its proxies come from (the source, or discovered
 //!   from its dashboard), each proxy's probe state and endpoint health with the reason,
 //!   and what the cluster's dashboard says (application statuses, staleness);
@@ -120,7 +122,7 @@ async fn snapshot(State(state): State<AdminState>) -> Response {
                     "name": &*r.name,
                     "version": &*r.version,
                     "cluster_refs": r.cluster_refs.iter().map(|c| &**c).collect::<Vec<_>>(),
-                    "resource": r.render(),
+                    "resource": r.to_json(),
                 })
             })
             .collect();
@@ -133,7 +135,8 @@ async fn snapshot(State(state): State<AdminState>) -> Response {
 }
 
 async fn clients(State(state): State<AdminState>) -> Response {
-    Json(json!({"clients": state.clients.report()})).into_response()
+    let snapshot = state.snapshots.borrow().clone();
+    Json(json!({"clients": state.clients.report(snapshot.as_deref())})).into_response()
 }
 
 async fn live_state(State(state): State<AdminState>) -> Response {

@@ -83,6 +83,23 @@ async fn carries_traffic_and_follows_edits(bootstrap: Bootstrap) {
         );
         assert_eq!(client["types"][ty]["nacks"], 0, "{ty}: {client}");
     }
+    // ...and holds the whole snapshot, resource by resource (CSDS in proto JSON).
+    assert_eq!(client["in_sync"], true, "{client}");
+    let held = client["client_config"]["generic_xds_configs"]
+        .as_array()
+        .unwrap();
+    assert!(held.len() >= 4, "{client}");
+    for r in held {
+        assert_eq!(r["client_status"], "ACKED", "{r}");
+        assert_eq!(r["config_status"], "SYNCED", "{r}");
+    }
+    let snapshot: serde_json::Value =
+        serde_json::from_str(&admin_get(admin, "/debug/snapshot").await).unwrap();
+    let cluster = &snapshot["types"]["cds"]["resources"][0]["resource"];
+    assert_eq!(
+        cluster["type"], "EDS",
+        "proto JSON, as Envoy's config_dump: {cluster}"
+    );
 
     // An edit of services.yaml moves traffic.
     let edited = Instant::now();

@@ -1,4 +1,5 @@
-//! Golden files of the resources `translate` produces. A change to the output fails here
+//! Golden files of the resources `translate` produces, as proto JSON (what
+//! `/debug/snapshot` shows and Envoy's `/config_dump` prints). A change to the output fails here
 //! until the golden file is regenerated (`UPDATE_GOLDEN=1 cargo test --test
 //! translate_golden`) and the diff is reviewed by eye.
 
@@ -19,21 +20,26 @@ fn golden(name: &str, services: &Path) {
         &GatewaySettings::default(),
         &Default::default(),
     ));
-    let mut out = format!("# snapshot version {}\n", snapshot.version());
+    let mut resources = Vec::new();
     for ty in ResourceType::ALL {
         for r in snapshot.resources(ty).values() {
-            out += &format!(
-                "\n# {} {} (version {})\n{}\n",
-                ty.label(),
-                r.name,
-                r.version,
-                r.render()
-            );
+            resources.push(serde_json::json!({
+                "type": ty.label(),
+                "name": &*r.name,
+                "version": &*r.version,
+                "resource": r.to_json(),
+            }));
         }
     }
+    let out = serde_json::to_string_pretty(&serde_json::json!({
+        "version": snapshot.version(),
+        "resources": resources,
+    }))
+    .unwrap()
+        + "\n";
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/golden")
-        .join(format!("{name}.txt"));
+        .join(format!("{name}.json"));
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(&path, &out).unwrap();

@@ -275,3 +275,66 @@ async fn first_discovery(sources: &Sources, bound: Duration) {
         tracing::warn!(clusters = ?discovering, "a dashboard to discover proxies from has not answered yet; starting without its proxies");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::GatewaySettings;
+    use crate::live::probe::ProxyProbe;
+    use crate::model::test_support::service;
+    use crate::policy::Policies;
+
+    #[test]
+    fn weight_series_are_kept_only_for_clusters_that_exist() {
+        let mut p = Pipeline::new(Policies::default(), GatewaySettings::default());
+        let mut probes = ProbeStates::default();
+        for port in [8000, 9000] {
+            let mut probe = ProxyProbe::new(SystemTime::UNIX_EPOCH);
+            probe.state = ProbeState::Healthy;
+            probes
+                .proxies
+                .insert(SocketAddr::from(([127, 0, 0, 1], port)), probe);
+        }
+        let dashboards = DashboardStates::default();
+        let metrics = Metrics::new();
+        let mut exported = BTreeSet::new();
+        let mut step = |model: Model, secs: u64| {
+            let model = Arc::new(model);
+            let out = p.build(
+                &Inputs {
+                    model: &model,
+                    probes: &probes,
+                    dashboards: &dashboards,
+                    envoys: &(),
+                },
+                SystemTime::UNIX_EPOCH + Duration::from_secs(secs),
+            );
+            record(&out, &metrics, &mut exported);
+            metrics.render()
+        };
+        let mut s = service("s", "a1", &[8000]);
+        s.clusters
+            .push(service("s", "b1", &[9000]).clusters.remove(0));
+        s.pending_cluster = Some("b1".into());
+        let text = step(Model::new(vec![s.clone()]).unwrap(), 0);
+        assert!(
+            text.contains(r#"ray_xds_switchover_weight{rayservice="default/s",cluster="b1"} 100"#),
+            "{text}"
+        );
+        assert!(
+            !text.contains(r#"cluster="a1""#),
+            "a1 has no traffic left: {text}"
+        );
+        // Every upgrade brings new cluster names; the old ones' series go with them.
+        let mut c = service("s", "c1", &[9000]);
+        c.clusters
+            .push(service("s", "b1", &[8000]).clusters.remove(0));
+        c.active_cluster = "b1".into();
+        c.pending_cluster = Some("c1".into());
+        let text = step(Model::new(vec![c]).unwrap(), 1);
+        assert!(text.contains(r#"cluster="c1"} 100"#), "{text}");
+        assert!(!text.contains(r#"cluster="b1""#), "{text}");
+        let text = step(Model::default(), 2);
+        assert!(!text.contains("ray_xds_switchover_weight{"), "{text}");
+    }
+}

@@ -3,19 +3,24 @@
 //!
 //! Invariant: a stream is registered for exactly as long as its task runs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
+use envoy_types::pb::envoy::admin::v3::{ClientResourceStatus, UpdateFailureState};
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::service::status::v3::client_config::GenericXdsConfig;
+use envoy_types::pb::envoy::service::status::v3::{ClientConfig, ConfigStatus};
 use serde::Serialize;
 
-use super::{AdsProtocol, NodeInfo, ResourceType, TypeStatus};
+use super::{AdsProtocol, NodeInfo, ResourceType, Snapshot, TypeStatus};
 
 pub(super) type SharedStream = Arc<Mutex<dyn ClientDescribe>>;
 
 pub(super) trait ClientDescribe: Send {
     fn describe(&self) -> (Option<NodeInfo>, Vec<(ResourceType, TypeStatus)>);
+    fn client_config(&self, snapshot: Option<&Snapshot>) -> (ClientConfig, bool);
     fn warmed(&self, cluster: &str) -> Option<bool>;
     fn node_id(&self) -> Option<String>;
 }
@@ -23,6 +28,9 @@ pub(super) trait ClientDescribe: Send {
 impl<P: AdsProtocol> ClientDescribe for P {
     fn describe(&self) -> (Option<NodeInfo>, Vec<(ResourceType, TypeStatus)>) {
         (self.node().cloned(), self.status())
+    }
+    fn client_config(&self, snapshot: Option<&Snapshot>) -> (ClientConfig, bool) {
+        client_config(self, snapshot)
     }
     fn warmed(&self, cluster: &str) -> Option<bool> {
         AdsProtocol::warmed(self, cluster)
@@ -71,6 +79,83 @@ pub struct ClientReport {
     pub connected_at_unix: u64,
     pub node: Option<NodeInfo>,
     pub types: BTreeMap<&'static str, TypeStatus>,
+    /// The Envoy holds every resource it subscribes to at the current snapshot's version.
+    pub in_sync: bool,
+    /// Per resource, what the Envoy holds against what is current, as Envoy's Client
+    /// Status Discovery Service (`envoy.service.status.v3.ClientConfig`) reports it, in
+    /// proto JSON.
+    pub client_config: serde_json::Value,
+}
+
+/// What one Envoy holds, resource by resource, against `snapshot` (the one being served).
+fn client_config<P: AdsProtocol + ?Sized>(
+    p: &P,
+    snapshot: Option<&Snapshot>,
+) -> (ClientConfig, bool) {
+    let status: BTreeMap<ResourceType, TypeStatus> = p.status().into_iter().collect();
+    let mut configs = Vec::new();
+    let mut in_sync = true;
+    for ty in ResourceType::ALL {
+        let Some(subscription) = p.subscription(ty) else {
+            continue;
+        };
+        let held: BTreeMap<Arc<str>, Arc<str>> = p.held(ty).into_iter().collect();
+        let current = snapshot.map(|s| s.resources(ty));
+        let nacked = status
+            .get(&ty)
+            .and_then(|s| {
+                s.last_nacked_version
+                    .as_ref()
+                    .map(|_| s.last_nack_message.clone())
+            })
+            .flatten();
+        let mut names: BTreeSet<Arc<str>> = held.keys().cloned().collect();
+        match subscription {
+            None => names.extend(current.into_iter().flat_map(|c| c.keys().cloned())),
+            Some(list) => names.extend(list),
+        }
+        for name in names {
+            let have = held.get(&name);
+            let want = current.and_then(|c| c.get(&name)).map(|r| &r.version);
+            let (client, config) = match (have, want) {
+                (Some(h), Some(w)) if h == w => (ClientResourceStatus::Acked, ConfigStatus::Synced),
+                (Some(_), Some(_)) if nacked.is_some() => {
+                    (ClientResourceStatus::Nacked, ConfigStatus::Error)
+                }
+                // An older version: an update on its way, or held back until its clusters
+                // are warm, or one the server keeps while a route still names it.
+                (Some(_), _) => (ClientResourceStatus::Acked, ConfigStatus::Stale),
+                (None, Some(_)) => (ClientResourceStatus::Requested, ConfigStatus::NotSent),
+                (None, None) => (ClientResourceStatus::DoesNotExist, ConfigStatus::Synced),
+            };
+            in_sync &= config == ConfigStatus::Synced;
+            configs.push(GenericXdsConfig {
+                type_url: ty.type_url().into(),
+                name: name.to_string(),
+                version_info: have.map(|v| v.to_string()).unwrap_or_default(),
+                config_status: config as i32,
+                client_status: client as i32,
+                error_state: (client == ClientResourceStatus::Nacked).then(|| UpdateFailureState {
+                    details: nacked.clone().unwrap_or_default(),
+                    version_info: want.map(|v| v.to_string()).unwrap_or_default(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+        }
+    }
+    let node = p.node().map(|n| Node {
+        id: n.id.clone(),
+        cluster: n.cluster.clone(),
+        user_agent_name: n.user_agent.clone(),
+        ..Default::default()
+    });
+    let config = ClientConfig {
+        node,
+        generic_xds_configs: configs,
+        ..Default::default()
+    };
+    (config, in_sync)
 }
 
 impl Clients {
@@ -84,7 +169,8 @@ impl Clients {
         self.warmed.notify_one();
     }
 
-    pub fn report(&self) -> Vec<ClientReport> {
+    /// Every connected Envoy, and what it holds against `snapshot` (the one served now).
+    pub fn report(&self, snapshot: Option<&Snapshot>) -> Vec<ClientReport> {
         let streams: Vec<_> = {
             let guard = self.streams.lock().unwrap_or_else(|e| e.into_inner());
             guard
@@ -95,13 +181,19 @@ impl Clients {
         streams
             .into_iter()
             .map(|(stream_id, protocol, connected_at_unix, s)| {
-                let (node, status) = s.lock().unwrap_or_else(|e| e.into_inner()).describe();
+                let (node, status, (config, in_sync)) = {
+                    let s = lock(&s);
+                    let (node, status) = s.describe();
+                    (node, status, s.client_config(snapshot))
+                };
                 ClientReport {
                     stream_id,
                     protocol,
                     connected_at_unix,
                     node,
                     types: status.into_iter().map(|(t, s)| (t.label(), s)).collect(),
+                    in_sync,
+                    client_config: super::json::message_to_json(&config),
                 }
             })
             .collect()
@@ -130,4 +222,82 @@ impl Clients {
 
 pub(super) fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::xds::fixtures::{service, snapshot_of};
+    use crate::xds::sotw::SotwStream;
+    use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
+
+    fn request(ty: ResourceType, names: &[&str], version: &str, nonce: &str) -> DiscoveryRequest {
+        DiscoveryRequest {
+            type_url: ty.type_url().into(),
+            resource_names: names.iter().map(|s| s.to_string()).collect(),
+            version_info: version.into(),
+            response_nonce: nonce.into(),
+            ..Default::default()
+        }
+    }
+
+    fn statuses(config: &ClientConfig) -> Vec<(String, i32, i32)> {
+        config
+            .generic_xds_configs
+            .iter()
+            .map(|c| (c.name.clone(), c.client_status, c.config_status))
+            .collect()
+    }
+
+    #[test]
+    fn an_envoy_is_in_sync_only_once_it_holds_everything_it_subscribed_to() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = SotwStream::new();
+        s.on_request(request(ResourceType::Cluster, &[], "", ""))
+            .unwrap();
+        s.on_request(request(
+            ResourceType::Endpoints,
+            &["default/a/a1", "default/gone/x"],
+            "",
+            "",
+        ))
+        .unwrap();
+        let (config, in_sync) = client_config(&s, Some(&snap));
+        assert!(!in_sync, "nothing sent yet");
+        assert!(statuses(&config).contains(&(
+            "default/a/a1".into(),
+            ClientResourceStatus::Requested as i32,
+            ConfigStatus::NotSent as i32
+        )));
+        assert!(
+            statuses(&config).contains(&(
+                "default/gone/x".into(),
+                ClientResourceStatus::DoesNotExist as i32,
+                ConfigStatus::Synced as i32
+            )),
+            "a name that does not exist is not a lag"
+        );
+        // Send and ACK both types.
+        for (ty, _, r) in s.poll(&snap) {
+            let names: &[&str] = match ty {
+                ResourceType::Endpoints => &["default/a/a1", "default/gone/x"],
+                _ => &[],
+            };
+            s.on_request(request(ty, names, &r.version_info, &r.nonce))
+                .unwrap();
+        }
+        let (config, in_sync) = client_config(&s, Some(&snap));
+        assert!(in_sync, "{:?}", statuses(&config));
+        // A new snapshot: what the Envoy holds is now stale.
+        let next = snapshot_of(vec![service("a", "a1", &[8001])]);
+        let (config, in_sync) = client_config(&s, Some(&next));
+        assert!(!in_sync);
+        assert!(statuses(&config).contains(&(
+            "default/a/a1".into(),
+            ClientResourceStatus::Acked as i32,
+            ConfigStatus::Stale as i32
+        )));
+        let json = crate::xds::json::message_to_json(&config);
+        assert_eq!(json["generic_xds_configs"][0]["client_status"], "ACKED");
+    }
 }

@@ -289,6 +289,22 @@ impl AdsProtocol for DeltaStream {
         Some(clusters.known.contains(cluster) && endpoints.known.contains(cluster))
     }
 
+    fn held(&self, ty: ResourceType) -> Vec<(Arc<str>, Arc<str>)> {
+        self.types[ty.index()]
+            .known
+            .iter()
+            .map(|(n, v, _)| (n.clone(), v.clone()))
+            .collect()
+    }
+
+    fn subscription(&self, ty: ResourceType) -> Option<Option<Vec<Arc<str>>>> {
+        let st = &self.types[ty.index()];
+        if !st.subscribed {
+            return None;
+        }
+        Some((!st.wildcard).then(|| st.names.iter().cloned().collect()))
+    }
+
     fn status(&self) -> Vec<(ResourceType, TypeStatus)> {
         ResourceType::ALL
             .iter()

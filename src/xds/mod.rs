@@ -8,7 +8,8 @@
 //!   channel (latest state wins; nothing queues per stream), reporting to an
 //!   [`Observer`];
 //! - [`clients`]: the connected streams, what each Envoy holds, which have warmed what;
-//! - [`codec`] and [`grpc`]: gRPC framing and the tower service around the streams.
+//! - [`codec`] and [`grpc`]: gRPC framing and the tower service around the streams;
+//! - [`json`]: Envoy messages as proto JSON, for the debug views.
 //!
 //! This layer knows Envoy and the xDS protocol, not Ray: it serves whatever consistent
 //! [`Snapshot`] it is given, and reports through [`Observer`] and [`Clients`] instead of
@@ -20,10 +21,13 @@ pub mod delta;
 #[cfg(test)]
 pub(crate) mod fixtures;
 pub mod grpc;
+pub mod json;
 pub mod ordering;
 pub mod server;
 pub mod snapshot;
 pub mod sotw;
+
+use std::sync::Arc;
 
 use serde::Serialize;
 
@@ -158,4 +162,9 @@ pub trait AdsProtocol: Send + 'static {
     /// Whether this Envoy has ACKed `cluster` and its endpoints; `None` when it does not
     /// subscribe to that cluster (it has nothing to warm).
     fn warmed(&self, cluster: &str) -> Option<bool>;
+    /// What the Envoy holds of `ty` (ACKed, or reported on reconnect): name and version.
+    fn held(&self, ty: ResourceType) -> Vec<(Arc<str>, Arc<str>)>;
+    /// What it subscribes to of `ty`: `None` when it has not asked for the type,
+    /// `Some(None)` for a wildcard, else the names.
+    fn subscription(&self, ty: ResourceType) -> Option<Option<Vec<Arc<str>>>>;
 }

@@ -273,102 +273,10 @@ impl Resource {
         }
     }
 
-    /// A human-readable rendering of the resource, decoded from its bytes, for `/debug`
-    /// and golden files: proto Debug output without unset (default) fields, followed by
-    /// the typed configs nested in `Any`s that ray-xds itself packs.
-    pub fn render(&self) -> String {
-        use envoy_types::pb::envoy::config::{cluster, endpoint, listener, route};
-        use envoy_types::pb::envoy::extensions::filters::network::http_connection_manager::v3::HttpConnectionManager;
-        use envoy_types::pb::envoy::extensions::upstreams::http::v3::HttpProtocolOptions;
-        let v = &self.body.value;
-        let mut nested: Vec<Any> = Vec::new();
-        let main = match ResourceType::from_type_url(&self.body.type_url) {
-            Some(ResourceType::Cluster) => decode::<cluster::v3::Cluster>(v, |c| {
-                nested.extend(c.typed_extension_protocol_options.values().cloned())
-            }),
-            Some(ResourceType::Endpoints) => {
-                decode::<endpoint::v3::ClusterLoadAssignment>(v, |_| {})
-            }
-            Some(ResourceType::Listener) => decode::<listener::v3::Listener>(v, |l| {
-                for chain in &l.filter_chains {
-                    for f in &chain.filters {
-                        if let Some(listener::v3::filter::ConfigType::TypedConfig(any)) =
-                            &f.config_type
-                        {
-                            nested.push(any.clone());
-                        }
-                    }
-                }
-            }),
-            Some(ResourceType::Route) => decode::<route::v3::RouteConfiguration>(v, |_| {}),
-            None => format!("<{} bytes of {}>", v.len(), self.body.type_url),
-        };
-        let mut out = main;
-        for any in nested {
-            let inner = if any.type_url == <HttpConnectionManager as Name>::type_url() {
-                decode::<HttpConnectionManager>(&any.value, |_| {})
-            } else if any.type_url == <HttpProtocolOptions as Name>::type_url() {
-                decode::<HttpProtocolOptions>(&any.value, |_| {})
-            } else {
-                continue;
-            };
-            out += &format!("\n  with {}:\n{}", any.type_url, indent(&inner));
-        }
-        out
+    /// The resource as proto JSON (as Envoy's `/config_dump` prints it).
+    pub fn to_json(&self) -> serde_json::Value {
+        super::json::any_to_json(&self.body)
     }
-}
-
-fn decode<M: Message + Default + fmt::Debug>(bytes: &[u8], inspect: impl FnOnce(&M)) -> String {
-    match M::decode(bytes) {
-        Ok(m) => {
-            inspect(&m);
-            without_defaults(&format!("{m:#?}"))
-        }
-        Err(e) => format!("<undecodable: {e}>"),
-    }
-}
-
-/// Drops the lines of proto Debug output that show unset fields, and folds the byte
-/// lists of nested `Any`s (rendered decoded after the resource) to their length.
-fn without_defaults(debug: &str) -> String {
-    const UNSET: [&str; 7] = [
-        ": None,",
-        ": [],",
-        ": \"\",",
-        ": false,",
-        ": {},",
-        ": 0,",
-        ": Unspecified,",
-    ];
-    let mut out: Vec<String> = Vec::new();
-    let mut bytes: Option<(String, usize)> = None;
-    for line in debug.lines() {
-        if let Some((indent, count)) = &mut bytes {
-            if line.trim() == "]," {
-                out.push(format!("{indent}value: <{count} bytes>,"));
-                bytes = None;
-            } else {
-                *count += 1;
-            }
-            continue;
-        }
-        if line.trim() == "value: [" {
-            let indent = line[..line.len() - line.trim_start().len()].to_string();
-            bytes = Some((indent, 0));
-            continue;
-        }
-        if !UNSET.iter().any(|u| line.trim_end().ends_with(u)) {
-            out.push(line.to_string());
-        }
-    }
-    out.join("\n")
-}
-
-fn indent(text: &str) -> String {
-    text.lines()
-        .map(|l| format!("    {l}"))
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 pub type ResourceMap = BTreeMap<Arc<str>, Arc<Resource>>;

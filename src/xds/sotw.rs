@@ -351,6 +351,21 @@ impl AdsProtocol for SotwStream {
         Some(clusters.acked.contains(cluster) && endpoints.acked.contains(cluster))
     }
 
+    fn held(&self, ty: ResourceType) -> Vec<(Arc<str>, Arc<str>)> {
+        self.types[ty.index()]
+            .acked
+            .iter()
+            .map(|(n, v, _)| (n.clone(), v.clone()))
+            .collect()
+    }
+
+    fn subscription(&self, ty: ResourceType) -> Option<Option<Vec<Arc<str>>>> {
+        Some(match self.types[ty.index()].subscription.as_ref()? {
+            Subscription::Wildcard => None,
+            Subscription::Names(names) => Some(names.iter().cloned().collect()),
+        })
+    }
+
     fn status(&self) -> Vec<(ResourceType, TypeStatus)> {
         ResourceType::ALL
             .iter()
