@@ -10,30 +10,11 @@ use support::*;
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
-struct Stack {
-    _dir: tempfile::TempDir,
-    services: std::path::PathBuf,
-    gateway_port: u16,
-    xds: ray_xds::runtime::Running,
-    envoy: Envoy,
-}
-
 async fn start_stack(bootstrap: Bootstrap, services_text: &str) -> Stack {
-    let dir = tempfile::tempdir().unwrap();
-    let services = dir.path().join("services.yaml");
-    std::fs::write(&services, services_text).unwrap();
-    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
+    Stack::with(services_text)
+        .envoy_without_waiting(bootstrap)
+        .start()
         .await
-        .unwrap();
-    let envoy = Envoy::start(bootstrap, xds.xds_addr.port());
-    let gateway_port = envoy.gateway_port().await;
-    Stack {
-        _dir: dir,
-        services,
-        gateway_port,
-        xds,
-        envoy,
-    }
 }
 
 async fn carries_traffic_and_follows_edits(bootstrap: Bootstrap) {
@@ -139,7 +120,7 @@ async fn carries_traffic_and_follows_edits(bootstrap: Bootstrap) {
     }
     // Envoy still holds demo-a's cluster? No: once the route moved, demo-a is unused but
     // still in the model (listed in services.yaml), so Envoy keeps it warm.
-    let clusters = stack.envoy.admin("/clusters").await;
+    let clusters = stack.envoy().admin("/clusters").await;
     assert!(clusters.contains("default/demo/demo-a::"), "{clusters}");
     stack.xds.stop().await.unwrap();
 }

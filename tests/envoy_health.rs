@@ -14,47 +14,32 @@ use support::*;
 const DEADLINE: Duration = Duration::from_secs(30);
 const CLUSTER: &str = "default/demo/demo-a";
 
-struct Stack {
-    _dir: tempfile::TempDir,
-    gateway_port: u16,
-    xds: ray_xds::runtime::Running,
-    envoy: Envoy,
+/// A stack over one simulated cluster (a head and two workers), with Envoy carrying
+/// traffic.
+struct Setup {
+    stack: Stack,
     sim: SimCluster,
 }
 
-async fn start(bootstrap: Bootstrap, head_proxy: &str) -> Stack {
+impl std::ops::Deref for Setup {
+    type Target = Stack;
+    fn deref(&self) -> &Stack {
+        &self.stack
+    }
+}
+
+async fn start(bootstrap: Bootstrap, head_proxy: &str) -> Setup {
     let sim = SimCluster::start(
         "demo-a",
         &[NodeType::Head, NodeType::Worker, NodeType::Worker],
     )
     .await;
-    let dir = tempfile::tempdir().unwrap();
-    let services = dir.path().join("services.yaml");
-    std::fs::write(
-        &services,
-        services_yaml_with(
-            "demo-a",
-            &[&sim],
-            &format!("    head_proxy: {head_proxy}\n"),
-        ),
-    )
-    .unwrap();
-    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
-        .await
-        .unwrap();
-    let envoy = Envoy::start(bootstrap, xds.xds_addr.port());
-    let gateway_port = envoy.gateway_port().await;
-    eventually("traffic flows", DEADLINE, || async {
-        through_envoy(gateway_port).await
-    })
-    .await;
-    Stack {
-        _dir: dir,
-        gateway_port,
-        xds,
-        envoy,
-        sim,
-    }
+    let extra = format!("    head_proxy: {head_proxy}\n");
+    let stack = Stack::with(services_yaml_with("demo-a", &[&sim], &extra))
+        .envoy(bootstrap)
+        .start()
+        .await;
+    Setup { stack, sim }
 }
 
 /// Envoy's health flags for one host of the cluster, from its admin `/clusters`.
@@ -95,13 +80,13 @@ async fn served_by(port: u16, n: usize) -> std::collections::BTreeMap<String, us
 async fn a_killed_proxy_turns_unhealthy(bootstrap: Bootstrap) {
     let s = start(bootstrap, "include").await;
     let worker = s.sim.proxies[1].0;
-    wait_flags(&s.envoy, worker, "the worker is healthy", |f| {
+    wait_flags(s.envoy(), worker, "the worker is healthy", |f| {
         f == "healthy"
     })
     .await;
     s.sim.kill(1);
     let took = wait_flags(
-        &s.envoy,
+        s.envoy(),
         worker,
         "Envoy sees the killed proxy unhealthy",
         |f| f.contains("failed_eds_health"),
@@ -144,7 +129,7 @@ async fn a_draining_proxy_drains() {
     let s = start(Bootstrap::Sotw, "include").await;
     let worker = s.sim.proxies[2].0;
     s.sim.set_mode(2, ProxyMode::Draining);
-    wait_flags(&s.envoy, worker, "Envoy sees the proxy draining", |f| {
+    wait_flags(s.envoy(), worker, "Envoy sees the proxy draining", |f| {
         f.contains("draining")
     })
     .await;
@@ -154,7 +139,7 @@ async fn a_draining_proxy_drains() {
         "{by:?}"
     );
     s.sim.set_mode(2, ProxyMode::Serving);
-    wait_flags(&s.envoy, worker, "it comes back", |f| f == "healthy").await;
+    wait_flags(s.envoy(), worker, "it comes back", |f| f == "healthy").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,7 +147,7 @@ async fn head_proxy_fallback_routes_to_the_head_only_without_workers() {
     let s = start(Bootstrap::Sotw, "fallback").await;
     let head = s.sim.proxies[0].0.to_string();
     wait_flags(
-        &s.envoy,
+        s.envoy(),
         s.sim.proxies[0].0,
         "the head is drained while workers serve",
         |f| f.contains("draining"),
@@ -175,7 +160,7 @@ async fn head_proxy_fallback_routes_to_the_head_only_without_workers() {
     );
     s.sim.kill(1);
     s.sim.kill(2);
-    wait_flags(&s.envoy, s.sim.proxies[0].0, "the head takes over", |f| {
+    wait_flags(s.envoy(), s.sim.proxies[0].0, "the head takes over", |f| {
         f == "healthy"
     })
     .await;
@@ -187,7 +172,7 @@ async fn head_proxy_fallback_routes_to_the_head_only_without_workers() {
 async fn head_proxy_include_and_exclude() {
     let s = start(Bootstrap::Sotw, "include").await;
     let head = s.sim.proxies[0].0;
-    wait_flags(&s.envoy, head, "head included", |f| f == "healthy").await;
+    wait_flags(s.envoy(), head, "head included", |f| f == "healthy").await;
     let by = served_by(s.gateway_port, 30).await;
     assert!(
         by.contains_key(&head.to_string()) && by.len() == 3,
@@ -197,7 +182,7 @@ async fn head_proxy_include_and_exclude() {
 
     let s = start(Bootstrap::Sotw, "exclude").await;
     let head = s.sim.proxies[0].0;
-    wait_flags(&s.envoy, head, "head excluded", |f| f.contains("draining")).await;
+    wait_flags(s.envoy(), head, "head excluded", |f| f.contains("draining")).await;
     let by = served_by(s.gateway_port, 30).await;
     assert!(
         !by.contains_key(&head.to_string()) && !by.contains_key("FAILED"),
@@ -221,7 +206,7 @@ async fn fail_open_when_every_probe_fails() {
     assert!(metric(&m, "ray_xds_fail_open_events_total") >= 1.0, "{m}");
     for (addr, _, _) in &s.sim.proxies {
         assert_eq!(
-            flags(&s.envoy, *addr).await.as_deref(),
+            flags(s.envoy(), *addr).await.as_deref(),
             Some("healthy"),
             "{addr} published healthy"
         );

@@ -12,35 +12,32 @@ use support::*;
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
-struct Stack {
-    _dir: tempfile::TempDir,
-    port: u16,
-    xds: ray_xds::runtime::Running,
-    envoy: Envoy,
+/// A stack over three simulated workers, probed only once a minute, with `traffic` as the
+/// RayService's traffic policy and Envoy carrying traffic.
+struct Setup {
+    stack: Stack,
     sim: SimCluster,
 }
 
-async fn start(traffic: &str) -> Stack {
+impl std::ops::Deref for Setup {
+    type Target = Stack;
+    fn deref(&self) -> &Stack {
+        &self.stack
+    }
+}
+
+async fn start(traffic: &str) -> Setup {
     let sim = SimCluster::start(
         "demo-a",
         &[NodeType::Worker, NodeType::Worker, NodeType::Worker],
     )
     .await;
-    let dir = tempfile::tempdir().unwrap();
-    let services = dir.path().join("services.yaml");
     let extra = format!("    probe: {{ interval: 60s }}\n    traffic: {traffic}\n");
-    std::fs::write(&services, services_yaml_with("demo-a", &[&sim], &extra)).unwrap();
-    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
-        .await
-        .unwrap();
-    let (envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Sotw).await;
-    Stack {
-        _dir: dir,
-        port,
-        xds,
-        envoy,
-        sim,
-    }
+    let stack = Stack::with(services_yaml_with("demo-a", &[&sim], &extra))
+        .envoy(Bootstrap::Sotw)
+        .start()
+        .await;
+    Setup { stack, sim }
 }
 
 /// Sends `n` requests; returns how many failed and who served the rest.
@@ -60,17 +57,17 @@ async fn load(port: u16, n: usize) -> (usize, std::collections::BTreeMap<String,
 async fn a_backpressured_proxy_is_retried_elsewhere() {
     let s = start("{ retries: 3 }").await;
     s.sim.set_mode(0, ProxyMode::Overloaded);
-    let (failed, by) = load(s.port, 60).await;
+    let (failed, by) = load(s.gateway_port, 60).await;
     assert_eq!(failed, 0, "{by:?}");
     assert!(!by.contains_key(&s.sim.proxies[0].0.to_string()), "{by:?}");
-    let stats = s.envoy.admin("/stats?filter=upstream_rq_retry$").await;
+    let stats = s.envoy().admin("/stats?filter=upstream_rq_retry$").await;
     let retries: u64 = stats
         .lines()
         .filter(|l| l.contains("demo-a"))
         .filter_map(|l| l.rsplit_once(": ")?.1.trim().parse::<u64>().ok())
         .sum();
     assert!(retries > 0, "Envoy retried: {stats}");
-    drop(s.xds);
+    drop(s);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -78,7 +75,7 @@ async fn a_hung_proxy_costs_one_per_try_timeout() {
     let s = start("{ per_try_timeout: 300ms }").await;
     s.sim.set_mode(1, ProxyMode::Hang);
     let started = std::time::Instant::now();
-    let (failed, by) = load(s.port, 30).await;
+    let (failed, by) = load(s.gateway_port, 30).await;
     assert_eq!(failed, 0, "{by:?}");
     assert!(!by.contains_key(&s.sim.proxies[1].0.to_string()), "{by:?}");
     // Requests that met the hung proxy waited one per-try timeout, not the whole deadline.
@@ -94,11 +91,11 @@ async fn a_dead_proxy_is_retried_elsewhere_and_ejected() {
     let s = start("{ retries: 3 }").await;
     let dead = s.sim.proxies[2].0;
     s.sim.kill(2);
-    let (failed, by) = load(s.port, 60).await;
+    let (failed, by) = load(s.gateway_port, 60).await;
     assert_eq!(failed, 0, "{by:?}");
     assert!(!by.contains_key(&dead.to_string()), "{by:?}");
     eventually("Envoy ejects the dead proxy", DEADLINE, || async {
-        let text = s.envoy.admin("/clusters").await;
+        let text = s.envoy().admin("/clusters").await;
         let line = format!("default/demo/demo-a::{dead}::health_flags::");
         text.lines()
             .find(|l| l.starts_with(&line) && l.contains("failed_outlier_check"))

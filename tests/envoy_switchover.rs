@@ -70,17 +70,11 @@ async fn an_upgrade_moves_only_once_the_new_cluster_runs() {
     let b = SimCluster::start("b", &[NodeType::Head, NodeType::Worker]).await;
     let (_da, url_a) = dashboard("RUNNING", &shutdown).await;
     let (db, url_b) = dashboard("DEPLOYING", &shutdown).await;
-    let dir = tempfile::tempdir().unwrap();
-    let services = dir.path().join("services.yaml");
-    std::fs::write(
-        &services,
-        yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], ""),
-    )
-    .unwrap();
-    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
-        .await
-        .unwrap();
-    let (_envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Delta).await;
+    let s = Stack::with(yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], ""))
+        .envoy(Bootstrap::Delta)
+        .start()
+        .await;
+    let (xds, port) = (&s.xds, s.gateway_port);
     for _ in 0..30 {
         assert_eq!(
             through_envoy(port).await.map(|s| s.cluster).as_deref(),
@@ -145,23 +139,14 @@ async fn an_early_flip_keeps_serving_from_the_ready_cluster() {
     let b = SimCluster::start("b", &[NodeType::Head]).await;
     let (_da, url_a) = dashboard("RUNNING", &shutdown).await;
     let (db, url_b) = dashboard("DEPLOYING", &shutdown).await;
-    let dir = tempfile::tempdir().unwrap();
-    let services = dir.path().join("services.yaml");
     let progressive = "    switchover: { mode: progressive, steps: [50, 100], interval: 1s }\n";
-    std::fs::write(
-        &services,
-        yaml("a", None, &[(&a, &url_a), (&b, &url_b)], progressive),
-    )
-    .unwrap();
-    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
-        .await
-        .unwrap();
-    let (_envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Sotw).await;
+    let s = Stack::with(yaml("a", None, &[(&a, &url_a), (&b, &url_b)], progressive))
+        .envoy(Bootstrap::Sotw)
+        .start()
+        .await;
+    let (xds, port) = (&s.xds, s.gateway_port);
     // The source names b active while its applications still deploy.
-    write_atomic(
-        &services,
-        &yaml("b", None, &[(&a, &url_a), (&b, &url_b)], progressive),
-    );
+    s.edit(&yaml("b", None, &[(&a, &url_a), (&b, &url_b)], progressive));
     eventually("ray-xds sees the flip", DEADLINE, || async {
         let state: serde_json::Value =
             serde_json::from_str(&admin_get(xds.admin_addr, "/debug/state").await).ok()?;
@@ -198,25 +183,18 @@ async fn a_cluster_the_source_drops_drains_then_goes() {
     let b = SimCluster::start("b", &[NodeType::Head]).await;
     let (_da, url_a) = dashboard("RUNNING", &shutdown).await;
     let (_db, url_b) = dashboard("RUNNING", &shutdown).await;
-    let dir = tempfile::tempdir().unwrap();
-    let services = dir.path().join("services.yaml");
     let grace = "    switchover: { drain_grace: 3s }\n";
-    std::fs::write(
-        &services,
-        yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], grace),
-    )
-    .unwrap();
-    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
-        .await
-        .unwrap();
-    let envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
-    let port = envoy.gateway_port().await;
+    let s = Stack::with(yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], grace))
+        .envoy_without_waiting(Bootstrap::Sotw)
+        .start()
+        .await;
+    let port = s.gateway_port;
     drive(port, |c| c == "b").await;
     // The source promotes b and drops a.
-    write_atomic(&services, &yaml("b", None, &[(&b, &url_b)], grace));
+    s.edit(&yaml("b", None, &[(&b, &url_b)], grace));
     let a_proxy = format!("default/demo/a::{}::health_flags::", a.proxies[0].0);
     let flags = eventually("a's endpoint drains in Envoy", DEADLINE, || async {
-        let text = envoy.admin("/clusters").await;
+        let text = s.envoy().admin("/clusters").await;
         text.lines()
             .find_map(|l| l.strip_prefix(&a_proxy).map(str::to_string))
             .filter(|f| f.contains("draining"))
@@ -233,7 +211,7 @@ async fn a_cluster_the_source_drops_drains_then_goes() {
         "a leaves Envoy after its grace period",
         DEADLINE,
         || async {
-            let text = envoy.admin("/clusters").await;
+            let text = s.envoy().admin("/clusters").await;
             (!text.contains("default/demo/a::")).then_some(())
         },
     )
@@ -265,19 +243,13 @@ async fn a_switch_waits_until_every_connected_envoy_warmed_the_new_cluster() {
     let b = SimCluster::start("b", &[NodeType::Head]).await;
     let (_da, url_a) = dashboard("RUNNING", &shutdown).await;
     let (db, url_b) = dashboard("DEPLOYING", &shutdown).await;
-    let dir = tempfile::tempdir().unwrap();
-    let services = dir.path().join("services.yaml");
     // Long enough that only the laggard's ACK can release the switch in this test.
     let slow = "    switchover: { warm_timeout: 5m }\n";
-    std::fs::write(
-        &services,
-        yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], slow),
-    )
-    .unwrap();
-    let xds = ray_xds::runtime::start(test_config(&services, 0), Default::default())
-        .await
-        .unwrap();
-    let (_envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Sotw).await;
+    let s = Stack::with(yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], slow))
+        .envoy(Bootstrap::Sotw)
+        .start()
+        .await;
+    let (xds, port) = (&s.xds, s.gateway_port);
     // A second Envoy takes the clusters and has not ACKed them yet.
     let (laggard, mut responses) = ads::sotw_stream(xds.xds_addr).await;
     laggard

@@ -30,13 +30,23 @@ pub struct SourceStatus {
     pub kuberay_application_statuses: kubernetes::build::Hints,
 }
 
+/// Where one Kubernetes watch stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchState {
+    /// A (re-)list is under way.
+    Listing,
+    Watching,
+    /// After an error, with back-off; the last state is served meanwhile.
+    Retrying,
+}
+
 /// One Kubernetes watch.
 #[derive(Clone, Debug, Serialize)]
 pub struct WatchStatus {
     /// e.g. `pods in all namespaces`, `rayservices in ml`.
     pub watch: String,
-    /// `listing` (first list under way), `watching`, or `retrying` after an error.
-    pub state: &'static str,
+    pub state: WatchState,
     /// Has delivered a full list at least once.
     pub synced: bool,
     pub objects: usize,

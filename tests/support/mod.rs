@@ -22,6 +22,10 @@ pub mod ads;
 pub mod conformance;
 pub mod fake_apiserver;
 pub mod real_ray;
+pub mod stack;
+
+#[allow(unused_imports)]
+pub use stack::Stack;
 
 pub fn project_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

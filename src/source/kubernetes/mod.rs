@@ -37,7 +37,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use self::objects::{PodObject, RayServiceObject, CLUSTER_LABEL};
-use super::{SourceStatus, WatchStatus};
+use super::{SourceStatus, WatchState, WatchStatus};
 use crate::config::KubernetesSourceConfig;
 use crate::metrics::{Metrics, ObjectProblemLabels, ResourceLabels, SourceLabels};
 use crate::model::Model;
@@ -164,7 +164,7 @@ impl KubernetesSource {
                     resource,
                     status: WatchStatus {
                         watch: format!("{} in {where_}", resource.label()),
-                        state: "listing",
+                        state: WatchState::Listing,
                         synced: false,
                         objects: 0,
                         last_event_unix: None,
@@ -257,7 +257,7 @@ impl State {
                     .inc();
                 w.status.errors += 1;
                 w.status.last_error = Some(error);
-                w.status.state = "retrying";
+                w.status.state = WatchState::Retrying;
                 w.status.failing_since_unix.get_or_insert_with(now_unix);
                 return false;
             }
@@ -269,7 +269,7 @@ impl State {
                 if w.status.synced {
                     w.status.relists += 1;
                 }
-                w.status.state = "listing";
+                w.status.state = WatchState::Listing;
                 w.listing = Some(Default::default());
                 w.listing_malformed.clear();
                 false
@@ -291,12 +291,12 @@ impl State {
                 w.objects = listed;
                 w.malformed = std::mem::take(&mut w.listing_malformed);
                 w.status.synced = true;
-                w.status.state = "watching";
+                w.status.state = WatchState::Watching;
                 w.status.objects = w.objects.len();
                 true
             }
             watcher::Event::Apply(obj) => {
-                w.status.state = "watching";
+                w.status.state = WatchState::Watching;
                 if let Some(object) = w.decode_applied(&obj) {
                     insert(&mut self.index, object);
                 }
@@ -304,7 +304,7 @@ impl State {
                 true
             }
             watcher::Event::Delete(obj) => {
-                w.status.state = "watching";
+                w.status.state = WatchState::Watching;
                 let key = key_of(&obj);
                 if w.objects.remove(&key).is_some() {
                     remove(&mut self.index, w.resource, &key);
