@@ -12,7 +12,7 @@ crate::declare_policy! {
         global {
             /// How often each cluster's Ray dashboard is polled.
             poll_interval: Duration = Duration::from_secs(2),
-                range(Duration::from_millis(50), Duration::from_secs(600)), flag "dashboard-poll-interval";
+                range(Duration::from_millis(50), Duration::from_secs(3600)), flag "dashboard-poll-interval";
             /// How long one dashboard poll may take.
             timeout: Duration = Duration::from_secs(1),
                 range(Duration::from_millis(10), Duration::from_secs(60)), flag "dashboard-timeout";

@@ -12,7 +12,7 @@ crate::declare_policy! {
             /// How often each proxy is probed, with ±20% jitter. A proxy that fails once
             /// after being healthy is probed again after a fifth of it.
             interval: Duration = Duration::from_millis(500),
-                range(Duration::from_millis(50), Duration::from_secs(600)), flag "probe-interval";
+                range(Duration::from_millis(50), Duration::from_secs(3600)), flag "probe-interval";
             /// How long one probe may take.
             timeout: Duration = Duration::from_millis(250),
                 range(Duration::from_millis(10), Duration::from_secs(60)), flag "probe-timeout";
