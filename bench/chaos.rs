@@ -78,9 +78,12 @@ struct SimProxy {
 }
 
 impl SimProxy {
-    fn start(cluster: &str, node_type: NodeType) -> SimProxy {
+    /// Starts a proxy that logs every request it runs into `log_dir` (the log outlives a
+    /// SIGKILL, so requests that ran twice are counted whatever happened).
+    fn start(cluster: &str, node_type: NodeType, log_dir: &Path) -> SimProxy {
         let (port, control) = (free_port(), free_port());
         let address: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let log = log_dir.join(format!("{port}.executions"));
         let process = spawn(
             "ray-serve-sim",
             // This benchmark's own binary, run as the simulator (see `main`).
@@ -89,6 +92,8 @@ impl SimProxy {
                 .args(["--cluster", cluster, "--app", "/=hello"])
                 .args(["--proxy", &format!("{address}={node_type}")])
                 .args(["--control", &format!("127.0.0.1:{control}")])
+                .arg("--executions-log")
+                .arg(&log)
                 .stdout(Stdio::null()),
         );
         SimProxy {
@@ -131,10 +136,15 @@ struct SimRayCluster {
 }
 
 impl SimRayCluster {
-    async fn start(name: &str, workers: usize, shutdown: &CancellationToken) -> SimRayCluster {
-        let mut proxies = vec![SimProxy::start(name, NodeType::Head)];
+    async fn start(
+        name: &str,
+        workers: usize,
+        log_dir: &Path,
+        shutdown: &CancellationToken,
+    ) -> SimRayCluster {
+        let mut proxies = vec![SimProxy::start(name, NodeType::Head, log_dir)];
         for _ in 0..workers {
-            proxies.push(SimProxy::start(name, NodeType::Worker));
+            proxies.push(SimProxy::start(name, NodeType::Worker, log_dir));
         }
         for p in &proxies {
             p.ready().await;
@@ -438,13 +448,31 @@ struct LoadResult {
     failed: u64,
     latencies: Vec<Duration>,
     last_failure: Option<Duration>,
+    /// Requests that ran on more than one proxy (from the proxies' execution logs).
+    executed_twice: u64,
+}
+
+/// Requests the execution logs in `dir` show running more than once.
+fn executed_twice(dir: &Path) -> u64 {
+    let mut runs: std::collections::HashMap<String, u32> = Default::default();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if entry.path().extension().is_some_and(|e| e == "executions") {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            for line in text.lines() {
+                if let Some((id, _)) = line.split_once(' ') {
+                    *runs.entry(id.to_string()).or_default() += 1;
+                }
+            }
+        }
+    }
+    runs.values().filter(|n| **n > 1).count() as u64
 }
 
 /// Steady keep-alive POST load through Envoy until `stop`.
 async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken) -> LoadResult {
     let per_connection = Duration::from_secs_f64(args.connections as f64 / args.rps as f64);
     let mut tasks = Vec::new();
-    for _ in 0..args.connections {
+    for connection in 0..args.connections {
         let stop = stop.clone();
         tasks.push(tokio::spawn(async move {
             let mut out = (0u64, 0u64, Vec::new(), None::<Duration>);
@@ -456,7 +484,8 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
             while !stop.is_cancelled() {
                 tick.tick().await;
                 let t = Instant::now();
-                let ok = send(port, &mut sender).await;
+                let id = format!("chaos-{connection}-{}", out.0);
+                let ok = send(port, &mut sender, &id).await;
                 out.0 += 1;
                 if ok {
                     out.2.push(t.elapsed());
@@ -473,6 +502,7 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
         failed: 0,
         latencies: Vec::new(),
         last_failure: None,
+        executed_twice: 0,
     };
     for t in tasks {
         let (n, f, l, last) = t.await.unwrap();
@@ -484,12 +514,14 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
     r
 }
 
-/// One POST on a kept-alive connection (opened again when it broke).
+/// One POST with request id `id` on a kept-alive connection (opened again when it
+/// broke).
 async fn send(
     port: u16,
     sender: &mut Option<
         hyper::client::conn::http1::SendRequest<http_body_util::Full<hyper::body::Bytes>>,
     >,
+    id: &str,
 ) -> bool {
     use http_body_util::BodyExt;
     if sender.as_ref().is_none_or(|s| s.is_closed()) {
@@ -511,6 +543,7 @@ async fn send(
     }
     let request = hyper::Request::post("/hello")
         .header("host", "demo")
+        .header("x-request-id", id)
         .body(http_body_util::Full::new(hyper::body::Bytes::from_static(
             b"{\"prompt\":\"hi\"}",
         )))
@@ -535,8 +568,9 @@ async fn send(
 async fn run(scenario: &str, baseline: bool, args: &Args) -> LoadResult {
     let shutdown = CancellationToken::new();
     let dir = tempfile::tempdir().unwrap();
-    let a = SimRayCluster::start("a", 2, &shutdown).await;
-    let b = SimRayCluster::start("b", 2, &shutdown).await;
+    let logs = tempfile::tempdir().unwrap();
+    let a = SimRayCluster::start("a", 2, logs.path(), &shutdown).await;
+    let b = SimRayCluster::start("b", 2, logs.path(), &shutdown).await;
     // Envoy binds its listener on a port of its own choosing; read it back below.
     let gateway_port = 0;
     let initial = match scenario {
@@ -617,7 +651,8 @@ async fn run(scenario: &str, baseline: bool, args: &Args) -> LoadResult {
         tokio::time::sleep(duration - elapsed).await;
     }
     stop.cancel();
-    let result = load_task.await.unwrap();
+    let mut result = load_task.await.unwrap();
+    result.executed_twice = executed_twice(logs.path());
     if scenario == "proxy-hang" {
         a.proxies[1].process.signal(libc::SIGCONT);
     }
@@ -643,9 +678,10 @@ fn describe(r: &LoadResult, fault_at: u64) -> String {
         None => "no failure".into(),
     };
     format!(
-        "requests={} failed={} p50={}ms p99={}ms max={}ms steady_again={}",
+        "requests={} failed={} executed_twice={} p50={}ms p99={}ms max={}ms steady_again={}",
         r.requests,
         r.failed,
+        r.executed_twice,
         p(0.5).as_millis(),
         p(0.99).as_millis(),
         l.last().copied().unwrap_or_default().as_millis(),
@@ -697,8 +733,8 @@ async fn bench_main() {
             describe(&base, args.fault_at)
         );
         println!(
-            "chaos scenario={scenario} requests={} failed={} baseline_failed={}",
-            ours.requests, ours.failed, base.failed
+            "chaos scenario={scenario} requests={} failed={} executed_twice={} baseline_failed={} baseline_executed_twice={}",
+            ours.requests, ours.failed, ours.executed_twice, base.failed, base.executed_twice
         );
     }
 }

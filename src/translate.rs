@@ -7,8 +7,9 @@
 //! - one listener, [`LISTENER_NAME`], whose HTTP connection manager takes its routes over RDS;
 //! - one route configuration, [`ROUTE_CONFIG_NAME`], with a virtual host per RayService;
 //! - one EDS cluster per RayCluster, named `<namespace>/<rayservice>/<raycluster>`;
-//! - one ClusterLoadAssignment per cluster, with an endpoint per Ray Serve proxy and its
-//!   health from [`HealthMap`] (decided by `live::health`; a withheld proxy is left out).
+//! - one ClusterLoadAssignment per cluster, with an endpoint per Ray Serve proxy that may
+//!   take new requests, as [`HealthMap`] decides (`live::health`): healthy or not probed
+//!   yet; an unhealthy, draining or withheld proxy is left out.
 //!
 //! Routes go to the active cluster through `weighted_clusters`, so that a later
 //! switchover only changes weights.
@@ -52,7 +53,7 @@ pub fn translate(
     traffic: &TrafficPolicy,
 ) -> Resources {
     let mut out = Resources {
-        listeners: vec![http_listener(gateway)],
+        listeners: vec![http_listener(gateway, traffic)],
         ..Default::default()
     };
     let mut virtual_hosts = Vec::new();
@@ -108,10 +109,25 @@ fn socket_address(ip: String, port: u16) -> core::Address {
     }
 }
 
-fn http_listener(gateway: &GatewaySettings) -> listener::Listener {
+/// The gateway's listener. Global settings only (a listener serves every RayService):
+/// WebSocket upgrades pass through to Ray Serve (FastAPI ingress deployments serve them);
+/// a request or stream may be silent for `stream_idle_timeout`; the client's address
+/// reaches Ray in `X-Forwarded-For`, Envoy being the edge unless `xff_num_trusted_hops`
+/// says how many proxies in front of it to trust.
+fn http_listener(gateway: &GatewaySettings, traffic: &TrafficPolicy) -> listener::Listener {
     let manager = hcm::HttpConnectionManager {
         stat_prefix: "ray_serve_http".into(),
         codec_type: hcm::http_connection_manager::CodecType::Auto as i32,
+        upgrade_configs: vec![hcm::http_connection_manager::UpgradeConfig {
+            upgrade_type: "websocket".into(),
+            ..Default::default()
+        }],
+        stream_idle_timeout: Some(duration(traffic.stream_idle_timeout)),
+        use_remote_address: Some(protobuf::BoolValue { value: true }),
+        // A request id the client sets reaches Ray as it is (to correlate its logs with
+        // the client's); Envoy makes one up otherwise, and keeps it across retries.
+        preserve_external_request_id: true,
+        xff_num_trusted_hops: traffic.xff_num_trusted_hops,
         route_specifier: Some(hcm::http_connection_manager::RouteSpecifier::Rds(
             hcm::Rds {
                 config_source: Some(ads()),
@@ -148,24 +164,52 @@ fn u32_value(value: u32) -> Option<protobuf::UInt32Value> {
     Some(protobuf::UInt32Value { value })
 }
 
-/// Passive health on top of ray-xds's probes: a proxy that fails requests is ejected
-/// before the next probe notices. HTTP 500 is the application's own error and never
-/// ejects; Ray's 503 and Envoy's 502/504 (gateway failures) do, and so do connect
-/// failures, resets and timeouts, counted apart.
+/// Passive health on top of ray-xds's probes: a proxy whose connections fail, reset or
+/// time out is ejected before the next probe notices. No HTTP answer ejects: Ray's 503
+/// is backpressure (the deployment behind every proxy is busy, ejecting one cannot help),
+/// 500 is the application's own error, and Ray's proxy never answers 502 or 504 itself.
+/// Below 100%, the last proxy of a cluster is never ejected: EDS carries only the proxies
+/// that may take new requests, so the share counts only those.
 fn outlier_detection(policy: &TrafficPolicy) -> cluster::OutlierDetection {
     cluster::OutlierDetection {
         enforcing_consecutive_5xx: u32_value(0),
-        consecutive_gateway_failure: u32_value(policy.consecutive_gateway_failure),
-        enforcing_consecutive_gateway_failure: u32_value(100),
+        enforcing_consecutive_gateway_failure: u32_value(0),
         split_external_local_origin_errors: true,
         consecutive_local_origin_failure: u32_value(policy.consecutive_local_origin_failure),
         enforcing_consecutive_local_origin_failure: u32_value(100),
         enforcing_success_rate: u32_value(0),
         enforcing_local_origin_success_rate: u32_value(0),
+        enforcing_failure_percentage: u32_value(0),
+        enforcing_failure_percentage_local_origin: u32_value(0),
         interval: Some(duration(policy.outlier_interval)),
         base_ejection_time: Some(duration(policy.base_ejection_time)),
-        max_ejection_time: Some(duration(policy.base_ejection_time * 10)),
+        max_ejection_time: Some(duration(policy.base_ejection_time.saturating_mul(10))),
         max_ejection_percent: u32_value(policy.max_ejection_percent),
+        always_eject_one_host: Some(protobuf::BoolValue { value: false }),
+        ..Default::default()
+    }
+}
+
+/// Limits sized for streaming inference (a streamed answer holds a connection for
+/// minutes), and a retry budget instead of a fixed number of retries: an overloaded
+/// deployment sees at most `retry_budget_percent` of extra requests (and at least
+/// `retry_budget_min_concurrency` retries may run).
+fn circuit_breakers(policy: &TrafficPolicy) -> cluster::CircuitBreakers {
+    cluster::CircuitBreakers {
+        thresholds: vec![cluster::circuit_breakers::Thresholds {
+            priority: core::RoutingPriority::Default as i32,
+            max_connections: u32_value(policy.max_connections),
+            max_pending_requests: u32_value(policy.max_pending_requests),
+            max_requests: u32_value(policy.max_requests),
+            retry_budget: Some(cluster::circuit_breakers::thresholds::RetryBudget {
+                budget_percent: Some(envoy_types::pb::envoy::r#type::v3::Percent {
+                    value: policy.retry_budget_percent as f64,
+                }),
+                min_retry_concurrency: u32_value(policy.retry_budget_min_concurrency),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }],
         ..Default::default()
     }
 }
@@ -208,14 +252,10 @@ fn eds_cluster(name: &str, gateway: &GatewaySettings, policy: &TrafficPolicy) ->
         .into_iter()
         .collect(),
         outlier_detection: Some(outlier_detection(policy)),
-        circuit_breakers: Some(cluster::CircuitBreakers {
-            thresholds: vec![cluster::circuit_breakers::Thresholds {
-                priority: core::RoutingPriority::Default as i32,
-                max_retries: u32_value(policy.max_retries),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }),
+        circuit_breakers: Some(circuit_breakers(policy)),
+        // Model calls are long and uneven: send each request to the less busy of two
+        // proxies picked at random, not round robin.
+        lb_policy: cluster::cluster::LbPolicy::LeastRequest as i32,
         common_lb_config: Some(cluster::cluster::CommonLbConfig {
             // Health changes from EDS apply at once instead of being merged for 1 s.
             update_merge_window: Some(duration(Duration::ZERO)),
@@ -240,12 +280,16 @@ fn load_assignment(
         .proxies
         .iter()
         .filter_map(|proxy| {
+            // Only what may take new requests: a proxy that left (unhealthy, draining,
+            // withheld) is not listed at all. Envoy lets requests in flight on a removed
+            // host finish, and its outlier detection then counts only these proxies, so
+            // below `max_ejection_percent: 100` it never ejects the last of them.
             let health = match health.health(name, proxy.address) {
-                EndpointHealth::Withheld => return None,
+                EndpointHealth::Withheld | EndpointHealth::Unhealthy | EndpointHealth::Draining => {
+                    return None
+                }
                 EndpointHealth::Unknown => core::HealthStatus::Unknown,
                 EndpointHealth::Healthy => core::HealthStatus::Healthy,
-                EndpointHealth::Unhealthy => core::HealthStatus::Unhealthy,
-                EndpointHealth::Draining => core::HealthStatus::Draining,
             };
             Some((proxy, health))
         })
@@ -294,13 +338,15 @@ fn load_assignment(
     }
 }
 
-/// Retries that go to another proxy, only when nothing ran unless the service is
-/// idempotent (see `policy::TrafficPolicy`).
+/// Retries that go to another proxy, of requests that certainly did not run, unless
+/// the RayService is idempotent (see [`retry_on`]).
 fn retry_policy(policy: &TrafficPolicy) -> route::RetryPolicy {
     route::RetryPolicy {
         retry_on: retry_on(policy),
         num_retries: u32_value(policy.retries),
-        per_try_timeout: (!policy.per_try_timeout.is_zero())
+        // A try that times out may be running: ending it without replaying it would only
+        // turn a slow answer into an error, so only idempotent requests get one.
+        per_try_timeout: (policy.idempotent && !policy.per_try_timeout.is_zero())
             .then(|| duration(policy.per_try_timeout)),
         retriable_status_codes: vec![503],
         retry_host_predicate: vec![route::retry_policy::RetryHostPredicate {
@@ -314,27 +360,26 @@ fn retry_policy(policy: &TrafficPolicy) -> route::RetryPolicy {
         host_selection_retry_max_attempts: 5,
         retry_back_off: Some(route::retry_policy::RetryBackOff {
             base_interval: Some(duration(policy.retry_back_off)),
-            max_interval: Some(duration(policy.retry_back_off * 10)),
+            max_interval: Some(duration(policy.retry_back_off.saturating_mul(10))),
         }),
         ..Default::default()
     }
 }
 
-/// Envoy's `retry_on` for a policy.
+/// Envoy's `retry_on` for a policy. Always: what certainly did not reach a Ray replica
+/// (a refused or failed connection, a stream refused or reset before the request was
+/// sent) and Ray's 503 (backpressure, or no replica: nothing ran). Only for idempotent
+/// RayServices: a reset after the request was sent and 502/504 or a per-try timeout
+/// (`reset`, `gateway-error`), which may follow a request that ran.
 pub fn retry_on(policy: &TrafficPolicy) -> String {
-    // gateway-error: 502/503/504 and per-try timeouts (Ray's own proxy never answers
-    // 502 or 504; Envoy does, for connection trouble), so a hung proxy costs one
-    // per-try timeout. Anything slower than `per_try_timeout` to start answering is
-    // tried again elsewhere: keep it above the slowest time to first byte.
     let mut on = vec![
         "connect-failure",
         "refused-stream",
         "reset-before-request",
-        "gateway-error",
         "retriable-status-codes",
     ];
     if policy.idempotent {
-        on.push("reset");
+        on.extend(["reset", "gateway-error"]);
     }
     on.join(",")
 }
@@ -383,6 +428,7 @@ mod tests {
     use super::*;
     use crate::model::test_support::service;
     use crate::xds::snapshot::referenced_clusters;
+    use std::net::SocketAddr;
 
     #[test]
     fn one_cluster_and_assignment_per_ray_cluster() {
@@ -436,28 +482,64 @@ mod tests {
     }
 
     #[test]
-    fn replay_after_reset_only_when_idempotent() {
+    fn what_may_have_run_is_replayed_only_when_idempotent() {
         let p = TrafficPolicy::default();
-        assert!(!retry_on(&p).split(',').any(|r| r == "reset"));
+        let on = retry_on(&p);
+        for unsafe_ in ["reset", "gateway-error", "5xx"] {
+            assert!(!on.split(',').any(|r| r == unsafe_), "{on}");
+        }
+        assert!(
+            retry_policy(&p).per_try_timeout.is_none(),
+            "no per-try timeout"
+        );
         let p = TrafficPolicy {
             idempotent: true,
             ..p
         };
-        assert!(retry_on(&p).split(',').any(|r| r == "reset"));
+        let on = retry_on(&p);
+        assert!(on.split(',').any(|r| r == "reset"), "{on}");
+        assert!(on.split(',').any(|r| r == "gateway-error"), "{on}");
+        assert!(retry_policy(&p).per_try_timeout.is_some());
     }
 
     #[test]
-    fn a_withheld_proxy_is_not_published() {
-        use crate::live::health::{Reason, Verdict};
-        let model = Model::new(vec![service("a", "a1", &[8000, 8001])]).unwrap();
-        let mut health = HealthMap::default();
-        health.endpoints.insert(
-            ("default/a/a1".into(), "127.0.0.1:8001".parse().unwrap()),
-            Verdict {
-                health: EndpointHealth::Withheld,
-                reason: Reason::AwaitingFirstProbe,
-            },
+    fn backpressure_never_ejects_and_retries_are_budgeted() {
+        let p = TrafficPolicy::default();
+        let od = outlier_detection(&p);
+        assert_eq!(od.enforcing_consecutive_gateway_failure, u32_value(0));
+        assert_eq!(od.enforcing_consecutive_5xx, u32_value(0));
+        assert_eq!(
+            od.enforcing_consecutive_local_origin_failure,
+            u32_value(100)
         );
+        assert!(od.max_ejection_percent.unwrap().value < 100);
+        let cb = &circuit_breakers(&p).thresholds[0];
+        assert!(cb.retry_budget.is_some());
+        assert_eq!(cb.max_requests, u32_value(10_000));
+    }
+
+    #[test]
+    fn only_proxies_that_may_take_new_requests_are_published() {
+        use crate::live::health::{Reason, Verdict};
+        let model = Model::new(vec![service("a", "a1", &[8000, 8001, 8002, 8003, 8004])]).unwrap();
+        let mut health = HealthMap::default();
+        for (port, h) in [
+            (8001, EndpointHealth::Withheld),
+            (8002, EndpointHealth::Unhealthy),
+            (8003, EndpointHealth::Draining),
+            (8004, EndpointHealth::Healthy),
+        ] {
+            health.endpoints.insert(
+                (
+                    "default/a/a1".into(),
+                    SocketAddr::from(([127, 0, 0, 1], port)),
+                ),
+                Verdict {
+                    health: h,
+                    reason: Reason::NotProbedYet,
+                },
+            );
+        }
         let r = translate(
             &model,
             &health,
@@ -465,6 +547,28 @@ mod tests {
             &GatewaySettings::default(),
             &TrafficPolicy::default(),
         );
-        assert_eq!(r.endpoints[0].endpoints[0].lb_endpoints.len(), 1);
+        let published: Vec<(String, i32)> = r.endpoints[0].endpoints[0]
+            .lb_endpoints
+            .iter()
+            .map(|e| match &e.host_identifier {
+                Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(ep)) => {
+                    (ep.hostname.clone(), e.health_status)
+                }
+                _ => panic!("an endpoint"),
+            })
+            .collect();
+        assert_eq!(
+            published,
+            [
+                (
+                    "127.0.0.1:8000".to_string(),
+                    core::HealthStatus::Unknown as i32
+                ),
+                (
+                    "127.0.0.1:8004".to_string(),
+                    core::HealthStatus::Healthy as i32
+                ),
+            ]
+        );
     }
 }

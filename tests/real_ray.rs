@@ -276,9 +276,11 @@ async fn real_ray_a_killed_proxy_is_dropped_and_no_request_fails() {
         libc::kill(pid, libc::SIGKILL);
     }
     let flags = eventually("Envoy stops using the killed proxy", DEADLINE, || async {
-        envoy_health_flags(&gw.envoy, worker)
-            .await
-            .filter(|f| f != "healthy")
+        match envoy_health_flags(&gw.envoy, worker).await {
+            None => Some("left the cluster".to_string()),
+            Some(f) if f != "healthy" => Some(f),
+            Some(_) => None,
+        }
     })
     .await;
     let detected = killed.elapsed();
@@ -461,4 +463,136 @@ async fn real_ray_proxies_are_discovered_from_the_real_dashboard() {
         nodes.insert(ask(gw.port, "/").await.unwrap().node_ip);
     }
     assert_eq!(nodes.len(), 2, "both replicas answer: {nodes:?}");
+}
+
+/// A 15 s model call that is not idempotent (the default) runs once per request: no
+/// per-try timeout ends it and nothing replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ray_a_slow_non_idempotent_call_runs_once() {
+    let a = RealRayCluster::start("a", 0).await;
+    a.deploy(&[App {
+        name: "slowcall",
+        route_prefix: "/slowcall",
+        import_path: "apps:slow_call",
+        extra: "args: { call_s: 15 }",
+    }]);
+    a.wait_for_app("slowcall", "RUNNING").await;
+    let gw = gateway(&services_yaml(
+        "a",
+        None,
+        "",
+        &[cluster_yaml(&a, &[(a.head_proxy(), "head")])],
+    ))
+    .await;
+    let port = gw.port;
+    eventually(
+        "the application answers through Envoy",
+        DEADLINE,
+        || async {
+            let (status, _) = http("GET", &format!("http://127.0.0.1:{port}/slowcall/runs"), "")
+                .await
+                .ok()?;
+            (status == 200).then_some(())
+        },
+    )
+    .await;
+    let started = Instant::now();
+    let calls: Vec<_> = (0..3)
+        .map(|_| {
+            tokio::spawn(async move {
+                post_through_envoy(port, "/slowcall", Duration::from_secs(60)).await
+            })
+        })
+        .collect();
+    for call in calls {
+        let (status, body) = call.await.unwrap().expect("the call completes");
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["runs"], 1, "this request ran once: {body}");
+    }
+    assert!(started.elapsed() >= Duration::from_secs(15));
+    let (_, runs) = http("GET", &format!("http://127.0.0.1:{port}/slowcall/runs"), "")
+        .await
+        .unwrap();
+    let runs: std::collections::BTreeMap<String, u64> = serde_json::from_str(&runs).unwrap();
+    assert_eq!(runs.len(), 3, "{runs:?}");
+    assert!(
+        runs.values().all(|n| *n == 1),
+        "every request ran once: {runs:?}"
+    );
+}
+
+/// A deployment at its `max_ongoing_requests` answers 503 (backpressure): no proxy is
+/// ejected for it, and traffic is back as soon as the load drops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ray_backpressure_ejects_nothing() {
+    let a = RealRayCluster::start("a", 0).await;
+    a.deploy(&[App {
+        name: "busy",
+        route_prefix: "/busy",
+        import_path: "apps:busy",
+        extra: "",
+    }]);
+    a.wait_for_app("busy", "RUNNING").await;
+    let gw = gateway(&services_yaml(
+        "a",
+        None,
+        "",
+        &[cluster_yaml(&a, &[(a.head_proxy(), "head")])],
+    ))
+    .await;
+    let port = gw.port;
+    eventually(
+        "the application answers through Envoy",
+        DEADLINE,
+        || async {
+            let (status, _) = post_through_envoy(port, "/busy", Duration::from_secs(10))
+                .await
+                .ok()?;
+            (status == 200).then_some(())
+        },
+    )
+    .await;
+    // Twelve clients at once against one request at a time (and one queued).
+    let stop = Instant::now() + Duration::from_secs(5);
+    let clients: Vec<_> = (0..12)
+        .map(|_| {
+            tokio::spawn(async move {
+                let mut seen: std::collections::BTreeMap<String, usize> = Default::default();
+                while Instant::now() < stop {
+                    let key = match post_through_envoy(port, "/busy", Duration::from_secs(10)).await
+                    {
+                        Ok((status, body)) if body.contains("no healthy upstream") => {
+                            format!("{status} no healthy upstream")
+                        }
+                        Ok((status, _)) => status.to_string(),
+                        Err(e) => e,
+                    };
+                    *seen.entry(key).or_default() += 1;
+                }
+                seen
+            })
+        })
+        .collect();
+    let mut seen: std::collections::BTreeMap<String, usize> = Default::default();
+    for c in clients {
+        for (k, n) in c.await.unwrap() {
+            *seen.entry(k).or_default() += n;
+        }
+    }
+    eprintln!("under load: {seen:?}");
+    assert!(seen.contains_key("503"), "Ray pushed back: {seen:?}");
+    assert_eq!(
+        seen.keys().filter(|k| *k != "200" && *k != "503").count(),
+        0,
+        "only Ray's answers, never Envoy's 'no healthy upstream': {seen:?}"
+    );
+    let clusters = gw.envoy.admin("/clusters").await;
+    assert!(!clusters.contains("failed_outlier_check"), "{clusters}");
+    for _ in 0..10 {
+        let (status, body) = post_through_envoy(port, "/busy", Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(status, 200, "traffic is back at once: {body}");
+    }
 }

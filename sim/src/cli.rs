@@ -5,7 +5,8 @@
 //! ```text
 //! ray-serve-sim --cluster demo-a --proxy 127.0.0.1:8000=head --proxy 127.0.0.1:8001=worker \
 //!     --app /=hello --dashboard 127.0.0.1:8265 --control 127.0.0.1:8299
-//! curl -X PUT -d draining http://127.0.0.1:8299/proxies/8001/mode   # serving|draining|not-ready|hang|flapping|slow:<ms>
+//! curl -X PUT -d draining http://127.0.0.1:8299/proxies/8001/mode   # serving|draining|not-ready|hang|flapping|overloaded|reset-after-read|slow:<ms>
+//! curl http://127.0.0.1:8299/executions                             # request id -> proxies that ran it
 //! curl -X POST http://127.0.0.1:8299/proxies/8001/kill              # and /start to bring it back
 //! curl -X PUT 'http://127.0.0.1:8299/dashboard/apps/hello?route_prefix=/&status=DEPLOYING'
 //! curl -X PUT 'http://127.0.0.1:8299/dashboard/apps/hello?route_prefix=/&deploying_for_ms=10000&then=RUNNING'
@@ -26,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::dashboard::{DashboardMode, SimDashboard};
-use crate::{serve_proxy_with, NodeType, ProxyConfig, ProxyHandle, ProxyMode};
+use crate::{serve_proxy_with, Executions, NodeType, ProxyConfig, ProxyHandle, ProxyMode};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::{post, put};
@@ -54,6 +55,10 @@ pub struct Args {
     /// Serve the control endpoint (fault injection) on this address.
     #[arg(long)]
     control: Option<SocketAddr>,
+    /// Append `<request id> <proxy>` to this file for every request that runs, so that
+    /// what ran is known even after the process is killed.
+    #[arg(long)]
+    executions_log: Option<std::path::PathBuf>,
 }
 
 fn parse_proxy(s: &str) -> Result<(SocketAddr, NodeType), String> {
@@ -86,6 +91,8 @@ struct Proxy {
 struct Control {
     proxies: Arc<Mutex<HashMap<u16, Proxy>>>,
     dashboard: SimDashboard,
+    /// What ran on this process's proxies, by request id.
+    executions: Executions,
 }
 
 impl Control {
@@ -122,6 +129,12 @@ struct AppQuery {
 
 fn control_router(control: Control) -> Router {
     Router::new()
+        .route(
+            "/executions",
+            axum::routing::get(|State(c): State<Control>| async move {
+                axum::Json(c.executions.all())
+            }),
+        )
         .route(
             "/proxies/{port}/mode",
             put(|State(c): State<Control>, Path(port): Path<u16>, body: String| async move {
@@ -228,6 +241,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let control = Control {
         proxies: Arc::new(Mutex::new(HashMap::new())),
         dashboard: dashboard.clone(),
+        executions: match &args.executions_log {
+            Some(path) => Executions::logged_to(path)?,
+            None => Executions::default(),
+        },
     };
     // Ray's proxies all listen on `http_options.port`: here, the head's.
     let head = args
@@ -248,7 +265,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let proxy = Proxy {
             address: *address,
             config,
-            handle: ProxyHandle::default(),
+            handle: ProxyHandle::with_ledger(control.executions.clone()),
             running: None,
         };
         control

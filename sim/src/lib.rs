@@ -9,11 +9,18 @@
 //! A [`ProxyHandle`] injects faults at run time: draining (503 `This node is being
 //! drained.` on `/-/healthz`, as Ray answers while a node drains), not ready (503 `Route
 //! table is not populated yet.`), hanging (accepts, never answers, like a SIGSTOPped
-//! process) and slow answers. Dying is cancelling the proxy's shutdown token.
+//! process), slow answers, backpressure (503, nothing ran) and a connection reset after
+//! the request was read in full. Dying is cancelling the proxy's shutdown token.
+//!
+//! Every application request that reaches a replica is recorded in the proxy's
+//! [`Executions`] ledger under its `x-request-id` (Envoy sets one and keeps it across
+//! retries), so a test can tell how many times a request ran. Applications also speak
+//! WebSocket (an echo) and server-sent events (`?sse=<events>&every_ms=<ms>`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Request, State};
@@ -94,6 +101,9 @@ pub enum ProxyMode {
     Flapping,
     /// Healthy, but application requests get 503 (Ray's backpressure: nothing ran).
     Overloaded,
+    /// Reads an application request in full (it runs), then closes the connection
+    /// without answering, as a proxy that dies mid-request.
+    ResetAfterRead,
 }
 
 impl std::str::FromStr for ProxyMode {
@@ -107,11 +117,12 @@ impl std::str::FromStr for ProxyMode {
             "hang" => ProxyMode::Hang,
             "flapping" => ProxyMode::Flapping,
             "overloaded" => ProxyMode::Overloaded,
+            "reset-after-read" => ProxyMode::ResetAfterRead,
             other => match other.strip_prefix("slow:").and_then(|ms| ms.parse().ok()) {
                 Some(ms) => ProxyMode::Slow(std::time::Duration::from_millis(ms)),
                 None => {
                     return Err(format!(
-                        "unknown proxy mode {other:?}: serving, draining, not-ready, hang, flapping, overloaded or slow:<ms>"
+                        "unknown proxy mode {other:?}: serving, draining, not-ready, hang, flapping, overloaded, reset-after-read or slow:<ms>"
                     ))
                 }
             },
@@ -119,14 +130,119 @@ impl std::str::FromStr for ProxyMode {
     }
 }
 
-/// Changes a running proxy's behaviour.
+/// Which requests ran where: request id → the proxies that ran it, in order. Shared by
+/// every proxy given the same ledger; optionally also appended to a file, line by line
+/// (`<request id> <proxy>`), so that the record outlives a process that is killed.
+#[derive(Clone, Debug, Default)]
+pub struct Executions(
+    Arc<Mutex<BTreeMap<String, Vec<SocketAddr>>>>,
+    Option<Arc<Mutex<std::fs::File>>>,
+);
+
+impl Executions {
+    /// A ledger that also appends each run to `path`.
+    pub fn logged_to(path: &std::path::Path) -> std::io::Result<Executions> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        Ok(Executions(
+            Default::default(),
+            Some(Arc::new(Mutex::new(file))),
+        ))
+    }
+
+    pub fn record(&self, request_id: &str, proxy: SocketAddr) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(request_id.to_string())
+            .or_default()
+            .push(proxy);
+        if let Some(file) = &self.1 {
+            use std::io::Write;
+            let mut f = file.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = writeln!(f, "{request_id} {proxy}");
+        }
+    }
+
+    /// How many times the request ran (0 if never).
+    pub fn count(&self, request_id: &str) -> usize {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(request_id)
+            .map_or(0, Vec::len)
+    }
+
+    /// Every request and the proxies that ran it.
+    pub fn all(&self) -> BTreeMap<String, Vec<SocketAddr>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Requests that ran more than once.
+    pub fn more_than_once(&self) -> BTreeMap<String, Vec<SocketAddr>> {
+        let mut all = self.all();
+        all.retain(|_, at| at.len() > 1);
+        all
+    }
+
+    /// Forgets everything recorded so far.
+    pub fn clear(&self) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
+    /// Runs on `proxy`.
+    pub fn on(&self, proxy: SocketAddr) -> usize {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|at| at.iter().filter(|p| **p == proxy).count())
+            .sum()
+    }
+
+    /// Runs in all.
+    pub fn total(&self) -> usize {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(Vec::len)
+            .sum()
+    }
+}
+
+/// Changes a running proxy's behaviour, and reads what ran on it.
 #[derive(Clone, Debug, Default)]
 pub struct ProxyHandle {
-    mode: Arc<std::sync::Mutex<ProxyMode>>,
+    mode: Arc<Mutex<ProxyMode>>,
     healthz_requests: Arc<std::sync::atomic::AtomicU64>,
+    /// Application requests that reached this proxy, run or turned away.
+    received: Arc<std::sync::atomic::AtomicU64>,
+    executions: Executions,
 }
 
 impl ProxyHandle {
+    /// A handle that records into `ledger` (share one across proxies to count runs of a
+    /// request wherever they happen).
+    pub fn with_ledger(ledger: Executions) -> ProxyHandle {
+        ProxyHandle {
+            executions: ledger,
+            ..Default::default()
+        }
+    }
+
+    pub fn executions(&self) -> &Executions {
+        &self.executions
+    }
+
+    /// Application requests that reached this proxy, whether they ran or were turned
+    /// away (503).
+    pub fn received(&self) -> u64 {
+        self.received.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     pub fn set(&self, mode: ProxyMode) {
         *self.mode.lock().unwrap_or_else(|e| e.into_inner()) = mode;
     }
@@ -136,15 +252,37 @@ impl ProxyHandle {
     }
 }
 
+/// Marks a response whose connection is to be closed instead of answered.
+#[derive(Clone, Copy, Debug)]
+struct CloseConnection;
+
 async fn apply_mode(
-    State(handle): State<ProxyHandle>,
+    State((handle, address)): State<(ProxyHandle, SocketAddr)>,
     request: Request,
     next: axum::middleware::Next,
 ) -> Response {
     let path = request.uri().path();
     let health_path = matches!(path, "/-/healthz" | "/-/routes");
     let healthz = path == "/-/healthz";
-    match handle.get() {
+    let mode = handle.get();
+    // An application request runs unless the proxy turns it away first (backpressure,
+    // no route table yet): then nothing ran, as in Ray.
+    let turned_away = matches!(mode, ProxyMode::Overloaded | ProxyMode::NotReady);
+    if !health_path {
+        handle
+            .received
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    if !health_path && !turned_away {
+        if let Some(id) = request
+            .headers()
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+        {
+            handle.executions.record(id, address);
+        }
+    }
+    match mode {
         ProxyMode::Serving => next.run(request).await,
         ProxyMode::Draining if health_path => unavailable("This node is being drained."),
         ProxyMode::Draining => next.run(request).await,
@@ -169,6 +307,13 @@ async fn apply_mode(
         ProxyMode::Overloaded => unavailable(
             "Request dropped due to backpressure (num_queued_requests=100, max_queued_requests=100).",
         ),
+        ProxyMode::ResetAfterRead if health_path => next.run(request).await,
+        ProxyMode::ResetAfterRead => {
+            let _ = axum::body::to_bytes(request.into_body(), 16 * 1024 * 1024).await;
+            let mut response = StatusCode::INTERNAL_SERVER_ERROR.into_response();
+            response.extensions_mut().insert(CloseConnection);
+            response
+        }
     }
 }
 
@@ -190,25 +335,72 @@ pub async fn serve_proxy(
     serve_proxy_with(listener, config, ProxyHandle::default(), shutdown).await
 }
 
-/// Serves one proxy whose behaviour `handle` controls, until `shutdown`.
+/// Serves one proxy whose behaviour `handle` controls, until `shutdown`: then it stops
+/// accepting (later connections are refused) and lets requests in flight finish.
 pub async fn serve_proxy_with(
     listener: TcpListener,
     config: ProxyConfig,
     handle: ProxyHandle,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::server::conn::auto::Builder;
+    use tower::ServiceExt;
+
     let address = listener.local_addr()?;
     let state = Arc::new(ProxyState { config, address });
     let app = Router::new()
         .route("/-/healthz", get(healthz))
         .route("/-/routes", get(routes))
         .fallback(application)
-        .layer(axum::middleware::from_fn_with_state(handle, apply_mode))
+        .layer(axum::middleware::from_fn_with_state(
+            (handle, address),
+            apply_mode,
+        ))
         .layer(axum::middleware::map_response(uvicorn_header))
         .with_state(state);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let stream = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(_) => continue,
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let app = app.clone();
+        // A response marked `CloseConnection` becomes an error, on which hyper closes the
+        // connection without answering.
+        let service =
+            hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+                let app = app.clone();
+                async move {
+                    let response = app
+                        .oneshot(request.map(axum::body::Body::new))
+                        .await
+                        .unwrap_or_else(|e| match e {});
+                    if response.extensions().get::<CloseConnection>().is_some() {
+                        Err(std::io::Error::other(
+                            "closing the connection without an answer",
+                        ))
+                    } else {
+                        Ok(response)
+                    }
+                }
+            });
+        let connection = Builder::new(TokioExecutor::new())
+            .serve_connection_with_upgrades(TokioIo::new(stream), service)
+            .into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+    }
+    drop(listener);
+    // Requests in flight finish (a hung one does not hold shutdown forever).
+    let _ = tokio::time::timeout(Duration::from_secs(30), graceful.shutdown()).await;
+    Ok(())
 }
 
 async fn uvicorn_header(mut response: Response) -> Response {
@@ -256,6 +448,16 @@ async fn application(State(state): State<Arc<ProxyState>>, request: Request) -> 
         )
             .into_response();
     };
+    if request
+        .headers()
+        .get(header::UPGRADE)
+        .is_some_and(|u| u.as_bytes().eq_ignore_ascii_case(b"websocket"))
+    {
+        return websocket_echo(request).await;
+    }
+    if let Some((events, every)) = sse_query(request.uri().query().unwrap_or_default()) {
+        return server_sent_events(events, every);
+    }
     let body: Bytes = match axum::body::to_bytes(request.into_body(), 16 * 1024 * 1024).await {
         Ok(b) => b,
         Err(_) => return StatusCode::PAYLOAD_TOO_LARGE.into_response(),
@@ -270,6 +472,63 @@ async fn application(State(state): State<Arc<ProxyState>>, request: Request) -> 
         body_bytes: body.len(),
     };
     axum::Json(served).into_response()
+}
+
+/// An application behind a WebSocket upgrade: echoes every message back.
+async fn websocket_echo(request: Request) -> Response {
+    use axum::extract::ws::{Message, WebSocketUpgrade};
+    use axum::extract::FromRequestParts;
+    let (mut parts, _) = request.into_parts();
+    let upgrade = match WebSocketUpgrade::from_request_parts(&mut parts, &()).await {
+        Ok(u) => u,
+        Err(rejection) => return rejection.into_response(),
+    };
+    upgrade.on_upgrade(|mut socket| async move {
+        while let Some(Ok(message)) = socket.recv().await {
+            let echo = match message {
+                Message::Text(t) => Message::Text(t),
+                Message::Binary(b) => Message::Binary(b),
+                Message::Close(_) => break,
+                _ => continue,
+            };
+            if socket.send(echo).await.is_err() {
+                break;
+            }
+        }
+    })
+}
+
+/// `sse=<events>&every_ms=<ms>` in a query: a streamed answer of that many events.
+fn sse_query(query: &str) -> Option<(u64, Duration)> {
+    let mut events = None;
+    let mut every = Duration::from_millis(100);
+    for pair in query.split('&') {
+        match pair.split_once('=') {
+            Some(("sse", n)) => events = n.parse().ok(),
+            Some(("every_ms", ms)) => every = Duration::from_millis(ms.parse().ok()?),
+            _ => {}
+        }
+    }
+    events.map(|n| (n, every))
+}
+
+/// Server-sent events: `data: <i>` every `every`, `events` of them, then the end.
+fn server_sent_events(events: u64, every: Duration) -> Response {
+    let stream = futures_util::stream::unfold(0u64, move |i| async move {
+        if i >= events {
+            return None;
+        }
+        tokio::time::sleep(every).await;
+        Some((
+            Ok::<_, std::convert::Infallible>(format!("data: {i}\n\n")),
+            i + 1,
+        ))
+    });
+    (
+        [(header::CONTENT_TYPE, "text/event-stream")],
+        axum::body::Body::from_stream(stream),
+    )
+        .into_response()
 }
 
 #[cfg(test)]

@@ -160,3 +160,64 @@ async fn the_simulator_binary_lists_its_proxies() {
         BTreeMap::from([(p1, NodeType::Head), (p2, NodeType::Worker)])
     );
 }
+
+/// What ran is recorded under the request's `x-request-id`, in memory (`/executions` on
+/// the control endpoint) and in the log file, which outlives a killed process; a
+/// backpressured request did not run.
+#[tokio::test]
+async fn executions_are_recorded_by_request_id_and_logged() {
+    let (p1, ctl) = (free_port(), free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("runs.log");
+    let _sim = spawn(
+        Command::new(env!("CARGO_BIN_EXE_ray-serve-sim"))
+            .args(["--cluster", "c1", "--app", "/=hello"])
+            .args(["--proxy", &format!("127.0.0.1:{p1}=worker")])
+            .args(["--control", &format!("127.0.0.1:{ctl}")])
+            .arg("--executions-log")
+            .arg(&log)
+            .stdout(Stdio::null()),
+    );
+    eventually("the sim is up", Duration::from_secs(20), || async {
+        http_get(&format!("http://127.0.0.1:{ctl}/executions"))
+            .await
+            .ok()
+            .filter(|(s, _)| *s == 200)
+    })
+    .await;
+    let post = |id: &'static str| async move {
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<http_body_util::Full<bytes::Bytes>>();
+        let request = hyper::Request::post(format!("http://127.0.0.1:{p1}/infer"))
+            .header("x-request-id", id)
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap();
+        client.request(request).await.unwrap().status().as_u16()
+    };
+    assert_eq!(post("one").await, 200);
+    assert_eq!(post("two").await, 200);
+    assert_eq!(post("two").await, 200);
+    http(
+        "PUT",
+        &format!("http://127.0.0.1:{ctl}/proxies/{p1}/mode"),
+        "overloaded",
+    )
+    .await
+    .unwrap();
+    assert_eq!(post("three").await, 503, "backpressure: nothing ran");
+    let (_, body) = http_get(&format!("http://127.0.0.1:{ctl}/executions"))
+        .await
+        .unwrap();
+    let runs: BTreeMap<String, Vec<String>> = serde_json::from_str(&body).unwrap();
+    assert_eq!(runs.keys().collect::<Vec<_>>(), ["one", "two"]);
+    assert_eq!(runs["two"].len(), 2);
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(logged.lines().count(), 3, "{logged}");
+    assert!(
+        logged
+            .lines()
+            .all(|l| l.ends_with(&format!("127.0.0.1:{p1}"))),
+        "{logged}"
+    );
+}

@@ -389,10 +389,6 @@ mod tests {
         envoy_types::pb::envoy::config::core::v3::HealthStatus::Unknown as i32
     }
 
-    fn draining() -> i32 {
-        envoy_types::pb::envoy::config::core::v3::HealthStatus::Draining as i32
-    }
-
     fn one(s: RayService) -> Arc<Model> {
         Arc::new(Model::new(vec![s]).unwrap())
     }
@@ -538,9 +534,13 @@ mod tests {
         let out = build(&mut p, &promoted, &w, &(), at(1000));
         assert_eq!(
             endpoints(&out, "default/s/a1").unwrap(),
-            [(8000, draining())],
-            "a1 drains"
+            [],
+            "a1 drains: Envoy keeps the cluster for requests in flight, with no endpoint for new ones"
         );
+        assert!(out
+            .snapshot
+            .resources(ResourceType::Cluster)
+            .contains_key("default/s/a1"));
         assert_eq!(weights(&out, "s"), [("b1".into(), 100)]);
         assert_eq!(out.wake_at, Some(at(6000)));
         let out = build(&mut p, &promoted, &w, &(), at(6000));

@@ -5,8 +5,14 @@
 - `slow`: the same, but its constructor takes `delay_s` seconds, so the application stays
   DEPLOYING that long.
 - `broken`: its constructor raises, so the application ends DEPLOY_FAILED.
+- `slow_call`: every request takes `call_s` seconds (a long model call); it counts how
+  many times each request (by `x-request-id`) ran, answers `{"runs": n}`, and lists
+  every count at `<prefix>/runs`.
+- `busy`: one request at a time, one queued (`max_ongoing_requests: 1`,
+  `max_queued_requests: 1`), each 0.3 s: more than that is Ray's 503 backpressure.
 """
 
+import asyncio
 import os
 import time
 
@@ -42,8 +48,40 @@ class Broken:
         return "unreachable"
 
 
+@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+class SlowCall:
+    def __init__(self, call_s: float = 15.0):
+        self.call_s = call_s
+        self.runs = {}
+
+    async def __call__(self, request: Request):
+        if request.url.path.endswith("/runs"):
+            return self.runs
+        rid = request.headers.get("x-request-id", "")
+        self.runs[rid] = self.runs.get(rid, 0) + 1
+        await request.body()
+        await asyncio.sleep(self.call_s)
+        return {"runs": self.runs[rid]}
+
+
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=1, max_queued_requests=1
+)
+class Busy:
+    async def __call__(self, request: Request) -> dict:
+        await request.body()
+        await asyncio.sleep(0.3)
+        return {"ok": True}
+
+
 hello = Hello.bind()
 broken = Broken.bind()
+busy = Busy.bind()
+
+
+def slow_call(args: dict):
+    """Application builder: `args: {call_s: 15}` in the Serve config."""
+    return SlowCall.bind(call_s=float(args.get("call_s", 15)))
 
 
 def slow(args: dict):

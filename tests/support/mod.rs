@@ -14,7 +14,7 @@ use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use ray_serve_sim::NodeType;
-use ray_serve_sim::{serve_proxy_with, ProxyConfig, ProxyHandle, ProxyMode, Served};
+use ray_serve_sim::{serve_proxy_with, Executions, ProxyConfig, ProxyHandle, ProxyMode, Served};
 use ray_xds::config::{Config, GatewaySettings, SourceConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -244,10 +244,22 @@ pub struct SimCluster {
     pub name: String,
     pub proxies: Vec<(SocketAddr, NodeType, CancellationToken)>,
     pub handles: Vec<ProxyHandle>,
+    /// What ran on this cluster's proxies, by request id.
+    pub ledger: Executions,
 }
 
 impl SimCluster {
     pub async fn start(name: &str, node_types: &[NodeType]) -> SimCluster {
+        SimCluster::start_with_ledger(name, node_types, Executions::default()).await
+    }
+
+    /// Like [`SimCluster::start`], recording into `ledger` (share one between clusters
+    /// to count the runs of a request wherever they happen).
+    pub async fn start_with_ledger(
+        name: &str,
+        node_types: &[NodeType],
+        ledger: Executions,
+    ) -> SimCluster {
         let (mut proxies, mut handles) = (Vec::new(), Vec::new());
         for node_type in node_types {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -258,7 +270,7 @@ impl SimCluster {
                 node_type: *node_type,
                 routes: BTreeMap::from([("/".to_string(), "hello".to_string())]),
             };
-            let handle = ProxyHandle::default();
+            let handle = ProxyHandle::with_ledger(ledger.clone());
             tokio::spawn(serve_proxy_with(
                 listener,
                 config,
@@ -272,6 +284,7 @@ impl SimCluster {
             name: name.into(),
             proxies,
             handles,
+            ledger,
         }
     }
 
@@ -370,6 +383,34 @@ pub async fn http(method: &str, url: &str, body: &str) -> Result<(u16, String), 
         .map_err(|e| e.to_string())?
         .to_bytes();
     Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
+}
+
+/// A POST through Envoy's listener to `path`, given up after `timeout`.
+pub async fn post_through_envoy(
+    gateway_port: u16,
+    path: &str,
+    timeout: Duration,
+) -> Result<(u16, String), String> {
+    let request = hyper::Request::builder()
+        .method("POST")
+        .uri(format!("http://127.0.0.1:{gateway_port}{path}"))
+        .header("host", "demo.example")
+        .body(Full::new(Bytes::from_static(b"{\"prompt\": \"hello\"}")))
+        .map_err(|e| e.to_string())?;
+    let response = tokio::time::timeout(timeout, async {
+        let response = client().request(request).await.map_err(|e| e.to_string())?;
+        let status = response.status().as_u16();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        Ok::<_, String>((status, String::from_utf8_lossy(&bytes).into_owned()))
+    })
+    .await
+    .map_err(|_| "timed out".to_string())??;
+    Ok(response)
 }
 
 pub async fn http_get(url: &str) -> Result<(u16, String), String> {

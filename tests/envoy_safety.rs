@@ -1,0 +1,362 @@
+//! Safe by default, with a real Envoy: a request that may have run is never sent again
+//! unless the RayService says it is idempotent; Ray's backpressure (503) ejects no proxy
+//! and its retries stay within a budget; a removed proxy finishes what it is running;
+//! WebSockets and long server-sent event streams pass through.
+//!
+//! The simulated proxies record every request that reaches a replica under Envoy's
+//! `x-request-id` (kept across retries), so "ran twice" is counted, not guessed. ray-xds's
+//! own probes are slowed to a minute where a test wants Envoy alone to act.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use ray_serve_sim::{NodeType, ProxyMode};
+use support::*;
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Two workers behind a real Envoy, with `extra` lines for the RayService.
+async fn two_workers(extra: &str) -> (Stack, SimCluster) {
+    let sim = SimCluster::start("a", &[NodeType::Worker, NodeType::Worker]).await;
+    let stack = Stack::with(services_yaml_with("a", &[&sim], extra))
+        .envoy(Bootstrap::Sotw)
+        .start()
+        .await;
+    sim.ledger.clear();
+    (stack, sim)
+}
+
+/// Sends `n` POSTs one after another; how many got each status ("timeout", "error: ..."
+/// for the rest).
+async fn post_many(port: u16, n: usize, timeout: Duration) -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    for _ in 0..n {
+        let outcome = match post_through_envoy(port, "/infer", timeout).await {
+            Ok((status, _)) => status.to_string(),
+            Err(e) if e == "timed out" => "timeout".into(),
+            Err(e) => format!("error: {e}"),
+        };
+        *out.entry(outcome).or_default() += 1;
+    }
+    out
+}
+
+const QUIET_PROBES: &str = "    probe: { interval: 60s }\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_reset_after_it_was_read_runs_once_unless_idempotent() {
+    let (s, sim) = two_workers(QUIET_PROBES).await;
+    sim.set_mode(0, ProxyMode::ResetAfterRead);
+    let outcomes = post_many(s.gateway_port, 16, Duration::from_secs(10)).await;
+    let on_resetting = sim.ledger.on(sim.proxies[0].0);
+    assert!(
+        on_resetting >= 1,
+        "some requests reached the resetting proxy: {outcomes:?}"
+    );
+    assert_eq!(
+        sim.ledger.more_than_once(),
+        BTreeMap::new(),
+        "nothing ran twice"
+    );
+    let failed: usize = outcomes
+        .iter()
+        .filter(|(k, _)| *k != "200")
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(
+        failed, on_resetting,
+        "each request the proxy reset after reading it ends in an error, not a replay: {outcomes:?}"
+    );
+
+    // Idempotent: the same reset is replayed on the other proxy, and every request succeeds.
+    let extra = format!("{QUIET_PROBES}    traffic: {{ idempotent: true }}\n");
+    let (s, sim) = two_workers(&extra).await;
+    sim.set_mode(0, ProxyMode::ResetAfterRead);
+    let outcomes = post_many(s.gateway_port, 16, Duration::from_secs(10)).await;
+    assert_eq!(outcomes, BTreeMap::from([("200".to_string(), 16)]));
+    let twice = sim.ledger.more_than_once();
+    assert!(!twice.is_empty(), "replayed after the reset");
+    for at in twice.values() {
+        assert_eq!(
+            at[0], sim.proxies[0].0,
+            "first on the resetting proxy, then elsewhere"
+        );
+        assert!(at[1..].iter().all(|p| *p == sim.proxies[1].0), "{at:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_slower_than_the_per_try_timeout_runs_once_unless_idempotent() {
+    let extra = format!("{QUIET_PROBES}    traffic: {{ per_try_timeout: 300ms }}\n");
+    let (s, sim) = two_workers(&extra).await;
+    sim.set_mode(0, ProxyMode::Slow(Duration::from_millis(1200)));
+    let outcomes = post_many(s.gateway_port, 10, Duration::from_secs(10)).await;
+    assert_eq!(
+        outcomes,
+        BTreeMap::from([("200".to_string(), 10)]),
+        "a slow answer is an answer, not a timeout"
+    );
+    assert!(sim.ledger.on(sim.proxies[0].0) >= 1);
+    assert_eq!(sim.ledger.more_than_once(), BTreeMap::new());
+
+    let extra =
+        format!("{QUIET_PROBES}    traffic: {{ per_try_timeout: 300ms, idempotent: true }}\n");
+    let (s, sim) = two_workers(&extra).await;
+    sim.set_mode(0, ProxyMode::Slow(Duration::from_millis(1200)));
+    let outcomes = post_many(s.gateway_port, 10, Duration::from_secs(10)).await;
+    assert_eq!(outcomes, BTreeMap::from([("200".to_string(), 10)]));
+    assert!(
+        !sim.ledger.more_than_once().is_empty(),
+        "idempotent: a try that times out is tried again elsewhere"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_on_a_hung_proxy_runs_once() {
+    let (s, sim) = two_workers("").await;
+    sim.set_mode(0, ProxyMode::Hang);
+    // Enough requests that some land on the hung proxy before ray-xds takes it out.
+    let mut requests = Vec::new();
+    for _ in 0..8 {
+        let port = s.gateway_port;
+        requests.push(tokio::spawn(async move {
+            // Longer than a per-try timeout would be (10 s): nothing replays it meanwhile.
+            post_through_envoy(port, "/infer", Duration::from_secs(12)).await
+        }));
+    }
+    let mut hung = 0;
+    for r in requests {
+        if r.await.unwrap().is_err() {
+            hung += 1;
+        }
+    }
+    let on_hung = sim.ledger.on(sim.proxies[0].0);
+    assert_eq!(
+        sim.ledger.more_than_once(),
+        BTreeMap::new(),
+        "nothing ran twice"
+    );
+    assert_eq!(
+        hung, on_hung,
+        "what hung ran once, on the hung proxy, and was not replayed"
+    );
+    // New requests go around it.
+    eventually("the hung proxy leaves the rotation", DEADLINE, || async {
+        let out = post_many(s.gateway_port, 5, Duration::from_secs(2)).await;
+        (out.get("200") == Some(&5)).then_some(())
+    })
+    .await;
+}
+
+/// Envoy's counter `cluster.<cluster>.<stat>`, summed over its lines.
+async fn envoy_stat(envoy: &Envoy, cluster: &str, stat: &str) -> u64 {
+    let text = envoy.admin(&format!("/stats?filter={stat}$")).await;
+    text.lines()
+        .filter(|l| l.contains(cluster))
+        .filter_map(|l| l.rsplit_once(": ")?.1.trim().parse::<u64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backpressure_ejects_no_proxy_and_its_retries_stay_within_the_budget() {
+    let sim = SimCluster::start("a", &[NodeType::Worker, NodeType::Worker, NodeType::Worker]).await;
+    let s = Stack::with(services_yaml_with("a", &[&sim], QUIET_PROBES))
+        .envoy(Bootstrap::Sotw)
+        .start()
+        .await;
+    let received_before: u64 = sim.handles.iter().map(|h| h.received()).sum();
+    for i in 0..3 {
+        sim.set_mode(i, ProxyMode::Overloaded);
+    }
+    // 16 clients, each sending back to back, for two seconds.
+    let stop = Instant::now() + Duration::from_secs(2);
+    let mut clients = Vec::new();
+    for _ in 0..16 {
+        let port = s.gateway_port;
+        clients.push(tokio::spawn(async move {
+            let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+            while Instant::now() < stop {
+                let key = match post_through_envoy(port, "/infer", Duration::from_secs(5)).await {
+                    Ok((503, body)) if body.contains("backpressure") => "ray 503".to_string(),
+                    Ok((status, body)) => format!("{status} {body}"),
+                    Err(e) => e,
+                };
+                *seen.entry(key).or_default() += 1;
+            }
+            seen
+        }));
+    }
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    for c in clients {
+        for (k, n) in c.await.unwrap() {
+            *seen.entry(k).or_default() += n;
+        }
+    }
+    let sent: usize = seen.values().sum();
+    assert_eq!(
+        seen.keys().collect::<Vec<_>>(),
+        ["ray 503"],
+        "only Ray's own answers, never 'no healthy upstream': {seen:?}"
+    );
+    let received: u64 = sim.handles.iter().map(|h| h.received()).sum::<u64>() - received_before;
+    eprintln!("backpressure: {sent} requests, the proxies saw {received}");
+    // Without a budget each request would be tried 4 times (3 retries).
+    assert!(
+        (received as usize) < sent * 2,
+        "retries bounded by the budget: {received} seen for {sent} sent"
+    );
+    let overflow = envoy_stat(s.envoy(), "default/demo/a", "upstream_rq_retry_overflow").await;
+    assert!(overflow > 0, "the retry budget turned retries away");
+    let clusters = s.envoy().admin("/clusters").await;
+    assert!(
+        !clusters.contains("failed_outlier_check"),
+        "no proxy ejected: {clusters}"
+    );
+    assert_eq!(
+        envoy_stat(
+            s.envoy(),
+            "default/demo/a",
+            "outlier_detection.ejections_enforced_total"
+        )
+        .await,
+        0
+    );
+    // The 503s stop: traffic is back at once.
+    for i in 0..3 {
+        sim.set_mode(i, ProxyMode::Serving);
+    }
+    let out = post_many(s.gateway_port, 20, Duration::from_secs(5)).await;
+    assert_eq!(out, BTreeMap::from([("200".to_string(), 20)]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_proxy_down_and_the_other_busy_never_leaves_no_healthy_upstream() {
+    let (s, sim) = two_workers("").await;
+    sim.kill(0);
+    eventually("ray-xds takes the dead proxy out", DEADLINE, || async {
+        let clusters = s.envoy().admin("/clusters").await;
+        (!clusters.contains(&sim.proxies[0].0.to_string())).then_some(())
+    })
+    .await;
+    sim.set_mode(1, ProxyMode::Overloaded);
+    let busy = post_many(s.gateway_port, 10, Duration::from_secs(5)).await;
+    sim.set_mode(1, ProxyMode::Serving);
+    let after = post_many(s.gateway_port, 20, Duration::from_secs(5)).await;
+    assert_eq!(
+        busy,
+        BTreeMap::from([("503".to_string(), 10)]),
+        "Ray's own 503s"
+    );
+    assert_eq!(
+        after,
+        BTreeMap::from([("200".to_string(), 20)]),
+        "and nothing after"
+    );
+    let clusters = s.envoy().admin("/clusters").await;
+    assert!(!clusters.contains("failed_outlier_check"), "{clusters}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_removed_from_the_source_finishes_what_it_is_running() {
+    let sim = SimCluster::start("a", &[NodeType::Worker, NodeType::Worker]).await;
+    let yaml = services_yaml_with("a", &[&sim], "    head_proxy: include\n");
+    let s = Stack::with(yaml.clone())
+        .envoy(Bootstrap::Sotw)
+        .start()
+        .await;
+    sim.set_mode(0, ProxyMode::Slow(Duration::from_millis(2000)));
+    let mut requests = Vec::new();
+    for _ in 0..6 {
+        let port = s.gateway_port;
+        requests.push(tokio::spawn(async move {
+            post_through_envoy(port, "/infer", Duration::from_secs(10)).await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The source drops the slow proxy while requests run on it.
+    let gone = format!(
+        "          - {{ address: {}, node_type: worker }}\n",
+        sim.proxies[0].0
+    );
+    assert!(yaml.contains(&gone));
+    s.edit(&yaml.replace(&gone, ""));
+    eventually("Envoy drops the proxy", DEADLINE, || async {
+        let clusters = s.envoy().admin("/clusters").await;
+        (!clusters.contains(&sim.proxies[0].0.to_string())).then_some(())
+    })
+    .await;
+    let mut statuses = Vec::new();
+    for r in requests {
+        statuses.push(r.await.unwrap().map(|(s, _)| s));
+    }
+    assert!(
+        sim.ledger.on(sim.proxies[0].0) >= 1,
+        "some ran on the removed proxy"
+    );
+    assert!(statuses.iter().all(|s| *s == Ok(200)), "{statuses:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_passes_through_envoy() {
+    use futures::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::Message;
+    let (s, _sim) = two_workers("").await;
+    let mut request = format!("ws://127.0.0.1:{}/chat", s.gateway_port)
+        .into_client_request()
+        .unwrap();
+    request
+        .headers_mut()
+        .insert("host", "demo.example".parse().unwrap());
+    let (mut socket, response) = tokio_tungstenite::connect_async(request)
+        .await
+        .expect("the upgrade passes through Envoy");
+    assert_eq!(response.status(), 101);
+    for i in 0..5 {
+        socket
+            .send(Message::Text(format!("hello {i}").into()))
+            .await
+            .unwrap();
+        let echo = tokio::time::timeout(Duration::from_secs(5), socket.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(echo, Message::Text(format!("hello {i}").into()));
+    }
+}
+
+/// A stream of server-sent events as long as a long generation: five minutes, an event
+/// a second, through Envoy's listener, route and upstream idle timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_five_minute_event_stream_passes_through_envoy() {
+    use http_body_util::BodyExt;
+    let (s, _sim) = two_workers("").await;
+    let request = hyper::Request::builder()
+        .uri(format!(
+            "http://127.0.0.1:{}/generate?sse=300&every_ms=1000",
+            s.gateway_port
+        ))
+        .header("host", "demo.example")
+        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+        .unwrap();
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http();
+    let started = Instant::now();
+    let response = client.request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    let (mut text, mut events) = (String::new(), 0);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.expect("the stream is not cut");
+        if let Some(data) = frame.data_ref() {
+            text.push_str(&String::from_utf8_lossy(data));
+            events = text.matches("data: ").count();
+        }
+    }
+    assert_eq!(events, 300, "every event arrived");
+    assert!(text.ends_with("data: 299\n\n"), "in order, to the end");
+    assert!(started.elapsed() >= Duration::from_secs(299));
+}
