@@ -31,13 +31,22 @@ pub fn project_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// A port that was free a moment ago (for processes that cannot bind port 0 themselves).
+/// A port that was free a moment ago (for processes that cannot bind port 0 themselves),
+/// never one this process handed out before: the kernel may give the same free port to
+/// two calls in a row, and a simulator given it twice would fail to bind.
 pub fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    loop {
+        let port = StdListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if GIVEN.lock().unwrap_or_else(|e| e.into_inner()).insert(port) {
+            return port;
+        }
+    }
 }
 
 /// The real Envoy binary, installed by `scripts/install-envoy.sh` on first use.
