@@ -1,11 +1,12 @@
 //! Clusters the source dropped, kept (their endpoints draining) for their grace period so
-//! that requests in flight on them finish before Envoy loses them. Pure: time is passed
-//! in.
+//! that requests in flight on them finish before Envoy loses them; a whole RayService the
+//! source dropped likewise (its virtual host stays, with no proxy to take new requests,
+//! until its clusters go). Pure: time is passed in.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::SystemTime;
 
-use crate::model::{Model, RayCluster};
+use crate::model::{Model, RayCluster, RayService};
 use crate::policy::switchover::SwitchoverPolicy;
 
 /// Clusters the source dropped, kept for their drain grace period.
@@ -13,6 +14,8 @@ use crate::policy::switchover::SwitchoverPolicy;
 pub struct Departed {
     /// (RayService key, cluster) → the cluster as last listed, and when it may go.
     clusters: BTreeMap<(String, String), (RayCluster, SystemTime)>,
+    /// RayService key → the RayService as last listed, and when it may go.
+    services: BTreeMap<String, (RayService, SystemTime)>,
 }
 
 impl Departed {
@@ -27,7 +30,12 @@ impl Departed {
     ) -> Model {
         for old in previous.services() {
             let Some(new) = current.services().iter().find(|s| s.key() == old.key()) else {
-                continue; // the whole RayService went: nothing routes to it any more
+                // The whole RayService went: all its clusters drain.
+                let until = now + defaults.with(&old.policy.overrides.switchover).drain_grace;
+                self.services
+                    .entry(old.key())
+                    .or_insert((old.clone(), until));
+                continue;
             };
             for cluster in &old.clusters {
                 if new.cluster(&cluster.name).is_none() {
@@ -46,10 +54,13 @@ impl Departed {
                     .find(|s| s.key() == *service)
                     .is_some_and(|s| s.cluster(cluster).is_none())
         });
-        if self.clusters.is_empty() {
+        self.services.retain(|key, (_, until)| {
+            *until > now && !current.services().iter().any(|s| s.key() == *key)
+        });
+        if self.clusters.is_empty() && self.services.is_empty() {
             return current.clone();
         }
-        let services = current
+        let services: Vec<RayService> = current
             .services()
             .iter()
             .map(|s| {
@@ -63,7 +74,20 @@ impl Departed {
             })
             .collect();
         // Valid: the names were unique in `previous`, and none is in `current`.
-        Model::new(services).unwrap_or_else(|_| current.clone())
+        let with_clusters = Model::new(services.clone()).unwrap_or_else(|_| current.clone());
+        if self.services.is_empty() {
+            return with_clusters;
+        }
+        // A departed RayService whose hosts another one now claims goes at once.
+        let mut all = with_clusters.services().to_vec();
+        for (service, _) in self.services.values() {
+            let mut candidate = all.clone();
+            candidate.push(service.clone());
+            if Model::new(candidate.clone()).is_ok() {
+                all = candidate;
+            }
+        }
+        Model::new(all).unwrap_or(with_clusters)
     }
 
     /// Whether `cluster` of `service` is draining after the source dropped it.
@@ -72,17 +96,27 @@ impl Departed {
             .contains_key(&(service.to_string(), cluster.to_string()))
     }
 
-    /// The Envoy cluster names of every departed cluster.
+    /// The Envoy cluster names of every departed cluster (those of departed RayServices
+    /// included).
     pub fn envoy_cluster_names(&self) -> BTreeSet<String> {
         self.clusters
             .keys()
             .map(|(service, cluster)| format!("{service}/{cluster}"))
+            .chain(
+                self.services
+                    .values()
+                    .flat_map(|(s, _)| s.clusters.iter().map(|c| s.envoy_cluster_name(&c.name))),
+            )
             .collect()
     }
 
-    /// When the next departed cluster may go.
+    /// When the next departed cluster or RayService may go.
     pub fn next_expiry(&self) -> Option<SystemTime> {
-        self.clusters.values().map(|(_, until)| *until).min()
+        self.clusters
+            .values()
+            .map(|(_, until)| *until)
+            .chain(self.services.values().map(|(_, until)| *until))
+            .min()
     }
 }
 
@@ -169,5 +203,38 @@ mod tests {
         let mut d = Departed::default();
         d.update(&before, &after, &global, T0);
         assert_eq!(d.next_expiry(), Some(T0 + Duration::from_secs(2)));
+    }
+
+    #[test]
+    fn a_dropped_rayservice_drains_all_its_clusters_then_goes() {
+        let before = two_clusters();
+        let after = Model::default();
+        let mut d = Departed::default();
+        let kept = d.update(&before, &after, &SwitchoverPolicy::default(), T0);
+        assert_eq!(kept, before, "still there, draining");
+        assert_eq!(
+            d.envoy_cluster_names(),
+            ["default/s/a1".to_string(), "default/s/b1".to_string()].into()
+        );
+        assert_eq!(d.next_expiry(), Some(T0 + Duration::from_secs(30)));
+        let gone = d.update(
+            &after,
+            &after,
+            &SwitchoverPolicy::default(),
+            T0 + Duration::from_secs(30),
+        );
+        assert_eq!(gone, after);
+        assert_eq!(d.next_expiry(), None);
+        // One that comes back is the source's again at once.
+        let mut d = Departed::default();
+        d.update(&before, &after, &SwitchoverPolicy::default(), T0);
+        let back = d.update(
+            &after,
+            &before,
+            &SwitchoverPolicy::default(),
+            T0 + Duration::from_secs(1),
+        );
+        assert_eq!(back, before);
+        assert!(d.envoy_cluster_names().is_empty());
     }
 }

@@ -3,8 +3,11 @@
 //!
 //! The file is watched with inotify (through `notify`, watching the folder so editors'
 //! atomic renames and ConfigMap symlink swaps are seen) and re-read on a poll interval as
-//! a fallback. A change is parsed into a [`Model`]; a parse or validation failure is
-//! logged with its reason and counted, and the last good model keeps being served.
+//! a fallback. A change is read once it has stopped changing (a write in progress is not
+//! taken), then parsed into a [`Model`]; a parse or validation failure is logged with its
+//! reason and counted, and the last good model keeps being served. An empty file, or one
+//! without `rayservices:`, is such a failure: the source never withdraws everything by
+//! accident (`rayservices: []` is how to say "none").
 //!
 //! A cluster with a `dashboard` and no `proxies` key discovers its proxies from that
 //! dashboard (`live::discovery`); `proxies: []` means none.
@@ -28,7 +31,8 @@ use crate::policy::{
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ServicesFile {
-    #[serde(default)]
+    /// Required: a file without it (empty, or cut short while being written) is an
+    /// invalid edit, never "no RayServices"; `rayservices: []` says that.
     rayservices: Vec<ServiceSpec>,
 }
 
@@ -97,13 +101,13 @@ fn default_namespace() -> String {
 
 /// Parses the text of a services file into a valid [`Model`].
 pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
-    let parsed: ServicesFile = if text.trim().is_empty() {
-        ServicesFile {
-            rayservices: Vec::new(),
-        }
-    } else {
-        parse_yaml(file, text)?
-    };
+    if text.trim().is_empty() {
+        return Err(ConfigError::Invalid(format!(
+            "{}: the file is empty (write `rayservices: []` to route nothing)",
+            file.display()
+        )));
+    }
+    let parsed: ServicesFile = parse_yaml(file, text)?;
     let services = parsed
         .rayservices
         .into_iter()
@@ -185,6 +189,28 @@ pub struct FileSource {
     pub metrics: Arc<Metrics>,
 }
 
+/// How long a changed file must stay the same before it is read as the new state: a
+/// `cat > services.yaml` truncates, then writes, and must not be caught in between.
+pub const SETTLE: Duration = Duration::from_millis(100);
+
+/// How long a file that keeps changing is waited for before it is read anyway.
+const SETTLE_AT_MOST: Duration = Duration::from_secs(5);
+
+/// Reads `path` once its content has stopped changing: two reads `SETTLE` apart that
+/// agree (at most `SETTLE_AT_MOST`).
+async fn read_settled(path: &Path) -> std::io::Result<Vec<u8>> {
+    let started = std::time::Instant::now();
+    let mut bytes = tokio::fs::read(path).await?;
+    loop {
+        tokio::time::sleep(SETTLE).await;
+        let again = tokio::fs::read(path).await?;
+        if again == bytes || started.elapsed() > SETTLE_AT_MOST {
+            return Ok(again);
+        }
+        bytes = again;
+    }
+}
+
 impl FileSource {
     pub async fn run(
         self,
@@ -204,6 +230,15 @@ impl FileSource {
                 Some(()) = changed.recv() => {}
             }
             let bytes = match tokio::fs::read(&self.path).await {
+                // A change: wait until the writer is done before taking it.
+                Ok(b) if b != last_bytes => match read_settled(&self.path).await {
+                    Ok(b) => b,
+                    Err(err) => {
+                        tracing::warn!(path = %self.path.display(), error = %err, "cannot read services file; keeping the last good state");
+                        self.metrics.source_rejected("file");
+                        continue;
+                    }
+                },
                 Ok(b) => b,
                 Err(err) => {
                     if last_bytes != b"\0unreadable" {
@@ -392,15 +427,21 @@ rayservices:
     }
 
     #[test]
-    fn an_empty_file_is_an_empty_model() {
-        assert!(parse(Path::new("s.yaml"), "  \n")
-            .unwrap()
-            .services()
-            .is_empty());
+    fn only_rayservices_empty_list_means_none() {
+        for bad in ["", "  \n", "# nothing yet\n", "---\n", "{}"] {
+            let err = parse(Path::new("s.yaml"), bad).unwrap_err().to_string();
+            assert!(
+                err.contains("empty") || err.contains("rayservices"),
+                "{bad:?}: {err}"
+            );
+        }
         assert!(parse(Path::new("s.yaml"), "rayservices: []")
             .unwrap()
             .services()
             .is_empty());
+        // A write cut short inside the list is invalid too, not fewer RayServices.
+        let cut = &EXAMPLE[..EXAMPLE.find("proxies").unwrap() + 3];
+        assert!(parse(Path::new("s.yaml"), cut).is_err(), "{cut}");
     }
 
     #[test]

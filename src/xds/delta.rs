@@ -38,6 +38,9 @@ struct TypeState {
     subscribed: bool,
     wildcard: bool,
     names: BTreeSet<Arc<str>>,
+    /// Subscribed names that do not exist and that the client was told so (in
+    /// `removed_resources`), once each.
+    told_absent: BTreeSet<Arc<str>>,
     known: Holding,
     in_flight: Option<InFlight>,
     rejected: BTreeMap<Arc<str>, Arc<str>>,
@@ -78,7 +81,10 @@ impl DeltaStream {
         if !st.subscribed || st.in_flight.is_some() || st.known.is_whole(snapshot, ty) {
             return None;
         }
-        if ty != ResourceType::Route {
+        // The fast path (the same names as the snapshot, some changed) does not look for
+        // subscribed names that do not exist: take it only when none is untold.
+        let absent_told = st.wildcard || st.names.len() <= st.known.len() + st.told_absent.len();
+        if ty != ResourceType::Route && absent_told {
             if let Some(changed) = same_names_change(&st.known, snapshot.resources(ty)) {
                 let (sent, removed, whole) = (changed, Vec::new(), true);
                 return self.respond(ty, snapshot, sent, removed, whole);
@@ -107,13 +113,24 @@ impl DeltaStream {
         let whole =
             wanted_bodies.len() == wanted.len() && is_whole_set(&wanted_bodies, snapshot, ty);
         let changed = changed_from(&wanted_bodies, &st.known);
-        let removed: Vec<Arc<str>> = st
+        let mut removed: Vec<Arc<str>> = st
             .known
             .iter()
             .map(|(name, _, _)| name)
             .filter(|name| !wanted.contains_key(*name) && st.wants(name))
             .cloned()
             .collect();
+        // A name the client asked for that does not exist: say so at once, so it does
+        // not wait for its initial fetch timeout.
+        removed.extend(
+            st.names
+                .iter()
+                .filter(|n| !wanted.contains_key(*n) && !st.known.contains(n))
+                .filter(|n| !st.told_absent.contains(*n))
+                .cloned(),
+        );
+        removed.sort();
+        removed.dedup();
         self.respond(ty, snapshot, changed, removed, whole)
     }
 
@@ -196,7 +213,8 @@ impl AdsProtocol for DeltaStream {
             .map(|n| intern(n, self.types.iter().map(|t| &t.known)))
             .collect();
         let st = &mut self.types[ty.index()];
-        if !st.subscribed {
+        let first = !st.subscribed;
+        if first {
             st.subscribed = true;
             st.wildcard = req.resource_names_subscribe.is_empty();
             let known = st.known.own();
@@ -213,15 +231,30 @@ impl AdsProtocol for DeltaStream {
         if req.resource_names_subscribe.iter().any(|n| n == "*") {
             st.wildcard = true;
         }
+        // A name subscribed to again must be sent again, even if the client seems to hold
+        // it: it may have dropped it meanwhile (not so for the versions a reconnecting
+        // client declares).
+        if !first {
+            for name in &subscribed {
+                if st.known.contains(name) {
+                    st.known.own().remove(name);
+                }
+            }
+        }
+        for name in &subscribed {
+            st.told_absent.remove(name);
+        }
         st.names.extend(subscribed);
         for name in &req.resource_names_unsubscribe {
             if name == "*" {
                 st.wildcard = false;
             } else {
                 st.names.remove(name.as_str());
+                st.told_absent.remove(name.as_str());
             }
-            // The client forgets it; a later subscribe must send it again.
-            if !st.wants(name) && st.known.contains(name) {
+            // The client forgets it; a later subscribe must send it again. One it still
+            // gets through a wildcard is sent again, so that it knows to keep it.
+            if st.known.contains(name) {
                 st.known.own().remove(name.as_str());
             }
         }
@@ -248,6 +281,20 @@ impl AdsProtocol for DeltaStream {
             }
             None => {
                 st.acks += 1;
+                let changed_clusters: Vec<Arc<str>> = if ty == ResourceType::Cluster {
+                    f.sent
+                        .iter()
+                        .filter(|(n, r)| st.known.version_of(n).is_some_and(|v| **v != *r.version))
+                        .map(|(n, _)| n.clone())
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                for name in &f.removed {
+                    if st.names.contains(name) {
+                        st.told_absent.insert(name.clone());
+                    }
+                }
                 if let Some(whole) = f.then_whole {
                     st.known = whole;
                 } else {
@@ -263,6 +310,14 @@ impl AdsProtocol for DeltaStream {
                     }
                 }
                 st.last_acked_version = Some(version.clone());
+                // A cluster whose settings changed is warmed anew: Envoy waits for its
+                // endpoints again, even unchanged ones.
+                let endpoints = &mut self.types[ResourceType::Endpoints.index()];
+                for name in &changed_clusters {
+                    if endpoints.known.contains(name) {
+                        endpoints.known.own().remove(name);
+                    }
+                }
                 Event::Ack { ty, version }
             }
         })
@@ -610,5 +665,84 @@ mod tests {
         );
         assert_eq!(out[0].2.removed_resources, ["default/a/a1"]);
         assert_eq!(out[1].2.removed_resources, ["default/a/a1"]);
+    }
+
+    fn removed(r: &DeltaDiscoveryResponse) -> Vec<&str> {
+        r.removed_resources.iter().map(|n| n.as_str()).collect()
+    }
+
+    #[test]
+    fn a_name_that_does_not_exist_is_answered_removed_once() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = DeltaStream::new();
+        s.on_request(subscribe(ResourceType::Endpoints, &[EDS, "default/nope/x"]))
+            .unwrap();
+        let out = s.poll(&snap);
+        assert_eq!(out.len(), 1);
+        let r = &out[0].2;
+        assert_eq!(names(r), [EDS]);
+        assert_eq!(
+            removed(r),
+            ["default/nope/x"],
+            "told at once, not left to time out"
+        );
+        s.on_request(ack(r)).unwrap();
+        assert!(s.poll(&snap).is_empty(), "and only once");
+        // It appears later: sent then.
+        let later = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("nope", "x", &[9000]),
+        ]);
+        let out = s.poll(&later);
+        assert_eq!(names(&out[0].2), ["default/nope/x"]);
+    }
+
+    #[test]
+    fn a_name_subscribed_again_is_sent_again() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = DeltaStream::new();
+        converge(&mut s, &snap, &[EDS]);
+        // Envoy subscribes again to what it seems to hold (it may have dropped it).
+        s.on_request(subscribe(ResourceType::Endpoints, &[EDS]))
+            .unwrap();
+        let out = s.poll(&snap);
+        assert_eq!(out.len(), 1);
+        assert_eq!(names(&out[0].2), [EDS]);
+        // So is a wildcard member whose own name is unsubscribed: the client must learn
+        // it still gets it through the wildcard.
+        let mut s = DeltaStream::new();
+        converge(&mut s, &snap, &[EDS]);
+        s.on_request(DeltaDiscoveryRequest {
+            type_url: ResourceType::Cluster.type_url().into(),
+            resource_names_unsubscribe: vec!["default/a/a1".into()],
+            ..Default::default()
+        })
+        .unwrap();
+        let out = s.poll(&snap);
+        assert_eq!(names(&out[0].2), ["default/a/a1"]);
+    }
+
+    #[test]
+    fn a_changed_cluster_gets_its_unchanged_endpoints_again() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = DeltaStream::new();
+        converge(&mut s, &snap, &[EDS]);
+        let mut resources = crate::xds::fixtures::resources_of(&[service("a", "a1", &[8000])]);
+        resources.clusters[0].connect_timeout = Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: 3,
+            nanos: 0,
+        });
+        let changed = Snapshot::build(&resources, Some(&snap)).unwrap();
+        let out = s.poll(&changed);
+        assert_eq!(out[0].0, ResourceType::Cluster);
+        assert!(
+            s.poll(&changed).is_empty(),
+            "one response per type in flight"
+        );
+        s.on_request(ack(&out[0].2)).unwrap();
+        let out = s.poll(&changed);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].0, ResourceType::Endpoints);
+        assert_eq!(names(&out[0].2), [EDS], "the same assignment, sent again");
     }
 }

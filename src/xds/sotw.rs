@@ -30,8 +30,15 @@ enum Subscription {
 }
 
 impl Subscription {
-    fn from_names(names: &[String], intern: impl Fn(&str) -> Arc<str>) -> Subscription {
-        if names.is_empty() || names.iter().any(|n| n == "*") {
+    /// The subscription a request's `resource_names` asks for. Empty is a wildcard only
+    /// while the client has never named a resource of the type on this stream (the
+    /// legacy form); after that it unsubscribes from everything.
+    fn from_names(
+        names: &[String],
+        named_before: bool,
+        intern: impl Fn(&str) -> Arc<str>,
+    ) -> Subscription {
+        if names.iter().any(|n| n == "*") || (names.is_empty() && !named_before) {
             Subscription::Wildcard
         } else {
             Subscription::Names(names.iter().map(|n| intern(n)).collect())
@@ -68,6 +75,9 @@ struct TypeState {
     /// Hash of the `resource_names` list that set the subscription: every ACK repeats
     /// the list, and comparing a hash is far cheaper than rebuilding the set.
     subscription_hash: u64,
+    /// The client has named a resource (or `*`) of this type on this stream: from then
+    /// on an empty list means "none", not the legacy wildcard.
+    named: bool,
     acked: Holding,
     /// The version the Envoy holds ("" for none); on reconnect, the one it reports.
     acked_version: String,
@@ -91,6 +101,27 @@ impl SotwStream {
     pub fn new() -> SotwStream {
         SotwStream::default()
     }
+
+    /// Forgets that the Envoy holds `names` of `ty`, so that they are sent again.
+    fn forget(&mut self, ty: ResourceType, names: &[Arc<str>]) {
+        let st = &mut self.types[ty.index()];
+        if names.iter().all(|n| !st.acked.contains(n)) {
+            return;
+        }
+        let held = st.acked.own();
+        for name in names {
+            held.remove(name);
+        }
+        st.acked_version = held_version(&st.acked);
+    }
+}
+
+/// The `version_info` of what a holding holds (the empty version for nothing).
+fn held_version(held: &Holding) -> String {
+    if held.is_empty() {
+        return String::new();
+    }
+    set_version(held.iter().map(|(n, v, _)| (&**n, &**v)))
 }
 
 impl SotwStream {
@@ -258,6 +289,7 @@ impl AdsProtocol for SotwStream {
                 self.node = Some(NodeInfo::from_node(node));
             }
         }
+        let mut changed_clusters: Vec<Arc<str>> = Vec::new();
         let st = &mut self.types[ty.index()];
 
         let answers_latest = match &st.last_nonce {
@@ -286,6 +318,18 @@ impl AdsProtocol for SotwStream {
                 }
                 None => {
                     st.acks += 1;
+                    if ty == ResourceType::Cluster {
+                        // A cluster whose settings changed is warmed anew: Envoy waits for
+                        // its endpoints again, even unchanged ones.
+                        changed_clusters = f
+                            .resources
+                            .iter()
+                            .filter(|(n, r)| {
+                                st.acked.version_of(n).is_some_and(|v| **v != *r.version)
+                            })
+                            .map(|(n, _)| n.clone())
+                            .collect();
+                    }
                     if let Some(whole) = f.then_whole {
                         st.acked = whole;
                     } else if ty.is_full_state() {
@@ -311,19 +355,35 @@ impl AdsProtocol for SotwStream {
                 Event::Subscribed(ty)
             }
         };
+        if !changed_clusters.is_empty() {
+            self.forget(ResourceType::Endpoints, &changed_clusters);
+        }
         // An ACK repeats the subscription; compare before building a new one.
         let hash = names_hash(&req.resource_names);
+        let st = &mut self.types[ty.index()];
         if st.subscription.is_none() || st.subscription_hash != hash {
+            let first = st.subscription.is_none();
+            let named_before = st.named;
             let subscription = {
                 let holdings: Vec<&Holding> = self.types.iter().map(|t| &t.acked).collect();
-                Subscription::from_names(&req.resource_names, |n| {
+                Subscription::from_names(&req.resource_names, named_before, |n| {
                     intern(n, holdings.iter().copied())
                 })
             };
             let st = &mut self.types[ty.index()];
             st.subscription_hash = hash;
+            st.named |= !req.resource_names.is_empty();
             if let Subscription::Names(_) = &subscription {
+                let before = st.acked.len();
                 st.acked.own().retain(|name, _| subscription.wants(name));
+                // What the Envoy holds now (its version) is what the subscription kept:
+                // names it dropped and asks for again must be sent again.
+                if !first && st.acked.len() != before {
+                    st.acked_version = held_version(&st.acked);
+                }
+                if !first && st.acked.is_empty() {
+                    st.acked_version = String::new();
+                }
             }
             st.subscription = Some(subscription);
         }
@@ -851,5 +911,85 @@ mod tests {
             })
             .unwrap_err();
         assert!(matches!(err, ProtocolError::UnknownType(_)));
+    }
+
+    #[test]
+    fn an_empty_list_after_names_unsubscribes_and_names_again_are_sent_again() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = SotwStream::new();
+        s.on_request(request(ResourceType::Endpoints, &[EDS], "", ""))
+            .unwrap();
+        let first = s.poll(&snap).remove(0).2;
+        s.on_request(ack(&first, &[EDS])).unwrap();
+        // Envoy's last EDS cluster goes: it asks for nothing (not for everything).
+        s.on_request(request(
+            ResourceType::Endpoints,
+            &[],
+            &first.version_info,
+            &first.nonce,
+        ))
+        .unwrap();
+        assert!(
+            s.poll(&snap).is_empty(),
+            "nothing to send to a client that wants none"
+        );
+        assert!(s.status()[0].1.subscribed.is_empty(), "{:?}", s.status());
+        // It wants it again: it must be sent again, unchanged as it is.
+        s.on_request(request(
+            ResourceType::Endpoints,
+            &[EDS],
+            &first.version_info,
+            &first.nonce,
+        ))
+        .unwrap();
+        let out = s.poll(&snap);
+        assert_eq!(out.len(), 1, "resent after the resubscription");
+        assert_eq!(out[0].2.resources.len(), 1);
+    }
+
+    #[test]
+    fn an_empty_first_request_is_the_legacy_wildcard() {
+        let snap = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ]);
+        let mut s = SotwStream::new();
+        s.on_request(request(ResourceType::Endpoints, &[], "", ""))
+            .unwrap();
+        let out = s.poll(&snap).remove(0).2;
+        assert_eq!(out.resources.len(), 2, "every assignment");
+        // An ACK repeating the empty list keeps the wildcard.
+        s.on_request(ack(&out, &[])).unwrap();
+        assert_eq!(s.status()[0].1.subscribed, ["*"]);
+    }
+
+    #[test]
+    fn a_changed_cluster_gets_its_unchanged_endpoints_again() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = SotwStream::new();
+        s.on_request(request(ResourceType::Cluster, &[], "", ""))
+            .unwrap();
+        s.on_request(request(ResourceType::Endpoints, &[EDS], "", ""))
+            .unwrap();
+        converge(&mut s, &snap);
+        let mut resources = crate::xds::fixtures::resources_of(&[service("a", "a1", &[8000])]);
+        resources.clusters[0].connect_timeout = Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: 3,
+            nanos: 0,
+        });
+        let changed = Snapshot::build(&resources, Some(&snap)).unwrap();
+        let out = s.poll(&changed);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, ResourceType::Cluster);
+        s.on_request(ack(&out[0].2, &[])).unwrap();
+        let out = s.poll(&changed);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(
+            out[0].0,
+            ResourceType::Endpoints,
+            "the unchanged assignment again"
+        );
+        s.on_request(ack(&out[0].2, &[EDS])).unwrap();
+        assert!(s.poll(&changed).is_empty(), "once");
     }
 }
