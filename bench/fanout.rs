@@ -72,7 +72,9 @@ fn services_yaml(args: &Args, change: usize) -> String {
             for p in 0..args.proxies {
                 // 127.<svc>.<cluster>.<proxy>: loopback addresses where nothing listens;
                 // ray-xds probes every proxy, and probes must never leave this machine.
-                let port = if svc == 0 && c == 0 && p == 0 {
+                // The changing proxy is a worker: with the default `head_proxy: fallback`
+                // a head beside workers carries no traffic and is not in EDS.
+                let port = if svc == 0 && c == 0 && p + 1 == args.proxies {
                     20000 + change
                 } else {
                     8000
@@ -157,16 +159,23 @@ fn target_port(resources: impl Iterator<Item = (String, Vec<u8>)>) -> Option<u32
         if name != TARGET {
             continue;
         }
+        // The changing proxy is the only one on a port from 20000 up; it may sit in any
+        // locality or priority (the head is a fallback priority by default).
         let cla = ClusterLoadAssignment::decode(&*bytes).ok()?;
-        let first = cla.endpoints.first()?.lb_endpoints.first()?;
-        if let Some(HostIdentifier::Endpoint(e)) = &first.host_identifier {
-            if let Some(address::Address::SocketAddress(sa)) = e.address.as_ref()?.address.as_ref()
-            {
-                if let Some(socket_address::PortSpecifier::PortValue(p)) = sa.port_specifier {
-                    return Some(p);
-                }
-            }
-        }
+        return cla
+            .endpoints
+            .iter()
+            .flat_map(|l| &l.lb_endpoints)
+            .find_map(|e| match &e.host_identifier {
+                Some(HostIdentifier::Endpoint(e)) => match e.address.as_ref()?.address.as_ref()? {
+                    address::Address::SocketAddress(sa) => match sa.port_specifier {
+                        Some(socket_address::PortSpecifier::PortValue(p)) if p >= 20000 => Some(p),
+                        _ => None,
+                    },
+                    _ => None,
+                },
+                _ => None,
+            });
     }
     None
 }
@@ -243,7 +252,7 @@ async fn sotw_client(
                     .into_iter()
                     .map(|a| (cla_name(&a.value), a.value)),
             ) {
-                let _ = reports.send((port as usize - 20000, n, Instant::now()));
+                let _ = reports.send(((port - 20000) as usize, n, Instant::now()));
             }
         }
         tx.send(DiscoveryRequest {
@@ -325,7 +334,7 @@ async fn delta_client(
                 .into_iter()
                 .filter_map(|res| Some((res.name, res.resource?.value)));
             if let Some(port) = target_port(resources) {
-                let _ = reports.send((port as usize - 20000, n, Instant::now()));
+                let _ = reports.send(((port - 20000) as usize, n, Instant::now()));
             }
         }
         tx.send(DeltaDiscoveryRequest {
@@ -440,8 +449,12 @@ async fn main() {
         }
     }
     drop(channel);
+    drop(synced_tx);
     for _ in 0..total {
-        synced_rx.recv().await.unwrap();
+        tokio::time::timeout(Duration::from_secs(120), synced_rx.recv())
+            .await
+            .expect("every stream syncs within 120 s")
+            .expect("a client task ended before it synced");
     }
     let sync_time = connect_started.elapsed();
     // Drain the initial sync's reports (change 0).

@@ -8,11 +8,22 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/install-envoy.sh >/dev/null
 bash scripts/install-ray.sh >/dev/null
+# Every step has a deadline of its own, so a hang fails the step that hung (and says
+# which) instead of running into CI's overall limit.
+step() {
+    local limit=$1
+    shift
+    timeout --kill-after=30 "$limit" "$@" || {
+        local rc=$?
+        if [ "$rc" -ge 124 ]; then echo "test.sh: '$*' did not finish within $limit" >&2; fi
+        exit "$rc"
+    }
+}
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 # The fan-out benchmark, small and unoptimized: a smoke test that it still runs.
-cargo test --bench fanout -- --sotw 20 --delta 20 --changes 2
-cargo test --bench chaos -- --scenario proxy-crash --duration 6 --fault-at 2 --rps 50 --connections 2
-cargo test --lib --bins --tests -- --skip real_ray_
+step 12m cargo test --bench fanout -- --sotw 20 --delta 20 --changes 2
+step 10m cargo test --bench chaos -- --scenario proxy-crash --duration 6 --fault-at 2 --rps 50 --connections 2
+step 35m cargo test --lib --bins --tests -- --skip real_ray_
 # Real Ray Serve clusters (about 1 GB and 15 s per node): one test at a time.
-cargo test --test real_ray -- --test-threads=1
+step 20m cargo test --test real_ray -- --test-threads=1
