@@ -108,6 +108,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
                 path: path.clone(),
                 poll_interval: *poll_interval,
                 metrics: metrics.clone(),
+                status: status_tx.clone(),
             };
             let token = shutdown.clone();
             tasks.spawn(async move {

@@ -69,6 +69,14 @@ pub fn translate(
         let weights = weights
             .get(&service.key())
             .map_or(&active[..], Vec::as_slice);
+        // A cluster of this RayService that an Envoy still holds after a reconnect, and
+        // that has gone since, stands in as the one taking most of its traffic now.
+        if let Some((serving, _)) = weights.iter().max_by_key(|(_, w)| *w) {
+            out.stand_ins.insert(
+                format!("{}/{}/", service.namespace, service.name),
+                service.envoy_cluster_name(serving),
+            );
+        }
         virtual_hosts.push(virtual_host(service, weights, &policy));
     }
     out.routes.push(route::RouteConfiguration {

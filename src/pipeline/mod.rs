@@ -295,6 +295,9 @@ mod tests {
                 .map(|(id, _)| id.to_string())
                 .collect()
         }
+        fn rejecting_envoys(&self, _: &str) -> Vec<String> {
+            Vec::new()
+        }
     }
 
     fn build(

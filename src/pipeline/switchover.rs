@@ -37,6 +37,9 @@ pub trait EnvoyWarmth {
     /// The node ids of connected Envoys that take `envoy_cluster` but have not ACKed it
     /// and its endpoints yet. Envoys that do not subscribe to it are not asked.
     fn cold_envoys(&self, envoy_cluster: &str) -> Vec<String>;
+    /// The node ids of connected Envoys that rejected (NACKed) `envoy_cluster` or its
+    /// endpoints as they are now.
+    fn rejecting_envoys(&self, envoy_cluster: &str) -> Vec<String>;
 }
 
 /// No Envoy connected: nothing is cold.
@@ -44,11 +47,17 @@ impl EnvoyWarmth for () {
     fn cold_envoys(&self, _: &str) -> Vec<String> {
         Vec::new()
     }
+    fn rejecting_envoys(&self, _: &str) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 impl EnvoyWarmth for crate::xds::Clients {
     fn cold_envoys(&self, envoy_cluster: &str) -> Vec<String> {
         self.not_warmed(envoy_cluster)
+    }
+    fn rejecting_envoys(&self, envoy_cluster: &str) -> Vec<String> {
+        self.rejecting(envoy_cluster)
     }
 }
 
@@ -64,6 +73,9 @@ pub enum Phase {
     Warming,
     /// Traffic is moving step by step.
     Shifting,
+    /// A connected Envoy rejected (NACKed) the target: no traffic moves to it, however
+    /// long it waits, until its configuration changes.
+    Rejected,
 }
 
 impl Phase {
@@ -73,6 +85,7 @@ impl Phase {
             Phase::Waiting => "waiting",
             Phase::Warming => "warming",
             Phase::Shifting => "shifting",
+            Phase::Rejected => "rejected",
         }
     }
 }
@@ -298,7 +311,20 @@ impl Switchover {
                             }
                         }
                     }
+                    let rejecting = envoys.rejecting_envoys(&service.envoy_cluster_name(&target));
                     match ready {
+                        _ if !rejecting.is_empty() => {
+                            st.phase = Phase::Rejected;
+                            st.reason = format!(
+                                "{target} was rejected by {} Envoy(s): {}; no traffic moves \
+                                 to it until its configuration changes",
+                                rejecting.len(),
+                                rejecting.join(", ")
+                            );
+                            st.step = 0;
+                            st.warming_since = None;
+                            st.weights = vec![(st.serving.clone(), 100)];
+                        }
                         Ok(()) if !cold.is_empty() => {
                             st.phase = Phase::Warming;
                             st.reason = format!(
@@ -398,15 +424,17 @@ impl Switchover {
             .filter_map(|s| match s.phase {
                 Phase::Shifting => s.step_due,
                 Phase::Warming => s.warming_since.map(|t| t + s.warm_timeout),
-                Phase::Stable | Phase::Waiting => None,
+                Phase::Stable | Phase::Waiting | Phase::Rejected => None,
             })
             .min()
     }
 
-    /// Whether any RayService waits for Envoys to warm its target: the pipeline re-runs
-    /// when an Envoy ACKs.
+    /// Whether any RayService waits for Envoys to warm (or stop rejecting) its target:
+    /// the pipeline re-runs when an Envoy ACKs or NACKs.
     pub fn warming(&self) -> bool {
-        self.services.values().any(|s| s.phase == Phase::Warming)
+        self.services
+            .values()
+            .any(|s| matches!(s.phase, Phase::Warming | Phase::Rejected))
     }
 }
 
@@ -678,6 +706,48 @@ mod tests {
                 .map(|(id, _)| id.to_string())
                 .collect()
         }
+        fn rejecting_envoys(&self, _: &str) -> Vec<String> {
+            Vec::new()
+        }
+    }
+
+    /// Envoys that have warmed everything but one rejected one cluster.
+    struct OneRejects(&'static str, &'static str);
+
+    impl EnvoyWarmth for OneRejects {
+        fn cold_envoys(&self, _: &str) -> Vec<String> {
+            Vec::new()
+        }
+        fn rejecting_envoys(&self, cluster: &str) -> Vec<String> {
+            if cluster == self.1 {
+                vec![self.0.to_string()]
+            } else {
+                Vec::new()
+            }
+        }
+    }
+
+    #[test]
+    fn no_traffic_moves_to_a_target_an_envoy_rejected_however_long_it_waits() {
+        let world = World::new();
+        let m = model(A, Some(B), SwitchoverOverrides::default());
+        let mut s = Switchover::default();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let rejects_b = OneRejects("gw-2", "default/s/b1");
+        for t in [0, 10, 60, 3600] {
+            advance(&mut s, &m, &world, &rejects_b, at(t));
+            assert_eq!(weights(&s), w(&[(A, 100)]), "at {t}s");
+        }
+        assert_eq!(s.services["default/s"].phase, Phase::Rejected);
+        assert!(s.services["default/s"].reason.contains("gw-2"));
+        assert!(
+            s.warming(),
+            "the pipeline re-runs when the Envoy answers again"
+        );
+        assert_eq!(s.next_wake(), None, "time alone changes nothing");
+        // Once the Envoy takes it (its configuration changed), the switch goes ahead.
+        advance(&mut s, &m, &world, &(), at(3601));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
     }
 
     #[test]

@@ -187,6 +187,9 @@ pub struct FileSource {
     pub path: PathBuf,
     pub poll_interval: Duration,
     pub metrics: Arc<Metrics>,
+    /// Where the source says how it is doing: `problems` holds why the file on disk is
+    /// not the state served (the last edit refused), empty once a good edit lands.
+    pub status: watch::Sender<Arc<super::SourceStatus>>,
 }
 
 /// How long a changed file must stay the same before it is read as the new state: a
@@ -234,16 +237,14 @@ impl FileSource {
                 Ok(b) if b != last_bytes => match read_settled(&self.path).await {
                     Ok(b) => b,
                     Err(err) => {
-                        tracing::warn!(path = %self.path.display(), error = %err, "cannot read services file; keeping the last good state");
-                        self.metrics.source_rejected("file");
+                        self.refused(format!("cannot read {}: {err}", self.path.display()));
                         continue;
                     }
                 },
                 Ok(b) => b,
                 Err(err) => {
                     if last_bytes != b"\0unreadable" {
-                        tracing::warn!(path = %self.path.display(), error = %err, "cannot read services file; keeping the last good state");
-                        self.metrics.source_rejected("file");
+                        self.refused(format!("cannot read {}: {err}", self.path.display()));
                         last_bytes = b"\0unreadable".to_vec();
                     }
                     continue;
@@ -256,6 +257,11 @@ impl FileSource {
             match parse(&self.path, &String::from_utf8_lossy(&last_bytes)) {
                 Ok(model) => {
                     tracing::info!(path = %self.path.display(), services = model.services().len(), "services file changed");
+                    self.status.send_if_modified(|status| {
+                        let had = !status.problems.is_empty();
+                        Arc::make_mut(status).problems.clear();
+                        had
+                    });
                     let changed = models.send_if_modified(|current| {
                         if **current == model {
                             false
@@ -271,12 +277,21 @@ impl FileSource {
                             .inc();
                     }
                 }
-                Err(err) => {
-                    tracing::warn!(error = %err, "invalid services file; keeping the last good state");
-                    self.metrics.source_rejected("file");
-                }
+                Err(err) => self.refused(format!("{err:#}")),
             }
         }
+    }
+
+    /// An edit that cannot be taken: logged, counted, and shown in `/debug/state` until
+    /// a good edit replaces it; the last good state stays.
+    fn refused(&self, why: String) {
+        tracing::warn!(path = %self.path.display(), error = %why, "services file refused; keeping the last good state");
+        self.metrics.source_rejected("file");
+        self.status.send_modify(|status| {
+            Arc::make_mut(status).problems = vec![format!(
+                "last edit refused, the previous state is served: {why}"
+            )];
+        });
     }
 
     fn watch_folder(&self, tx: mpsc::Sender<()>) -> Option<notify::RecommendedWatcher> {

@@ -22,6 +22,7 @@ pub(super) trait ClientDescribe: Send {
     fn describe(&self) -> (Option<NodeInfo>, Vec<(ResourceType, TypeStatus)>);
     fn client_config(&self, snapshot: Option<&Snapshot>) -> (ClientConfig, bool);
     fn warmed(&self, cluster: &str) -> Option<bool>;
+    fn rejected(&self, cluster: &str) -> bool;
     fn node_id(&self) -> Option<String>;
 }
 
@@ -34,6 +35,9 @@ impl<P: AdsProtocol> ClientDescribe for P {
     }
     fn warmed(&self, cluster: &str) -> Option<bool> {
         AdsProtocol::warmed(self, cluster)
+    }
+    fn rejected(&self, cluster: &str) -> bool {
+        AdsProtocol::rejected(self, cluster)
     }
     fn node_id(&self) -> Option<String> {
         self.node().map(|n| n.id.clone())
@@ -54,6 +58,16 @@ impl Clients {
     /// The connected Envoys (node id and stream) that subscribe to `cluster` but have not
     /// ACKed it and its endpoints yet.
     pub fn not_warmed(&self, cluster: &str) -> Vec<String> {
+        self.streams_where(|s| s.warmed(cluster) == Some(false))
+    }
+
+    /// The connected Envoys (node id and stream) that rejected `cluster` or its
+    /// endpoints as the current snapshot has them.
+    pub fn rejecting(&self, cluster: &str) -> Vec<String> {
+        self.streams_where(|s| s.rejected(cluster))
+    }
+
+    fn streams_where(&self, pick: impl Fn(&dyn ClientDescribe) -> bool) -> Vec<String> {
         let streams: Vec<_> = lock(&self.streams)
             .iter()
             .map(|(id, (_, _, s))| (*id, s.clone()))
@@ -62,7 +76,7 @@ impl Clients {
             .into_iter()
             .filter_map(|(id, s)| {
                 let s = lock(&s);
-                (s.warmed(cluster) == Some(false)).then(|| match s.node_id() {
+                pick(&*s).then(|| match s.node_id() {
                     Some(node) if !node.is_empty() => format!("{node} (stream {id})"),
                     _ => format!("stream {id}"),
                 })
@@ -109,6 +123,10 @@ fn client_config<P: AdsProtocol + ?Sized>(
                     .map(|_| s.last_nack_message.clone())
             })
             .flatten();
+        let rejected: BTreeSet<&str> = status
+            .get(&ty)
+            .map(|s| s.rejected.iter().map(String::as_str).collect())
+            .unwrap_or_default();
         let mut names: BTreeSet<Arc<str>> = held.keys().cloned().collect();
         match subscription {
             None => names.extend(current.into_iter().flat_map(|c| c.keys().cloned())),
@@ -119,7 +137,7 @@ fn client_config<P: AdsProtocol + ?Sized>(
             let want = current.and_then(|c| c.get(&name)).map(|r| &r.version);
             let (client, config) = match (have, want) {
                 (Some(h), Some(w)) if h == w => (ClientResourceStatus::Acked, ConfigStatus::Synced),
-                (Some(_), Some(_)) if nacked.is_some() => {
+                (_, Some(_)) if rejected.contains(&*name) => {
                     (ClientResourceStatus::Nacked, ConfigStatus::Error)
                 }
                 // An older version: an update on its way, or held back until its clusters
@@ -128,7 +146,9 @@ fn client_config<P: AdsProtocol + ?Sized>(
                 (None, Some(_)) => (ClientResourceStatus::Requested, ConfigStatus::NotSent),
                 (None, None) => (ClientResourceStatus::DoesNotExist, ConfigStatus::Synced),
             };
-            in_sync &= config == ConfigStatus::Synced;
+            // In sync: it holds every subscribed resource that exists, as it is now
+            // (holding more, a cluster on its way out, is not holding less).
+            in_sync &= want.is_none() || config == ConfigStatus::Synced;
             configs.push(GenericXdsConfig {
                 type_url: ty.type_url().into(),
                 name: name.to_string(),

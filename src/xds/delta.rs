@@ -10,7 +10,7 @@
 //!   commits nothing and marks each carried `(name, version)` rejected until it changes;
 //! - the same make-before-break ordering as state of the world ([`super::ordering`]).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::discovery::v3::{
@@ -18,8 +18,8 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 };
 
 use super::ordering::{
-    changed_from, desired, intern, is_whole_set, retain_names, same_names_change, take_budget,
-    ClientHolds, Held, Holding, RESPONSE_BUDGET_BYTES,
+    changed_from, desired, intern, is_whole_set, learn_bodies, retain_names, same_names_change,
+    take_budget, ClientHolds, Desired, Held, Holding, Rejections, RESPONSE_BUDGET_BYTES,
 };
 use super::snapshot::{ResourceMap, ResourceType, Snapshot};
 use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
@@ -31,6 +31,9 @@ struct InFlight {
     removed: Vec<Arc<str>>,
     /// What the Envoy holds once it ACKs, when that is a snapshot's whole set.
     then_whole: Option<Holding>,
+    /// Clusters: the endpoints of the snapshot they came from, for the ones the Envoy
+    /// warms (it does not ACK them until they are warm, even if they are gone since).
+    endpoints_then: Option<Arc<ResourceMap>>,
 }
 
 #[derive(Debug, Default)]
@@ -43,7 +46,7 @@ struct TypeState {
     told_absent: BTreeSet<Arc<str>>,
     known: Holding,
     in_flight: Option<InFlight>,
-    rejected: BTreeMap<Arc<str>, Arc<str>>,
+    rejected: Rejections,
     last_acked_version: Option<String>,
     last_nacked_version: Option<String>,
     last_nack_message: Option<String>,
@@ -63,6 +66,10 @@ pub struct DeltaStream {
     types: [TypeState; 4],
     next_nonce: u64,
     node: Option<NodeInfo>,
+    /// The Envoy declared resources it held from an earlier stream (a reconnect).
+    reconnected: bool,
+    /// The wait for a reconnected Envoy to declare its routes is over.
+    reconnect_settled: bool,
 }
 
 impl DeltaStream {
@@ -77,14 +84,27 @@ impl DeltaStream {
         ty: ResourceType,
         snapshot: &Snapshot,
     ) -> Option<(ResourceType, usize, DeltaDiscoveryResponse)> {
+        let current = snapshot.resources(ty);
+        let st = &mut self.types[ty.index()];
+        // A rejection matters while the snapshot still has the version rejected.
+        st.rejected.prune(current);
+        // Endpoints of clusters being warmed that have left the snapshot since.
+        let warming_gone = ty == ResourceType::Endpoints
+            && self.types[ResourceType::Cluster.index()]
+                .in_flight
+                .as_ref()
+                .is_some_and(|f| f.sent.keys().any(|n| !current.contains_key(n)));
         let st = &self.types[ty.index()];
-        if !st.subscribed || st.in_flight.is_some() || st.known.is_whole(snapshot, ty) {
+        if !st.subscribed
+            || st.in_flight.is_some()
+            || (st.known.is_whole(snapshot, ty) && !warming_gone)
+        {
             return None;
         }
         // The fast path (the same names as the snapshot, some changed) does not look for
         // subscribed names that do not exist: take it only when none is untold.
         let absent_told = st.wildcard || st.names.len() <= st.known.len() + st.told_absent.len();
-        if ty != ResourceType::Route && absent_told {
+        if ty != ResourceType::Route && absent_told && !warming_gone {
             if let Some(changed) = same_names_change(&st.known, snapshot.resources(ty)) {
                 let (sent, removed, whole) = (changed, Vec::new(), true);
                 return self.respond(ty, snapshot, sent, removed, whole);
@@ -101,15 +121,49 @@ impl DeltaStream {
                 .in_flight
                 .as_ref()
                 .map(|f| &f.sent),
+            rejected: [
+                &self.types[0].rejected,
+                &self.types[1].rejected,
+                &self.types[2].rejected,
+                &self.types[3].rejected,
+            ],
+            routes_unknown: self.reconnected
+                && !self.reconnect_settled
+                && !self.types[ResourceType::Route.index()].subscribed,
+            clusters_in_flight: self.types[ResourceType::Cluster.index()]
+                .in_flight
+                .as_ref()
+                .and_then(|f| Some((&f.sent, &**f.endpoints_then.as_ref()?))),
+            leaving: [ResourceType::Cluster, ResourceType::Endpoints]
+                .iter()
+                .filter(|_| ty == ResourceType::Route)
+                .filter_map(|t| self.types[t.index()].in_flight.as_ref())
+                .flat_map(|f| f.removed.iter().cloned())
+                .collect(),
         };
         let mut wanted = desired(snapshot, ty, &holds);
         if !st.wildcard {
             wanted = retain_names(wanted, &st.names);
         }
+        if ty == ResourceType::Endpoints {
+            // Endpoints the Envoy must keep that the snapshot lacks (declared on a
+            // reconnect; a route it holds may name the cluster): their cluster may be
+            // warming, waiting for an assignment sent after it, and Envoy ACKs no cluster
+            // until it is warm. Send the stand-in's.
+            for (name, d) in wanted.iter_mut() {
+                if matches!(d, Desired::Keep) && !current.contains_key(name) {
+                    if let Some(stand_in) = snapshot.stand_in(ty, name) {
+                        *d = Desired::Send(stand_in);
+                    }
+                }
+            }
+        }
         let wanted_bodies: ResourceMap = wanted
             .iter()
             .filter_map(|(n, d)| d.resource().map(|r| (n.clone(), r.clone())))
             .collect();
+        learn_bodies(&mut self.types[ty.index()].known, &wanted_bodies);
+        let st = &self.types[ty.index()];
         let whole =
             wanted_bodies.len() == wanted.len() && is_whole_set(&wanted_bodies, snapshot, ty);
         let changed = changed_from(&wanted_bodies, &st.known);
@@ -125,7 +179,8 @@ impl DeltaStream {
         removed.extend(
             st.names
                 .iter()
-                .filter(|n| !wanted.contains_key(*n) && !st.known.contains(n))
+                .filter(|n| !current.contains_key(*n) && !wanted.contains_key(*n))
+                .filter(|n| !st.known.contains(n))
                 .filter(|n| !st.told_absent.contains(*n))
                 .cloned(),
         );
@@ -149,7 +204,9 @@ impl DeltaStream {
         let changed: ResourceMap = changed
             .into_iter()
             .filter(|(name, r)| {
-                let rejected = st.rejected.get(name) == Some(&r.version);
+                let rejected = st
+                    .rejected
+                    .holds_back(name, &r.version, st.known.version_of(name));
                 // The Envoy keeps its old version of a rejected resource.
                 whole &= !rejected;
                 !rejected
@@ -163,6 +220,12 @@ impl DeltaStream {
         }
         let (sent, complete) = take_budget(changed, RESPONSE_BUDGET_BYTES);
         let then_whole = (whole && complete).then(|| Holding::whole(snapshot, ty));
+        // A cluster whose settings change is warmed anew: Envoy waits for a
+        // ClusterLoadAssignment sent after it, even an unchanged one, and ACKs the clusters
+        // only once they are warm. So its endpoints go again right behind it.
+        let changed_clusters = self.changed_clusters(ty, &sent);
+        self.forget_endpoints(&changed_clusters);
+        let st = &mut self.types[ty.index()];
         self.next_nonce += 1;
         let nonce = self.next_nonce.to_string();
         let response = DeltaDiscoveryResponse {
@@ -188,8 +251,67 @@ impl DeltaStream {
             sent,
             removed,
             then_whole,
+            endpoints_then: (ty == ResourceType::Cluster)
+                .then(|| snapshot.shared(ResourceType::Endpoints).clone()),
         });
         Some((ty, count, response))
+    }
+}
+
+impl DeltaStream {
+    /// Clusters among `sent` whose settings differ from the ones the Envoy holds.
+    fn changed_clusters(&self, ty: ResourceType, sent: &ResourceMap) -> Vec<Arc<str>> {
+        if ty != ResourceType::Cluster {
+            return Vec::new();
+        }
+        let known = &self.types[ty.index()].known;
+        sent.iter()
+            // New to this stream counts too: after a reconnect the Envoy may hold (or
+            // warm) a cluster it did not declare, and its endpoints sent before it.
+            .filter(|(n, r)| known.version_of(n).is_none_or(|v| **v != *r.version))
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    /// Records that the Envoy applied `sent` and `removed`.
+    fn commit(&mut self, ty: ResourceType, sent: &ResourceMap, removed: &[Arc<str>]) {
+        let st = &mut self.types[ty.index()];
+        for name in removed {
+            if st.names.contains(name) {
+                st.told_absent.insert(name.clone());
+            }
+        }
+        let wants: Vec<bool> = sent.keys().map(|n| st.wants(n)).collect();
+        let known = st.known.own();
+        for ((name, r), wanted) in sent.iter().zip(wants) {
+            if wanted {
+                known.insert(name.clone(), Held::sent(r));
+            }
+        }
+        for name in removed {
+            known.remove(name);
+        }
+    }
+
+    /// A cluster whose settings changed is warmed anew: Envoy waits for its endpoints
+    /// again, even unchanged ones, so they must be sent again.
+    fn forget_endpoints(&mut self, clusters: &[Arc<str>]) {
+        let endpoints = &mut self.types[ResourceType::Endpoints.index()];
+        for name in clusters {
+            if endpoints.known.contains(name) {
+                // Still held, at a version to be sent again.
+                if let Some(h) = endpoints.known.own().get_mut(name) {
+                    h.version = "".into();
+                }
+            }
+            // A response in flight (which the Envoy applies before this cluster) must
+            // not bring its version back when ACKed.
+            if let Some(f) = &mut endpoints.in_flight {
+                if f.sent.remove(name).is_some() {
+                    f.then_whole = None;
+                }
+            }
+        }
     }
 }
 
@@ -217,12 +339,23 @@ impl AdsProtocol for DeltaStream {
         if first {
             st.subscribed = true;
             st.wildcard = req.resource_names_subscribe.is_empty();
+            if !req.initial_resource_versions.is_empty() {
+                self.reconnected = true;
+            }
             let known = st.known.own();
             for (name, version) in &req.initial_resource_versions {
+                // Endpoints are sent again whatever version the Envoy declares: a cluster
+                // it was warming when the stream broke waits for a ClusterLoadAssignment
+                // sent after it, which it would otherwise never get.
+                let version = if ty == ResourceType::Endpoints {
+                    ""
+                } else {
+                    version.as_str()
+                };
                 known.insert(
                     name.as_str().into(),
                     Held {
-                        version: version.as_str().into(),
+                        version: version.into(),
                         resource: None,
                     },
                 );
@@ -268,9 +401,24 @@ impl AdsProtocol for DeltaStream {
         Ok(match &req.error_detail {
             Some(status) => {
                 st.nacks += 1;
-                for (name, r) in &f.sent {
-                    st.rejected.insert(name.clone(), r.version.clone());
+                // What the message blames keeps the Envoy's old version until it changes;
+                // when it names them, it applied the rest; when it names none, the
+                // search for the culprit begins (see `Rejections`).
+                let changed = f
+                    .sent
+                    .iter()
+                    .map(|(n, r)| (n.clone(), r.version.clone()))
+                    .collect();
+                if let Some(applied) = st.rejected.on_nack(changed, &status.message) {
+                    let applied: ResourceMap = f
+                        .sent
+                        .iter()
+                        .filter(|(n, _)| applied.contains(*n))
+                        .map(|(n, r)| (n.clone(), r.clone()))
+                        .collect();
+                    self.commit(ty, &applied, &f.removed);
                 }
+                let st = &mut self.types[ty.index()];
                 st.last_nacked_version = Some(version.clone());
                 st.last_nack_message = Some(status.message.clone());
                 Event::Nack {
@@ -281,42 +429,18 @@ impl AdsProtocol for DeltaStream {
             }
             None => {
                 st.acks += 1;
-                let changed_clusters: Vec<Arc<str>> = if ty == ResourceType::Cluster {
-                    f.sent
-                        .iter()
-                        .filter(|(n, r)| st.known.version_of(n).is_some_and(|v| **v != *r.version))
-                        .map(|(n, _)| n.clone())
-                        .collect()
-                } else {
-                    Vec::new()
-                };
-                for name in &f.removed {
-                    if st.names.contains(name) {
-                        st.told_absent.insert(name.clone());
-                    }
-                }
-                if let Some(whole) = f.then_whole {
-                    st.known = whole;
-                } else {
-                    let wants: Vec<bool> = f.sent.keys().map(|n| st.wants(n)).collect();
-                    let known = st.known.own();
-                    for ((name, r), wanted) in f.sent.iter().zip(wants) {
-                        if wanted {
-                            known.insert(name.clone(), Held::sent(r));
-                        }
-                    }
-                    for name in &f.removed {
-                        known.remove(name);
-                    }
-                }
+                st.rejected.on_ack(&f.sent);
                 st.last_acked_version = Some(version.clone());
-                // A cluster whose settings changed is warmed anew: Envoy waits for its
-                // endpoints again, even unchanged ones.
-                let endpoints = &mut self.types[ResourceType::Endpoints.index()];
-                for name in &changed_clusters {
-                    if endpoints.known.contains(name) {
-                        endpoints.known.own().remove(name);
+                match f.then_whole {
+                    Some(whole) => {
+                        for name in &f.removed {
+                            if st.names.contains(name) {
+                                st.told_absent.insert(name.clone());
+                            }
+                        }
+                        st.known = whole;
                     }
+                    None => self.commit(ty, &f.sent, &f.removed),
                 }
                 Event::Ack { ty, version }
             }
@@ -333,6 +457,27 @@ impl AdsProtocol for DeltaStream {
 
     fn node(&self) -> Option<&NodeInfo> {
         self.node.as_ref()
+    }
+
+    fn rejected(&self, cluster: &str) -> bool {
+        self.types[ResourceType::Cluster.index()]
+            .rejected
+            .rejected
+            .contains_key(cluster)
+            || self.types[ResourceType::Endpoints.index()]
+                .rejected
+                .rejected
+                .contains_key(cluster)
+    }
+
+    fn awaiting_reconnect(&self) -> bool {
+        self.reconnected
+            && !self.reconnect_settled
+            && !self.types[ResourceType::Route.index()].subscribed
+    }
+
+    fn settle_reconnect(&mut self) {
+        self.reconnect_settled = true;
     }
 
     fn warmed(&self, cluster: &str) -> Option<bool> {
@@ -380,6 +525,7 @@ impl AdsProtocol for DeltaStream {
                     nacks: st.nacks,
                     resources_held: st.known.len(),
                     holds_snapshot_set: matches!(st.known, Holding::Snapshot { .. }),
+                    rejected: st.rejected.rejected.keys().map(|n| n.to_string()).collect(),
                 };
                 (*ty, status)
             })
@@ -495,11 +641,34 @@ mod tests {
         req.initial_resource_versions
             .insert("default/gone/x".into(), "old".into());
         s.on_request(req).unwrap();
+        // A route the Envoy still holds may name x: until it declares its routes, x stays.
+        assert!(s.poll(&snap).is_empty(), "a1 is already held; x waits");
+        assert!(s.awaiting_reconnect());
+        s.on_request(subscribe(ResourceType::Route, &["*"]))
+            .unwrap();
         let out = s.poll(&snap);
-        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, ResourceType::Cluster);
         let r = &out[0].2;
         assert!(r.resources.is_empty(), "a1 is already held");
         assert_eq!(r.removed_resources, ["default/gone/x"]);
+    }
+
+    #[test]
+    fn a_reconnected_envoy_that_declares_no_routes_loses_removed_clusters_after_the_wait() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = DeltaStream::new();
+        let mut req = subscribe(ResourceType::Cluster, &["*"]);
+        req.initial_resource_versions
+            .insert("default/gone/x".into(), "old".into());
+        s.on_request(req).unwrap();
+        let out = s.poll(&snap);
+        assert_eq!(names(&out[0].2), [EDS], "new clusters go at once");
+        s.on_request(ack(&out[0].2)).unwrap();
+        assert!(s.poll(&snap).is_empty());
+        s.settle_reconnect();
+        assert!(!s.awaiting_reconnect());
+        let out = s.poll(&snap);
+        assert_eq!(out[0].2.removed_resources, ["default/gone/x"]);
     }
 
     #[test]
@@ -733,16 +902,65 @@ mod tests {
             nanos: 0,
         });
         let changed = Snapshot::build(&resources, Some(&snap)).unwrap();
+        // Envoy warms the changed cluster and ACKs it only once warm: the assignment goes
+        // right behind it, without waiting for that ACK.
         let out = s.poll(&changed);
-        assert_eq!(out[0].0, ResourceType::Cluster);
-        assert!(
-            s.poll(&changed).is_empty(),
-            "one response per type in flight"
-        );
+        let types: Vec<_> = out.iter().map(|(t, _, _)| *t).collect();
+        assert_eq!(types, [ResourceType::Cluster, ResourceType::Endpoints]);
+        assert_eq!(names(&out[1].2), [EDS], "the same assignment, sent again");
+        assert!(s.poll(&changed).is_empty(), "once");
+        s.on_request(ack(&out[1].2)).unwrap();
         s.on_request(ack(&out[0].2)).unwrap();
+        assert!(s.poll(&changed).is_empty(), "and no more");
+    }
+
+    #[test]
+    fn phantom_unsubscriptions_are_ignored() {
+        // Spec: "A resource_names_unsubscribe field may contain superfluous resource
+        // names, which the server thought the client was already not subscribed to. The
+        // server must cleanly process such a request."
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = DeltaStream::new();
+        converge(&mut s, &snap, &[EDS]);
+        let mut req = subscribe(ResourceType::Endpoints, &[]);
+        req.resource_names_unsubscribe = vec!["default/never/subscribed".into()];
+        s.on_request(req).unwrap();
+        assert!(
+            s.poll(&snap).is_empty(),
+            "nothing to send, nothing forgotten"
+        );
+        let changed = snapshot_of(vec![service("a", "a1", &[8001])]);
         let out = s.poll(&changed);
-        assert_eq!(out.len(), 1, "{out:?}");
-        assert_eq!(out[0].0, ResourceType::Endpoints);
-        assert_eq!(names(&out[0].2), [EDS], "the same assignment, sent again");
+        assert_eq!(names(&out[0].2), [EDS], "still subscribed to what it was");
+    }
+
+    #[test]
+    fn only_the_first_request_needs_the_node() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = DeltaStream::new();
+        let mut first = subscribe(ResourceType::Cluster, &[]);
+        first.node = Some(envoy_types::pb::envoy::config::core::v3::Node {
+            id: "envoy-1".into(),
+            ..Default::default()
+        });
+        s.on_request(first).unwrap();
+        let r = s.poll(&snap).remove(0).2;
+        s.on_request(ack(&r)).unwrap();
+        s.on_request(subscribe(ResourceType::Listener, &[]))
+            .unwrap();
+        assert_eq!(s.node().unwrap().id, "envoy-1");
+    }
+
+    #[test]
+    fn unknown_type_urls_are_refused() {
+        let mut s = DeltaStream::new();
+        let err = s
+            .on_request(DeltaDiscoveryRequest {
+                type_url: "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+                    .into(),
+                ..Default::default()
+            })
+            .unwrap_err();
+        assert!(matches!(err, ProtocolError::UnknownType(_)));
     }
 }

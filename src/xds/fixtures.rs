@@ -29,6 +29,8 @@ pub struct Service {
 pub struct Cluster {
     pub name: String,
     pub ports: Vec<u16>,
+    /// Set to change the cluster's body (its settings) without touching its endpoints.
+    pub connect_timeout_ms: u64,
 }
 
 /// Service `name` in namespace `default`, active cluster `cluster` with a proxy on each
@@ -41,6 +43,7 @@ pub fn service(name: &str, cluster: &str, ports: &[u16]) -> Service {
         clusters: vec![Cluster {
             name: cluster.into(),
             ports: ports.to_vec(),
+            connect_timeout_ms: 0,
         }],
     }
 }
@@ -69,6 +72,10 @@ pub fn resources_of(services: &[Service]) -> Resources {
                 eds_cluster_config: Some(cluster::cluster::EdsClusterConfig {
                     eds_config: Some(ads()),
                     service_name: String::new(),
+                }),
+                connect_timeout: (c.connect_timeout_ms > 0).then(|| protobuf::Duration {
+                    seconds: 0,
+                    nanos: (c.connect_timeout_ms * 1_000_000) as i32,
                 }),
                 ..Default::default()
             });

@@ -19,6 +19,8 @@ pub mod clients;
 pub mod codec;
 pub mod delta;
 #[cfg(test)]
+mod envoy_model;
+#[cfg(test)]
 pub(crate) mod fixtures;
 pub mod grpc;
 pub mod json;
@@ -133,6 +135,8 @@ pub struct TypeStatus {
     /// True when the Envoy holds exactly one snapshot's whole set of this type (the
     /// steady state), which the stream keeps as a shared pointer.
     pub holds_snapshot_set: bool,
+    /// Resources whose current version the Envoy rejected (it keeps what it had).
+    pub rejected: Vec<String>,
 }
 
 /// A protocol state machine driven by the stream task in [`server`].
@@ -150,18 +154,39 @@ pub trait AdsProtocol: Send + 'static {
         snapshot: &Snapshot,
     ) -> Option<(ResourceType, usize, Self::Response)>;
 
-    /// Responses to send now for `snapshot`, in make-before-break push order.
+    /// Responses to send now for `snapshot`, in make-before-break push order. A pass can
+    /// learn something (a reconnected Envoy turns out to hold the route we would send)
+    /// that lets an earlier type go, so passes repeat until one sends nothing new.
     fn poll(&mut self, snapshot: &Snapshot) -> Vec<(ResourceType, usize, Self::Response)> {
-        ResourceType::ALL
-            .into_iter()
-            .filter_map(|ty| self.poll_type(ty, snapshot))
-            .collect()
+        let mut out = Vec::new();
+        for pass in 0.. {
+            let before = out.len();
+            out.extend(
+                ResourceType::ALL
+                    .into_iter()
+                    .filter_map(|ty| self.poll_type(ty, snapshot)),
+            );
+            // At most one response per type is in flight, so this ends by the fifth pass.
+            if pass > 0 && out.len() == before {
+                break;
+            }
+        }
+        out
     }
     fn node(&self) -> Option<&NodeInfo>;
     fn status(&self) -> Vec<(ResourceType, TypeStatus)>;
     /// Whether this Envoy has ACKed `cluster` and its endpoints; `None` when it does not
     /// subscribe to that cluster (it has nothing to warm).
     fn warmed(&self, cluster: &str) -> Option<bool>;
+    /// Whether this Envoy rejected (NACKed) `cluster` or its endpoints as the current
+    /// snapshot has them.
+    fn rejected(&self, cluster: &str) -> bool;
+    /// A reconnected Envoy has not yet declared everything it holds, so some removals
+    /// wait. The stream task ends the wait after [`server::RECONNECT_WAIT`] in any case
+    /// (an Envoy that holds no routes never declares any).
+    fn awaiting_reconnect(&self) -> bool;
+    /// Ends the wait for a reconnected Envoy's declarations.
+    fn settle_reconnect(&mut self);
     /// What the Envoy holds of `ty` (ACKed, or reported on reconnect): name and version.
     fn held(&self, ty: ResourceType) -> Vec<(Arc<str>, Arc<str>)>;
     /// What it subscribes to of `ty`: `None` when it has not asked for the type,

@@ -1,16 +1,18 @@
 //! Make-before-break: what one Envoy may be sent, given what it already holds.
 //!
 //! Shared by the state-of-the-world and delta state machines. The rules:
-//! - a route configuration is sent only once the Envoy holds (has ACKed) every cluster it
-//!   names and that cluster's endpoints; until then it keeps the route it has, so traffic
-//!   never goes to a cluster Envoy has not warmed;
+//! - a virtual host is sent only once the Envoy holds (has ACKed) every cluster it names
+//!   and that cluster's endpoints; until then the route configuration the Envoy gets keeps
+//!   the virtual host as the Envoy has it (or leaves out one it never had), so traffic
+//!   never goes to a cluster Envoy has not warmed, and one virtual host whose cluster an
+//!   Envoy cannot take (it NACKs it, or never warms it) holds back no other;
 //! - a cluster (and its endpoints) that left the snapshot stays with an Envoy while any
 //!   route it holds or is being sent still names it, and goes once that route is replaced.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use super::snapshot::{Resource, ResourceMap, ResourceType, Snapshot};
+use super::snapshot::{bare_cluster, Resource, ResourceMap, ResourceType, Snapshot};
 
 /// A resource one Envoy holds: its version, and its body when this stream sent it
 /// (after a reconnect the Envoy declares versions we may have no body for).
@@ -209,6 +211,128 @@ pub fn intern<'a>(name: &str, holdings: impl IntoIterator<Item = &'a Holding>) -
         .unwrap_or_else(|| Arc::from(name))
 }
 
+/// The route configuration `current` with each virtual host whose clusters are all
+/// `warm`, and the others as `held` has them (left out where `held` has none), or `held`
+/// itself when that is what it comes to. `None` when a body does not decode.
+fn merge_warm_virtual_hosts(
+    current: &Arc<Resource>,
+    held: Option<&Arc<Resource>>,
+    warm: impl Fn(&str) -> bool,
+) -> Option<Arc<Resource>> {
+    use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+    use prost::Message;
+    let decode = |r: &Resource| RouteConfiguration::decode(&*r.body.value).ok();
+    let mut config = decode(current)?;
+    let old = match held {
+        Some(h) => Some(decode(h)?),
+        None => None,
+    };
+    config.virtual_hosts = config
+        .virtual_hosts
+        .into_iter()
+        .filter_map(|mut vh| {
+            drop_cold_unweighted(&mut vh, &warm);
+            if super::snapshot::virtual_host_clusters(&vh)
+                .iter()
+                .all(|c| warm(c))
+            {
+                return Some(vh);
+            }
+            old.as_ref()?
+                .virtual_hosts
+                .iter()
+                .find(|o| o.name == vh.name)
+                .cloned()
+        })
+        .collect();
+    let merged = Resource::encode(
+        &current.name,
+        &config,
+        super::snapshot::referenced_clusters(&config),
+    );
+    Some(match held {
+        Some(h) if h.version == merged.version => h.clone(),
+        _ => Arc::new(merged),
+    })
+}
+
+/// Leaves out of `vh` the weighted clusters that carry no weight and are not warm (a
+/// switchover's target before any traffic moves, or one this Envoy rejected): they
+/// take no request, and waiting for them would hold back the virtual host's other
+/// changes for as long as they stay cold.
+fn drop_cold_unweighted(
+    vh: &mut envoy_types::pb::envoy::config::route::v3::VirtualHost,
+    warm: &impl Fn(&str) -> bool,
+) {
+    use envoy_types::pb::envoy::config::route::v3::{
+        route, route_action, weighted_cluster::ClusterWeight,
+    };
+    for r in &mut vh.routes {
+        let Some(route::Action::Route(action)) = &mut r.action else {
+            continue;
+        };
+        let Some(route_action::ClusterSpecifier::WeightedClusters(w)) =
+            &mut action.cluster_specifier
+        else {
+            continue;
+        };
+        let carries =
+            |c: &ClusterWeight| c.weight.as_ref().is_some_and(|w| w.value > 0) || warm(&c.name);
+        if w.clusters
+            .iter()
+            .any(|c| c.weight.as_ref().is_some_and(|w| w.value > 0))
+        {
+            w.clusters.retain(carries);
+        }
+    }
+}
+
+/// The names among `changed` (resources of a response the Envoy rejected) that its
+/// error message blames, and whether it named any. Envoy applies the resources it can
+/// and names each one it could not ("Error adding/updating cluster(s) a: reason, b:
+/// reason"), so when it names some, it holds the rest as sent. A message that names none
+/// blames them all, and nothing is taken as applied. Blaming at most what was sent, and
+/// all of it when in doubt, means a NACK can never make a resource be sent in a loop.
+pub fn blamed<'a>(
+    changed: impl IntoIterator<Item = &'a Arc<str>>,
+    message: &str,
+) -> (Vec<Arc<str>>, bool) {
+    let changed: Vec<&Arc<str>> = changed.into_iter().collect();
+    let named: Vec<Arc<str>> = changed
+        .iter()
+        .filter(|name| mentions(message, name))
+        .map(|n| (*n).clone())
+        .collect();
+    if named.is_empty() {
+        (changed.into_iter().cloned().collect(), false)
+    } else {
+        (named, true)
+    }
+}
+
+/// `message` names `name` as a whole word followed by a colon (Envoy's "name: reason").
+fn mentions(message: &str, name: &str) -> bool {
+    message.match_indices(name).any(|(at, _)| {
+        let before = message[..at].chars().next_back();
+        let after = message[at + name.len()..].chars().next();
+        before.is_none_or(|c| c.is_whitespace() || c == ',' || c == '(') && after == Some(':')
+    })
+}
+
+/// Fills in the bodies of resources `held` knows only by version (declared on a
+/// reconnect) where `wanted` has the same version: versions are content hashes, so the
+/// Envoy holds exactly that body, and what it names can be known.
+pub fn learn_bodies(held: &mut Holding, wanted: &ResourceMap) {
+    let Holding::Own(map) = held else { return };
+    for (name, h) in map.iter_mut() {
+        if h.resource.is_none() {
+            if let Some(r) = wanted.get(name).filter(|r| r.version == h.version) {
+                h.resource = Some(r.clone());
+            }
+        }
+    }
+}
+
 /// Whether `wanted` is exactly the snapshot's whole set of `ty` (same resources).
 pub fn is_whole_set(wanted: &ResourceMap, snapshot: &Snapshot, ty: ResourceType) -> bool {
     let all = snapshot.resources(ty);
@@ -258,18 +382,156 @@ impl Desired {
     }
 }
 
+/// Versions one Envoy rejected (NACKed), by name: it keeps what it held before.
+pub type Rejected = BTreeMap<Arc<str>, Arc<str>>;
+
+/// What one Envoy rejected of one type, and the search for what it rejected when it did
+/// not say.
+///
+/// Envoy names the clusters it could not add ("Error adding/updating cluster(s) a:
+/// ..."), and applies the rest; but a resource that fails proto validation fails the
+/// whole response, and the message names nothing. Then the resources that response
+/// changed become suspects, and the next responses change only half of them at a time
+/// (every other change waits): an ACK clears that half, a NACK of one resource convicts
+/// it, a NACK of several halves them again. One bad resource among n is found in about
+/// log2(n) round trips; the search never repeats itself, since every NACK either
+/// convicts or halves.
+#[derive(Debug, Default)]
+pub struct Rejections {
+    /// Versions the Envoy rejected: it keeps what it held before.
+    pub rejected: Rejected,
+    /// Versions sent together in a response rejected without naming any.
+    suspects: BTreeMap<Arc<str>, Arc<str>>,
+    /// The suspects the next response may change: the first half.
+    trying: BTreeSet<Arc<str>>,
+}
+
+static NOTHING_REJECTED: Rejections = Rejections {
+    rejected: BTreeMap::new(),
+    suspects: BTreeMap::new(),
+    trying: BTreeSet::new(),
+};
+
+impl Rejections {
+    pub fn is_empty(&self) -> bool {
+        self.rejected.is_empty() && self.suspects.is_empty()
+    }
+
+    /// Whether `name` at `version` must not be offered now (the Envoy holding `held`): a
+    /// version it rejected, or, while suspects are searched, any change but the ones
+    /// being tried.
+    pub fn holds_back(&self, name: &str, version: &str, held: Option<&Arc<str>>) -> bool {
+        if self.rejected.get(name).is_some_and(|v| **v == *version) {
+            return true;
+        }
+        // (A version the Envoy declared on a reconnect is unknown: it may be a change.)
+        !self.suspects.is_empty()
+            && !self.trying.contains(name)
+            && held.is_none_or(|h| h.is_empty() || **h != *version)
+    }
+
+    /// Forgets rejections and suspicions of versions `current` no longer has: changed
+    /// content is offered afresh.
+    pub fn prune(&mut self, current: &ResourceMap) {
+        let live =
+            |name: &Arc<str>, v: &mut Arc<str>| current.get(name).is_some_and(|r| r.version == *v);
+        self.rejected.retain(live);
+        let before = self.suspects.len();
+        self.suspects.retain(live);
+        if self.suspects.len() != before {
+            self.split();
+        }
+    }
+
+    /// A NACK of a response that changed `changed` (name and version), with `message`.
+    /// Returns the names the Envoy applied nonetheless (it named the others), if any.
+    pub fn on_nack(
+        &mut self,
+        changed: Vec<(Arc<str>, Arc<str>)>,
+        message: &str,
+    ) -> Option<BTreeSet<Arc<str>>> {
+        let (blamed, named) = blamed(changed.iter().map(|(n, _)| n), message);
+        if named || changed.len() <= 1 {
+            let blamed: BTreeSet<Arc<str>> = blamed.into_iter().collect();
+            let mut applied = BTreeSet::new();
+            for (name, version) in changed {
+                self.suspects.remove(&name);
+                if blamed.contains(&name) {
+                    self.rejected.insert(name, version);
+                } else {
+                    applied.insert(name);
+                }
+            }
+            self.split();
+            return named.then_some(applied);
+        }
+        // The culprit is among `changed`: try half of them next. Suspects not in this
+        // response stay suspects (untried, not cleared).
+        let half = changed.len().div_ceil(2);
+        self.trying = changed.iter().take(half).map(|(n, _)| n.clone()).collect();
+        self.suspects.extend(changed);
+        None
+    }
+
+    /// An ACK of a response that carried `sent`: those versions are fine.
+    pub fn on_ack(&mut self, sent: &ResourceMap) {
+        let fine =
+            |name: &Arc<str>, v: &mut Arc<str>| sent.get(name).is_none_or(|r| r.version != *v);
+        self.rejected.retain(fine);
+        let before = self.suspects.len();
+        self.suspects.retain(fine);
+        if self.suspects.len() != before {
+            self.split();
+        }
+    }
+
+    /// Tries the first half of the suspects next.
+    fn split(&mut self) {
+        let tried = self.suspects.len().div_ceil(2);
+        self.trying = self.suspects.keys().take(tried).cloned().collect();
+    }
+}
+
 /// The view of one Envoy that the ordering rules need.
 pub struct ClientHolds<'a> {
     /// ACKed resources per type, indexed by [`ResourceType::index`].
     pub acked: [&'a Holding; 4],
     /// Route configurations sent but not yet ACKed or NACKed.
     pub routes_in_flight: Option<&'a ResourceMap>,
+    /// What the Envoy rejected, per type.
+    pub rejected: [&'a Rejections; 4],
+    /// The Envoy may hold routes this stream has not heard of yet (it reconnected and
+    /// has not yet declared its routes): nothing it may still use can be removed.
+    pub routes_unknown: bool,
+    /// Clusters (or their endpoints) that a response in flight removes: no route may
+    /// name them, since the Envoy will have dropped them by the time it gets the route.
+    pub leaving: BTreeSet<Arc<str>>,
+    /// Clusters sent and not yet ACKed, with the endpoints of the snapshot they came
+    /// from: Envoy warms them, and ACKs no cluster until they are warm, so each needs its
+    /// endpoints even if it has left the snapshot since.
+    pub clusters_in_flight: Option<(&'a ResourceMap, &'a ResourceMap)>,
 }
 
-impl ClientHolds<'_> {
+impl<'a> ClientHolds<'a> {
+    /// An Envoy that holds `acked` and has rejected nothing.
+    pub fn new(acked: [&'a Holding; 4], routes_in_flight: Option<&'a ResourceMap>) -> Self {
+        ClientHolds {
+            acked,
+            routes_in_flight,
+            rejected: [&NOTHING_REJECTED; 4],
+            routes_unknown: false,
+            leaving: BTreeSet::new(),
+            clusters_in_flight: None,
+        }
+    }
+
     /// Clusters some route the Envoy holds or is receiving still names; `None` means
-    /// "cannot tell" (a route known only by version), so nothing may be removed.
+    /// "cannot tell" (a route known only by version, or routes not declared yet after a
+    /// reconnect), so nothing may be removed.
     fn referenced_clusters(&self) -> Option<BTreeSet<Arc<str>>> {
+        if self.routes_unknown {
+            return None;
+        }
         let mut names = BTreeSet::new();
         for (_, _, resource) in self.acked[ResourceType::Route.index()].iter() {
             names.extend(resource?.cluster_refs.iter().cloned());
@@ -285,7 +547,31 @@ impl ClientHolds<'_> {
     }
 
     fn warmed(&self, cluster: &str) -> bool {
-        self.holds(ResourceType::Cluster, cluster) && self.holds(ResourceType::Endpoints, cluster)
+        self.holds(ResourceType::Cluster, cluster)
+            && self.holds(ResourceType::Endpoints, cluster)
+            && !self.leaving.contains(cluster)
+    }
+
+    /// The Envoy cannot warm `cluster` as the snapshot has it: it rejected the cluster or
+    /// its endpoints (and does not hold an earlier version).
+    fn stuck(&self, cluster: &str) -> bool {
+        !self.warmed(cluster)
+            && (self.rejected[ResourceType::Cluster.index()]
+                .rejected
+                .contains_key(cluster)
+                || self.rejected[ResourceType::Endpoints.index()]
+                    .rejected
+                    .contains_key(cluster))
+    }
+
+    /// Not offered now: a version the Envoy rejected, or a change held back while the
+    /// Envoy's rejections are searched.
+    fn is_rejected(&self, ty: ResourceType, resource: &Resource) -> bool {
+        self.rejected[ty.index()].holds_back(
+            &resource.name,
+            &resource.version,
+            self.acked[ty.index()].version_of(&resource.name),
+        )
     }
 }
 
@@ -300,12 +586,60 @@ pub fn desired(
         .iter()
         .map(|(name, r)| (name.clone(), Desired::Send(r.clone())))
         .collect();
+    if !holds.rejected[ty.index()].is_empty() {
+        // A version the Envoy rejected is not offered again (nor a suspect held back): it
+        // keeps what it holds.
+        for (name, r) in current {
+            if holds.is_rejected(ty, r) {
+                match holds.acked[ty.index()].get(name) {
+                    Some(Held {
+                        resource: Some(held),
+                        ..
+                    }) => {
+                        out.insert(name.clone(), Desired::Send(held));
+                    }
+                    // A cluster a reconnected SotW Envoy holds at a version it did not
+                    // say, whose snapshot version it rejected or that is held back while
+                    // a rejection is searched: it must be in every response (a SotW
+                    // response without it removes it), and sending the snapshot version
+                    // would fail every response or the search. A bare EDS cluster of that
+                    // name keeps it serving its endpoints, without its own settings,
+                    // until its own version is known to be good.
+                    Some(Held {
+                        resource: None,
+                        version,
+                    }) if version.is_empty() && ty == ResourceType::Cluster => {
+                        out.insert(name.clone(), Desired::Send(bare_cluster(name)));
+                    }
+                    // Held, but we have no body for it (declared on a reconnect): offer
+                    // the rejected version again, which the Envoy rejects again while
+                    // keeping its own (a delta stream leaves it out instead).
+                    Some(Held { resource: None, .. }) => {}
+                    None => {
+                        out.remove(name);
+                    }
+                }
+            }
+        }
+    }
     match ty {
         ResourceType::Cluster | ResourceType::Endpoints => {
+            if ty == ResourceType::Endpoints {
+                if let Some((clusters, endpoints_then)) = holds.clusters_in_flight {
+                    for name in clusters.keys() {
+                        if !out.contains_key(name) {
+                            if let Some(r) = endpoints_then.get(name) {
+                                out.insert(name.clone(), Desired::Send(r.clone()));
+                            }
+                        }
+                    }
+                }
+            }
             // Retain what a held route still needs, at the version the Envoy has.
             let referenced = holds.referenced_clusters();
             let retain = |name: &str| referenced.as_ref().is_none_or(|r| r.contains(name));
-            if holds.acked[ty.index()].is_whole_of(current) {
+            if holds.acked[ty.index()].is_whole_of(current) && holds.rejected[ty.index()].is_empty()
+            {
                 return out;
             }
             for (name, _, resource) in holds.acked[ty.index()].iter() {
@@ -324,20 +658,40 @@ pub fn desired(
                 if route.cluster_refs.iter().all(|c| holds.warmed(c)) {
                     continue;
                 }
-                // Not every cluster is warm: keep what is on its way, else what it holds.
-                let fallback = holds
+                // Not every cluster is warm. Each virtual host whose clusters are warm
+                // goes as it is now; each other one stays as the Envoy will hold it (the
+                // route on its way, else the one it holds).
+                let held = holds
                     .routes_in_flight
                     .and_then(|m| m.get(name))
-                    .map(|r| Desired::Send(r.clone()))
-                    .or_else(|| {
-                        holds.acked[ty.index()]
-                            .get(name)
-                            .map(|h| match &h.resource {
-                                Some(r) => Desired::Send(r.clone()),
-                                None => Desired::Keep,
-                            })
-                    });
-                match fallback {
+                    .map(Held::sent)
+                    .or_else(|| holds.acked[ty.index()].get(name));
+                let warm = |c: &str| holds.warmed(c);
+                let desired = match held {
+                    Some(Held {
+                        resource: Some(held),
+                        ..
+                    }) => Some(Desired::Send(
+                        merge_warm_virtual_hosts(route, Some(&held), warm).unwrap_or(held),
+                    )),
+                    // With nothing (or only a version) to fall back on, a virtual host
+                    // still warming holds the whole route back; one whose clusters this
+                    // Envoy rejected is left out, so that it holds back no other.
+                    Some(Held { resource: None, .. }) | None => {
+                        let waiting = route
+                            .cluster_refs
+                            .iter()
+                            .any(|c| !holds.warmed(c) && !holds.stuck(c));
+                        match (waiting, &held) {
+                            (true, Some(_)) => Some(Desired::Keep),
+                            (true, None) => None,
+                            (false, _) => {
+                                merge_warm_virtual_hosts(route, None, warm).map(Desired::Send)
+                            }
+                        }
+                    }
+                };
+                match desired {
                     Some(d) => out.insert(name.clone(), d),
                     None => out.remove(name),
                 };
@@ -370,10 +724,7 @@ mod tests {
             &hold_all(&old, ResourceType::Listener),
             &hold_all(&old, ResourceType::Route),
         ];
-        let holds = ClientHolds {
-            acked,
-            routes_in_flight: None,
-        };
+        let holds = ClientHolds::new(acked, None);
         let routes = desired(&new, ResourceType::Route, &holds);
         let old_route = old.resources(ResourceType::Route).values().next().unwrap();
         let sent = routes.values().next().unwrap().resource().unwrap();
@@ -382,10 +733,7 @@ mod tests {
         // Once the Envoy holds the new cluster and its endpoints, the new route goes.
         let clusters = hold_all(&new, ResourceType::Cluster);
         let endpoints = hold_all(&new, ResourceType::Endpoints);
-        let holds = ClientHolds {
-            acked: [&clusters, &endpoints, acked[2], acked[3]],
-            routes_in_flight: None,
-        };
+        let holds = ClientHolds::new([&clusters, &endpoints, acked[2], acked[3]], None);
         let routes = desired(&new, ResourceType::Route, &holds);
         let new_route = new.resources(ResourceType::Route).values().next().unwrap();
         assert_eq!(
@@ -405,10 +753,7 @@ mod tests {
             .iter()
             .map(|t| hold_all(&old, *t))
             .collect();
-        let holds = ClientHolds {
-            acked: [&held[0], &held[1], &held[2], &held[3]],
-            routes_in_flight: None,
-        };
+        let holds = ClientHolds::new([&held[0], &held[1], &held[2], &held[3]], None);
         let clusters = desired(&new, ResourceType::Cluster, &holds);
         assert!(
             clusters.contains_key("default/b/b1"),
@@ -419,18 +764,12 @@ mod tests {
 
         // While the new route is in flight, the old one may still be in use: keep b1.
         let in_flight = new.resources(ResourceType::Route).clone();
-        let holds = ClientHolds {
-            acked: [&held[0], &held[1], &held[2], &held[3]],
-            routes_in_flight: Some(&in_flight),
-        };
+        let holds = ClientHolds::new([&held[0], &held[1], &held[2], &held[3]], Some(&in_flight));
         assert!(desired(&new, ResourceType::Cluster, &holds).contains_key("default/b/b1"));
 
         // Once the Envoy holds the new route, b1 can go.
         let new_routes = hold_all(&new, ResourceType::Route);
-        let holds = ClientHolds {
-            acked: [&held[0], &held[1], &held[2], &new_routes],
-            routes_in_flight: None,
-        };
+        let holds = ClientHolds::new([&held[0], &held[1], &held[2], &new_routes], None);
         assert!(!desired(&new, ResourceType::Cluster, &holds).contains_key("default/b/b1"));
         assert!(!desired(&new, ResourceType::Endpoints, &holds).contains_key("default/b/b1"));
     }
@@ -452,10 +791,62 @@ mod tests {
             },
         );
         let empty = Holding::default();
-        let holds = ClientHolds {
-            acked: [&clusters, &empty, &empty, &routes],
-            routes_in_flight: None,
-        };
+        let holds = ClientHolds::new([&clusters, &empty, &empty, &routes], None);
         assert!(desired(&new, ResourceType::Cluster, &holds).contains_key("default/b/b1"));
+    }
+
+    #[test]
+    fn a_cold_cluster_holds_back_only_its_own_virtual_host() {
+        use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+        use prost::Message;
+        // Held: a -> a1, b -> b1. Now: a -> a2 (warm), b -> b2 (cold: never ACKed).
+        let mut a_old = service("a", "a1", &[8000]);
+        a_old
+            .clusters
+            .push(service("a", "a2", &[8100]).clusters.remove(0));
+        let b_old = service("b", "b1", &[9000]);
+        let old = snapshot_of(vec![a_old.clone(), b_old.clone()]);
+        let mut a_new = a_old.clone();
+        a_new.active = "a2".into();
+        let mut b_new = b_old.clone();
+        b_new
+            .clusters
+            .push(service("b", "b2", &[9100]).clusters.remove(0));
+        b_new.active = "b2".into();
+        let new = snapshot_of(vec![a_new, b_new]);
+        let held: Vec<Holding> = ResourceType::ALL
+            .iter()
+            .map(|t| hold_all(&old, *t))
+            .collect();
+        let holds = ClientHolds::new([&held[0], &held[1], &held[2], &held[3]], None);
+        let routes = desired(&new, ResourceType::Route, &holds);
+        let sent = routes.values().next().unwrap().resource().unwrap();
+        let config = RouteConfiguration::decode(&*sent.body.value).unwrap();
+        let target = |name: &str| {
+            let vh = config
+                .virtual_hosts
+                .iter()
+                .find(|v| v.name == name)
+                .unwrap();
+            crate::xds::snapshot::virtual_host_clusters(vh)
+        };
+        assert_eq!(target("default/a"), ["default/a/a2"], "a moves on");
+        assert_eq!(target("default/b"), ["default/b/b1"], "b waits for b2");
+        assert_eq!(
+            sent.cluster_refs,
+            vec![Arc::from("default/a/a2"), Arc::from("default/b/b1")]
+        );
+        // A brand-new virtual host whose cluster is cold is left out until it is warm.
+        let c_new = service("c", "c1", &[7000]);
+        let with_c = snapshot_of(vec![a_old, b_old, c_new]);
+        let routes = desired(&with_c, ResourceType::Route, &holds);
+        let sent = routes.values().next().unwrap().resource().unwrap();
+        let config = RouteConfiguration::decode(&*sent.body.value).unwrap();
+        let names: Vec<&str> = config
+            .virtual_hosts
+            .iter()
+            .map(|v| v.name.as_str())
+            .collect();
+        assert_eq!(names, ["default/a", "default/b"]);
     }
 }

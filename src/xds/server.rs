@@ -22,6 +22,10 @@ use super::{AdsProtocol, Event, Observer, ResourceType, Snapshot};
 /// at most one in flight per type).
 pub const STREAM_BUFFER: usize = 8;
 
+/// How long a reconnected Envoy has to declare what it holds (it sends every request at
+/// once, so on any network this is far more than it needs) before removals go ahead.
+pub const RECONNECT_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// The ADS service. Cheap to clone: everything inside is shared.
 #[derive(Clone)]
 pub struct AdsServer {
@@ -80,7 +84,9 @@ impl AdsServer {
             subscribed: [false; 4],
         };
         let mut snapshots = self.snapshots.clone();
+        let reconnect_deadline = tokio::time::Instant::now() + RECONNECT_WAIT;
         loop {
+            let awaiting_reconnect = lock(&machine).awaiting_reconnect();
             let snapshot = snapshots.borrow_and_update().clone();
             let responses = lock(&machine).poll(&snapshot);
             for (ty, count, response) in responses {
@@ -92,6 +98,10 @@ impl AdsServer {
             }
             tokio::select! {
                 _ = self.shutdown.cancelled() => return,
+                _ = tokio::time::sleep_until(reconnect_deadline), if awaiting_reconnect => {
+                    tracing::debug!(stream = id, protocol, "reconnected Envoy did not declare all it holds in time; going ahead");
+                    lock(&machine).settle_reconnect();
+                }
                 changed = snapshots.changed() => if changed.is_err() { return },
                 message = inbound.message() => match message {
                     Ok(Some(request)) => {
@@ -144,6 +154,9 @@ impl AdsServer {
                 version,
                 message,
             } => {
+                if matches!(ty, ResourceType::Cluster | ResourceType::Endpoints) {
+                    self.clients.notify_acked();
+                }
                 tracing::warn!(
                     stream = id,
                     protocol,

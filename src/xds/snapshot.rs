@@ -28,6 +28,18 @@ use envoy_types::pb::envoy::extensions::filters::network::http_connection_manage
     http_connection_manager::RouteSpecifier, HttpConnectionManager,
 };
 
+/// An aggregated (ADS) config source, as every EDS cluster here uses.
+fn ads_config_source() -> envoy_types::pb::envoy::config::core::v3::ConfigSource {
+    use envoy_types::pb::envoy::config::core::v3 as core;
+    core::ConfigSource {
+        config_source_specifier: Some(core::config_source::ConfigSourceSpecifier::Ads(
+            core::AggregatedConfigSource {},
+        )),
+        resource_api_version: core::ApiVersion::V3 as i32,
+        ..Default::default()
+    }
+}
+
 /// Typed Envoy resources, before encoding: what a snapshot is built from.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Resources {
@@ -35,6 +47,10 @@ pub struct Resources {
     pub endpoints: Vec<ClusterLoadAssignment>,
     pub listeners: Vec<Listener>,
     pub routes: Vec<RouteConfiguration>,
+    /// For clusters an Envoy may still hold that these resources no longer have (it
+    /// reconnected after they went): by name prefix, the cluster that stands in for
+    /// them until no route of that Envoy names them. See [`Snapshot::stand_in`].
+    pub stand_ins: BTreeMap<String, String>,
 }
 
 /// Why a set of resources does not fit together.
@@ -124,24 +140,32 @@ impl Resources {
 
 /// The clusters a route configuration sends traffic to, sorted, each once.
 pub fn referenced_clusters(config: &RouteConfiguration) -> Vec<String> {
+    let mut names: Vec<String> = config
+        .virtual_hosts
+        .iter()
+        .flat_map(virtual_host_clusters)
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// The clusters one virtual host sends traffic to.
+pub fn virtual_host_clusters(vh: &route_pb::VirtualHost) -> Vec<String> {
     let mut names = Vec::new();
-    for vh in &config.virtual_hosts {
-        for r in &vh.routes {
-            if let Some(route_pb::route::Action::Route(action)) = &r.action {
-                match &action.cluster_specifier {
-                    Some(route_pb::route_action::ClusterSpecifier::Cluster(name)) => {
-                        names.push(name.clone())
-                    }
-                    Some(route_pb::route_action::ClusterSpecifier::WeightedClusters(w)) => {
-                        names.extend(w.clusters.iter().map(|c| c.name.clone()))
-                    }
-                    _ => {}
+    for r in &vh.routes {
+        if let Some(route_pb::route::Action::Route(action)) = &r.action {
+            match &action.cluster_specifier {
+                Some(route_pb::route_action::ClusterSpecifier::Cluster(name)) => {
+                    names.push(name.clone())
                 }
+                Some(route_pb::route_action::ClusterSpecifier::WeightedClusters(w)) => {
+                    names.extend(w.clusters.iter().map(|c| c.name.clone()))
+                }
+                _ => {}
             }
         }
     }
-    names.sort();
-    names.dedup();
     names
 }
 
@@ -289,6 +313,7 @@ pub struct Snapshot {
     version: String,
     by_type: [Arc<ResourceMap>; 4],
     type_versions: [Arc<str>; 4],
+    stand_ins: Arc<BTreeMap<String, Arc<str>>>,
 }
 
 impl Snapshot {
@@ -339,7 +364,51 @@ impl Snapshot {
                 Resource::encode(&r.name, r, referenced_clusters(r)),
             );
         }
-        Snapshot::from_maps(by_type)
+        let mut snapshot = Snapshot::from_maps(by_type);
+        snapshot.stand_ins = Arc::new(
+            resources
+                .stand_ins
+                .iter()
+                .map(|(prefix, cluster)| (prefix.clone(), Arc::from(cluster.as_str())))
+                .collect(),
+        );
+        snapshot
+    }
+
+    /// A body for `name` (a cluster, or its endpoints) that an Envoy holds but this
+    /// snapshot lacks, and that a state-of-the-world response must still carry because
+    /// a route the Envoy holds may name it (after a reconnect, when the server has no
+    /// copy of what the Envoy has). It is the cluster standing in for its prefix, renamed,
+    /// with that cluster's endpoints; without one, an EDS cluster with no endpoints.
+    /// Either way it warms at once: Envoy holds its cluster ACKs until every cluster
+    /// warms, so a stand-in that never did would stall every later cluster change.
+    pub fn stand_in(&self, ty: ResourceType, name: &str) -> Option<Arc<Resource>> {
+        let source = self
+            .stand_ins
+            .iter()
+            .filter(|(prefix, _)| name.starts_with(prefix.as_str()))
+            .max_by_key(|(prefix, _)| prefix.len())
+            .map(|(_, cluster)| cluster);
+        let source = |ty: ResourceType| source.and_then(|c| self.resources(ty).get(c));
+        match ty {
+            ResourceType::Cluster => {
+                let Some(r) = source(ty) else {
+                    return Some(bare_cluster(name));
+                };
+                let mut cluster = Cluster::decode(&*r.body.value).ok()?;
+                cluster.name = name.into();
+                Some(Arc::new(Resource::encode(name, &cluster, Vec::new())))
+            }
+            ResourceType::Endpoints => {
+                let mut assignment = match source(ty) {
+                    Some(r) => ClusterLoadAssignment::decode(&*r.body.value).ok()?,
+                    None => ClusterLoadAssignment::default(),
+                };
+                assignment.cluster_name = name.into();
+                Some(Arc::new(Resource::encode(name, &assignment, Vec::new())))
+            }
+            ResourceType::Listener | ResourceType::Route => None,
+        }
     }
 
     pub fn from_maps(by_type: [ResourceMap; 4]) -> Snapshot {
@@ -353,6 +422,7 @@ impl Snapshot {
             version: short_hex(&hash.finalize()),
             by_type: by_type.map(Arc::new),
             type_versions,
+            stand_ins: Arc::default(),
         }
     }
 
@@ -403,6 +473,39 @@ pub fn set_version<'a>(items: impl IntoIterator<Item = (&'a str, &'a str)>) -> S
 
 fn short_hex(bytes: &[u8]) -> String {
     bytes[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// An EDS cluster named `name` with Envoy's defaults for everything else: what stands in
+/// for a cluster whose own settings are unknown or refused. Its metadata
+/// (`ray-xds: {stand_in: true}`) tells it from any cluster of a snapshot.
+pub fn bare_cluster(name: &str) -> Arc<Resource> {
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+    let marker = Struct {
+        fields: [(
+            "stand_in".to_string(),
+            Value {
+                kind: Some(Kind::BoolValue(true)),
+            },
+        )]
+        .into(),
+    };
+    let cluster = Cluster {
+        name: name.into(),
+        metadata: Some(Metadata {
+            filter_metadata: [("ray-xds".to_string(), marker)].into(),
+            ..Default::default()
+        }),
+        cluster_discovery_type: Some(cluster_pb::cluster::ClusterDiscoveryType::Type(
+            cluster_pb::cluster::DiscoveryType::Eds as i32,
+        )),
+        eds_cluster_config: Some(cluster_pb::cluster::EdsClusterConfig {
+            eds_config: Some(ads_config_source()),
+            service_name: String::new(),
+        }),
+        ..Default::default()
+    };
+    Arc::new(Resource::encode(name, &cluster, Vec::new()))
 }
 
 #[cfg(test)]

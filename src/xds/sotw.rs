@@ -17,10 +17,10 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 
 use super::ordering::{
-    changed_from, desired, intern, is_whole_set, retain_names, same_names_change, take_budget,
-    ClientHolds, Held, Holding, RESPONSE_BUDGET_BYTES,
+    changed_from, desired, intern, is_whole_set, learn_bodies, retain_names, same_names_change,
+    take_budget, ClientHolds, Desired, Held, HeldMap, Holding, Rejections, RESPONSE_BUDGET_BYTES,
 };
-use super::snapshot::{set_version, ResourceMap, ResourceType, Snapshot};
+use super::snapshot::{bare_cluster, set_version, ResourceMap, ResourceType, Snapshot};
 use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +67,9 @@ struct InFlight {
     resources: ResourceMap,
     /// What the Envoy holds once it ACKs, when that is a snapshot's whole set.
     then_whole: Option<Holding>,
+    /// Clusters: the endpoints of the snapshot they came from, for the ones the Envoy
+    /// warms (it does not ACK them until they are warm, even if they are gone since).
+    endpoints_then: Option<Arc<ResourceMap>>,
 }
 
 #[derive(Debug, Default)]
@@ -84,6 +87,14 @@ struct TypeState {
     in_flight: Option<InFlight>,
     last_nonce: Option<String>,
     rejected_version: Option<String>,
+    /// The response version last NACKed, not to be sent again until the Envoy ACKs
+    /// something of this type (after an ACK the same versions may mean a new test: one
+    /// suspect of a search, alone).
+    not_again: Option<String>,
+    /// What the Envoy rejected, and the search for what it rejected without saying.
+    rejected: Rejections,
+    /// Something was forgotten (to be sent again) while a response was in flight.
+    forgot_in_flight: bool,
     last_nack_message: Option<String>,
     pushes: u64,
     acks: u64,
@@ -95,6 +106,10 @@ pub struct SotwStream {
     types: [TypeState; 4],
     next_nonce: u64,
     node: Option<NodeInfo>,
+    /// The Envoy reported versions it held from an earlier stream (a reconnect).
+    reconnected: bool,
+    /// The wait for a reconnected Envoy to declare what it holds is over.
+    reconnect_settled: bool,
 }
 
 impl SotwStream {
@@ -102,7 +117,8 @@ impl SotwStream {
         SotwStream::default()
     }
 
-    /// Forgets that the Envoy holds `names` of `ty`, so that they are sent again.
+    /// Forgets the versions of `names` of `ty` the Envoy holds, so that they are sent
+    /// again.
     fn forget(&mut self, ty: ResourceType, names: &[Arc<str>]) {
         let st = &mut self.types[ty.index()];
         if names.iter().all(|n| !st.acked.contains(n)) {
@@ -110,9 +126,44 @@ impl SotwStream {
         }
         let held = st.acked.own();
         for name in names {
-            held.remove(name);
+            // Still held (a route may name it), at a version to be sent again.
+            if let Some(h) = held.get_mut(name) {
+                h.version = "".into();
+            }
         }
         st.acked_version = held_version(&st.acked);
+        // A response in flight was versioned with these names held: its ACK must not
+        // bring their versions (or that version) back.
+        if let Some(f) = &mut st.in_flight {
+            f.then_whole = None;
+            for name in names {
+                f.resources.remove(name);
+            }
+            st.forgot_in_flight = true;
+        }
+    }
+}
+
+/// Records that a reconnected Envoy holds `names` (versions and bodies unknown).
+fn declare_held(held: &mut Holding, names: &[String]) {
+    let map = held.own();
+    for name in names.iter().filter(|n| *n != "*") {
+        map.entry(name.as_str().into()).or_insert(Held {
+            version: "".into(),
+            resource: None,
+        });
+    }
+}
+
+impl SotwStream {
+    /// A reconnected Envoy has not yet declared (by its EDS request) the clusters it
+    /// holds, and the wait for it is not over.
+    fn awaiting_declarations(&self) -> bool {
+        self.reconnected
+            && !self.reconnect_settled
+            && self.types[ResourceType::Endpoints.index()]
+                .subscription
+                .is_none()
     }
 }
 
@@ -140,7 +191,7 @@ impl SotwStream {
             st.acked_version = version;
             return None;
         }
-        if st.rejected_version.as_deref() == Some(version.as_str()) {
+        if st.not_again.as_deref() == Some(version.as_str()) {
             return None;
         }
         let (resources, version, then_whole) = if ty.is_full_state() {
@@ -161,16 +212,31 @@ impl SotwStream {
                 (chunk, partial, None)
             }
         };
-        Some(self.respond(ty, version, resources, then_whole))
+        Some(self.respond(ty, snapshot, version, resources, then_whole))
     }
 
     fn respond(
         &mut self,
         ty: ResourceType,
+        snapshot: &Snapshot,
         version: String,
         resources: ResourceMap,
         then_whole: Option<Holding>,
     ) -> (ResourceType, usize, DiscoveryResponse) {
+        if ty == ResourceType::Cluster {
+            // A cluster whose settings change is warmed anew: Envoy waits for a
+            // ClusterLoadAssignment sent after it, even an unchanged one, and ACKs the
+            // clusters only once they are warm. So its endpoints go again right behind it.
+            let held = &self.types[ty.index()].acked;
+            let changed: Vec<Arc<str>> = resources
+                .iter()
+                .filter(|(n, r)| held.version_of(n).is_some_and(|v| **v != *r.version))
+                .map(|(n, _)| n.clone())
+                .collect();
+            if !changed.is_empty() {
+                self.forget(ResourceType::Endpoints, &changed);
+            }
+        }
         self.next_nonce += 1;
         let nonce = self.next_nonce.to_string();
         let response = DiscoveryResponse {
@@ -189,6 +255,8 @@ impl SotwStream {
             version,
             resources,
             then_whole,
+            endpoints_then: (ty == ResourceType::Cluster)
+                .then(|| snapshot.shared(ResourceType::Endpoints).clone()),
         });
         (ty, count, response)
     }
@@ -198,17 +266,39 @@ impl SotwStream {
         ty: ResourceType,
         snapshot: &Snapshot,
     ) -> Option<(ResourceType, usize, DiscoveryResponse)> {
+        let current = snapshot.resources(ty);
+        let st = &mut self.types[ty.index()];
+        // A rejection matters while the snapshot still has the version rejected.
+        st.rejected.prune(current);
+        if st.subscription.is_none() || st.in_flight.is_some() {
+            return None; // Not asked for, or waiting for an ACK.
+        }
+        // Endpoints of clusters being warmed that have left the snapshot since.
+        let warming_gone = ty == ResourceType::Endpoints
+            && self.types[ResourceType::Cluster.index()]
+                .in_flight
+                .as_ref()
+                .is_some_and(|f| f.resources.keys().any(|n| !current.contains_key(n)));
         let st = &self.types[ty.index()];
-        let subscription = st.subscription.as_ref()?;
-        if st.in_flight.is_some() || st.acked.is_whole(snapshot, ty) {
-            // Waiting for an ACK, or the Envoy already holds this snapshot's whole set.
+        if st.acked.is_whole(snapshot, ty) && !warming_gone {
+            return None; // It holds this snapshot's whole set.
+        }
+        if ty == ResourceType::Cluster && self.awaiting_declarations() {
+            // A reconnected Envoy names the clusters it holds in its EDS request; a
+            // cluster set sent before that could remove one its route still uses.
             return None;
         }
-        if ty != ResourceType::Route {
-            if let Some(changed) = same_names_change(&st.acked, snapshot.resources(ty)) {
+        let st = &self.types[ty.index()];
+        if ty != ResourceType::Route && st.rejected.is_empty() && !warming_gone {
+            if let Some(changed) = same_names_change(&st.acked, current) {
                 return self.send_whole(ty, snapshot, changed);
             }
         }
+        let routes_unknown = self.reconnected
+            && !self.reconnect_settled
+            && self.types[ResourceType::Route.index()]
+                .subscription
+                .is_none();
         let holds = ClientHolds {
             acked: [
                 &self.types[0].acked,
@@ -220,15 +310,66 @@ impl SotwStream {
                 .in_flight
                 .as_ref()
                 .map(|f| &f.resources),
+            rejected: [
+                &self.types[0].rejected,
+                &self.types[1].rejected,
+                &self.types[2].rejected,
+                &self.types[3].rejected,
+            ],
+            routes_unknown,
+            clusters_in_flight: self.types[ResourceType::Cluster.index()]
+                .in_flight
+                .as_ref()
+                .and_then(|f| Some((&f.resources, &**f.endpoints_then.as_ref()?))),
+            // A cluster set in flight removes every held cluster it leaves out.
+            leaving: match &self.types[ResourceType::Cluster.index()].in_flight {
+                Some(f) if ty == ResourceType::Route => self.types[ResourceType::Cluster.index()]
+                    .acked
+                    .iter()
+                    .filter(|(n, _, _)| !f.resources.contains_key(*n))
+                    .map(|(n, _, _)| n.clone())
+                    .collect(),
+                _ => Default::default(),
+            },
         };
         let mut wanted = desired(snapshot, ty, &holds);
+        let st = &self.types[ty.index()];
+        let subscription = st.subscription.as_ref()?;
         if let Subscription::Names(names) = subscription {
             wanted = retain_names(wanted, names);
+            if ty == ResourceType::Endpoints {
+                // Endpoints asked for that the snapshot lacks and that the Envoy may never
+                // have had: their cluster may be warming (Envoy ACKs no cluster until
+                // every one is warm), and state of the world cannot say "there is none".
+                // A stand-in assignment warms it.
+                for name in names {
+                    let had = st.acked.version_of(name).is_some_and(|v| !v.is_empty());
+                    if !had && !wanted.contains_key(name) && !current.contains_key(name) {
+                        if let Some(stand_in) = snapshot.stand_in(ty, name) {
+                            wanted.insert(name.clone(), Desired::Send(stand_in));
+                        }
+                    }
+                }
+            }
         }
-        // State of the world cannot send a resource it has no body for.
+        // State of the world cannot send a resource it has no body for: a cluster the
+        // Envoy must keep (a route it holds may name it) goes as a stand-in, and so do
+        // its endpoints; a route is per name, and leaving it out leaves it as it is.
+        let mut kept = Vec::new();
         let wanted: ResourceMap = wanted
             .into_iter()
-            .filter_map(|(name, d)| d.resource().map(|r| (name, r.clone())))
+            .filter_map(|(name, d)| match d {
+                Desired::Send(r) => Some((name, r)),
+                Desired::Keep => match snapshot.stand_in(ty, &name) {
+                    Some(stand_in) if !snapshot.resources(ty).contains_key(&name) => {
+                        Some((name, stand_in))
+                    }
+                    _ => {
+                        kept.push(name);
+                        None
+                    }
+                },
+            })
             .collect();
         let whole = is_whole_set(&wanted, snapshot, ty);
         let version = if whole {
@@ -241,16 +382,25 @@ impl SotwStream {
             st.acked = if whole {
                 Holding::whole(snapshot, ty)
             } else {
-                Holding::from_resources(&wanted)
+                // What it holds: what we would send, and what it keeps that we have no
+                // body for (declared on a reconnect).
+                let mut held = Holding::from_resources(&wanted);
+                for name in &kept {
+                    if let Some(h) = st.acked.get(name) {
+                        held.own().insert(name.clone(), h);
+                    }
+                }
+                held
             };
             return None;
         }
-        if st.rejected_version.as_deref() == Some(version.as_str()) {
+        if st.not_again.as_deref() == Some(version.as_str()) {
             return None;
         }
         let (resources, version, then_whole) = if ty.is_full_state() {
             (wanted, version, whole.then(|| Holding::whole(snapshot, ty)))
         } else {
+            learn_bodies(&mut st.acked, &wanted);
             let changed = changed_from(&wanted, &st.acked);
             if changed.is_empty() {
                 // Only unsubscriptions: the Envoy already holds everything it wants.
@@ -272,7 +422,7 @@ impl SotwStream {
                 (chunk, partial, None)
             }
         };
-        Some(self.respond(ty, version, resources, then_whole))
+        Some(self.respond(ty, snapshot, version, resources, then_whole))
     }
 }
 
@@ -289,7 +439,7 @@ impl AdsProtocol for SotwStream {
                 self.node = Some(NodeInfo::from_node(node));
             }
         }
-        let mut changed_clusters: Vec<Arc<str>> = Vec::new();
+        let mut reconnected = false;
         let st = &mut self.types[ty.index()];
 
         let answers_latest = match &st.last_nonce {
@@ -310,6 +460,55 @@ impl AdsProtocol for SotwStream {
                     st.nacks += 1;
                     st.last_nack_message = Some(status.message.clone());
                     st.rejected_version = Some(f.version.clone());
+                    st.not_again = Some(f.version.clone());
+                    // What the message blames keeps the Envoy's old version until it
+                    // changes; when it names them, it applied the rest; when it names
+                    // none, the search for the culprit begins (see `Rejections`).
+                    // Suspects are what the response changed, and what the Envoy declared
+                    // on a reconnect (its version unknown, it may be the culprit).
+                    let changed: Vec<(Arc<str>, Arc<str>)> = f
+                        .resources
+                        .iter()
+                        .filter(|(n, r)| {
+                            st.acked
+                                .version_of(n)
+                                .is_none_or(|v| v.is_empty() || **v != *r.version)
+                        })
+                        // A bare stand-in (see `desired`) is valid by construction.
+                        .filter(|(n, r)| {
+                            ty != ResourceType::Cluster || bare_cluster(n).version != r.version
+                        })
+                        .map(|(n, r)| (n.clone(), r.version.clone()))
+                        .collect();
+                    if let Some(applied) = st.rejected.on_nack(changed, &status.message) {
+                        // It holds what was sent, but its old version (or nothing) of
+                        // each blamed resource.
+                        let mut held = HeldMap::new();
+                        for (name, r) in &f.resources {
+                            let unchanged = st.acked.version_of(name) == Some(&r.version);
+                            if applied.contains(name) || unchanged {
+                                held.insert(name.clone(), Held::sent(r));
+                            } else if let Some(old) = st.acked.get(name) {
+                                held.insert(name.clone(), old);
+                            }
+                        }
+                        if !ty.is_full_state() {
+                            // Per-name types: what was not in the response stays.
+                            for (name, version, body) in st.acked.iter() {
+                                if !f.resources.contains_key(name) {
+                                    held.insert(
+                                        name.clone(),
+                                        Held {
+                                            version: version.clone(),
+                                            resource: body.cloned(),
+                                        },
+                                    );
+                                }
+                            }
+                        }
+                        st.acked = Holding::Own(held);
+                        st.acked_version = held_version(&st.acked);
+                    }
                     Event::Nack {
                         ty,
                         version: f.version,
@@ -318,18 +517,8 @@ impl AdsProtocol for SotwStream {
                 }
                 None => {
                     st.acks += 1;
-                    if ty == ResourceType::Cluster {
-                        // A cluster whose settings changed is warmed anew: Envoy waits for
-                        // its endpoints again, even unchanged ones.
-                        changed_clusters = f
-                            .resources
-                            .iter()
-                            .filter(|(n, r)| {
-                                st.acked.version_of(n).is_some_and(|v| **v != *r.version)
-                            })
-                            .map(|(n, _)| n.clone())
-                            .collect();
-                    }
+                    st.not_again = None;
+                    st.rejected.on_ack(&f.resources);
                     if let Some(whole) = f.then_whole {
                         st.acked = whole;
                     } else if ty.is_full_state() {
@@ -340,7 +529,11 @@ impl AdsProtocol for SotwStream {
                             held.insert(name.clone(), Held::sent(r));
                         }
                     }
-                    st.acked_version = f.version.clone();
+                    st.acked_version = if std::mem::take(&mut st.forgot_in_flight) {
+                        held_version(&st.acked)
+                    } else {
+                        f.version.clone()
+                    };
                     Event::Ack {
                         ty,
                         version: f.version,
@@ -349,14 +542,37 @@ impl AdsProtocol for SotwStream {
             },
             None => {
                 if st.last_nonce.is_none() && st.acked_version.is_empty() {
-                    // A reconnecting Envoy reports what it holds.
-                    st.acked_version = req.version_info.clone();
+                    // A reconnecting Envoy reports what it holds. Not so for clusters and
+                    // endpoints, which it is sent again: a cluster it was warming when the
+                    // stream broke waits for a ClusterLoadAssignment sent after it, and
+                    // after a NACK Envoy still reports its last accepted cluster version
+                    // though it applied every cluster it could from the rejected response.
+                    if !matches!(ty, ResourceType::Cluster | ResourceType::Endpoints) {
+                        st.acked_version = req.version_info.clone();
+                    }
+                    reconnected = !req.version_info.is_empty();
                 }
                 Event::Subscribed(ty)
             }
         };
-        if !changed_clusters.is_empty() {
-            self.forget(ResourceType::Endpoints, &changed_clusters);
+        if reconnected {
+            self.reconnected = true;
+            // It holds the names it asks for (per-name types); which clusters it holds,
+            // its EDS request tells (every cluster ray-xds makes is an EDS cluster).
+            if !ty.is_full_state() {
+                declare_held(&mut self.types[ty.index()].acked, &req.resource_names);
+            }
+        }
+        if ty == ResourceType::Endpoints && self.reconnected {
+            // Every cluster it asks endpoints for, it holds (or warms: then it may never
+            // have had endpoints, and reports no version).
+            let [clusters, endpoints, ..] = &mut self.types;
+            if clusters.last_nonce.is_none() {
+                declare_held(&mut clusters.acked, &req.resource_names);
+            }
+            if endpoints.last_nonce.is_none() {
+                declare_held(&mut endpoints.acked, &req.resource_names);
+            }
         }
         // An ACK repeats the subscription; compare before building a new one.
         let hash = names_hash(&req.resource_names);
@@ -400,6 +616,30 @@ impl AdsProtocol for SotwStream {
 
     fn node(&self) -> Option<&NodeInfo> {
         self.node.as_ref()
+    }
+
+    fn rejected(&self, cluster: &str) -> bool {
+        self.types[ResourceType::Cluster.index()]
+            .rejected
+            .rejected
+            .contains_key(cluster)
+            || self.types[ResourceType::Endpoints.index()]
+                .rejected
+                .rejected
+                .contains_key(cluster)
+    }
+
+    fn awaiting_reconnect(&self) -> bool {
+        self.awaiting_declarations()
+            || (self.reconnected
+                && !self.reconnect_settled
+                && self.types[ResourceType::Route.index()]
+                    .subscription
+                    .is_none())
+    }
+
+    fn settle_reconnect(&mut self) {
+        self.reconnect_settled = true;
     }
 
     fn warmed(&self, cluster: &str) -> Option<bool> {
@@ -448,6 +688,7 @@ impl AdsProtocol for SotwStream {
                     nacks: st.nacks,
                     resources_held: st.acked.len(),
                     holds_snapshot_set: matches!(st.acked, Holding::Snapshot { .. }),
+                    rejected: st.rejected.rejected.keys().map(|n| n.to_string()).collect(),
                 };
                 (*ty, status)
             })
@@ -581,6 +822,15 @@ mod tests {
         );
     }
 
+    fn cluster_names(r: &DiscoveryResponse) -> Vec<String> {
+        use envoy_types::pb::envoy::config::cluster::v3::Cluster;
+        use prost::Message;
+        r.resources
+            .iter()
+            .map(|a| Cluster::decode(&*a.value).unwrap().name)
+            .collect()
+    }
+
     #[test]
     fn a_nacked_version_is_not_resent_until_content_changes() {
         let snap1 = snapshot_of(vec![service("a", "a1", &[8000])]);
@@ -596,6 +846,12 @@ mod tests {
                 ..
             }
         ));
+        // At most one more response: the set without what was rejected (here nothing),
+        // so that what the Envoy ACKs is what it holds. Then nothing.
+        let follow = s.poll(&snap1);
+        assert_eq!(follow.len(), 1);
+        assert!(follow[0].2.resources.is_empty());
+        s.on_request(ack(&follow[0].2, &[])).unwrap();
         for _ in 0..3 {
             assert!(s.poll(&snap1).is_empty(), "no NACK loop");
         }
@@ -612,7 +868,18 @@ mod tests {
         ]);
         let again = s.poll(&snap2);
         assert_eq!(again.len(), 1);
-        assert_eq!(again[0].2.resources.len(), 2);
+        assert_eq!(
+            cluster_names(&again[0].2),
+            ["default/b/b1"],
+            "a1 as it was rejected stays out; b1 is new"
+        );
+        s.on_request(ack(&again[0].2, &[])).unwrap();
+        // a1's settings changed: it is offered again.
+        let mut policy_changed = service("a", "a1", &[8000]);
+        policy_changed.clusters[0].connect_timeout_ms = 7;
+        let snap3 = snapshot_of(vec![policy_changed, service("b", "b1", &[9000])]);
+        let again = s.poll(&snap3);
+        assert_eq!(cluster_names(&again[0].2), ["default/a/a1", "default/b/b1"]);
     }
 
     #[test]
@@ -673,7 +940,7 @@ mod tests {
     }
 
     #[test]
-    fn a_reconnecting_envoy_is_not_resent_what_it_has() {
+    fn a_reconnecting_envoy_is_resent_only_its_clusters_and_endpoints() {
         let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
         let mut first = SotwStream::new();
         for (ty, names) in [
@@ -701,7 +968,15 @@ mod tests {
                 Event::Subscribed(ty)
             );
         }
-        assert!(second.poll(&snap).is_empty(), "nothing to re-send");
+        // Only the clusters and endpoints go again: a cluster it was warming when the
+        // stream broke waits for a ClusterLoadAssignment sent after it, and the version it
+        // reports for clusters may not be what it holds (after a NACK).
+        let again = second.poll(&snap);
+        let types: Vec<_> = again.iter().map(|(t, _, _)| *t).collect();
+        assert_eq!(types, [ResourceType::Cluster, ResourceType::Endpoints]);
+        second.on_request(ack(&again[1].2, &[EDS])).unwrap();
+        second.on_request(ack(&again[0].2, &[])).unwrap();
+        assert!(second.poll(&snap).is_empty(), "nothing more to send");
         // And it still follows changes.
         let changed = snapshot_of(vec![service("a", "a1", &[8001])]);
         let out = second.poll(&changed);
@@ -978,18 +1253,65 @@ mod tests {
             nanos: 0,
         });
         let changed = Snapshot::build(&resources, Some(&snap)).unwrap();
+        // Envoy warms the changed cluster and ACKs it only once warm: the unchanged
+        // assignment goes right behind it, without waiting for that ACK.
         let out = s.poll(&changed);
-        assert_eq!(out.len(), 1);
-        assert_eq!(out[0].0, ResourceType::Cluster);
+        let types: Vec<_> = out.iter().map(|(t, _, _)| *t).collect();
+        assert_eq!(types, [ResourceType::Cluster, ResourceType::Endpoints]);
+        s.on_request(ack(&out[1].2, &[EDS])).unwrap();
         s.on_request(ack(&out[0].2, &[])).unwrap();
-        let out = s.poll(&changed);
-        assert_eq!(out.len(), 1, "{out:?}");
-        assert_eq!(
-            out[0].0,
-            ResourceType::Endpoints,
-            "the unchanged assignment again"
-        );
-        s.on_request(ack(&out[0].2, &[EDS])).unwrap();
         assert!(s.poll(&changed).is_empty(), "once");
+    }
+
+    #[test]
+    fn a_requested_name_that_appears_later_is_sent_when_it_does() {
+        // Spec: "Management servers must remember the set of resources being requested
+        // by the client, and if one of those resources springs into existence later, the
+        // server must send an update to the client informing it of the new resource."
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = SotwStream::new();
+        s.on_request(request(
+            ResourceType::Endpoints,
+            &[EDS, "default/b/b1"],
+            "",
+            "",
+        ))
+        .unwrap();
+        let r = s.poll(&snap).remove(0).2;
+        s.on_request(ack(&r, &[EDS, "default/b/b1"])).unwrap();
+        let later = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ]);
+        let out = s.poll(&later);
+        assert_eq!(out.len(), 1);
+        use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+        use prost::Message;
+        let cla = ClusterLoadAssignment::decode(&*out[0].2.resources[0].value).unwrap();
+        assert_eq!(cla.cluster_name, "default/b/b1");
+        assert_eq!(
+            cla.endpoints[0].lb_endpoints.len(),
+            1,
+            "the real assignment"
+        );
+    }
+
+    #[test]
+    fn only_the_first_request_needs_the_node() {
+        // Spec: "Only the first request on a stream is guaranteed to carry the node
+        // identifier."
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = SotwStream::new();
+        let mut first = request(ResourceType::Cluster, &[], "", "");
+        first.node = Some(envoy_types::pb::envoy::config::core::v3::Node {
+            id: "envoy-1".into(),
+            ..Default::default()
+        });
+        s.on_request(first).unwrap();
+        let r = s.poll(&snap).remove(0).2;
+        s.on_request(ack(&r, &[])).unwrap();
+        s.on_request(request(ResourceType::Listener, &[], "", ""))
+            .unwrap();
+        assert_eq!(s.node().unwrap().id, "envoy-1");
     }
 }

@@ -19,9 +19,13 @@ const RESPONSE_DEADLINE: Duration = Duration::from_secs(20);
 pub async fn client(
     xds: SocketAddr,
 ) -> AggregatedDiscoveryServiceClient<tonic::transport::Channel> {
-    AggregatedDiscoveryServiceClient::connect(format!("http://{xds}"))
-        .await
-        .unwrap()
+    try_client(xds).await.unwrap()
+}
+
+pub async fn try_client(
+    xds: SocketAddr,
+) -> Result<AggregatedDiscoveryServiceClient<tonic::transport::Channel>, tonic::transport::Error> {
+    AggregatedDiscoveryServiceClient::connect(format!("http://{xds}")).await
 }
 
 pub fn node(id: &str) -> Option<Node> {

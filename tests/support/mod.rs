@@ -23,6 +23,7 @@ pub mod conformance;
 pub mod fake_apiserver;
 pub mod real_ray;
 pub mod stack;
+pub mod tamper;
 
 #[allow(unused_imports)]
 pub use stack::Stack;
@@ -159,6 +160,15 @@ impl Envoy {
     /// a port Envoy picks itself (read back from `--admin-address-path`, so no other test
     /// can take it in between) and a base id unique to this process and Envoy.
     pub fn start(bootstrap: Bootstrap, xds_port: u16) -> Envoy {
+        Envoy::start_with(bootstrap, xds_port, |b| b)
+    }
+
+    /// Like [`Envoy::start`], with the rendered bootstrap passed through `edit` first.
+    pub fn start_with(
+        bootstrap: Bootstrap,
+        xds_port: u16,
+        edit: impl FnOnce(String) -> String,
+    ) -> Envoy {
         static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = tempfile::tempdir().unwrap();
         let template =
@@ -168,7 +178,7 @@ impl Envoy {
             .replace("port_value: 18000", &format!("port_value: {xds_port}"))
             .replace("port_value: 9901", "port_value: 0");
         let config = dir.path().join("envoy.yaml");
-        std::fs::write(&config, rendered).unwrap();
+        std::fs::write(&config, edit(rendered)).unwrap();
         let log = dir.path().join("envoy.log");
         let admin_file = dir.path().join("admin-address");
         let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 64;
@@ -181,9 +191,13 @@ impl Envoy {
                 .args(["--base-id", &base_id.to_string()])
                 .arg("--admin-address-path")
                 .arg(&admin_file)
-                .args(["--log-level", "info", "--log-path"])
+                .args([
+                    "--log-level",
+                    &std::env::var("TEST_ENVOY_LOG_LEVEL").unwrap_or_else(|_| "info".into()),
+                    "--log-path",
+                ])
                 .arg(&log)
-                .args(["--concurrency", "1"])
+                .args(["--concurrency", "1", "--file-flush-interval-msec", "200"])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null()),
         );
@@ -245,6 +259,25 @@ impl Envoy {
 
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// One of Envoy's stats (a counter or gauge), 0 when Envoy has none by that name.
+    pub async fn stat(&self, name: &str) -> u64 {
+        let text = self.admin("/stats").await;
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(name)?
+                    .strip_prefix(": ")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0)
+    }
+
+    /// Envoy's `/config_dump` as JSON.
+    pub async fn config_dump(&self) -> serde_json::Value {
+        serde_json::from_str(&self.admin("/config_dump").await).unwrap_or_default()
     }
 }
 
@@ -374,10 +407,30 @@ fn client() -> &'static Client<hyper_util::client::legacy::connect::HttpConnecto
 
 /// One HTTP request; `Err` for a connection-level failure.
 pub async fn http(method: &str, url: &str, body: &str) -> Result<(u16, String), String> {
+    http_to_host(method, url, "demo.example", body).await
+}
+
+/// A request through Envoy's listener for `host`; `Some(served)` when a simulated proxy
+/// answered.
+pub async fn through_envoy_to(gateway_port: u16, host: &str) -> Option<Served> {
+    let url = format!("http://127.0.0.1:{gateway_port}/hello");
+    match http_to_host("POST", &url, host, "{\"x\":1}").await {
+        Ok((200, body)) => serde_json::from_str(&body).ok(),
+        _ => None,
+    }
+}
+
+/// One HTTP request with the given Host; `Err` for a connection-level failure.
+pub async fn http_to_host(
+    method: &str,
+    url: &str,
+    host: &str,
+    body: &str,
+) -> Result<(u16, String), String> {
     let request = hyper::Request::builder()
         .method(method)
         .uri(url)
-        .header("host", "demo.example")
+        .header("host", host)
         .body(Full::new(Bytes::from(body.to_string())))
         .map_err(|e| e.to_string())?;
     let response = tokio::time::timeout(Duration::from_secs(10), client().request(request))
