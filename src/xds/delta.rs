@@ -34,6 +34,9 @@ struct InFlight {
     /// Clusters: the endpoints of the snapshot they came from, for the ones the Envoy
     /// warms (it does not ACK them until they are warm, even if they are gone since).
     endpoints_then: Option<Arc<ResourceMap>>,
+    /// Names (and versions) taken out of `sent` by `forget_endpoints` after sending:
+    /// still suspects if the Envoy rejects this response.
+    forgotten: Vec<(Arc<str>, Arc<str>)>,
 }
 
 #[derive(Debug, Default)]
@@ -253,6 +256,7 @@ impl DeltaStream {
             then_whole,
             endpoints_then: (ty == ResourceType::Cluster)
                 .then(|| snapshot.shared(ResourceType::Endpoints).clone()),
+            forgotten: Vec::new(),
         });
         Some((ty, count, response))
     }
@@ -307,7 +311,8 @@ impl DeltaStream {
             // A response in flight (which the Envoy applies before this cluster) must
             // not bring its version back when ACKed.
             if let Some(f) = &mut endpoints.in_flight {
-                if f.sent.remove(name).is_some() {
+                if let Some(r) = f.sent.remove(name) {
+                    f.forgotten.push((name.clone(), r.version.clone()));
                     f.then_whole = None;
                 }
             }
@@ -408,6 +413,7 @@ impl AdsProtocol for DeltaStream {
                     .sent
                     .iter()
                     .map(|(n, r)| (n.clone(), r.version.clone()))
+                    .chain(f.forgotten.iter().cloned())
                     .collect();
                 if let Some(applied) = st.rejected.on_nack(changed, &status.message) {
                     let applied: ResourceMap = f
@@ -962,5 +968,51 @@ mod tests {
             })
             .unwrap_err();
         assert!(matches!(err, ProtocolError::UnknownType(_)));
+    }
+
+    #[test]
+    fn a_rejected_merged_route_is_not_made_again() {
+        // Service b moves to a cluster the Envoy has not warmed while service a's
+        // virtual host changes: the Envoy gets a route made for it (a new, b as held).
+        // When it rejects that route, the same merge is not sent again in a loop.
+        let snap1 = snapshot_of(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ]);
+        let mut s = DeltaStream::new();
+        converge(&mut s, &snap1, &[EDS, "default/b/b1"]);
+        let mut a = service("a", "a1", &[8000]);
+        a.hosts = vec!["a.example".into(), "a2.example".into()];
+        let snap2 = snapshot_of(vec![a, service("b", "b2", &[9100])]);
+        let snapshot_route = snap2.resources(ResourceType::Route)["ray-serve-http"]
+            .version
+            .to_string();
+        let out = s.poll(&snap2);
+        let route = out
+            .iter()
+            .find(|(ty, _, _)| *ty == ResourceType::Route)
+            .map(|(_, _, r)| r.clone())
+            .expect("a merged route goes while b2 is cold");
+        assert_ne!(route.resources[0].version, snapshot_route, "a merge");
+        let merged = route.resources[0].version.clone();
+        for (ty, _, r) in &out {
+            if *ty != ResourceType::Route {
+                s.on_request(ack(r)).unwrap();
+            }
+        }
+        s.on_request(nack(&route)).unwrap();
+        // Endpoints change elsewhere, the route does not.
+        let mut a = service("a", "a1", &[8001]);
+        a.hosts = vec!["a.example".into(), "a2.example".into()];
+        let snap3 = snapshot_of(vec![a, service("b", "b2", &[9100])]);
+        for snap in [&snap2, &snap3, &snap3] {
+            for (ty, _, r) in s.poll(snap) {
+                assert!(
+                    ty != ResourceType::Route || r.resources[0].version != merged,
+                    "the rejected merge is sent again"
+                );
+                s.on_request(ack(&r)).unwrap();
+            }
+        }
     }
 }

@@ -218,6 +218,7 @@ fn merge_warm_virtual_hosts(
     current: &Arc<Resource>,
     held: Option<&Arc<Resource>>,
     warm: impl Fn(&str) -> bool,
+    fallback: impl Fn(&str) -> Option<Arc<str>>,
 ) -> Option<Arc<Resource>> {
     use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
     use prost::Message;
@@ -238,11 +239,15 @@ fn merge_warm_virtual_hosts(
             {
                 return Some(vh);
             }
-            old.as_ref()?
-                .virtual_hosts
-                .iter()
-                .find(|o| o.name == vh.name)
-                .cloned()
+            if let Some(o) = &old {
+                return o.virtual_hosts.iter().find(|o| o.name == vh.name).cloned();
+            }
+            // Nothing held to keep (a fresh Envoy, or one that reconnected): a warm
+            // cluster of the same virtual host, if the Envoy holds one, takes its traffic
+            // rather than the host going unrouted.
+            let stand_in = fallback(&vh.name)?;
+            route_all_to(&mut vh, &stand_in);
+            Some(vh)
         })
         .collect();
     let merged = Resource::encode(
@@ -254,6 +259,31 @@ fn merge_warm_virtual_hosts(
         Some(h) if h.version == merged.version => h.clone(),
         _ => Arc::new(merged),
     })
+}
+
+/// Sends every route of `vh` to `cluster` alone.
+fn route_all_to(vh: &mut envoy_types::pb::envoy::config::route::v3::VirtualHost, cluster: &str) {
+    use envoy_types::pb::envoy::config::route::v3::{
+        route, route_action, weighted_cluster::ClusterWeight,
+    };
+    for r in &mut vh.routes {
+        let Some(route::Action::Route(action)) = &mut r.action else {
+            continue;
+        };
+        if let Some(route_action::ClusterSpecifier::WeightedClusters(w)) =
+            &mut action.cluster_specifier
+        {
+            w.clusters = vec![ClusterWeight {
+                name: cluster.into(),
+                weight: Some(envoy_types::pb::google::protobuf::UInt32Value { value: 100 }),
+                ..Default::default()
+            }];
+        } else if let Some(route_action::ClusterSpecifier::Cluster(c)) =
+            &mut action.cluster_specifier
+        {
+            *c = cluster.into();
+        }
+    }
 }
 
 /// Leaves out of `vh` the weighted clusters that carry no weight and are not warm (a
@@ -404,12 +434,16 @@ pub struct Rejections {
     suspects: BTreeMap<Arc<str>, Arc<str>>,
     /// The suspects the next response may change: the first half.
     trying: BTreeSet<Arc<str>>,
+    /// For a rejected version the snapshot never had: the snapshot's version of that
+    /// name when the rejection was first pruned.
+    seen_with: BTreeMap<Arc<str>, Arc<str>>,
 }
 
 static NOTHING_REJECTED: Rejections = Rejections {
     rejected: BTreeMap::new(),
     suspects: BTreeMap::new(),
     trying: BTreeSet::new(),
+    seen_with: BTreeMap::new(),
 };
 
 impl Rejections {
@@ -431,11 +465,26 @@ impl Rejections {
     }
 
     /// Forgets rejections and suspicions of versions `current` no longer has: changed
-    /// content is offered afresh.
+    /// content is offered afresh. A rejected version that was never the snapshot's own
+    /// (a route merged for this Envoy, a stand-in) is forgotten once the snapshot's
+    /// version of that name changes: until then the same merge would be rejected again.
     pub fn prune(&mut self, current: &ResourceMap) {
         let live =
             |name: &Arc<str>, v: &mut Arc<str>| current.get(name).is_some_and(|r| r.version == *v);
-        self.rejected.retain(live);
+        let seen = &mut self.seen_with;
+        self.rejected.retain(|name, v| match current.get(name) {
+            None => false,
+            Some(r) if r.version == *v => true,
+            Some(r) => match seen.get(name) {
+                None => {
+                    seen.insert(name.clone(), r.version.clone());
+                    true
+                }
+                Some(then) => *then == r.version,
+            },
+        });
+        let rejected = &self.rejected;
+        seen.retain(|name, _| rejected.contains_key(name));
         let before = self.suspects.len();
         self.suspects.retain(live);
         if self.suspects.len() != before {
@@ -611,10 +660,15 @@ pub fn desired(
                     }) if version.is_empty() && ty == ResourceType::Cluster => {
                         out.insert(name.clone(), Desired::Send(bare_cluster(name)));
                     }
-                    // Held, but we have no body for it (declared on a reconnect): offer
-                    // the rejected version again, which the Envoy rejects again while
-                    // keeping its own (a delta stream leaves it out instead).
-                    Some(Held { resource: None, .. }) => {}
+                    // Held, but we have no body for it (declared on a reconnect). A
+                    // per-name type is left out: the Envoy keeps what it has. A
+                    // state-of-the-world listener cannot be left out (that removes it):
+                    // offer the snapshot's again.
+                    Some(Held { resource: None, .. }) => {
+                        if !ty.is_full_state() {
+                            out.insert(name.clone(), Desired::Keep);
+                        }
+                    }
                     None => {
                         out.remove(name);
                     }
@@ -672,7 +726,8 @@ pub fn desired(
                         resource: Some(held),
                         ..
                     }) => Some(Desired::Send(
-                        merge_warm_virtual_hosts(route, Some(&held), warm).unwrap_or(held),
+                        merge_warm_virtual_hosts(route, Some(&held), warm, |_| None)
+                            .unwrap_or(held),
                     )),
                     // With nothing (or only a version) to fall back on, a virtual host
                     // still warming holds the whole route back; one whose clusters this
@@ -686,7 +741,16 @@ pub fn desired(
                             (true, Some(_)) => Some(Desired::Keep),
                             (true, None) => None,
                             (false, _) => {
-                                merge_warm_virtual_hosts(route, None, warm).map(Desired::Send)
+                                let fallback = |vhost: &str| {
+                                    let prefix = format!("{vhost}/");
+                                    holds.acked[ResourceType::Cluster.index()]
+                                        .iter()
+                                        .map(|(n, _, _)| n)
+                                        .find(|n| n.starts_with(&prefix) && holds.warmed(n))
+                                        .cloned()
+                                };
+                                merge_warm_virtual_hosts(route, None, warm, fallback)
+                                    .map(Desired::Send)
                             }
                         }
                     }
@@ -694,6 +758,26 @@ pub fn desired(
                 match desired {
                     Some(d) => out.insert(name.clone(), d),
                     None => out.remove(name),
+                };
+            }
+        }
+    }
+    // Content made for this Envoy (a merged route, a stand-in) that it rejected is not
+    // made again until the snapshot changes: it keeps what it holds.
+    // (Per-name types only: a state-of-the-world cluster left out is removed.)
+    let rejected = &holds.rejected[ty.index()].rejected;
+    if !rejected.is_empty() && !ty.is_full_state() {
+        for (name, d) in out.iter_mut() {
+            let Desired::Send(r) = d else { continue };
+            if rejected.get(name).is_some_and(|v| *v == r.version)
+                && current.get(name).is_none_or(|c| c.version != r.version)
+            {
+                *d = match holds.acked[ty.index()].get(name) {
+                    Some(Held {
+                        resource: Some(held),
+                        ..
+                    }) => Desired::Send(held),
+                    _ => Desired::Keep,
                 };
             }
         }
