@@ -117,6 +117,10 @@ fn socket_address(ip: String, port: u16) -> core::Address {
     }
 }
 
+/// Below this share of healthy hosts (0 of any number up to 100), a cluster routes to
+/// every host it lists: better one more try on an ejected proxy than a certain 503.
+pub const HEALTHY_PANIC_THRESHOLD_PERCENT: f64 = 1.0;
+
 /// The gateway's listener. Global settings only (a listener serves every RayService):
 /// WebSocket upgrades pass through to Ray Serve (FastAPI ingress deployments serve them);
 /// a request or stream may be silent for `stream_idle_timeout`; the client's address
@@ -136,6 +140,8 @@ fn http_listener(gateway: &GatewaySettings, traffic: &TrafficPolicy) -> listener
         // the client's); Envoy makes one up otherwise, and keeps it across retries.
         preserve_external_request_id: true,
         xff_num_trusted_hops: traffic.xff_num_trusted_hops,
+        // `Host: svc.example:10000` matches the virtual host of `svc.example`.
+        strip_port_mode: Some(hcm::http_connection_manager::StripPortMode::StripAnyHostPort(true)),
         route_specifier: Some(hcm::http_connection_manager::RouteSpecifier::Rds(
             hcm::Rds {
                 config_source: Some(ads()),
@@ -267,11 +273,14 @@ fn eds_cluster(name: &str, gateway: &GatewaySettings, policy: &TrafficPolicy) ->
         common_lb_config: Some(cluster::cluster::CommonLbConfig {
             // Health changes from EDS apply at once instead of being merged for 1 s.
             update_merge_window: Some(duration(Duration::ZERO)),
-            // No panic routing: Envoy's default (below 50% healthy, use every host) would
-            // send new requests to draining and excluded proxies. ray-xds fails open
-            // itself when a whole cluster looks unhealthy (see live::health).
+            // Panic routing only when no host is left: EDS lists only proxies that may
+            // take new requests (ray-xds fails open itself when a whole cluster looks
+            // unhealthy, see live::health), so Envoy's default (below 50% healthy, use
+            // every host) would undo outlier detection half the time, while 0 would
+            // answer "no healthy upstream" once outlier detection ejects the last proxy
+            // (Envoy ejects at least one host whatever `max_ejection_percent` says).
             healthy_panic_threshold: Some(envoy_types::pb::envoy::r#type::v3::Percent {
-                value: 0.0,
+                value: HEALTHY_PANIC_THRESHOLD_PERCENT,
             }),
             ..Default::default()
         }),
@@ -521,6 +530,9 @@ mod tests {
             u32_value(100)
         );
         assert!(od.max_ejection_percent.unwrap().value < 100);
+        // With every listed proxy ejected, route to them rather than answer 503.
+        let threshold = HEALTHY_PANIC_THRESHOLD_PERCENT;
+        assert!(threshold > 0.0 && threshold <= 1.0, "{threshold}");
         let cb = &circuit_breakers(&p).thresholds[0];
         assert!(cb.retry_budget.is_some());
         assert_eq!(cb.max_requests, u32_value(10_000));

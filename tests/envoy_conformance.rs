@@ -366,6 +366,9 @@ async fn a_rejected_cluster_holds_back_only_its_own_rayservice(bootstrap: Bootst
     let port = envoy.gateway_port().await;
     eventually_served_by(port, "svc-a", "a1").await;
     eventually_served_by(port, "svc-b", "b1").await;
+    // (A Host with the gateway's port matches too: `strip_any_host_port`.)
+    let with_port = through_envoy_to(port, &format!("svc-a.example:{port}")).await;
+    assert_eq!(with_port.map(|s| s.cluster).as_deref(), Some("a1"));
     // An upgrade of svc-b to b2 begins, with that Envoy connected.
     svc_b.pending = Some("b2");
     s.edit(&services(&[svc_a, svc_b]));

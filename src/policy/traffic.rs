@@ -16,7 +16,7 @@ crate::declare_policy! {
     /// The traffic policy of one RayService.
     pub struct TrafficPolicy, service TrafficOverrides, global GlobalTraffic {
         service {
-            /// Retries of a failed request, each on another proxy (only of requests that certainly did not run, unless idempotent).
+            /// Retries of a failed request, each on another proxy where there is one (only of requests that certainly did not run, unless idempotent).
             retries: u32 = 3, range(0, 10), flag "retries";
             /// Whether a request that may have run may be sent again: after a reset mid-way, a 502 or 504, or a per-try timeout. Off by default: a model call is expensive and may not be idempotent.
             idempotent: bool = false, flag "idempotent";

@@ -51,7 +51,7 @@ whole_number!(u32, usize);
 
 impl Value for bool {
     fn parse(text: &str) -> Result<Self, String> {
-        match text.trim() {
+        match text.trim().to_ascii_lowercase().as_str() {
             "true" => Ok(true),
             "false" => Ok(false),
             _ => Err(format!("{text:?}: expected true or false")),
@@ -81,6 +81,17 @@ impl Value for Duration {
     }
     fn domain() -> String {
         "a duration".into()
+    }
+    /// Envoy reads most of its durations in whole milliseconds: `1500us` would act as
+    /// `1ms`, and `500us` as 0 (no ejection, no back-off), so neither is taken.
+    fn check(&self) -> Result<(), String> {
+        if !self.subsec_nanos().is_multiple_of(1_000_000) {
+            return Err(format!(
+                "{} is not a whole number of milliseconds",
+                humantime::format_duration(*self)
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -164,6 +175,7 @@ mod tests {
         assert!(u32::parse("-1").is_err());
         assert!(u32::parse("4294967296").is_err());
         assert!(bool::parse("yes").is_err());
+        assert!(bool::parse("True").unwrap() && !bool::parse(" FALSE ").unwrap());
         assert_eq!(Steps::parse("10, 50,100").unwrap().show(), "[10, 50, 100]");
     }
 
@@ -175,5 +187,13 @@ mod tests {
         }
         assert!(Steps(vec![100]).check().is_ok());
         assert!(Steps((1..=101).collect()).check().is_err());
+    }
+
+    #[test]
+    fn durations_are_whole_milliseconds() {
+        assert!(Duration::parse("1500us").unwrap().check().is_err());
+        assert!(Duration::parse("500us").unwrap().check().is_err());
+        assert!(Duration::parse("1ms").unwrap().check().is_ok());
+        assert!(Duration::parse("2s 5ms").unwrap().check().is_ok());
     }
 }
