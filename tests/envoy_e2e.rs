@@ -267,10 +267,12 @@ async fn restart_keeps_traffic_and_resends_only_endpoints(bootstrap: Bootstrap) 
     // cluster the Envoy was warming when the stream broke waits for a
     // ClusterLoadAssignment sent after it.
     let metrics = admin_get(admin, "/metrics").await;
-    let pushes: Vec<&str> = metrics
+    // (Series come out in no set order.)
+    let mut pushes: Vec<&str> = metrics
         .lines()
         .filter(|l| l.starts_with("ray_xds_xds_pushes_total{") && !l.ends_with(" 0"))
         .collect();
+    pushes.sort();
     let pushed = |ty: &str| {
         format!(
             "ray_xds_xds_pushes_total{{protocol=\"{}\",type=\"{ty}\"}} 1",
