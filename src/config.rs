@@ -215,6 +215,12 @@ pub struct KubernetesSourceConfig {
     pub api_server: Option<String>,
 }
 
+/// The largest gRPC message accepted from an xDS client, by default (4 MiB).
+pub const DEFAULT_XDS_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+/// What `xds.max_message_bytes` may be: 64 KiB to 64 MiB.
+pub const XDS_MAX_MESSAGE_BYTES_RANGE: std::ops::RangeInclusive<usize> =
+    64 * 1024..=64 * 1024 * 1024;
+
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -409,6 +415,17 @@ impl Config {
                 "gateway.connect_timeout must be above 0".into(),
             ));
         }
+        let max_message = args
+            .xds_max_message_bytes
+            .or(file.xds.max_message_bytes)
+            .unwrap_or(DEFAULT_XDS_MAX_MESSAGE_BYTES);
+        if !XDS_MAX_MESSAGE_BYTES_RANGE.contains(&max_message) {
+            return Err(ConfigError::Invalid(format!(
+                "xds.max_message_bytes (--xds-max-message-bytes) is {max_message}: it must be in {}..={} (a DiscoveryRequest of a few thousand names fits in 64 KiB)",
+                XDS_MAX_MESSAGE_BYTES_RANGE.start(),
+                XDS_MAX_MESSAGE_BYTES_RANGE.end()
+            )));
+        }
         let (file_source, kubernetes) = match file.source {
             Some(s) => (s.file, s.kubernetes),
             None => (None, None),
@@ -459,10 +476,7 @@ impl Config {
                 .xds_listen
                 .or(file.xds.listen)
                 .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 18000))),
-            xds_max_message_bytes: args
-                .xds_max_message_bytes
-                .or(file.xds.max_message_bytes)
-                .unwrap_or(4 * 1024 * 1024),
+            xds_max_message_bytes: max_message,
             admin_listen: args
                 .admin_listen
                 .or(file.admin.listen)
@@ -649,6 +663,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("gateway.upstream_idle_timeout"), "{err}");
+    }
+
+    #[test]
+    fn the_largest_xds_message_is_bounded() {
+        for bad in ["0", "65535", "67108865", "18446744073709551615"] {
+            let err = load(&format!(
+                "xds: {{ max_message_bytes: {bad} }}\nsource: {{ file: {{ path: a.yaml }} }}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("xds.max_message_bytes"), "{bad}: {err}");
+        }
+        assert!(
+            load("xds: { max_message_bytes: 65536 }\nsource: { file: { path: a.yaml } }\n").is_ok()
+        );
     }
 
     #[test]

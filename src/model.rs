@@ -325,6 +325,34 @@ fn validate_host(host: &str) -> Result<(), String> {
     }
 }
 
+/// Why `address` can never be a Ray Serve proxy's, if it cannot: an address that names
+/// no host (unspecified, broadcast, multicast), a link-local one (the cloud metadata
+/// service, 169.254.169.254, among them), or port 0. Such an endpoint is never published,
+/// whatever source or dashboard lists it. (Loopback stays allowed: the demo and tests.)
+pub fn refused_address(address: std::net::SocketAddr) -> Option<&'static str> {
+    use std::net::IpAddr;
+    let ip = address.ip();
+    if address.port() == 0 {
+        return Some("port 0");
+    }
+    if ip.is_unspecified() {
+        return Some("an unspecified address");
+    }
+    if ip.is_multicast() {
+        return Some("a multicast address");
+    }
+    match ip {
+        IpAddr::V4(v4) if v4.is_broadcast() => Some("the broadcast address"),
+        IpAddr::V4(v4) if v4.is_link_local() => Some("a link-local address"),
+        IpAddr::V6(v6) if v6.is_unicast_link_local() => Some("a link-local address"),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => refused_address(std::net::SocketAddr::new(IpAddr::V4(v4), address.port())),
+            None => None,
+        },
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod test_support {
     use super::*;

@@ -80,6 +80,44 @@ async fn probe_outcomes_on_real_sockets() {
 }
 
 #[tokio::test]
+async fn an_endless_body_is_a_failure_read_no_further_than_the_cap() {
+    use tokio::io::AsyncWriteExt;
+    // A "proxy" answering 200 with a body that never ends (chunked, 64 KiB a chunk).
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = sent.clone();
+    tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = tokio::io::AsyncReadExt::read(&mut conn, &mut buf).await;
+        let _ = conn
+            .write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            .await;
+        let chunk = vec![b's'; 64 * 1024];
+        loop {
+            let head = format!("{:x}\r\n", chunk.len());
+            if conn.write_all(head.as_bytes()).await.is_err()
+                || conn.write_all(&chunk).await.is_err()
+                || conn.write_all(b"\r\n").await.is_err()
+            {
+                return;
+            }
+            counter.fetch_add(chunk.len(), std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    let client = probe_client(Duration::from_secs(5));
+    let outcome = probe_healthz(&client, addr, Duration::from_secs(5)).await;
+    let Outcome::Failed(why) = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(why.contains("over 1024 KiB"), "{why}");
+    // It stopped reading at the cap (plus what the socket buffers hold).
+    let read = sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(read < 32 * 1024 * 1024, "read {read} bytes");
+}
+
+#[tokio::test]
 async fn a_wrong_body_is_a_failure() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

@@ -322,6 +322,15 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
         .and_then(|o| o.get("keep_alive_timeout_s"))
         .and_then(Value::as_f64);
     status.http_proxies = http_proxies(&root, &status.proxies, &actor_names);
+    // A dashboard is outside input: an address that can never be a proxy's (the cloud
+    // metadata service, a broadcast or multicast address...) is dropped and logged.
+    status.http_proxies.retain(|p| match crate::model::refused_address(p.address) {
+        None => true,
+        Some(why) => {
+            tracing::warn!(proxy = %p.address, reason = why, "the dashboard lists a proxy at an address that is never a proxy's: left out");
+            false
+        }
+    });
     Ok(status)
 }
 
@@ -813,6 +822,25 @@ mod tests {
 
     fn healthy(address: &str, node_type: NodeType) -> (String, NodeType, Option<String>) {
         (address.into(), node_type, Some("HEALTHY".into()))
+    }
+
+    #[test]
+    fn addresses_that_are_never_a_proxy_are_left_out() {
+        let mut v = running();
+        let before = http(&v);
+        for ip in [
+            "169.254.169.254",
+            "0.0.0.0",
+            "255.255.255.255",
+            "224.0.0.1",
+            "fe80::1",
+        ] {
+            add_target(
+                &mut v,
+                serde_json::json!({"ip": ip, "port": 80, "instance_id": "", "name": ""}),
+            );
+        }
+        assert_eq!(http(&v), before);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -259,11 +259,21 @@ async fn get(
     let request = async {
         let response = client.get(uri).await.map_err(classify)?;
         let status = response.status().as_u16();
-        let body = response
-            .into_body()
+        // A proxy that answers an endless or huge body is not healthy, and must not
+        // take ray-xds's memory with it.
+        let body = Limited::new(response.into_body(), MAX_PROBE_BODY_BYTES)
             .collect()
             .await
-            .map_err(|e| Outcome::Failed(format!("reading the body: {e}")))?
+            .map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    Outcome::Failed(format!(
+                        "answered a body over {} KiB",
+                        MAX_PROBE_BODY_BYTES >> 10
+                    ))
+                } else {
+                    Outcome::Failed(format!("reading the body: {e}"))
+                }
+            })?
             .to_bytes();
         Ok((status, body))
     };
@@ -290,6 +300,10 @@ fn classify(error: hyper_util::client::legacy::Error) -> Outcome {
             .unwrap_or_default()
     ))
 }
+
+/// The largest body a probe reads (`/-/healthz` answers "success"; `/-/routes` lists
+/// the applications): 1 MiB.
+pub const MAX_PROBE_BODY_BYTES: usize = 1024 * 1024;
 
 /// One `GET /-/healthz`, classified.
 pub async fn probe_healthz(client: &HttpClient, address: SocketAddr, timeout: Duration) -> Outcome {

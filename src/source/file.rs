@@ -125,6 +125,20 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
                     s.name
                 ))
             })?;
+            for c in &s.clusters {
+                for p in c.proxies.iter().flatten() {
+                    if let Some(why) = crate::model::refused_address(p.address) {
+                        return Err(ConfigError::Invalid(format!(
+                            "{}: rayservice {}/{}, cluster {}: proxy {} is {why}, never a proxy",
+                            file.display(),
+                            s.namespace,
+                            s.name,
+                            c.name,
+                            p.address
+                        )));
+                    }
+                }
+            }
             Ok(RayService {
                 policy: ServicePolicy {
                     overrides,
@@ -172,9 +186,50 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
     Model::new(services).map_err(|e| ConfigError::Invalid(format!("{}: {e}", file.display())))
 }
 
+/// The largest services file read (16 MiB; 20,000 proxies take about 1.5 MiB): a bigger
+/// one is an invalid edit, refused before it is read.
+pub const MAX_FILE_BYTES: u64 = 16 * 1024 * 1024;
+
+fn too_big(len: u64) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        format!(
+            "{len} bytes, over the {} MiB a services file may have",
+            MAX_FILE_BYTES >> 20
+        ),
+    )
+}
+
+/// Reads `path` if it is a file of at most [`MAX_FILE_BYTES`].
+fn read_bounded_sync(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(too_big(meta.len()));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(too_big(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
+/// [`read_bounded_sync`] off the async runtime.
+async fn read_bounded(path: &Path) -> std::io::Result<Vec<u8>> {
+    let path = path.to_path_buf();
+    tokio::task::spawn_blocking(move || read_bounded_sync(&path))
+        .await
+        .map_err(std::io::Error::other)?
+}
+
 /// Reads and parses the file once (used at start-up, where a bad file is fatal).
 pub fn load(path: &Path) -> Result<(Model, Vec<u8>), ConfigError> {
-    let bytes = std::fs::read(path).map_err(|source| ConfigError::Read {
+    let bytes = read_bounded_sync(path).map_err(|source| ConfigError::Read {
         file: path.to_path_buf(),
         source,
     })?;
@@ -203,10 +258,10 @@ const SETTLE_AT_MOST: Duration = Duration::from_secs(5);
 /// agree (at most `SETTLE_AT_MOST`).
 async fn read_settled(path: &Path) -> std::io::Result<Vec<u8>> {
     let started = std::time::Instant::now();
-    let mut bytes = tokio::fs::read(path).await?;
+    let mut bytes = read_bounded(path).await?;
     loop {
         tokio::time::sleep(SETTLE).await;
-        let again = tokio::fs::read(path).await?;
+        let again = read_bounded(path).await?;
         if again == bytes || started.elapsed() > SETTLE_AT_MOST {
             return Ok(again);
         }
@@ -232,7 +287,7 @@ impl FileSource {
                 _ = poll.tick() => {}
                 Some(()) = changed.recv() => {}
             }
-            let bytes = match tokio::fs::read(&self.path).await {
+            let bytes = match read_bounded(&self.path).await {
                 // A change: wait until the writer is done before taking it.
                 Ok(b) if b != last_bytes => match read_settled(&self.path).await {
                     Ok(b) => b,
@@ -243,9 +298,12 @@ impl FileSource {
                 },
                 Ok(b) => b,
                 Err(err) => {
-                    if last_bytes != b"\0unreadable" {
-                        self.refused(format!("cannot read {}: {err}", self.path.display()));
-                        last_bytes = b"\0unreadable".to_vec();
+                    // Said once per reason (a new reason is said again).
+                    let why = format!("cannot read {}: {err}", self.path.display());
+                    let marker = format!("\0{why}").into_bytes();
+                    if last_bytes != marker {
+                        self.refused(why);
+                        last_bytes = marker;
                     }
                     continue;
                 }
@@ -344,6 +402,44 @@ rayservices:
       - name: demo-b
         proxies: [ { address: 127.0.0.1:8100, node_type: head } ]
 "#;
+
+    #[test]
+    fn a_file_over_the_cap_or_a_directory_is_refused_before_it_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("big.yaml");
+        let f = std::fs::File::create(&big).unwrap();
+        // Sparse: the size says it all, nothing is written.
+        f.set_len(MAX_FILE_BYTES + 1).unwrap();
+        let err = read_bounded_sync(&big).unwrap_err().to_string();
+        assert!(err.contains("16 MiB"), "{err}");
+        assert!(load(&big).is_err());
+        let err = read_bounded_sync(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("not a regular file") || err.contains("directory"),
+            "{err}"
+        );
+        let ok = dir.path().join("ok.yaml");
+        std::fs::write(&ok, EXAMPLE).unwrap();
+        assert_eq!(read_bounded_sync(&ok).unwrap(), EXAMPLE.as_bytes());
+    }
+
+    #[test]
+    fn addresses_that_are_never_a_proxy_are_refused() {
+        for bad in [
+            "0.0.0.0:8000",
+            "255.255.255.255:8000",
+            "224.0.0.1:8000",
+            "169.254.169.254:80",
+            "[::]:8000",
+            "[fe80::1]:8000",
+            "[ff02::1]:8000",
+            "127.0.0.1:0",
+        ] {
+            let text = EXAMPLE.replace("127.0.0.1:8001", &format!("\"{bad}\""));
+            let err = parse(Path::new("s.yaml"), &text).unwrap_err().to_string();
+            assert!(err.contains("never a proxy"), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn parses_the_documented_example() {
