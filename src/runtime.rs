@@ -212,6 +212,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     );
     let service = AdsService::new(ads, config.xds_max_message_bytes);
     let (mut published, token) = (published_rx.clone(), shutdown.clone());
+    let xds_observer: Arc<dyn crate::xds::Observer> = metrics.clone();
     tasks.spawn(async move {
         tokio::select! {
             _ = token.cancelled() => return Ok(()),
@@ -221,7 +222,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
             .add_service(service)
             .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(xds_listener),
+                crate::xds::listener::incoming(
+                    xds_listener,
+                    crate::xds::listener::Limits::default(),
+                    Default::default(),
+                    xds_observer,
+                ),
                 token.cancelled_owned(),
             )
             .await

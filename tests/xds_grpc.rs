@@ -403,3 +403,49 @@ async fn a_stuck_client_does_not_delay_others() {
         }
     }
 }
+
+#[tokio::test]
+async fn silent_sockets_on_the_xds_port_are_closed_and_clients_still_served() {
+    use tokio::io::AsyncReadExt;
+    let s = server().await;
+    // Sockets that never send the HTTP/2 preface.
+    let mut silent = Vec::new();
+    for _ in 0..50 {
+        silent.push(
+            tokio::net::TcpStream::connect(s.running.xds_addr)
+                .await
+                .unwrap(),
+        );
+    }
+    // A real client is served meanwhile.
+    let (tx, mut rx) = sotw_stream(s.running.xds_addr).await;
+    tx.send(DiscoveryRequest {
+        node: node("live"),
+        type_url: CLUSTER_TYPE_URL.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert!(!next(&mut rx).await.resources.is_empty());
+    // Every silent socket is closed by the server (after its handshake timeout, 10 s).
+    for mut conn in silent {
+        let mut buf = [0u8; 16];
+        let read = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                match conn.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {} // an HTTP/2 server preface (SETTINGS) may come first
+                }
+            }
+        })
+        .await;
+        assert!(read.is_ok(), "a silent socket was held past its deadline");
+    }
+    let metrics = admin_get(s.running.admin_addr, "/metrics").await;
+    assert!(
+        metrics.contains(
+            "ray_xds_xds_stream_errors_total{protocol=\"connection\",reason=\"silent\"} 50"
+        ),
+        "{metrics}"
+    );
+}

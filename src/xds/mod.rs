@@ -24,6 +24,7 @@ mod envoy_model;
 pub(crate) mod fixtures;
 pub mod grpc;
 pub mod json;
+pub mod listener;
 pub mod ordering;
 pub mod server;
 pub mod snapshot;
