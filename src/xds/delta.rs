@@ -340,6 +340,10 @@ impl AdsProtocol for DeltaStream {
             .map(|n| intern(n, self.types.iter().map(|t| &t.known)))
             .collect();
         let st = &mut self.types[ty.index()];
+        let new_names = subscribed.iter().filter(|n| !st.names.contains(*n)).count();
+        if st.names.len() + new_names > super::MAX_NAMES_PER_TYPE {
+            return Err(ProtocolError::TooManyNames(st.names.len() + new_names));
+        }
         let first = !st.subscribed;
         if first {
             st.subscribed = true;
@@ -1014,5 +1018,23 @@ mod tests {
                 s.on_request(ack(&r)).unwrap();
             }
         }
+    }
+
+    #[test]
+    fn a_stream_subscribes_to_a_bounded_number_of_names() {
+        let mut s = DeltaStream::new();
+        let names: Vec<String> = (0..60_000).map(|i| format!("n{i}")).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        s.on_request(subscribe(ResourceType::Endpoints, &refs))
+            .unwrap();
+        // The same names again: still 60,000.
+        s.on_request(subscribe(ResourceType::Endpoints, &refs))
+            .unwrap();
+        let more: Vec<String> = (0..60_000).map(|i| format!("m{i}")).collect();
+        let more: Vec<&str> = more.iter().map(String::as_str).collect();
+        let err = s
+            .on_request(subscribe(ResourceType::Endpoints, &more))
+            .unwrap_err();
+        assert!(matches!(err, ProtocolError::TooManyNames(_)), "{err}");
     }
 }

@@ -81,12 +81,19 @@ pub enum Event {
 pub enum ProtocolError {
     #[error("unknown type_url {0:?}: ray-xds serves clusters, endpoints, listeners and routes")]
     UnknownType(String),
+    #[error("{0} resource names of one type on one stream, over the {MAX_NAMES_PER_TYPE} a client may subscribe to")]
+    TooManyNames(usize),
 }
+
+/// The most resource names of one type a stream may subscribe to (an Envoy subscribes
+/// to one endpoints name per cluster): bounds what one client makes a stream hold.
+pub const MAX_NAMES_PER_TYPE: usize = 100_000;
 
 impl ProtocolError {
     pub fn metric_label(&self) -> &'static str {
         match self {
             ProtocolError::UnknownType(_) => "unknown_type",
+            ProtocolError::TooManyNames(_) => "too_many_names",
         }
     }
 }

@@ -453,6 +453,9 @@ impl AdsProtocol for SotwStream {
     fn on_request(&mut self, req: DiscoveryRequest) -> Result<Event, ProtocolError> {
         let ty = ResourceType::from_type_url(&req.type_url)
             .ok_or_else(|| ProtocolError::UnknownType(req.type_url.clone()))?;
+        if req.resource_names.len() > super::MAX_NAMES_PER_TYPE {
+            return Err(ProtocolError::TooManyNames(req.resource_names.len()));
+        }
         if self.node.is_none() {
             if let Some(node) = &req.node {
                 self.node = Some(NodeInfo::from_node(node));
