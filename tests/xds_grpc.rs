@@ -147,8 +147,9 @@ async fn delta_client_gets_only_changes() {
     .await
     .unwrap();
 
-    // A reconnecting client that already holds the current version is sent nothing;
-    // one with an outdated version gets the update.
+    // A reconnecting client that already holds the current version is sent its
+    // endpoints once more, unchanged (a cluster it was warming when its stream broke
+    // waits for an assignment sent after it), then only changes.
     let (tx2, mut rx2) = delta_stream(s.running.xds_addr).await;
     let mut req = DeltaDiscoveryRequest {
         node: node("delta-2"),
@@ -161,11 +162,21 @@ async fn delta_client_gets_only_changes() {
         first.resources[0].version.clone(),
     );
     tx2.send(req).await.unwrap();
+    let again = next(&mut rx2).await;
+    assert_eq!(again.resources.len(), 1);
+    assert_eq!(again.resources[0].version, first.resources[0].version);
+    tx2.send(DeltaDiscoveryRequest {
+        type_url: ENDPOINTS_TYPE_URL.into(),
+        response_nonce: again.nonce.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     assert!(
         tokio::time::timeout(Duration::from_millis(500), rx2.message())
             .await
             .is_err(),
-        "nothing to send to a client that holds the current version"
+        "nothing more until something changes"
     );
 
     write_atomic(
