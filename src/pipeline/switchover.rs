@@ -313,7 +313,11 @@ impl Switchover {
                     }
                     let rejecting = envoys.rejecting_envoys(&service.envoy_cluster_name(&target));
                     match ready {
-                        _ if !rejecting.is_empty() => {
+                        // (When the serving cluster has no routable proxy left and the
+                        // target has, traffic moves anyway: an Envoy that rejected the
+                        // target keeps its own route, merged for it, while every other
+                        // one stops sending to a dead cluster.)
+                        _ if !rejecting.is_empty() && !desperate => {
                             st.phase = Phase::Rejected;
                             st.reason = format!(
                                 "{target} was rejected by {} Envoy(s): {}; no traffic moves \
@@ -830,6 +834,18 @@ mod tests {
         let m = model(A, Some(B), SwitchoverOverrides::default());
         let mut s = Switchover::default();
         advance(&mut s, &m, &world, &Envoys(vec![("gw", vec![])]), T0);
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
+    #[test]
+    fn with_nothing_healthy_left_traffic_moves_even_to_a_target_an_envoy_rejected() {
+        // Otherwise one client that NACKs the target (any ADS client can) would keep every
+        // Envoy sending to a dead cluster; the rejecting Envoy keeps its own route.
+        let mut world = World::new();
+        world.proxy(8000, ProbeState::Unhealthy);
+        let m = model(A, Some(B), SwitchoverOverrides::default());
+        let mut s = Switchover::default();
+        advance(&mut s, &m, &world, &OneRejects("gw-2", "default/s/b1"), T0);
         assert_eq!(weights(&s), w(&[(B, 100)]));
     }
 

@@ -132,7 +132,9 @@ fn client_config<P: AdsProtocol + ?Sized>(
             None => names.extend(current.into_iter().flat_map(|c| c.keys().cloned())),
             Some(list) => names.extend(list),
         }
-        for name in names {
+        // (Every name counts for `in_sync`; at most `NAMES_SHOWN` per type are listed, so
+        // that a client subscribed to thousands of names cannot make the view huge.)
+        for (listed, name) in names.into_iter().enumerate() {
             let have = held.get(&name);
             let want = current.and_then(|c| c.get(&name)).map(|r| &r.version);
             let (client, config) = match (have, want) {
@@ -149,6 +151,9 @@ fn client_config<P: AdsProtocol + ?Sized>(
             // In sync: it holds every subscribed resource that exists, as it is now
             // (holding more, a cluster on its way out, is not holding less).
             in_sync &= want.is_none() || config == ConfigStatus::Synced;
+            if listed >= super::NAMES_SHOWN {
+                continue;
+            }
             configs.push(GenericXdsConfig {
                 type_url: ty.type_url().into(),
                 name: name.to_string(),
@@ -179,8 +184,8 @@ fn client_config<P: AdsProtocol + ?Sized>(
 }
 
 impl Clients {
-    /// Waits until some Envoy ACKs clusters or endpoints (or returns at once if one did
-    /// since the last wait).
+    /// Waits until some Envoy ACKs (or NACKs) clusters or endpoints, or a stream ends (or
+    /// returns at once if one did since the last wait).
     pub async fn acked(&self) {
         self.warmed.notified().await
     }
@@ -232,11 +237,14 @@ impl Clients {
         id
     }
 
+    /// A stream ended: what it held back (a cold or rejected target) no longer does, so
+    /// a waiting switchover looks again.
     pub(super) fn remove(&self, id: u64) {
         self.streams
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&id);
+        self.notify_acked();
     }
 }
 

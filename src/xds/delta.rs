@@ -37,6 +37,8 @@ struct InFlight {
     /// Names (and versions) taken out of `sent` by `forget_endpoints` after sending:
     /// still suspects if the Envoy rejects this response.
     forgotten: Vec<(Arc<str>, Arc<str>)>,
+    /// [`content_key`] of the response as sent.
+    content: u64,
 }
 
 #[derive(Debug, Default)]
@@ -53,9 +55,25 @@ struct TypeState {
     last_acked_version: Option<String>,
     last_nacked_version: Option<String>,
     last_nack_message: Option<String>,
+    /// The content of the response last NACKed: not sent again until the Envoy ACKs
+    /// something of this type (a NACK of a removal alone would otherwise loop).
+    not_again: Option<u64>,
     pushes: u64,
     acks: u64,
     nacks: u64,
+}
+
+/// What a response carries, as a hash: its resources' names and versions, and removals.
+fn content_key(sent: &ResourceMap, removed: &[Arc<str>]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for (name, r) in sent {
+        name.hash(&mut h);
+        r.version.hash(&mut h);
+    }
+    0xff_u8.hash(&mut h);
+    removed.hash(&mut h);
+    h.finish()
 }
 
 impl TypeState {
@@ -222,6 +240,10 @@ impl DeltaStream {
             return None;
         }
         let (sent, complete) = take_budget(changed, RESPONSE_BUDGET_BYTES);
+        let content = content_key(&sent, &removed);
+        if st.not_again == Some(content) {
+            return None;
+        }
         let then_whole = (whole && complete).then(|| Holding::whole(snapshot, ty));
         // A cluster whose settings change is warmed anew: Envoy waits for a
         // ClusterLoadAssignment sent after it, even an unchanged one, and ACKs the clusters
@@ -257,6 +279,7 @@ impl DeltaStream {
             endpoints_then: (ty == ResourceType::Cluster)
                 .then(|| snapshot.shared(ResourceType::Endpoints).clone()),
             forgotten: Vec::new(),
+            content,
         });
         Some((ty, count, response))
     }
@@ -410,6 +433,7 @@ impl AdsProtocol for DeltaStream {
         Ok(match &req.error_detail {
             Some(status) => {
                 st.nacks += 1;
+                st.not_again = Some(f.content);
                 // What the message blames keeps the Envoy's old version until it changes;
                 // when it names them, it applied the rest; when it names none, the
                 // search for the culprit begins (see `Rejections`).
@@ -430,7 +454,7 @@ impl AdsProtocol for DeltaStream {
                 }
                 let st = &mut self.types[ty.index()];
                 st.last_nacked_version = Some(version.clone());
-                st.last_nack_message = Some(status.message.clone());
+                st.last_nack_message = Some(super::clip(&status.message, 1024));
                 Event::Nack {
                     ty,
                     version,
@@ -439,6 +463,7 @@ impl AdsProtocol for DeltaStream {
             }
             None => {
                 st.acks += 1;
+                st.not_again = None;
                 st.rejected.on_ack(&f.sent);
                 st.last_acked_version = Some(version.clone());
                 match f.then_whole {
@@ -521,7 +546,7 @@ impl AdsProtocol for DeltaStream {
             .zip(&self.types)
             .filter(|(_, st)| st.subscribed)
             .map(|(ty, st)| {
-                let mut subscribed: Vec<String> = st.names.iter().map(|n| n.to_string()).collect();
+                let mut subscribed = super::shown_names(st.names.iter().map(|n| n.to_string()));
                 if st.wildcard {
                     subscribed.insert(0, "*".into());
                 }
@@ -1023,18 +1048,32 @@ mod tests {
     #[test]
     fn a_stream_subscribes_to_a_bounded_number_of_names() {
         let mut s = DeltaStream::new();
-        let names: Vec<String> = (0..60_000).map(|i| format!("n{i}")).collect();
+        let names: Vec<String> = (0..15_000).map(|i| format!("n{i}")).collect();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         s.on_request(subscribe(ResourceType::Endpoints, &refs))
             .unwrap();
-        // The same names again: still 60,000.
+        // The same names again: still 15,000.
         s.on_request(subscribe(ResourceType::Endpoints, &refs))
             .unwrap();
-        let more: Vec<String> = (0..60_000).map(|i| format!("m{i}")).collect();
+        let more: Vec<String> = (0..15_000).map(|i| format!("m{i}")).collect();
         let more: Vec<&str> = more.iter().map(String::as_str).collect();
         let err = s
             .on_request(subscribe(ResourceType::Endpoints, &more))
             .unwrap_err();
         assert!(matches!(err, ProtocolError::TooManyNames(_)), "{err}");
+    }
+
+    #[test]
+    fn a_rejected_removal_is_not_sent_again_in_a_loop() {
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = DeltaStream::new();
+        s.on_request(subscribe(ResourceType::Endpoints, &["default/nope/x"]))
+            .unwrap();
+        let r = s.poll(&snap).remove(0).2;
+        assert_eq!(r.removed_resources, ["default/nope/x"]);
+        s.on_request(nack(&r)).unwrap();
+        for _ in 0..3 {
+            assert!(s.poll(&snap).is_empty(), "the same answer again");
+        }
     }
 }

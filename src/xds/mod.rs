@@ -87,7 +87,33 @@ pub enum ProtocolError {
 
 /// The most resource names of one type a stream may subscribe to (an Envoy subscribes
 /// to one endpoints name per cluster): bounds what one client makes a stream hold.
-pub const MAX_NAMES_PER_TYPE: usize = 100_000;
+pub const MAX_NAMES_PER_TYPE: usize = 20_000;
+
+/// `text` cut to at most `max` bytes (on a character boundary), saying so: an Envoy's
+/// error message is outside input, logged and shown.
+pub fn clip(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes in all)", &text[..end], text.len())
+}
+
+/// At most this many subscribed names are listed per type in `/debug/clients`.
+pub const NAMES_SHOWN: usize = 1000;
+
+/// The names to show of a subscription: the first [`NAMES_SHOWN`], then how many more.
+pub fn shown_names(names: impl ExactSizeIterator<Item = String>) -> Vec<String> {
+    let total = names.len();
+    let mut shown: Vec<String> = names.take(NAMES_SHOWN).collect();
+    if total > NAMES_SHOWN {
+        shown.push(format!("… and {} more", total - NAMES_SHOWN));
+    }
+    shown
+}
 
 impl ProtocolError {
     pub fn metric_label(&self) -> &'static str {

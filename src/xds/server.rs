@@ -162,7 +162,7 @@ impl AdsServer {
                     protocol,
                     r#type = ty.label(),
                     version,
-                    error_detail = message.as_str(),
+                    error_detail = super::clip(message, 1024).as_str(),
                     "Envoy rejected a response; it will not be resent until its content changes"
                 );
                 self.observer.nacked(protocol, *ty);

@@ -480,7 +480,7 @@ impl AdsProtocol for SotwStream {
             Some(f) => match &req.error_detail {
                 Some(status) => {
                     st.nacks += 1;
-                    st.last_nack_message = Some(status.message.clone());
+                    st.last_nack_message = Some(super::clip(&status.message, 1024));
                     st.rejected_version = Some(f.version.clone());
                     st.not_again = Some(f.version.clone());
                     // What the message blames keeps the Envoy's old version until it
@@ -701,7 +701,7 @@ impl AdsProtocol for SotwStream {
             .map(|(ty, st)| {
                 let subscribed = match &st.subscription {
                     Some(Subscription::Names(names)) => {
-                        names.iter().map(|n| n.to_string()).collect()
+                        super::shown_names(names.iter().map(|n| n.to_string()))
                     }
                     _ => vec!["*".to_string()],
                 };
