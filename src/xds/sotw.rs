@@ -388,13 +388,17 @@ impl SotwStream {
         // had, which the rule above may give again under another version string): no
         // response, unless this stream has never answered the type (Envoy waits for a
         // first one, even empty, to finish initializing).
-        let holds_exactly = st.last_nonce.is_some()
+        // (Checked only where it can matter: full-state types, a version that differs.
+        // This runs on every poll of every stream.)
+        let holds_exactly = ty.is_full_state()
+            && version != st.acked_version
+            && st.last_nonce.is_some()
             && !st.acked.iter().any(|(_, v, _)| v.is_empty())
             && st.acked.iter().count() == wanted.len()
             && wanted
                 .iter()
                 .all(|(n, r)| st.acked.version_of(n).is_some_and(|v| *v == r.version));
-        if holds_exactly && ty.is_full_state() {
+        if holds_exactly {
             st.acked_version = version.clone();
         }
         if version == st.acked_version {
