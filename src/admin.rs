@@ -11,7 +11,8 @@
 //! - `/debug/state`: per cluster, where its proxies come from (the source, or discovered
 //!   from its dashboard), each proxy's probe state and endpoint health with the reason,
 //!   and what the cluster's dashboard says (application statuses, staleness);
-//!   the source's state (each Kubernetes watch, how stale, what it skipped and why).
+//!   the source's state (each Kubernetes watch, how stale, what it skipped and why);
+//!   the proxies the address policy refused (`refused_proxies`, with the reason).
 
 use std::sync::Arc;
 
@@ -54,6 +55,8 @@ pub struct LiveViews {
     pub health: watch::Receiver<Arc<HealthMap>>,
     pub switchover: watch::Receiver<Arc<Switchover>>,
     pub source: watch::Receiver<Arc<SourceStatus>>,
+    /// Proxies the address policy left out.
+    pub refused: watch::Receiver<Arc<Vec<crate::live::discovery::RefusedProxy>>>,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -206,6 +209,7 @@ async fn live_state(State(state): State<AdminState>) -> Response {
             "kuberay_application_statuses": source.kuberay_application_statuses,
         },
         "rayservices": services,
+        "refused_proxies": &**live.refused.borrow(),
         "probes_complete": probes.complete,
     }))
     .into_response()

@@ -83,6 +83,13 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_XDS_MAX_MESSAGE_BYTES")]
     pub xds_max_message_bytes: Option<usize>,
 
+    /// Networks every published proxy must be in, comma-separated CIDRs (e.g.
+    /// `10.0.0.0/8,fd00::/8`). Unset: proxies the source lists are trusted, and proxies
+    /// discovered from a dashboard must be in its /16 (IPv4) or /64 (IPv6)
+    /// [config: proxies.networks].
+    #[arg(long, env = "RAY_XDS_PROXY_NETWORKS", value_delimiter = ',')]
+    pub proxy_networks: Option<Vec<ipnet::IpNet>>,
+
     /// Every policy setting (probe, dashboard, traffic, switchover), each with its own
     /// flag and environment variable, declared in `policy`.
     #[command(flatten)]
@@ -165,6 +172,8 @@ pub struct Config {
     pub admin_listen: SocketAddr,
     pub gateway: GatewaySettings,
     pub source: SourceConfig,
+    /// Which proxy addresses may be published.
+    pub addresses: crate::model::AddressPolicy,
     /// The global probe, dashboard, traffic and switchover policies; RayServices
     /// override parts of them.
     pub policies: Policies,
@@ -221,6 +230,15 @@ pub const DEFAULT_XDS_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 pub const XDS_MAX_MESSAGE_BYTES_RANGE: std::ops::RangeInclusive<usize> =
     64 * 1024..=64 * 1024 * 1024;
 
+/// What `gateway.connect_timeout` may be: 1 ms to 60 s.
+pub const CONNECT_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_millis(1)..=Duration::from_secs(60);
+/// What `source.file.poll_interval` may be: 10 ms to 1 h.
+pub const FILE_POLL_INTERVAL_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_millis(10)..=Duration::from_secs(3600);
+/// At most this many `proxies.networks`.
+pub const MAX_PROXY_NETWORKS: usize = 256;
+
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -254,6 +272,8 @@ struct FileConfig {
     #[serde(default)]
     source: Option<SourceSection>,
     #[serde(default)]
+    proxies: ProxiesSection,
+    #[serde(default)]
     probe: probe::GlobalProbe,
     #[serde(default)]
     dashboard: dashboard::GlobalDashboard,
@@ -268,6 +288,12 @@ struct FileConfig {
 struct XdsSection {
     listen: Option<SocketAddr>,
     max_message_bytes: Option<usize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProxiesSection {
+    networks: Option<Vec<ipnet::IpNet>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -410,10 +436,13 @@ impl Config {
                 humantime::format_duration(gateway.upstream_idle_timeout)
             )));
         }
-        if gateway.connect_timeout.is_zero() {
-            return Err(ConfigError::Invalid(
-                "gateway.connect_timeout must be above 0".into(),
-            ));
+        if !CONNECT_TIMEOUT_RANGE.contains(&gateway.connect_timeout) {
+            return Err(ConfigError::Invalid(format!(
+                "gateway.connect_timeout (--connect-timeout) is {}: it must be in {}..={}",
+                humantime::format_duration(gateway.connect_timeout),
+                humantime::format_duration(*CONNECT_TIMEOUT_RANGE.start()),
+                humantime::format_duration(*CONNECT_TIMEOUT_RANGE.end()),
+            )));
         }
         let max_message = args
             .xds_max_message_bytes
@@ -447,10 +476,13 @@ impl Config {
                     .source_file_poll_interval
                     .or(file_source.as_ref().and_then(|f| f.poll_interval))
                     .unwrap_or(Duration::from_secs(1));
-                if poll_interval.is_zero() {
-                    return Err(ConfigError::Invalid(
-                        "source.file.poll_interval must be above 0".into(),
-                    ));
+                if !FILE_POLL_INTERVAL_RANGE.contains(&poll_interval) {
+                    return Err(ConfigError::Invalid(format!(
+                        "source.file.poll_interval (--source-file-poll-interval) is {}: it must be in {}..={}",
+                        humantime::format_duration(poll_interval),
+                        humantime::format_duration(*FILE_POLL_INTERVAL_RANGE.start()),
+                        humantime::format_duration(*FILE_POLL_INTERVAL_RANGE.end()),
+                    )));
                 }
                 SourceConfig::File {
                     path,
@@ -470,8 +502,23 @@ impl Config {
                     .into(),
             )),
         };
+        let networks = args
+            .proxy_networks
+            .clone()
+            .or(file.proxies.networks)
+            .unwrap_or_default();
+        if networks.len() > MAX_PROXY_NETWORKS {
+            return Err(ConfigError::Invalid(format!(
+                "proxies.networks lists {} networks: at most {MAX_PROXY_NETWORKS}",
+                networks.len()
+            )));
+        }
+        let addresses = crate::model::AddressPolicy {
+            networks: networks.into_iter().map(|n| n.trunc()).collect(),
+        };
         Ok(Config {
             policies,
+            addresses,
             xds_listen: args
                 .xds_listen
                 .or(file.xds.listen)
@@ -663,6 +710,77 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("gateway.upstream_idle_timeout"), "{err}");
+    }
+
+    #[test]
+    fn proxy_networks_from_file_and_flag() {
+        let c = load("proxies: { networks: [10.0.0.0/8, \"fd00::/8\", 10.1.2.3/16] }\nsource: { file: { path: a.yaml } }\n").unwrap();
+        assert_eq!(
+            c.addresses.networks,
+            ["10.0.0.0/8", "fd00::/8", "10.1.0.0/16"].map(|n| n.parse::<ipnet::IpNet>().unwrap())
+        );
+        assert!(load("source: { file: { path: a.yaml } }\n")
+            .unwrap()
+            .addresses
+            .networks
+            .is_empty());
+        let err =
+            load("proxies: { networks: [10.0.0.0/33] }\nsource: { file: { path: a.yaml } }\n")
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("proxies.networks"), "{err}");
+        let cli = Cli::try_parse_from([
+            "ray-xds",
+            "serve",
+            "--source-file",
+            "a.yaml",
+            "--proxy-networks",
+            "10.0.0.0/8,192.0.2.0/24",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command;
+        assert_eq!(Config::load(&args).unwrap().addresses.networks.len(), 2);
+        assert!(Cli::try_parse_from([
+            "ray-xds",
+            "serve",
+            "--proxy-networks",
+            "10.0.0.0/8,nonsense"
+        ])
+        .is_err());
+    }
+
+    #[test]
+    fn gateway_and_file_durations_are_bounded() {
+        for (field, bad) in [
+            (
+                "gateway: { connect_timeout: 0s }",
+                "gateway.connect_timeout",
+            ),
+            (
+                "gateway: { connect_timeout: 18446744073709551615s }",
+                "gateway.connect_timeout",
+            ),
+            (
+                "gateway: { connect_timeout: 61s }",
+                "gateway.connect_timeout",
+            ),
+        ] {
+            let err = load(&format!(
+                "{field}\nsource: {{ file: {{ path: a.yaml }} }}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains(bad), "{field}: {err}");
+        }
+        for bad in ["0s", "1ms", "2h", "18446744073709551615s"] {
+            let err = load(&format!(
+                "source: {{ file: {{ path: a.yaml, poll_interval: {bad} }} }}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("source.file.poll_interval"), "{bad}: {err}");
+        }
+        assert!(load("gateway: { connect_timeout: 60s }\nsource: { file: { path: a.yaml, poll_interval: 10ms } }\n").is_ok());
     }
 
     #[test]

@@ -98,6 +98,14 @@ pub struct Metrics {
     pub source_watch_errors: Family<ResourceLabels, Counter>,
     pub source_synced: Gauge,
     pub inconsistent_snapshots: Counter,
+    pub proxies_refused: Family<ErrorLabels, Gauge>,
+    pub component_restarts: Family<ComponentLabels, Counter>,
+    pub component_up: Family<ComponentLabels, Gauge>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ComponentLabels {
+    pub component: &'static str,
 }
 
 impl Default for Metrics {
@@ -134,6 +142,9 @@ impl Metrics {
             source_watch_errors: Family::default(),
             source_synced: Gauge::default(),
             inconsistent_snapshots: Counter::default(),
+            proxies_refused: Family::default(),
+            component_restarts: Family::default(),
+            component_up: Family::default(),
             registry: Registry::with_prefix("ray_xds"),
         };
         let registry = &mut m.registry;
@@ -241,7 +252,44 @@ impl Metrics {
             "Snapshots refused because their resources did not fit together (a bug); the previous one was kept",
             m.inconsistent_snapshots.clone(),
         );
+        registry.register(
+            "proxies_refused",
+            "Proxies left out by the address policy now (never a proxy's address, outside proxies.networks, or discovered outside their dashboard's network), by reason",
+            m.proxies_refused.clone(),
+        );
+        registry.register(
+            "component_restarts",
+            "Times a component (source, dashboards, discovery, prober, pipeline) stopped on a panic or error and was restarted",
+            m.component_restarts.clone(),
+        );
+        registry.register(
+            "component_up",
+            "1 while a component is running, 0 while it is down (between a failure and its restart)",
+            m.component_up.clone(),
+        );
         m
+    }
+
+    /// The proxies the address policy refuses now, by reason label (every label of
+    /// [`AddressRefusal`](crate::model::AddressRefusal) is set, to 0 when none).
+    pub fn set_refused_proxies(&self, labels: impl Iterator<Item = &'static str>) {
+        let mut counts: std::collections::BTreeMap<&'static str, i64> = [
+            "never_a_proxy",
+            "outside_proxy_networks",
+            "outside_dashboard_network",
+            "dashboard_address_unknown",
+        ]
+        .into_iter()
+        .map(|l| (l, 0))
+        .collect();
+        for l in labels {
+            *counts.entry(l).or_default() += 1;
+        }
+        for (reason, n) in counts {
+            self.proxies_refused
+                .get_or_create(&ErrorLabels { reason })
+                .set(n);
+        }
     }
 
     pub fn source_rejected(&self, source: &'static str) {

@@ -249,17 +249,27 @@ impl Model {
         &self,
         mut found: impl FnMut(&str, &RayCluster) -> Vec<Proxy>,
     ) -> Model {
+        self.with_proxies(|name, cluster| {
+            if cluster.discover {
+                found(name, cluster)
+            } else {
+                cluster.proxies.clone()
+            }
+        })
+    }
+
+    /// This model with each cluster's proxies replaced by what `proxies` gives for it
+    /// (its Envoy cluster name and the cluster); sorted and each address once, so the
+    /// model stays valid.
+    pub fn with_proxies(&self, mut proxies: impl FnMut(&str, &RayCluster) -> Vec<Proxy>) -> Model {
         let mut m = self.clone();
         for service in &mut m.services {
             for i in 0..service.clusters.len() {
-                if !service.clusters[i].discover {
-                    continue;
-                }
                 let name = service.envoy_cluster_name(&service.clusters[i].name);
-                let mut proxies = found(&name, &service.clusters[i]);
-                proxies.sort_by_key(|p| p.address);
-                proxies.dedup_by_key(|p| p.address);
-                service.clusters[i].proxies = proxies;
+                let mut list = proxies(&name, &service.clusters[i]);
+                list.sort_by_key(|p| p.address);
+                list.dedup_by_key(|p| p.address);
+                service.clusters[i].proxies = list;
             }
         }
         m
@@ -351,6 +361,128 @@ pub fn refused_address(address: std::net::SocketAddr) -> Option<&'static str> {
         },
         _ => None,
     }
+}
+
+/// Which addresses ray-xds may publish as a proxy's, beyond [`refused_address`].
+///
+/// With `networks` set, every proxy (listed by the source or discovered) must fall in
+/// one of them. Without, a proxy listed by the source is trusted (Kubernetes gives pod
+/// IPs; services.yaml is the operator's own file), and a proxy *discovered* from a
+/// dashboard must be in the dashboard's own network ([`dashboard_network`]): a dashboard
+/// can name any address, and ray-xds would send traffic there.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AddressPolicy {
+    pub networks: Vec<ipnet::IpNet>,
+}
+
+/// Where a proxy's address came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyOrigin {
+    /// The source lists it (services.yaml, or a pod's IP in Kubernetes).
+    Source,
+    /// A dashboard listed it; the dashboard's IP address, when known.
+    Dashboard(Option<std::net::IpAddr>),
+}
+
+/// Why a proxy's address is not published.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AddressRefusal {
+    /// [`refused_address`]: never a proxy's.
+    Never(&'static str),
+    /// Outside every configured network.
+    OutsideNetworks,
+    /// Discovered, and outside the network of the dashboard that listed it.
+    OutsideDashboardNetwork(ipnet::IpNet),
+    /// Discovered from a dashboard whose address is unknown.
+    DashboardAddressUnknown,
+}
+
+impl AddressRefusal {
+    /// A short, fixed label (for metrics).
+    pub fn label(&self) -> &'static str {
+        match self {
+            AddressRefusal::Never(_) => "never_a_proxy",
+            AddressRefusal::OutsideNetworks => "outside_proxy_networks",
+            AddressRefusal::OutsideDashboardNetwork(_) => "outside_dashboard_network",
+            AddressRefusal::DashboardAddressUnknown => "dashboard_address_unknown",
+        }
+    }
+}
+
+impl std::fmt::Display for AddressRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AddressRefusal::Never(why) => write!(f, "{why} is never a proxy's"),
+            AddressRefusal::OutsideNetworks => {
+                write!(f, "outside every network of proxies.networks")
+            }
+            AddressRefusal::OutsideDashboardNetwork(net) => write!(
+                f,
+                "discovered outside the network of its dashboard ({net}); set proxies.networks to allow it"
+            ),
+            AddressRefusal::DashboardAddressUnknown => {
+                write!(f, "discovered from a dashboard whose address is unknown")
+            }
+        }
+    }
+}
+
+impl AddressPolicy {
+    /// Whether `address`, which came from `origin`, may be published.
+    pub fn check(
+        &self,
+        address: std::net::SocketAddr,
+        origin: ProxyOrigin,
+    ) -> Result<(), AddressRefusal> {
+        if let Some(why) = refused_address(address) {
+            return Err(AddressRefusal::Never(why));
+        }
+        let ip = canonical_ip(address.ip());
+        if !self.networks.is_empty() {
+            return if self
+                .networks
+                .iter()
+                .any(|n| n.contains(&ip) || n.contains(&address.ip()))
+            {
+                Ok(())
+            } else {
+                Err(AddressRefusal::OutsideNetworks)
+            };
+        }
+        match origin {
+            ProxyOrigin::Source => Ok(()),
+            ProxyOrigin::Dashboard(None) => Err(AddressRefusal::DashboardAddressUnknown),
+            ProxyOrigin::Dashboard(Some(dashboard)) => {
+                let net = dashboard_network(dashboard);
+                if net.contains(&ip) {
+                    Ok(())
+                } else {
+                    Err(AddressRefusal::OutsideDashboardNetwork(net))
+                }
+            }
+        }
+    }
+}
+
+/// An IPv4-mapped IPv6 address as the IPv4 address it maps.
+fn canonical_ip(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map(std::net::IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
+    }
+}
+
+/// The network a dashboard's proxies are expected in when no networks are configured:
+/// the /16 around its IPv4 address (a Kubernetes pod network, or a LAN of Ray nodes,
+/// is rarely narrower), or the /64 around its IPv6 address.
+pub fn dashboard_network(dashboard: std::net::IpAddr) -> ipnet::IpNet {
+    let (ip, prefix) = match canonical_ip(dashboard) {
+        ip @ std::net::IpAddr::V4(_) => (ip, 16),
+        ip @ std::net::IpAddr::V6(_) => (ip, 64),
+    };
+    ipnet::IpNet::new(ip, prefix)
+        .expect("16 and 64 are valid prefixes")
+        .trunc()
 }
 
 #[cfg(test)]
@@ -512,6 +644,94 @@ mod tests {
             let mut a = service("a", "a1", &[8000]);
             a.hosts = vec![host.into()];
             assert!(Model::new(vec![a]).is_ok(), "{host}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod address_policy_tests {
+    use super::*;
+    use std::net::SocketAddr;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    fn dashboard(ip: &str) -> ProxyOrigin {
+        ProxyOrigin::Dashboard(Some(ip.parse().unwrap()))
+    }
+
+    #[test]
+    fn never_a_proxy_whatever_the_origin_or_networks() {
+        let open = AddressPolicy {
+            networks: vec!["0.0.0.0/0".parse().unwrap(), "::/0".parse().unwrap()],
+        };
+        for bad in [
+            "169.254.169.254:80",
+            "0.0.0.0:8000",
+            "255.255.255.255:8000",
+            "224.0.0.1:8000",
+            "[::]:8000",
+            "[fe80::1]:8000",
+            "[::ffff:169.254.169.254]:80",
+            "10.0.0.1:0",
+        ] {
+            for policy in [&AddressPolicy::default(), &open] {
+                for origin in [ProxyOrigin::Source, dashboard("169.254.0.1")] {
+                    assert!(
+                        matches!(policy.check(a(bad), origin), Err(AddressRefusal::Never(_))),
+                        "{bad} {origin:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn without_networks_discovered_proxies_stay_in_their_dashboards_network() {
+        let p = AddressPolicy::default();
+        assert_eq!(p.check(a("10.1.200.7:8000"), dashboard("10.1.0.5")), Ok(()));
+        assert_eq!(
+            p.check(a("10.2.0.7:8000"), dashboard("10.1.0.5")),
+            Err(AddressRefusal::OutsideDashboardNetwork(
+                "10.1.0.0/16".parse().unwrap()
+            ))
+        );
+        // IPv4-mapped addresses count as the IPv4 address.
+        assert_eq!(
+            p.check(a("[::ffff:10.1.3.4]:8000"), dashboard("10.1.0.5")),
+            Ok(())
+        );
+        assert_eq!(
+            p.check(a("10.1.3.4:8000"), dashboard("::ffff:10.1.0.5")),
+            Ok(())
+        );
+        // IPv6: the /64.
+        assert_eq!(p.check(a("[fd00::1:2]:8000"), dashboard("fd00::9")), Ok(()));
+        assert!(p
+            .check(a("[fd00:0:0:1::2]:8000"), dashboard("fd00::9"))
+            .is_err());
+        assert_eq!(
+            p.check(a("127.0.0.3:8000"), ProxyOrigin::Dashboard(None)),
+            Err(AddressRefusal::DashboardAddressUnknown)
+        );
+        // What the source lists is trusted.
+        assert_eq!(p.check(a("203.0.113.9:8000"), ProxyOrigin::Source), Ok(()));
+    }
+
+    #[test]
+    fn configured_networks_bind_every_proxy() {
+        let p = AddressPolicy {
+            networks: vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()],
+        };
+        for origin in [ProxyOrigin::Source, dashboard("192.0.2.1")] {
+            assert_eq!(p.check(a("10.200.0.1:8000"), origin), Ok(()));
+            assert_eq!(p.check(a("[fd12::1]:8000"), origin), Ok(()));
+            assert_eq!(p.check(a("[::ffff:10.0.0.1]:8000"), origin), Ok(()));
+            assert_eq!(
+                p.check(a("192.0.2.1:8000"), origin),
+                Err(AddressRefusal::OutsideNetworks)
+            );
         }
     }
 }

@@ -148,10 +148,24 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     });
 
     // Discovery: the effective model, read by everything downstream.
-    let (effective_tx, effective_rx) = watch::channel(source_rx.borrow().clone());
+    // Until discovery's first pass, nothing downstream reads an unchecked model: the
+    // pipeline waits for the source, and the source's first model passes through here.
+    let first = discovery::discover(
+        &source_rx.borrow(),
+        &DashboardStates::default(),
+        &config.addresses,
+    );
+    let (effective_tx, effective_rx) = watch::channel(Arc::new(first.model));
+    let (refused_tx, refused_rx) = watch::channel(Arc::new(first.refused));
+    let discovery = discovery::Discovery {
+        policy: config.addresses.clone(),
+        metrics: metrics.clone(),
+    };
     let (source, dashboards, token) = (source_rx.clone(), dashboards_rx.clone(), shutdown.clone());
     tasks.spawn(async move {
-        discovery::run(source, dashboards, effective_tx, token).await;
+        discovery
+            .run(source, dashboards, effective_tx, refused_tx, token)
+            .await;
         Ok(())
     });
 
@@ -190,6 +204,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let first = FirstBuild {
         dashboards: policies.dashboard.first_answer_wait(),
         probes: policies.probe.first_probe_wait(),
+        addresses: config.addresses.clone(),
     };
     let pipe = Pipeline::new(policies.clone(), config.gateway.clone());
     let (clients_, metrics_, token) = (clients.clone(), metrics.clone(), shutdown.clone());
@@ -245,6 +260,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             health: health_rx,
             switchover: switch_rx,
             source: status_rx,
+            refused: refused_rx,
         },
     };
     let token = shutdown.clone();

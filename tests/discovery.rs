@@ -273,3 +273,140 @@ async fn a_cluster_given_by_its_dashboard_alone() {
     drop(envoy);
     xds.stop().await.unwrap();
 }
+
+/// The refused proxies `/debug/state` shows, as `(address, reason label)`.
+async fn refused(admin: SocketAddr) -> BTreeSet<(String, String)> {
+    let state: serde_json::Value =
+        serde_json::from_str(&admin_get(admin, "/debug/state").await).unwrap_or_default();
+    state["refused_proxies"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|r| {
+                    (
+                        r["address"].as_str().unwrap_or_default().to_string(),
+                        r["label"].as_str().unwrap_or_default().to_string(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Issue 13: a dashboard is outside input. One that lists the cloud metadata service,
+/// or any address outside its own network, never gets it published, not even by
+/// fail-open (a cluster whose every listed proxy is refused has no endpoint at all); the
+/// refusals are shown in `/debug/state` and counted. With `proxies.networks` set, only
+/// proxies inside them are published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dashboard_cannot_publish_addresses_outside_its_network() {
+    let cluster = Cluster::start().await;
+    let (head, w3) = (cluster.node(2), cluster.node(3));
+    let metadata: SocketAddr = "169.254.169.254:80".parse().unwrap();
+    let elsewhere: SocketAddr = "198.51.100.7:8000".parse().unwrap();
+    // Only refused addresses: the head and w3 leave the list for now.
+    cluster.dashboard.remove_proxy_at(head);
+    cluster.dashboard.remove_proxy_at(w3);
+    cluster
+        .dashboard
+        .add_proxy(metadata, NodeType::Worker, "HEALTHY");
+    cluster
+        .dashboard
+        .add_proxy(elsewhere, NodeType::Worker, "HEALTHY");
+    let dir = tempfile::tempdir().unwrap();
+    let services = dir.path().join("services.yaml");
+    std::fs::write(
+        &services,
+        format!(
+            "rayservices:\n  - name: demo\n    hosts: [\"*\"]\n    active_cluster: demo-a\n    clusters:\n      - name: demo-a\n        dashboard: {}\n",
+            cluster.dashboard_url
+        ),
+    )
+    .unwrap();
+    let start = |networks: Vec<ipnet::IpNet>| {
+        let mut config = test_config(&services, 0);
+        config.policies.dashboard.poll_interval = Duration::from_millis(200);
+        config.policies.dashboard.timeout = Duration::from_secs(10);
+        config.policies.probe.timeout = Duration::from_secs(2);
+        config.addresses.networks = networks;
+        ray_xds::runtime::start(config, Default::default())
+    };
+    let xds = start(vec![]).await.unwrap();
+    let admin = xds.admin_addr;
+    let want = BTreeSet::from([
+        (metadata.to_string(), "never_a_proxy".to_string()),
+        (
+            elsewhere.to_string(),
+            "outside_dashboard_network".to_string(),
+        ),
+    ]);
+    eventually("both addresses are refused", DEADLINE, || async {
+        (refused(admin).await == want).then_some(())
+    })
+    .await;
+    eventually("ray-xds is ready", DEADLINE, || async {
+        let (status, _) = http_get(&format!("http://{admin}/readyz")).await.ok()?;
+        (status == 200).then_some(())
+    })
+    .await;
+    let snapshot = admin_get(admin, "/debug/snapshot").await;
+    for bad in ["169.254.169.254", "198.51.100.7"] {
+        assert!(!snapshot.contains(bad), "{bad} published: {snapshot}");
+    }
+    let state = debug_cluster(admin).await;
+    assert_eq!(state["proxies"].as_array().unwrap().len(), 0, "{state}");
+    let m = admin_get(admin, "/metrics").await;
+    assert_eq!(
+        metric(&m, "ray_xds_proxies_refused{reason=\"never_a_proxy\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "ray_xds_proxies_refused{reason=\"outside_dashboard_network\"}"
+        ),
+        1.0
+    );
+
+    // The dashboard lists its own nodes again: they are published, the others stay out.
+    cluster.dashboard.add_proxy(head, NodeType::Head, "HEALTHY");
+    cluster.dashboard.add_proxy(w3, NodeType::Worker, "HEALTHY");
+    eventually(
+        "the dashboard's own worker is published",
+        DEADLINE,
+        || async {
+            let snapshot = admin_get(admin, "/debug/snapshot").await;
+            snapshot.contains(&w3.to_string()).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(refused(admin).await, want);
+    xds.stop().await.unwrap();
+
+    // With proxies.networks set to w3 alone, the head is refused too, and nothing the
+    // dashboard's network would have allowed gets past the configured list.
+    let xds = start(vec![format!("{}/32", w3.ip()).parse().unwrap()])
+        .await
+        .unwrap();
+    let admin = xds.admin_addr;
+    let want = BTreeSet::from([
+        (metadata.to_string(), "never_a_proxy".to_string()),
+        (elsewhere.to_string(), "outside_proxy_networks".to_string()),
+        (head.to_string(), "outside_proxy_networks".to_string()),
+    ]);
+    eventually(
+        "the head is refused by proxies.networks",
+        DEADLINE,
+        || async { (refused(admin).await == want).then_some(()) },
+    )
+    .await;
+    let state = debug_cluster(admin).await;
+    let published: Vec<_> = state["proxies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["address"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(published, [w3.to_string()], "{state}");
+    xds.stop().await.unwrap();
+}

@@ -79,6 +79,9 @@ pub struct ServeStatus {
     /// Where the Serve HTTP proxies listen (see the module doc), sorted by address, each
     /// address once.
     pub http_proxies: Vec<HttpProxy>,
+    /// The IP address the answer came from (the dashboard's, as connected to): the
+    /// network its discovered proxies are expected in. `None` from [`parse`] alone.
+    pub answered_from: Option<std::net::IpAddr>,
 }
 
 /// A Serve HTTP proxy to send requests to, read from `target_groups` and `proxies`.
@@ -322,15 +325,8 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
         .and_then(|o| o.get("keep_alive_timeout_s"))
         .and_then(Value::as_f64);
     status.http_proxies = http_proxies(&root, &status.proxies, &actor_names);
-    // A dashboard is outside input: an address that can never be a proxy's (the cloud
-    // metadata service, a broadcast or multicast address...) is dropped and logged.
-    status.http_proxies.retain(|p| match crate::model::refused_address(p.address) {
-        None => true,
-        Some(why) => {
-            tracing::warn!(proxy = %p.address, reason = why, "the dashboard lists a proxy at an address that is never a proxy's: left out");
-            false
-        }
-    });
+    // Addresses are outside input: `live::discovery` publishes only those the address
+    // policy allows (never the metadata service, broadcast, multicast...).
     Ok(status)
 }
 
@@ -516,6 +512,10 @@ impl DashboardClient {
                 .request(request)
                 .await
                 .map_err(|e| DashboardError::Unreachable(error_chain(&e)))?;
+            let peer = response
+                .extensions()
+                .get::<hyper_util::client::legacy::connect::HttpInfo>()
+                .map(|info| info.remote_addr().ip());
             let status = response.status();
             if status != hyper::StatusCode::OK {
                 return Err(DashboardError::Status(status.as_u16()));
@@ -532,7 +532,7 @@ impl DashboardClient {
             Limited::new(response.into_body(), MAX_BODY_BYTES)
                 .collect()
                 .await
-                .map(|collected| collected.to_bytes())
+                .map(|collected| (collected.to_bytes(), peer))
                 .map_err(|e| {
                     if e.downcast_ref::<LengthLimitError>().is_some() {
                         body_too_large()
@@ -547,7 +547,10 @@ impl DashboardClient {
         .await
         .map_err(|_| DashboardError::Timeout)??;
 
-        parse(&body)
+        let (body, peer) = body;
+        let mut status = parse(&body)?;
+        status.answered_from = peer;
+        Ok(status)
     }
 }
 
@@ -824,8 +827,10 @@ mod tests {
         (address.into(), node_type, Some("HEALTHY".into()))
     }
 
+    /// Parsing keeps every listed address: discovery refuses them (see
+    /// `live::discovery`), where the refusal is counted and shown.
     #[test]
-    fn addresses_that_are_never_a_proxy_are_left_out() {
+    fn addresses_that_are_never_a_proxy_are_kept_for_discovery_to_refuse() {
         let mut v = running();
         let before = http(&v);
         for ip in [
@@ -840,7 +845,7 @@ mod tests {
                 serde_json::json!({"ip": ip, "port": 80, "instance_id": "", "name": ""}),
             );
         }
-        assert_eq!(http(&v), before);
+        assert_eq!(http(&v).len(), before.len() + 5);
     }
 
     #[test]

@@ -20,85 +20,192 @@
 //!   model and `live::health` drains it from the same dashboard answer.
 //! - The result is a valid [`Model`] (proxies sorted, each address once per cluster).
 
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
+use serde::Serialize;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::dashboards::DashboardStates;
-use crate::model::{Model, Proxy};
+use crate::metrics::Metrics;
+use crate::model::{AddressPolicy, Model, Proxy, ProxyOrigin};
 
-/// The effective model: `model` with every discovering cluster's proxies taken from its
-/// dashboard's last known answer in `dashboards`.
-pub fn discover(model: &Model, dashboards: &DashboardStates) -> Model {
-    model.with_discovered_proxies(|envoy_cluster, cluster| {
-        let answer = dashboards
-            .clusters
-            .get(envoy_cluster)
-            .filter(|d| cluster.dashboard.as_deref() == Some(d.url.as_str()))
-            .and_then(|d| d.status.as_ref());
-        answer
-            .map(|status| {
-                status
-                    .http_proxies
-                    .iter()
-                    .map(|p| Proxy {
-                        address: p.address,
-                        node_type: p.node_type,
-                        draining: false,
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+/// A proxy left out of the effective model by the [`AddressPolicy`].
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct RefusedProxy {
+    /// The Envoy cluster it would have served.
+    pub cluster: String,
+    pub address: SocketAddr,
+    /// `source` or `dashboard`.
+    pub from: &'static str,
+    /// A fixed label for metrics.
+    pub label: &'static str,
+    pub reason: String,
+}
+
+/// What [`discover`] gives: the effective model and what the address policy refused.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Discovered {
+    pub model: Model,
+    /// Sorted.
+    pub refused: Vec<RefusedProxy>,
+}
+
+/// The IP address a dashboard answered from, or else the one its URL names.
+fn dashboard_ip(url: &str, answered_from: Option<IpAddr>) -> Option<IpAddr> {
+    answered_from.or_else(|| {
+        let uri: http::Uri = url.parse().ok()?;
+        let host = uri.host()?;
+        host.trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse()
+            .ok()
     })
 }
 
-/// The single writer of the effective model: the source's model, with each cluster that
-/// discovers its proxies given those its dashboard last listed ([`discover`]). Re-run when
-/// either input changes; published only on change. When no cluster discovers, the
-/// source's model is forwarded as is (the same `Arc`: no copy, no comparison, and
-/// dashboard polls cost nothing here).
-pub async fn run(
-    mut source: watch::Receiver<Arc<Model>>,
-    mut dashboards: watch::Receiver<Arc<DashboardStates>>,
-    effective: watch::Sender<Arc<Model>>,
-    shutdown: CancellationToken,
-) {
-    loop {
-        let model = source.borrow_and_update().clone();
-        let discovers = model.discovers();
-        if discovers {
-            let states = dashboards.borrow_and_update().clone();
-            let next = discover(&model, &states);
-            effective.send_if_modified(|current| {
-                let changed = **current != next;
-                if changed {
-                    *current = Arc::new(next);
-                }
-                changed
-            });
+/// The effective model: `model` with every discovering cluster's proxies taken from its
+/// dashboard's last known answer in `dashboards`, and every proxy the address `policy`
+/// refuses left out (and listed in [`Discovered::refused`]).
+pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPolicy) -> Discovered {
+    let mut refused = Vec::new();
+    let model = model.with_proxies(|envoy_cluster, cluster| {
+        let (candidates, origin) = if cluster.discover {
+            let dashboard = dashboards
+                .clusters
+                .get(envoy_cluster)
+                .filter(|d| cluster.dashboard.as_deref() == Some(d.url.as_str()));
+            let answer = dashboard.and_then(|d| d.status.as_ref());
+            let proxies: Vec<Proxy> = answer
+                .map(|status| {
+                    status
+                        .http_proxies
+                        .iter()
+                        .map(|p| Proxy {
+                            address: p.address,
+                            node_type: p.node_type,
+                            draining: false,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let ip =
+                dashboard.and_then(|d| dashboard_ip(&d.url, answer.and_then(|s| s.answered_from)));
+            (proxies, ProxyOrigin::Dashboard(ip))
         } else {
-            effective.send_if_modified(|current| {
-                let changed = !Arc::ptr_eq(current, &model);
+            (cluster.proxies.clone(), ProxyOrigin::Source)
+        };
+        candidates
+            .into_iter()
+            .filter(|p| match policy.check(p.address, origin) {
+                Ok(()) => true,
+                Err(why) => {
+                    refused.push(RefusedProxy {
+                        cluster: envoy_cluster.to_string(),
+                        address: p.address,
+                        from: match origin {
+                            ProxyOrigin::Source => "source",
+                            ProxyOrigin::Dashboard(_) => "dashboard",
+                        },
+                        label: why.label(),
+                        reason: why.to_string(),
+                    });
+                    false
+                }
+            })
+            .collect()
+    });
+    refused.sort();
+    refused.dedup();
+    Discovered { model, refused }
+}
+
+/// The single writer of the effective model and of the refused proxies: the source's
+/// model, with each cluster that discovers its proxies given those its dashboard last
+/// listed, through the address policy ([`discover`]). Re-run when either input changes;
+/// published only on change. When no cluster discovers and the policy refuses nothing,
+/// the source's model is forwarded as is (the same `Arc`: no copy, and dashboard polls
+/// cost nothing here).
+pub struct Discovery {
+    pub policy: AddressPolicy,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Discovery {
+    pub async fn run(
+        self,
+        mut source: watch::Receiver<Arc<Model>>,
+        mut dashboards: watch::Receiver<Arc<DashboardStates>>,
+        effective: watch::Sender<Arc<Model>>,
+        refused_tx: watch::Sender<Arc<Vec<RefusedProxy>>>,
+        shutdown: CancellationToken,
+    ) {
+        let mut logged: BTreeSet<(String, SocketAddr)> = BTreeSet::new();
+        loop {
+            let model = source.borrow_and_update().clone();
+            let discovers = model.discovers();
+            let states = dashboards.borrow_and_update().clone();
+            let Discovered {
+                model: next,
+                refused,
+            } = discover(&model, &states, &self.policy);
+            if !discovers && refused.is_empty() {
+                effective.send_if_modified(|current| {
+                    let changed = !Arc::ptr_eq(current, &model);
+                    if changed {
+                        *current = model;
+                    }
+                    changed
+                });
+            } else {
+                effective.send_if_modified(|current| {
+                    let changed = **current != next;
+                    if changed {
+                        *current = Arc::new(next);
+                    }
+                    changed
+                });
+            }
+            self.report(&refused, &mut logged);
+            refused_tx.send_if_modified(|current| {
+                let changed = **current != refused;
                 if changed {
-                    *current = model;
+                    *current = Arc::new(refused);
                 }
                 changed
             });
-        }
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                changed = source.changed() => {
-                    if changed.is_err() { return }
-                    break;
-                }
-                changed = dashboards.changed() => {
-                    if changed.is_err() { return }
-                    if discovers { break }
+            // Dashboards matter when a cluster discovers (see `discover`).
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    changed = source.changed() => {
+                        if changed.is_err() { return }
+                        break;
+                    }
+                    changed = dashboards.changed() => {
+                        if changed.is_err() { return }
+                        if discovers { break }
+                    }
                 }
             }
         }
+    }
+
+    /// Logs each refusal once (until it stops being refused) and sets the gauge.
+    fn report(&self, refused: &[RefusedProxy], logged: &mut BTreeSet<(String, SocketAddr)>) {
+        let now: BTreeSet<(String, SocketAddr)> = refused
+            .iter()
+            .map(|r| (r.cluster.clone(), r.address))
+            .collect();
+        for r in refused {
+            if !logged.contains(&(r.cluster.clone(), r.address)) {
+                tracing::warn!(cluster = %r.cluster, proxy = %r.address, from = r.from, reason = %r.reason, "proxy refused by the address policy: not published");
+            }
+        }
+        *logged = now;
+        self.metrics
+            .set_refused_proxies(refused.iter().map(|r| r.label));
     }
 }
 
@@ -113,6 +220,10 @@ mod tests {
     use std::net::SocketAddr;
 
     const URL: &str = "http://192.0.2.2:8265";
+
+    fn effective(m: &Model, d: &DashboardStates) -> Model {
+        discover(m, d, &AddressPolicy::default()).model
+    }
     const CLUSTER: &str = "default/a/a1";
 
     /// Service `a`: cluster `a1` discovers from URL; service `b` lists one proxy.
@@ -170,7 +281,7 @@ mod tests {
                 proxy("192.0.2.4:8000", NodeType::Worker, "DRAINING"),
             ]),
         )]);
-        let m = discover(&model(), &d);
+        let m = effective(&model(), &d);
         assert_eq!(
             discovered(&m),
             [
@@ -186,13 +297,13 @@ mod tests {
 
     #[test]
     fn a_dashboard_that_never_answered_gives_no_proxies() {
-        let m = discover(&model(), &DashboardStates::default());
+        let m = effective(&model(), &DashboardStates::default());
         assert_eq!(m, model());
         // Polled but failing from the start: still nothing.
         let mut d = ClusterDashboard::new(URL.into());
         d.stale = true;
         d.last_error = Some("dashboard unreachable".into());
-        let m = discover(&model(), &states(vec![(CLUSTER, d)]));
+        let m = effective(&model(), &states(vec![(CLUSTER, d)]));
         assert!(discovered(&m).is_empty());
     }
 
@@ -201,7 +312,7 @@ mod tests {
         let mut d = answered(vec![proxy("192.0.2.2:8000", NodeType::Head, "HEALTHY")]);
         d.stale = true;
         d.last_error = Some("dashboard answered HTTP 503".into());
-        let m = discover(&model(), &states(vec![(CLUSTER, d)]));
+        let m = effective(&model(), &states(vec![(CLUSTER, d)]));
         assert_eq!(discovered(&m).len(), 1);
     }
 
@@ -213,23 +324,23 @@ mod tests {
         ]);
         let one = answered(vec![proxy("192.0.2.2:8000", NodeType::Head, "HEALTHY")]);
         assert_eq!(
-            discovered(&discover(&model(), &states(vec![(CLUSTER, two)]))).len(),
+            discovered(&effective(&model(), &states(vec![(CLUSTER, two)]))).len(),
             2
         );
         assert_eq!(
-            discovered(&discover(&model(), &states(vec![(CLUSTER, one)]))).len(),
+            discovered(&effective(&model(), &states(vec![(CLUSTER, one)]))).len(),
             1
         );
         // Serve not running any more: no proxies.
         let none = answered(vec![]);
-        assert!(discovered(&discover(&model(), &states(vec![(CLUSTER, none)]))).is_empty());
+        assert!(discovered(&effective(&model(), &states(vec![(CLUSTER, none)]))).is_empty());
     }
 
     #[test]
     fn an_answer_for_another_url_does_not_count() {
         let mut d = answered(vec![proxy("192.0.2.2:8000", NodeType::Head, "HEALTHY")]);
         d.url = "http://192.0.2.99:8265".into();
-        let m = discover(&model(), &states(vec![(CLUSTER, d)]));
+        let m = effective(&model(), &states(vec![(CLUSTER, d)]));
         assert!(discovered(&m).is_empty());
     }
 
@@ -242,7 +353,7 @@ mod tests {
         .unwrap();
         let mut d = ClusterDashboard::new(URL.into());
         d.status = Some(parse(&body).unwrap());
-        let m = discover(&model(), &states(vec![(CLUSTER, d)]));
+        let m = effective(&model(), &states(vec![(CLUSTER, d)]));
         assert_eq!(
             discovered(&m),
             [("192.0.2.2:8000".parse().unwrap(), NodeType::Head, false)]
@@ -261,6 +372,20 @@ mod task_tests {
     use std::time::Duration;
 
     const URL: &str = "http://127.0.0.1:8265";
+
+    fn spawn_run(
+        source: watch::Receiver<Arc<Model>>,
+        dashboards: watch::Receiver<Arc<DashboardStates>>,
+        tx: watch::Sender<Arc<Model>>,
+        token: CancellationToken,
+    ) {
+        let (refused, _) = watch::channel(Arc::new(Vec::new()));
+        let discovery = Discovery {
+            policy: AddressPolicy::default(),
+            metrics: Arc::new(Metrics::new()),
+        };
+        tokio::spawn(discovery.run(source, dashboards, tx, refused, token));
+    }
     const CLUSTER: &str = "default/a/a1";
 
     fn discovering() -> Arc<Model> {
@@ -312,7 +437,7 @@ mod task_tests {
         let (dash_tx, dashboards) = watch::channel(Arc::new(DashboardStates::default()));
         let (tx, mut rx) = watch::channel(Arc::new(Model::default()));
         let token = CancellationToken::new();
-        tokio::spawn(run(source, dashboards, tx, token.clone()));
+        spawn_run(source, dashboards, tx, token.clone());
         assert!(Arc::ptr_eq(&next(&mut rx).await, &first));
         dash_tx.send_replace(answer(&[9000]));
         let second = Arc::new(Model::new(vec![service("a", "a1", &[8001])]).unwrap());
@@ -327,7 +452,7 @@ mod task_tests {
         let (dash_tx, dashboards) = watch::channel(Arc::new(DashboardStates::default()));
         let (tx, mut rx) = watch::channel(discovering());
         let token = CancellationToken::new();
-        tokio::spawn(run(source, dashboards, tx, token.clone()));
+        spawn_run(source, dashboards, tx, token.clone());
         dash_tx.send_replace(answer(&[8000, 8001]));
         assert_eq!(ports(&*next(&mut rx).await), [8000, 8001]);
         dash_tx.send_replace(answer(&[8000]));

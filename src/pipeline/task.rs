@@ -52,12 +52,14 @@ pub struct Sinks {
 }
 
 /// How long the first snapshot waits for what it should not be built without.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct FirstBuild {
     /// For the dashboards of clusters that discover their proxies to answer once.
     pub dashboards: Duration,
     /// For every proxy's first probe.
     pub probes: Duration,
+    /// The address policy discovery applies (to tell when it has caught up).
+    pub addresses: crate::model::AddressPolicy,
 }
 
 pub async fn run(
@@ -75,7 +77,7 @@ pub async fn run(
     // health Envoy already has, not "unknown" for everyone.
     tokio::select! {
         _ = shutdown.cancelled() => return,
-        _ = first_discovery(&sources, first.dashboards) => {}
+        _ = first_discovery(&sources, first.dashboards, &first.addresses) => {}
     }
     let wanted: Vec<SocketAddr> = sources
         .models
@@ -231,7 +233,11 @@ pub async fn first_probes(
 
 /// Waits, at most `bound`, until the dashboard of every cluster that discovers its
 /// proxies has answered (or failed) once and the effective model holds what it said.
-async fn first_discovery(sources: &Sources, bound: Duration) {
+async fn first_discovery(
+    sources: &Sources,
+    bound: Duration,
+    addresses: &crate::model::AddressPolicy,
+) {
     let model = sources.source.borrow().clone();
     let discovering: BTreeSet<String> = model
         .services()
@@ -267,7 +273,7 @@ async fn first_discovery(sources: &Sources, bound: Duration) {
                     sources.source.borrow().clone(),
                     sources.dashboards.borrow().clone(),
                 );
-                **m == discover(&s, &d)
+                **m == discover(&s, &d, addresses).model
             })
             .await;
     };

@@ -394,6 +394,7 @@ pub fn test_config(services: &Path, gateway_port: u16) -> Config {
             path: services.to_path_buf(),
             poll_interval: Duration::from_millis(500),
         },
+        addresses: Default::default(),
         policies: Default::default(),
     }
 }
