@@ -2,7 +2,8 @@
 //!
 //! - `/healthz`: the process is up;
 //! - `/readyz`: 200 once the source has its first full state (for Kubernetes, every
-//!   watch has listed) and the first snapshot is built (503 before);
+//!   watch has listed) and the first snapshot is built (503 before), and while no
+//!   supervised component is down (503 naming it, until its restart);
 //! - `/metrics`: Prometheus text;
 //! - `/debug/snapshot`: every resource of the current snapshot with its version, as proto
 //!   JSON (as Envoy's `/config_dump`);
@@ -37,6 +38,8 @@ use crate::xds::{Clients, ResourceType, Snapshot};
 
 #[derive(Clone)]
 pub struct AdminState {
+    /// The supervised components, for `/readyz` and `/debug/state`.
+    pub components: Arc<crate::supervisor::Components>,
     pub metrics: Arc<Metrics>,
     pub clients: Arc<Clients>,
     /// `None` until the first snapshot is built.
@@ -81,18 +84,40 @@ pub async fn serve(
 }
 
 async fn readyz(State(state): State<AdminState>) -> Response {
-    match &*state.snapshots.borrow() {
-        Some(s) => (StatusCode::OK, format!("ready: snapshot {}\n", s.version())).into_response(),
-        None if !state.live.source.borrow().synced => (
+    let version = state
+        .snapshots
+        .borrow()
+        .as_ref()
+        .map(|s| s.version().to_string());
+    let synced = state.live.source.borrow().synced;
+    readiness(&state.components.down(), synced, version.as_deref()).into_response()
+}
+
+/// `/readyz`'s answer: every component up, the source synced, a snapshot built.
+fn readiness(
+    down: &[(&'static str, String)],
+    synced: bool,
+    version: Option<&str>,
+) -> (StatusCode, String) {
+    if !down.is_empty() {
+        let mut text =
+            String::from("not ready: a component is down (restarting; see /debug/state)\n");
+        for (name, why) in down {
+            text.push_str(&format!("{name}: {why}\n"));
+        }
+        return (StatusCode::SERVICE_UNAVAILABLE, text);
+    }
+    match version {
+        Some(v) => (StatusCode::OK, format!("ready: snapshot {v}\n")),
+        None if !synced => (
             StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: the source has not delivered its first full state (see /debug/state)\n",
-        )
-            .into_response(),
+            "not ready: the source has not delivered its first full state (see /debug/state)\n"
+                .into(),
+        ),
         None => (
             StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: no snapshot built yet\n",
-        )
-            .into_response(),
+            "not ready: no snapshot built yet\n".into(),
+        ),
     }
 }
 
@@ -208,9 +233,28 @@ async fn live_state(State(state): State<AdminState>) -> Response {
             "problems": source.problems,
             "kuberay_application_statuses": source.kuberay_application_statuses,
         },
+        "components": state.components.report(),
         "rayservices": services,
         "refused_proxies": &**live.refused.borrow(),
         "probes_complete": probes.complete,
     }))
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_component_that_is_down_makes_readyz_fail_and_names_it() {
+        assert_eq!(readiness(&[], true, Some("v1")).0, StatusCode::OK);
+        let (code, text) = readiness(&[("prober", "panicked: boom".into())], true, Some("v1"));
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(text.contains("prober: panicked: boom"), "{text}");
+        assert_eq!(
+            readiness(&[], false, None).0,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert!(readiness(&[], true, None).1.contains("no snapshot"));
+    }
 }

@@ -16,6 +16,7 @@
 //! - [`pipeline`]: the pure step from all inputs to a snapshot (switchover, departed
 //!   clusters, withheld proxies), and the task that runs it;
 //! - [`metrics`] and [`admin`]: Prometheus, health, readiness and debug views;
+//! - [`supervisor`]: restarts a component that fails, counts it, shows it down;
 //! - [`runtime`]: wiring, one shutdown token for everything.
 
 pub mod admin;
@@ -27,5 +28,6 @@ pub mod pipeline;
 pub mod policy;
 pub mod runtime;
 pub mod source;
+pub mod supervisor;
 pub mod translate;
 pub mod xds;

@@ -32,9 +32,28 @@ use crate::pipeline::{self, Pipeline};
 use crate::source::file::{self, FileSource};
 use crate::source::kubernetes::{self, KubernetesSource};
 use crate::source::SourceStatus;
+use crate::supervisor::{supervise, Components};
 use crate::xds::grpc::AdsService;
 use crate::xds::server::AdsServer;
 use crate::xds::{Clients, Snapshot};
+
+/// `supervise(name, ...)` as a task of the runtime's set (it ends only at shutdown).
+fn supervised<F, Fut>(
+    components: &Arc<Components>,
+    name: &'static str,
+    shutdown: &CancellationToken,
+    start: F,
+) -> impl std::future::Future<Output = anyhow::Result<()>> + Send + 'static
+where
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (components, shutdown) = (components.clone(), shutdown.clone());
+    async move {
+        supervise(name, components, shutdown, start).await;
+        Ok(())
+    }
+}
 
 /// A started control plane.
 pub struct Running {
@@ -93,9 +112,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let admin_addr = admin_listener.local_addr()?;
     let policies = &config.policies;
     let mut tasks = JoinSet::new();
+    let components = Arc::new(Components::new(metrics.clone()));
 
     // The source: the single writer of the source's model and status.
-    let (status_tx, mut source_status) = watch::channel(Arc::new(SourceStatus::default()));
+    let (status_tx, source_status) = watch::channel(Arc::new(SourceStatus::default()));
     let source_rx = match &config.source {
         SourceConfig::File {
             path,
@@ -111,10 +131,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
                 status: status_tx.clone(),
             };
             let token = shutdown.clone();
-            tasks.spawn(async move {
-                source.run(bytes, tx, token).await;
-                Ok(())
-            });
+            tasks.spawn(supervised(&components, "source", &shutdown, move || {
+                source.clone().run(bytes.clone(), tx.clone(), token.clone())
+            }));
             rx
         }
         SourceConfig::Kubernetes(k) => {
@@ -125,10 +144,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
                 metrics: metrics.clone(),
             };
             let token = shutdown.clone();
-            tasks.spawn(async move {
-                source.run(client, tx, status_tx, token).await;
-                Ok(())
-            });
+            tasks.spawn(supervised(&components, "source", &shutdown, move || {
+                source
+                    .clone()
+                    .run(client.clone(), tx.clone(), status_tx.clone(), token.clone())
+            }));
             rx
         }
     };
@@ -142,10 +162,26 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         metrics: metrics.clone(),
     };
     let (models, token) = (source_rx.clone(), shutdown.clone());
-    tasks.spawn(async move {
-        poller.run(models, dashboards_tx, refresh_rx, token).await;
-        Ok(())
-    });
+    // The refresh requests outlive a poller that fails: the next one takes them over.
+    let refresh_rx = Arc::new(tokio::sync::Mutex::new(refresh_rx));
+    tasks.spawn(supervised(
+        &components,
+        "dashboards",
+        &shutdown,
+        move || {
+            let (poller, models, tx, token) = (
+                poller.clone(),
+                models.clone(),
+                dashboards_tx.clone(),
+                token.clone(),
+            );
+            let refresh = refresh_rx.clone();
+            async move {
+                let mut refresh = refresh.lock_owned().await;
+                poller.run(models, tx, &mut refresh, token).await
+            }
+        },
+    ));
 
     // Discovery: the effective model, read by everything downstream.
     // Until discovery's first pass, nothing downstream reads an unchecked model: the
@@ -162,24 +198,30 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         metrics: metrics.clone(),
     };
     let (source, dashboards, token) = (source_rx.clone(), dashboards_rx.clone(), shutdown.clone());
-    tasks.spawn(async move {
-        discovery
-            .run(source, dashboards, effective_tx, refused_tx, token)
-            .await;
-        Ok(())
-    });
+    tasks.spawn(supervised(&components, "discovery", &shutdown, move || {
+        discovery.clone().run(
+            source.clone(),
+            dashboards.clone(),
+            effective_tx.clone(),
+            refused_tx.clone(),
+            token.clone(),
+        )
+    }));
 
     // The prober.
     let (probes_tx, probes_rx) = watch::channel(Arc::new(ProbeStates::default()));
+    let heartbeat = Arc::new(crate::live::prober::Heartbeat::default());
     let prober = Prober {
         policy: policies.probe.clone(),
         metrics: metrics.clone(),
+        heartbeat: heartbeat.clone(),
     };
     let (models, token) = (effective_rx.clone(), shutdown.clone());
-    tasks.spawn(async move {
-        prober.run(models, probes_tx, token).await;
-        Ok(())
-    });
+    tasks.spawn(supervised(&components, "prober", &shutdown, move || {
+        prober
+            .clone()
+            .run(models.clone(), probes_tx.clone(), token.clone())
+    }));
 
     // The pipeline: once the source has its first full state (an empty model from a
     // half-listed cluster would withdraw every route). Until its first snapshot the xDS
@@ -193,6 +235,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         models: effective_rx.clone(),
         probes: probes_rx.clone(),
         dashboards: dashboards_rx.clone(),
+        prober: heartbeat,
     };
     let sinks = Sinks {
         snapshots: snapshots_tx,
@@ -206,17 +249,24 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         probes: policies.probe.first_probe_wait(),
         addresses: config.addresses.clone(),
     };
-    let pipe = Pipeline::new(policies.clone(), config.gateway.clone());
+    let (policies_, gateway) = (policies.clone(), config.gateway.clone());
     let (clients_, metrics_, token) = (clients.clone(), metrics.clone(), shutdown.clone());
     let status_rx = source_status.clone();
-    tasks.spawn(async move {
-        tokio::select! {
-            _ = token.cancelled() => return Ok(()),
-            synced = source_status.wait_for(|s| s.synced) => if synced.is_err() { return Ok(()) },
+    tasks.spawn(supervised(&components, "pipeline", &shutdown, move || {
+        // A restarted pipeline starts from scratch, as a restarted ray-xds does; the last
+        // snapshot keeps being served until it publishes.
+        let pipe = Pipeline::new(policies_.clone(), gateway.clone());
+        let (sources, sinks, first) = (sources.clone(), sinks.clone(), first.clone());
+        let (clients, metrics, token) = (clients_.clone(), metrics_.clone(), token.clone());
+        let mut source_status = source_status.clone();
+        async move {
+            tokio::select! {
+                _ = token.cancelled() => return,
+                synced = source_status.wait_for(|s| s.synced) => if synced.is_err() { return },
+            }
+            pipeline::task::run(pipe, sources, sinks, clients, metrics, first, token).await;
         }
-        pipeline::task::run(pipe, sources, sinks, clients_, metrics_, first, token).await;
-        Ok(())
-    });
+    }));
 
     // The xDS server, once there is a first snapshot.
     let ads = AdsServer::new(
@@ -250,6 +300,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     });
 
     let state = AdminState {
+        components,
         metrics: metrics.clone(),
         clients,
         snapshots: published_rx,

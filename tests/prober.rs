@@ -156,6 +156,7 @@ fn run_prober(cluster: &SimCluster) -> Running {
     let prober = Prober {
         policy,
         metrics: metrics.clone(),
+        heartbeat: Default::default(),
     };
     tokio::spawn(prober.run(models_rx, tx, shutdown.clone()));
     Running {
@@ -265,7 +266,11 @@ async fn the_dashboard_poller_keeps_the_last_known_state() {
         metrics: metrics.clone(),
     };
     let (_refresh_tx, refresh_rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(poller.run(models_rx, tx, refresh_rx, shutdown.clone()));
+    let token = shutdown.clone();
+    tokio::spawn(async move {
+        let mut refresh_rx = refresh_rx;
+        poller.run(models_rx, tx, &mut refresh_rx, token).await
+    });
     let cluster = "default/demo/c";
     let wait = |rx: &mut watch::Receiver<Arc<DashboardStates>>,
                 f: fn(&ray_xds::live::dashboards::ClusterDashboard) -> bool| {

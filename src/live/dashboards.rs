@@ -84,6 +84,7 @@ fn unix(t: SystemTime) -> f64 {
         .unwrap_or(0.0)
 }
 
+#[derive(Clone)]
 pub struct DashboardPoller {
     pub interval: Duration,
     pub timeout: Duration,
@@ -98,7 +99,7 @@ impl DashboardPoller {
         self,
         mut models: watch::Receiver<Arc<Model>>,
         states: watch::Sender<Arc<DashboardStates>>,
-        mut refresh: mpsc::UnboundedReceiver<String>,
+        refresh: &mut mpsc::UnboundedReceiver<String>,
         shutdown: CancellationToken,
     ) {
         let client = Arc::new(DashboardClient::new(self.timeout));

@@ -127,6 +127,7 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
 /// published only on change. When no cluster discovers and the policy refuses nothing,
 /// the source's model is forwarded as is (the same `Arc`: no copy, and dashboard polls
 /// cost nothing here).
+#[derive(Clone)]
 pub struct Discovery {
     pub policy: AddressPolicy,
     pub metrics: Arc<Metrics>,

@@ -9,6 +9,13 @@
 //! feeds each proxy's [`ProxyProbe`] and publishes only when a state (or a proxy's route
 //! list) changes. A proxy's `/-/routes` is read when it answers healthy after not doing so,
 //! and every `routes_interval` while healthy.
+//!
+//! Freshness: a proxy whose last probe result is older than [`stale_after`] (a probe task
+//! that died or is starved) goes back to `unknown`, so a result nobody renews is never
+//! served as today's health; a probe task that ended is started again (and counted). The
+//! manager beats a [`Heartbeat`] every second; the pipeline treats every probe result as
+//! unknown while it stops (a wedged prober). A restarted prober starts from what the last
+//! one published, so a restart changes nothing Envoy sees.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -47,10 +54,76 @@ struct Report {
     routes: Option<Option<BTreeSet<String>>>,
 }
 
+impl ProbeStates {
+    /// These states with every proxy's probe `unknown` for `reason` (routes kept).
+    pub fn all_unknown(&self, reason: &str, now: SystemTime) -> ProbeStates {
+        let mut out = self.clone();
+        for probe in out.proxies.values_mut() {
+            if probe.state != ProbeState::Unknown {
+                probe.state = ProbeState::Unknown;
+                probe.since = now;
+            }
+            probe.reason = reason.to_string();
+            probe.consecutive_successes = 0;
+            probe.consecutive_failures = 0;
+        }
+        out.complete = out.proxies.is_empty();
+        out
+    }
+}
+
+/// How long a proxy's last probe result counts as fresh: three intervals and two
+/// timeouts, plus the time `probes` probes take to get a permit each when every one of
+/// them times out (`max_concurrent` at a time), at least 5 s.
+pub fn stale_after(settings: &ProbePolicy, probes: usize, max_concurrent: usize) -> Duration {
+    let rounds = probes.div_ceil(max_concurrent.max(1)) as u32;
+    (settings.interval * 3 + settings.timeout * 2 + settings.timeout * 2 * rounds)
+        .max(Duration::from_secs(5))
+}
+
+/// The prober's manager beats its [`Heartbeat`] every second: this long without a beat,
+/// it is wedged, and the pipeline serves no probe result as fresh.
+pub const WEDGED_AFTER: Duration = Duration::from_secs(10);
+
+/// When the prober's manager last ran (it beats every second while alive).
+#[derive(Debug)]
+pub struct Heartbeat {
+    /// tokio's clock, so that tests can pause and advance it.
+    epoch: tokio::time::Instant,
+    last_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Heartbeat {
+    fn default() -> Self {
+        Heartbeat {
+            epoch: tokio::time::Instant::now(),
+            last_ms: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+}
+
+impl Heartbeat {
+    pub fn beat(&self) {
+        let ms = self.epoch.elapsed().as_millis() as u64;
+        self.last_ms.store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How long since the last beat (since creation before the first).
+    pub fn age(&self) -> Duration {
+        let last = self.last_ms.load(std::sync::atomic::Ordering::Relaxed);
+        self.epoch
+            .elapsed()
+            .saturating_sub(Duration::from_millis(last))
+    }
+}
+
+#[derive(Clone)]
 pub struct Prober {
     /// The global probe policy; each RayService overrides parts of it.
     pub policy: ProbePolicy,
     pub metrics: Arc<Metrics>,
+    /// Beaten every second by the running manager.
+    pub heartbeat: Arc<Heartbeat>,
 }
 
 impl Prober {
@@ -67,7 +140,15 @@ impl Prober {
         ));
         let (tx, mut rx) = mpsc::channel::<Report>(1024);
         let mut tasks: BTreeMap<SocketAddr, (ProbePolicy, JoinHandle<()>)> = BTreeMap::new();
-        let mut current = ProbeStates::default();
+        // A restarted prober goes on from what the last one published.
+        let mut current = (**states.borrow()).clone();
+        let mut fresh: BTreeMap<SocketAddr, Instant> = current
+            .proxies
+            .keys()
+            .map(|a| (*a, Instant::now()))
+            .collect();
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut models_changed = true;
         loop {
             if models_changed {
@@ -95,12 +176,14 @@ impl Prober {
                 }
                 let before = current.proxies.len();
                 current.proxies.retain(|addr, _| wanted.contains_key(addr));
+                fresh.retain(|addr, _| wanted.contains_key(addr));
                 let now = SystemTime::now();
                 for addr in wanted.keys() {
                     current
                         .proxies
                         .entry(*addr)
                         .or_insert_with(|| ProxyProbe::new(now));
+                    fresh.entry(*addr).or_insert_with(Instant::now);
                 }
                 let changed = before != current.proxies.len() || self.update_complete(&mut current);
                 if changed {
@@ -114,7 +197,16 @@ impl Prober {
                     if changed.is_err() { break; }
                     models_changed = true;
                 }
+                _ = tick.tick() => {
+                    self.heartbeat.beat();
+                    self.restart_ended(&mut tasks, &client, &permits, &tx);
+                    if self.expire(&mut current, &tasks, &fresh) {
+                        self.update_complete(&mut current);
+                        states.send_replace(Arc::new(current.clone()));
+                    }
+                }
                 Some(report) = rx.recv() => {
+                    fresh.insert(report.address, Instant::now());
                     if self.apply(&mut current, &tasks, report) {
                         self.update_complete(&mut current);
                         states.send_replace(Arc::new(current.clone()));
@@ -125,6 +217,69 @@ impl Prober {
         for (_, (_, task)) in tasks {
             task.abort();
         }
+    }
+
+    /// Starts again every probe task that ended (they only end on a panic): counted as
+    /// restarts of the component `probe_task`.
+    fn restart_ended(
+        &self,
+        tasks: &mut BTreeMap<SocketAddr, (ProbePolicy, JoinHandle<()>)>,
+        client: &HttpClient,
+        permits: &Arc<Semaphore>,
+        reports: &mpsc::Sender<Report>,
+    ) {
+        for (addr, (settings, task)) in tasks.iter_mut() {
+            if task.is_finished() {
+                tracing::error!(proxy = %addr, "a probe task ended; starting it again");
+                self.metrics
+                    .component_restarts
+                    .get_or_create(&crate::metrics::ComponentLabels {
+                        component: "probe_task",
+                    })
+                    .inc();
+                *task = tokio::spawn(
+                    ProbeTask {
+                        address: *addr,
+                        settings: settings.clone(),
+                        routes_interval: self.policy.routes_interval,
+                        client: client.clone(),
+                        permits: permits.clone(),
+                        reports: reports.clone(),
+                    }
+                    .run(),
+                );
+            }
+        }
+    }
+
+    /// Puts back to `unknown` every proxy whose last result is older than its
+    /// [`stale_after`]; true when one changed.
+    fn expire(
+        &self,
+        current: &mut ProbeStates,
+        tasks: &BTreeMap<SocketAddr, (ProbePolicy, JoinHandle<()>)>,
+        fresh: &BTreeMap<SocketAddr, Instant>,
+    ) -> bool {
+        let mut changed = false;
+        let n = tasks.len();
+        for (addr, probe) in current.proxies.iter_mut() {
+            let (Some((settings, _)), Some(at)) = (tasks.get(addr), fresh.get(addr)) else {
+                continue;
+            };
+            let age = at.elapsed();
+            if probe.state != ProbeState::Unknown
+                && age > stale_after(settings, n, self.policy.max_concurrent)
+            {
+                tracing::warn!(proxy = %addr, age = ?age, "no probe result for too long: its health is unknown again");
+                probe.state = ProbeState::Unknown;
+                probe.since = SystemTime::now();
+                probe.reason = format!("stale: no probe result for {}s", age.as_secs());
+                probe.consecutive_successes = 0;
+                probe.consecutive_failures = 0;
+                changed = true;
+            }
+        }
+        changed
     }
 
     fn update_complete(&self, current: &mut ProbeStates) -> bool {
@@ -330,7 +485,13 @@ pub async fn read_routes(
     if status != 200 {
         return None;
     }
-    let routes: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&body).ok()?;
+    parse_routes(&body)
+}
+
+/// The route prefixes of a `/-/routes` body (a JSON object keyed by route prefix); `None`
+/// when it is not one.
+pub fn parse_routes(body: &[u8]) -> Option<BTreeSet<String>> {
+    let routes: BTreeMap<String, serde_json::Value> = serde_json::from_slice(body).ok()?;
     Some(routes.into_keys().collect())
 }
 
@@ -344,4 +505,100 @@ pub fn probe_client(timeout: Duration) -> HttpClient {
         .pool_idle_timeout(Duration::from_secs(30))
         .pool_max_idle_per_host(1)
         .build(connector)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prober() -> Prober {
+        Prober {
+            policy: ProbePolicy::default(),
+            metrics: Arc::new(Metrics::new()),
+            heartbeat: Default::default(),
+        }
+    }
+
+    #[test]
+    fn staleness_bound_grows_with_the_queue_and_never_overflows() {
+        let p = ProbePolicy::default();
+        assert_eq!(stale_after(&p, 10, 256), Duration::from_secs(5));
+        // 20,000 proxies through 256 permits: 79 rounds of two timeouts at worst.
+        assert!(stale_after(&p, 20_000, 256) > Duration::from_secs(39));
+        let slow = ProbePolicy {
+            interval: Duration::from_secs(3600),
+            timeout: Duration::from_secs(60),
+            ..Default::default()
+        };
+        assert!(stale_after(&slow, 100_000, 1) > Duration::from_secs(3600));
+    }
+
+    /// Issue 13: a proxy whose probe results stop (its task dead or starved) is not
+    /// served as healthy on an old result: it goes back to unknown. A fresh one stays.
+    #[tokio::test]
+    async fn a_result_nobody_renews_goes_back_to_unknown() {
+        let p = prober();
+        let (old, new) = (
+            SocketAddr::from(([127, 0, 0, 1], 1)),
+            SocketAddr::from(([127, 0, 0, 1], 2)),
+        );
+        let mut current = ProbeStates::default();
+        let mut tasks = BTreeMap::new();
+        for a in [old, new] {
+            let mut probe = ProxyProbe::new(SystemTime::now());
+            probe.state = ProbeState::Healthy;
+            current.proxies.insert(a, probe);
+            tasks.insert(a, (p.policy.clone(), tokio::spawn(async {})));
+        }
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(60))
+            .expect("the machine has been up a minute");
+        let fresh = BTreeMap::from([(old, long_ago), (new, Instant::now())]);
+        assert!(p.expire(&mut current, &tasks, &fresh));
+        assert_eq!(current.proxies[&old].state, ProbeState::Unknown);
+        assert!(current.proxies[&old].reason.starts_with("stale"));
+        assert_eq!(current.proxies[&new].state, ProbeState::Healthy);
+        // Nothing more to expire.
+        assert!(!p.expire(&mut current, &tasks, &fresh));
+    }
+
+    /// A probe task that ended (a panic) is started again and counted.
+    #[tokio::test]
+    async fn an_ended_probe_task_is_started_again() {
+        let p = prober();
+        let (tx, _rx) = mpsc::channel(8);
+        let client = probe_client(Duration::from_millis(50));
+        let permits = Arc::new(Semaphore::new(1));
+        let addr = SocketAddr::from(([127, 0, 0, 1], 9));
+        let mut tasks = BTreeMap::from([(addr, (p.policy.clone(), tokio::spawn(async {})))]);
+        tokio::task::yield_now().await;
+        while !tasks[&addr].1.is_finished() {
+            tokio::task::yield_now().await;
+        }
+        p.restart_ended(&mut tasks, &client, &permits, &tx);
+        assert!(!tasks[&addr].1.is_finished());
+        assert!(p
+            .metrics
+            .render()
+            .contains("ray_xds_component_restarts_total{component=\"probe_task\"} 1"));
+        tasks[&addr].1.abort();
+    }
+
+    #[test]
+    fn all_unknown_keeps_routes_and_clears_the_verdict() {
+        let mut states = ProbeStates::default();
+        let mut probe = ProxyProbe::new(SystemTime::UNIX_EPOCH);
+        probe.state = ProbeState::Unhealthy;
+        probe.routes = Some(["/".to_string()].into());
+        states
+            .proxies
+            .insert(SocketAddr::from(([127, 0, 0, 1], 1)), probe);
+        states.complete = true;
+        let out = states.all_unknown("wedged", SystemTime::now());
+        let p = out.proxies.values().next().unwrap();
+        assert_eq!(p.state, ProbeState::Unknown);
+        assert_eq!(p.reason, "wedged");
+        assert!(p.routes.is_some());
+        assert!(!out.complete);
+    }
 }

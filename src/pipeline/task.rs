@@ -36,9 +36,12 @@ pub struct Sources {
     pub models: watch::Receiver<Arc<Model>>,
     pub probes: watch::Receiver<Arc<ProbeStates>>,
     pub dashboards: watch::Receiver<Arc<DashboardStates>>,
+    /// The prober's liveness: while it does not beat, no probe result is fresh.
+    pub prober: Arc<crate::live::prober::Heartbeat>,
 }
 
 /// The channels the pipeline writes.
+#[derive(Clone)]
 pub struct Sinks {
     /// What the xDS streams serve.
     pub snapshots: watch::Sender<Arc<Snapshot>>,
@@ -97,8 +100,16 @@ pub async fn run(
         sources.probes.mark_unchanged();
         sources.dashboards.mark_unchanged();
         let model = sources.models.borrow().clone();
-        let probes = sources.probes.borrow().clone();
+        let mut probes = sources.probes.borrow().clone();
         let dashboards = sources.dashboards.borrow().clone();
+        let wedged = prober_wedged(&sources);
+        if wedged {
+            tracing::error!(since = ?sources.prober.age(), "the prober has stopped: every probe result is served as unknown until it runs again");
+            probes = Arc::new(probes.all_unknown(
+                "the prober has stopped: no fresh probe result",
+                SystemTime::now(),
+            ));
+        }
         let started = std::time::Instant::now();
         let out = pipeline.build(
             &Inputs {
@@ -135,33 +146,47 @@ pub async fn run(
             sinks.published.send_replace(Some(out.snapshot.clone()));
         }
         let wake = out.wake_at.map(|t| {
-            t.duration_since(SystemTime::now()).unwrap_or_default() + Duration::from_millis(5)
+            tokio::time::Instant::now()
+                + t.duration_since(SystemTime::now()).unwrap_or_default()
+                + Duration::from_millis(5)
         });
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            changed = sources.models.changed() => {
-                if changed.is_err() { return }
-                // New proxies are withheld until their first probe: wait for it (briefly)
-                // so that the change is built and pushed once, with health.
-                let model = sources.models.borrow().clone();
-                loop {
-                    // Never hold a channel's borrow across an await.
-                    let probes = sources.probes.borrow().clone();
-                    let Some(due) = pipeline.first_probes_due(&model, &probes, SystemTime::now()) else { break };
-                    let left = due.duration_since(SystemTime::now()).unwrap_or_default();
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(left) => break,
-                        changed = sources.probes.changed() => if changed.is_err() { return },
+        let mut check = tokio::time::interval(Duration::from_secs(1));
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        check.tick().await;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                // Rebuild when the prober stops or starts beating again, else nothing.
+                _ = check.tick() => if prober_wedged(&sources) == wedged { continue },
+                changed = sources.models.changed() => {
+                    if changed.is_err() { return }
+                    // New proxies are withheld until their first probe: wait for it (briefly)
+                    // so that the change is built and pushed once, with health.
+                    let model = sources.models.borrow().clone();
+                    loop {
+                        // Never hold a channel's borrow across an await.
+                        let probes = sources.probes.borrow().clone();
+                        let Some(due) = pipeline.first_probes_due(&model, &probes, SystemTime::now()) else { break };
+                        let left = due.duration_since(SystemTime::now()).unwrap_or_default();
+                        tokio::select! {
+                            _ = shutdown.cancelled() => return,
+                            _ = tokio::time::sleep(left) => break,
+                            changed = sources.probes.changed() => if changed.is_err() { return },
+                        }
                     }
                 }
+                changed = sources.probes.changed() => if changed.is_err() { return },
+                changed = sources.dashboards.changed() => if changed.is_err() { return },
+                _ = clients.acked(), if out.wake_on_ack => {}
+                _ = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {}
             }
-            changed = sources.probes.changed() => if changed.is_err() { return },
-            changed = sources.dashboards.changed() => if changed.is_err() { return },
-            _ = clients.acked(), if out.wake_on_ack => {}
-            _ = tokio::time::sleep(wake.unwrap_or_default()), if wake.is_some() => {}
+            break;
         }
     }
+}
+
+fn prober_wedged(sources: &Sources) -> bool {
+    sources.prober.age() > crate::live::prober::WEDGED_AFTER
 }
 
 /// Logs and counts what one build decided; keeps `ray_xds_switchover_weight` to the
@@ -342,5 +367,99 @@ mod tests {
         assert!(!text.contains(r#"cluster="b1""#), "{text}");
         let text = step(Model::default(), 2);
         assert!(!text.contains("ray_xds_switchover_weight{"), "{text}");
+    }
+}
+
+#[cfg(test)]
+mod freshness_tests {
+    use super::*;
+    use crate::config::GatewaySettings;
+    use crate::live::health::EndpointHealth;
+    use crate::live::probe::ProxyProbe;
+    use crate::live::prober::Heartbeat;
+    use crate::model::test_support::service;
+    use crate::policy::Policies;
+
+    /// Issue 13: a prober that stops beating (wedged) is not served as fresh health: its
+    /// last results become unknown (published, so nothing healthy is removed, and no
+    /// longer "healthy" on ray-xds's word), and health comes back once it beats again.
+    #[tokio::test(start_paused = true)]
+    async fn a_wedged_prober_leaves_every_endpoint_unknown_until_it_beats_again() {
+        let model = Arc::new(Model::new(vec![service("a", "a1", &[8000])]).unwrap());
+        let address = SocketAddr::from(([127, 0, 0, 1], 8000));
+        let mut probes = ProbeStates::default();
+        let mut probe = ProxyProbe::new(SystemTime::now());
+        probe.state = ProbeState::Healthy;
+        probes.proxies.insert(address, probe);
+        probes.complete = true;
+        let (_m, models) = watch::channel(model.clone());
+        let (_p, probes_rx) = watch::channel(Arc::new(probes));
+        let (_d, dashboards) = watch::channel(Arc::new(DashboardStates::default()));
+        let heartbeat = Arc::new(Heartbeat::default());
+        heartbeat.beat();
+        let sources = Sources {
+            source: models.clone(),
+            models,
+            probes: probes_rx,
+            dashboards,
+            prober: heartbeat.clone(),
+        };
+        let (snapshots, _s) = watch::channel(Arc::new(Snapshot::default()));
+        let (published, _pb) = watch::channel(None);
+        let (health, mut health_rx) = watch::channel(Arc::new(HealthMap::default()));
+        let (switchover, _sw) = watch::channel(Arc::new(Switchover::default()));
+        let (refresh, _r) = mpsc::unbounded_channel();
+        let sinks = Sinks {
+            snapshots,
+            published,
+            health,
+            switchover,
+            refresh,
+        };
+        let first = FirstBuild {
+            dashboards: Duration::from_secs(1),
+            probes: Duration::from_secs(1),
+            addresses: Default::default(),
+        };
+        let token = CancellationToken::new();
+        tokio::spawn(run(
+            Pipeline::new(Policies::default(), GatewaySettings::default()),
+            sources,
+            sinks,
+            Arc::new(Clients::default()),
+            Arc::new(Metrics::new()),
+            first,
+            token.clone(),
+        ));
+        let cluster = "default/a/a1";
+        async fn health_is(
+            rx: &mut watch::Receiver<Arc<HealthMap>>,
+            cluster: &str,
+            address: SocketAddr,
+            want: EndpointHealth,
+        ) {
+            rx.wait_for(|h| h.health(cluster, address) == want)
+                .await
+                .unwrap();
+        }
+        health_is(&mut health_rx, cluster, address, EndpointHealth::Healthy).await;
+        // Beating: still healthy well past the bound.
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            heartbeat.beat();
+        }
+        assert_eq!(
+            health_rx.borrow().health(cluster, address),
+            EndpointHealth::Healthy
+        );
+        // Silent: unknown after the bound.
+        tokio::time::sleep(crate::live::prober::WEDGED_AFTER + Duration::from_secs(2)).await;
+        assert_eq!(
+            health_rx.borrow().health(cluster, address),
+            EndpointHealth::Unknown
+        );
+        heartbeat.beat();
+        health_is(&mut health_rx, cluster, address, EndpointHealth::Healthy).await;
+        token.cancel();
     }
 }

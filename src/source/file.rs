@@ -238,6 +238,7 @@ pub fn load(path: &Path) -> Result<(Model, Vec<u8>), ConfigError> {
 }
 
 /// Watches the file and publishes every valid new model; returns when `shutdown` fires.
+#[derive(Clone)]
 pub struct FileSource {
     pub path: PathBuf,
     pub poll_interval: Duration,

@@ -109,6 +109,7 @@ struct Watch {
     listing_malformed: BTreeMap<Key, String>,
 }
 
+#[derive(Clone)]
 pub struct KubernetesSource {
     pub config: KubernetesSourceConfig,
     pub metrics: Arc<Metrics>,
