@@ -83,6 +83,21 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_XDS_MAX_MESSAGE_BYTES")]
     pub xds_max_message_bytes: Option<usize>,
 
+    /// Connections the xDS listener holds at once [config: xds.max_connections;
+    /// default 4096; 1..=65536].
+    #[arg(long, env = "RAY_XDS_XDS_MAX_CONNECTIONS")]
+    pub xds_max_connections: Option<usize>,
+
+    /// Connections the xDS listener holds from one IP address
+    /// [config: xds.max_connections_per_peer; default 256; 1..=65536].
+    #[arg(long, env = "RAY_XDS_XDS_MAX_CONNECTIONS_PER_PEER")]
+    pub xds_max_connections_per_peer: Option<usize>,
+
+    /// ADS streams served at once over all connections (at most 100 per connection)
+    /// [config: xds.max_streams; default 20000; 1..=1000000].
+    #[arg(long, env = "RAY_XDS_XDS_MAX_STREAMS")]
+    pub xds_max_streams: Option<usize>,
+
     /// Networks every published proxy must be in, comma-separated CIDRs (e.g.
     /// `10.0.0.0/8,fd00::/8`). Unset: proxies the source lists are trusted, and proxies
     /// discovered from a dashboard must be in its /16 (IPv4) or /64 (IPv6)
@@ -169,6 +184,11 @@ impl clap::Args for PolicyFlags {
 pub struct Config {
     pub xds_listen: SocketAddr,
     pub xds_max_message_bytes: usize,
+    /// Connections the xDS listener holds (in total and per peer), and how long one may
+    /// stay silent.
+    pub xds_limits: crate::xds::listener::Limits,
+    /// ADS streams served at once.
+    pub xds_max_streams: usize,
     pub admin_listen: SocketAddr,
     pub gateway: GatewaySettings,
     pub source: SourceConfig,
@@ -288,6 +308,9 @@ struct FileConfig {
 struct XdsSection {
     listen: Option<SocketAddr>,
     max_message_bytes: Option<usize>,
+    max_connections: Option<usize>,
+    max_connections_per_peer: Option<usize>,
+    max_streams: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -455,6 +478,49 @@ impl Config {
                 XDS_MAX_MESSAGE_BYTES_RANGE.end()
             )));
         }
+        let bounded = |field: &str,
+                       flag: &str,
+                       value: Option<usize>,
+                       default: usize,
+                       range: std::ops::RangeInclusive<usize>|
+         -> Result<usize, ConfigError> {
+            let v = value.unwrap_or(default);
+            if range.contains(&v) {
+                Ok(v)
+            } else {
+                Err(ConfigError::Invalid(format!(
+                    "{field} (--{flag}) is {v}: it must be in {}..={}",
+                    range.start(),
+                    range.end()
+                )))
+            }
+        };
+        let listener_defaults = crate::xds::listener::Limits::default();
+        let xds_limits = crate::xds::listener::Limits {
+            max_connections: bounded(
+                "xds.max_connections",
+                "xds-max-connections",
+                args.xds_max_connections.or(file.xds.max_connections),
+                listener_defaults.max_connections,
+                1..=65_536,
+            )?,
+            max_connections_per_peer: bounded(
+                "xds.max_connections_per_peer",
+                "xds-max-connections-per-peer",
+                args.xds_max_connections_per_peer
+                    .or(file.xds.max_connections_per_peer),
+                listener_defaults.max_connections_per_peer,
+                1..=65_536,
+            )?,
+            handshake_timeout: listener_defaults.handshake_timeout,
+        };
+        let xds_max_streams = bounded(
+            "xds.max_streams",
+            "xds-max-streams",
+            args.xds_max_streams.or(file.xds.max_streams),
+            crate::xds::server::DEFAULT_MAX_STREAMS,
+            1..=1_000_000,
+        )?;
         let (file_source, kubernetes) = match file.source {
             Some(s) => (s.file, s.kubernetes),
             None => (None, None),
@@ -524,6 +590,8 @@ impl Config {
                 .or(file.xds.listen)
                 .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 18000))),
             xds_max_message_bytes: max_message,
+            xds_limits,
+            xds_max_streams,
             admin_listen: args
                 .admin_listen
                 .or(file.admin.listen)
@@ -781,6 +849,31 @@ mod tests {
             assert!(err.contains("source.file.poll_interval"), "{bad}: {err}");
         }
         assert!(load("gateway: { connect_timeout: 60s }\nsource: { file: { path: a.yaml, poll_interval: 10ms } }\n").is_ok());
+    }
+
+    #[test]
+    fn xds_connection_and_stream_limits_are_bounded() {
+        let c = load("xds: { max_connections: 10, max_connections_per_peer: 3, max_streams: 50 }\nsource: { file: { path: a.yaml } }\n").unwrap();
+        assert_eq!(c.xds_limits.max_connections, 10);
+        assert_eq!(c.xds_limits.max_connections_per_peer, 3);
+        assert_eq!(c.xds_max_streams, 50);
+        for (field, bad) in [
+            ("max_connections", "0"),
+            ("max_connections", "65537"),
+            ("max_connections_per_peer", "0"),
+            ("max_streams", "0"),
+            ("max_streams", "18446744073709551615"),
+        ] {
+            let err = load(&format!(
+                "xds: {{ {field}: {bad} }}\nsource: {{ file: {{ path: a.yaml }} }}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains(&format!("xds.{field}")),
+                "{field}={bad}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -274,7 +274,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         metrics.clone(),
         clients.clone(),
         shutdown.clone(),
-    );
+    )
+    .with_max_streams(config.xds_max_streams);
+    let limits = config.xds_limits;
     let service = AdsService::new(ads, config.xds_max_message_bytes);
     let (mut published, token) = (published_rx.clone(), shutdown.clone());
     let xds_observer: Arc<dyn crate::xds::Observer> = metrics.clone();
@@ -284,12 +286,16 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             ready = published.wait_for(|s| s.is_some()) => if ready.is_err() { return Ok(()) },
         }
         tonic::transport::Server::builder()
+            // A peer that stops answering pings is closed; one connection serves at
+            // most this many streams (an Envoy opens one).
             .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+            .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
+            .max_concurrent_streams(Some(crate::xds::server::MAX_STREAMS_PER_CONNECTION))
             .add_service(service)
             .serve_with_incoming_shutdown(
                 crate::xds::listener::incoming(
                     xds_listener,
-                    crate::xds::listener::Limits::default(),
+                    limits,
                     Default::default(),
                     xds_observer,
                 ),

@@ -460,3 +460,69 @@ async fn silent_sockets_on_the_xds_port_are_closed_and_clients_still_served() {
         "{metrics}"
     );
 }
+
+/// Issue 13: streams are bounded in total (`xds.max_streams`): one more is refused with
+/// RESOURCE_EXHAUSTED before it costs anything, the streams already open are served, and
+/// a stream that ends gives its place back.
+#[tokio::test]
+async fn streams_over_the_limit_are_refused_and_places_come_back() {
+    let cluster = SimCluster::start("demo-a", &[NodeType::Head, NodeType::Worker]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let services = dir.path().join("services.yaml");
+    std::fs::write(&services, services_yaml("demo-a", &[&cluster])).unwrap();
+    let mut config = test_config(&services, free_port());
+    config.xds_max_streams = 2;
+    let running = ray_xds::runtime::start(config, Default::default())
+        .await
+        .unwrap();
+    let xds = running.xds_addr;
+    let ask = DiscoveryRequest {
+        node: node("capped"),
+        type_url: CLUSTER_TYPE_URL.into(),
+        ..Default::default()
+    };
+    let (tx1, mut rx1) = sotw_stream(xds).await;
+    tx1.send(ask.clone()).await.unwrap();
+    next(&mut rx1).await;
+    let (tx2, mut rx2) = delta_stream(xds).await;
+    tx2.send(DeltaDiscoveryRequest {
+        node: node("capped"),
+        type_url: CLUSTER_TYPE_URL.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    next(&mut rx2).await;
+    // The third: refused.
+    let (tx3, mut rx3) = sotw_stream(xds).await;
+    let _ = tx3.send(ask.clone()).await;
+    let refused = tokio::time::timeout(DEADLINE, rx3.message())
+        .await
+        .expect("an answer in time");
+    let status = refused.expect_err("the third stream is refused");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    let metrics = admin_get(running.admin_addr, "/metrics").await;
+    assert!(
+        metrics.contains("reason=\"over_stream_limit\""),
+        "{metrics}"
+    );
+    // The first two are still served.
+    assert_eq!(
+        metric(&metrics, "ray_xds_xds_streams{protocol=\"sotw\"}"),
+        1.0
+    );
+    // One ends: a new stream gets its place.
+    drop((tx1, rx1));
+    eventually("a freed place is given again", DEADLINE, || async {
+        let (tx, mut rx) = sotw_stream(xds).await;
+        tx.send(ask.clone()).await.ok()?;
+        tokio::time::timeout(Duration::from_secs(2), rx.message())
+            .await
+            .ok()?
+            .ok()?
+            .map(|_| ())
+    })
+    .await;
+    drop((tx2, rx2));
+    running.stop().await.unwrap();
+}

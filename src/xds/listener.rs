@@ -1,10 +1,11 @@
-//! The xDS listener's connections, bounded: at most `max_connections` open at once (one
-//! more is closed at once), each given `handshake_timeout` to send its first byte (an
+//! The xDS listener's connections, bounded: at most `max_connections` open at once and
+//! `max_connections_per_peer` from one IP address (one more is closed at once), each given `handshake_timeout` to send its first byte (an
 //! HTTP/2 client sends its preface at once; a socket that stays silent is closed), and
 //! accept errors (out of file descriptors) back off instead of spinning.
 //!
-//! Invariants: a connection's slot is freed when the connection is dropped, whatever
-//! ends it; nothing here reads or writes a byte of the protocol.
+//! Invariants: a connection's slots (total and its peer's) are freed when the
+//! connection is dropped, whatever ends it; nothing here reads or writes a byte of the
+//! protocol.
 
 use std::future::Future;
 use std::io;
@@ -21,9 +22,11 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
 /// How many connections the listener holds, and how long one may stay silent.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     pub max_connections: usize,
+    /// From one IP address (Envoys sharing a node's address, or behind one NAT, share it).
+    pub max_connections_per_peer: usize,
     pub handshake_timeout: Duration,
 }
 
@@ -31,7 +34,45 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_connections: 4096,
+            max_connections_per_peer: 256,
             handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Open connections per peer address.
+#[derive(Debug, Default)]
+struct PeerCounts(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+/// One connection's place in its peer's count, given back on drop.
+struct PeerSlot {
+    counts: Arc<PeerCounts>,
+    ip: std::net::IpAddr,
+}
+
+impl PeerCounts {
+    fn try_take(self: &Arc<Self>, ip: std::net::IpAddr, max: usize) -> Option<PeerSlot> {
+        let mut counts = self.0.lock().expect("never poisoned");
+        let n = counts.entry(ip).or_default();
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(PeerSlot {
+            counts: self.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut counts = self.counts.0.lock().expect("never poisoned");
+        if let Some(n) = counts.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.ip);
+            }
         }
     }
 }
@@ -41,6 +82,8 @@ impl Default for Limits {
 pub struct Refusals {
     /// Connections closed at once: `max_connections` were open.
     pub over_limit: AtomicU64,
+    /// Connections closed at once: `max_connections_per_peer` were open from its address.
+    pub over_peer_limit: AtomicU64,
     /// Connections closed for sending nothing within `handshake_timeout`.
     pub silent: Arc<AtomicU64>,
     /// Accept errors (each followed by a pause).
@@ -49,7 +92,7 @@ pub struct Refusals {
 
 /// The accepted connections of `listener`, within `limits`.
 /// Each refusal is also reported to `observer` as a stream error of protocol
-/// `"connection"` (reasons `over_limit`, `silent`, `accept_error`).
+/// `"connection"` (reasons `over_limit`, `over_peer_limit`, `silent`, `accept_error`).
 pub fn incoming(
     listener: TcpListener,
     limits: Limits,
@@ -57,36 +100,50 @@ pub fn incoming(
     observer: Arc<dyn super::Observer>,
 ) -> impl Stream<Item = io::Result<BoundedConnection>> {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let peers = Arc::new(PeerCounts::default());
     futures::stream::unfold(
         (listener, slots, refusals, observer),
-        move |(listener, slots, refusals, observer)| async move {
-            loop {
-                let (stream, peer) = match listener.accept().await {
-                    Ok(accepted) => accepted,
-                    Err(err) => {
-                        refusals.accept_errors.fetch_add(1, Ordering::Relaxed);
-                        observer.stream_error("connection", "accept_error");
-                        tracing::warn!(error = %err, "xDS listener: accept failed; pausing 100 ms");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+        move |(listener, slots, refusals, observer)| {
+            let peers = peers.clone();
+            async move {
+                loop {
+                    let (stream, peer) = match listener.accept().await {
+                        Ok(accepted) => accepted,
+                        Err(err) => {
+                            refusals.accept_errors.fetch_add(1, Ordering::Relaxed);
+                            observer.stream_error("connection", "accept_error");
+                            tracing::warn!(error = %err, "xDS listener: accept failed; pausing 100 ms");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
+                    };
+                    let Ok(slot) = slots.clone().try_acquire_owned() else {
+                        refusals.over_limit.fetch_add(1, Ordering::Relaxed);
+                        observer.stream_error("connection", "over_limit");
+                        tracing::warn!(%peer, max = limits.max_connections, "xDS listener: connection limit reached; closing the new connection");
+                        drop(stream);
                         continue;
-                    }
-                };
-                let Ok(slot) = slots.clone().try_acquire_owned() else {
-                    refusals.over_limit.fetch_add(1, Ordering::Relaxed);
-                    observer.stream_error("connection", "over_limit");
-                    tracing::warn!(%peer, max = limits.max_connections, "xDS listener: connection limit reached; closing the new connection");
-                    drop(stream);
-                    continue;
-                };
-                let _ = stream.set_nodelay(true);
-                let connection = BoundedConnection {
-                    inner: stream,
-                    _slot: slot,
-                    deadline: Some(Box::pin(tokio::time::sleep(limits.handshake_timeout))),
-                    silent: refusals.silent.clone(),
-                    observer: observer.clone(),
-                };
-                return Some((Ok(connection), (listener, slots, refusals, observer)));
+                    };
+                    let Some(peer_slot) =
+                        peers.try_take(peer.ip(), limits.max_connections_per_peer)
+                    else {
+                        refusals.over_peer_limit.fetch_add(1, Ordering::Relaxed);
+                        observer.stream_error("connection", "over_peer_limit");
+                        tracing::warn!(%peer, max = limits.max_connections_per_peer, "xDS listener: connection limit of this peer reached; closing the new connection");
+                        drop(stream);
+                        continue;
+                    };
+                    let _ = stream.set_nodelay(true);
+                    let connection = BoundedConnection {
+                        inner: stream,
+                        _slot: slot,
+                        _peer_slot: peer_slot,
+                        deadline: Some(Box::pin(tokio::time::sleep(limits.handshake_timeout))),
+                        silent: refusals.silent.clone(),
+                        observer: observer.clone(),
+                    };
+                    return Some((Ok(connection), (listener, slots, refusals, observer)));
+                }
             }
         },
     )
@@ -96,6 +153,7 @@ pub fn incoming(
 pub struct BoundedConnection {
     inner: TcpStream,
     _slot: OwnedSemaphorePermit,
+    _peer_slot: PeerSlot,
     /// Until the first byte arrives.
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     silent: Arc<AtomicU64>,
@@ -215,6 +273,7 @@ mod tests {
         let limits = Limits {
             max_connections: 8,
             handshake_timeout: Duration::from_millis(200),
+            ..Default::default()
         };
         let (addr, refusals, _task) = listen(limits).await;
         let mut silent = TcpStream::connect(addr).await.unwrap();
@@ -237,6 +296,7 @@ mod tests {
         let limits = Limits {
             max_connections: 2,
             handshake_timeout: Duration::from_secs(60),
+            ..Default::default()
         };
         let (addr, refusals, _task) = listen(limits).await;
         let mut a = TcpStream::connect(addr).await.unwrap();
@@ -264,5 +324,69 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert!(fourth.is_some(), "the freed slot was never given again");
+    }
+
+    /// One address cannot take every slot: past `max_connections_per_peer` its new
+    /// connections are closed, another address's are not, and a slot comes back when
+    /// a connection ends.
+    #[tokio::test]
+    async fn one_peer_cannot_take_every_connection() {
+        let limits = Limits {
+            max_connections: 16,
+            max_connections_per_peer: 2,
+            handshake_timeout: Duration::from_secs(60),
+        };
+        // Listen on every loopback address, so that 127.0.0.2 is another peer.
+        let listener = TcpListener::bind("0.0.0.0:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let refusals = Arc::new(Refusals::default());
+        let stream = incoming(listener, limits, refusals.clone(), Arc::new(()));
+        tokio::spawn(async move {
+            tokio::pin!(stream);
+            while let Some(Ok(mut conn)) = stream.next().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 64];
+                    while let Ok(n) = conn.read(&mut buf).await {
+                        if n == 0 || conn.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        async fn connect_from(ip: [u8; 4], port: u16) -> Option<TcpStream> {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(std::net::SocketAddr::from((ip, 0))).unwrap();
+            let mut c = socket
+                .connect(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+                .await
+                .unwrap();
+            let mut buf = [0u8; 1];
+            c.write_all(b"x").await.ok()?;
+            match tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf)).await {
+                Ok(Ok(1)) => Some(c),
+                _ => None,
+            }
+        }
+        let a1 = connect_from([127, 0, 0, 1], port).await;
+        let a2 = connect_from([127, 0, 0, 1], port).await;
+        assert!(a1.is_some() && a2.is_some());
+        assert!(connect_from([127, 0, 0, 1], port).await.is_none());
+        assert_eq!(refusals.over_peer_limit.load(Ordering::Relaxed), 1);
+        let b = connect_from([127, 0, 0, 2], port).await;
+        assert!(b.is_some(), "another peer is not held back");
+        drop(a1);
+        let mut again = None;
+        for _ in 0..100 {
+            if let Some(c) = connect_from([127, 0, 0, 1], port).await {
+                again = Some(c);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            again.is_some(),
+            "the peer's freed slot was never given again"
+        );
     }
 }

@@ -26,6 +26,13 @@ pub const STREAM_BUFFER: usize = 8;
 /// once, so on any network this is far more than it needs) before removals go ahead.
 pub const RECONNECT_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
+/// The most ADS streams one HTTP/2 connection carries at once (HTTP/2's
+/// SETTINGS_MAX_CONCURRENT_STREAMS).
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 100;
+
+/// How many ADS streams are served at once by default, over every connection.
+pub const DEFAULT_MAX_STREAMS: usize = 20_000;
+
 /// The ADS service. Cheap to clone: everything inside is shared.
 #[derive(Clone)]
 pub struct AdsServer {
@@ -33,6 +40,9 @@ pub struct AdsServer {
     observer: Arc<dyn Observer>,
     clients: Arc<Clients>,
     shutdown: CancellationToken,
+    /// One permit per stream served; a stream over the limit is refused with
+    /// RESOURCE_EXHAUSTED before it costs anything.
+    streams: Arc<tokio::sync::Semaphore>,
 }
 
 impl AdsServer {
@@ -47,7 +57,16 @@ impl AdsServer {
             observer,
             clients,
             shutdown,
+            streams: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_STREAMS)),
         }
+    }
+
+    /// At most `max` streams at once (instead of [`DEFAULT_MAX_STREAMS`]).
+    pub fn with_max_streams(mut self, max: usize) -> AdsServer {
+        self.streams = Arc::new(tokio::sync::Semaphore::new(
+            max.clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
+        ));
+        self
     }
 
     /// Starts the task that serves one stream: requests from `inbound`, framed
@@ -60,8 +79,22 @@ impl AdsServer {
     ) where
         P: AdsProtocol,
     {
+        let Ok(permit) = self.streams.clone().try_acquire_owned() else {
+            self.observer.stream_error(P::NAME, "over_stream_limit");
+            tracing::warn!(
+                protocol = P::NAME,
+                "ADS stream limit reached; refusing a new stream"
+            );
+            let _ = tx.try_send(Err(Status::resource_exhausted(
+                "ray-xds serves no more ADS streams at once; retry later",
+            )));
+            return;
+        };
         let this = self.clone();
-        tokio::spawn(async move { this.run_stream(machine, inbound, tx).await });
+        tokio::spawn(async move {
+            this.run_stream(machine, inbound, tx).await;
+            drop(permit);
+        });
     }
 
     async fn run_stream<P>(

@@ -384,6 +384,8 @@ pub fn test_config(services: &Path, gateway_port: u16) -> Config {
     Config {
         xds_listen: "127.0.0.1:0".parse().unwrap(),
         xds_max_message_bytes: 4 * 1024 * 1024,
+        xds_limits: Default::default(),
+        xds_max_streams: ray_xds::xds::server::DEFAULT_MAX_STREAMS,
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         gateway: GatewaySettings {
             listener_address: "127.0.0.1".parse().unwrap(),
