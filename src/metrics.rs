@@ -99,6 +99,7 @@ pub struct Metrics {
     pub source_synced: Gauge,
     pub inconsistent_snapshots: Counter,
     pub proxies_refused: Family<ErrorLabels, Gauge>,
+    pub runtime_tasks: Gauge,
     pub component_restarts: Family<ComponentLabels, Counter>,
     pub component_up: Family<ComponentLabels, Gauge>,
 }
@@ -143,6 +144,7 @@ impl Metrics {
             source_synced: Gauge::default(),
             inconsistent_snapshots: Counter::default(),
             proxies_refused: Family::default(),
+            runtime_tasks: Gauge::default(),
             component_restarts: Family::default(),
             component_up: Family::default(),
             registry: Registry::with_prefix("ray_xds"),
@@ -253,6 +255,11 @@ impl Metrics {
             m.inconsistent_snapshots.clone(),
         );
         registry.register(
+            "runtime_alive_tasks",
+            "Tasks alive in the async runtime when /metrics was read",
+            m.runtime_tasks.clone(),
+        );
+        registry.register(
             "proxies_refused",
             "Proxies left out by the address policy now (never a proxy's address, outside proxies.networks, or discovered outside their dashboard's network), by reason",
             m.proxies_refused.clone(),
@@ -325,6 +332,11 @@ impl Metrics {
 
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
+        // The runtime's live tasks, read when scraped (a leak of tasks shows as growth).
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            self.runtime_tasks
+                .set(handle.metrics().num_alive_tasks() as i64);
+        }
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
