@@ -789,4 +789,40 @@ mod tests {
             run(&mut DeltaClient::default(), &actions)?;
         }
     }
+
+    /// Found by the proptest: an unnamed NACK starts a search for the culprit; a new
+    /// snapshot that drops an untried suspect re-split the suspects and offered again
+    /// the set the Envoy had just rejected whole, which is never sent twice: the search
+    /// stalled and a valid new cluster (`a/x2`) never reached the Envoy.
+    #[test]
+    fn delta_bisection_survives_a_snapshot_change() {
+        let d = |c: [Option<(u8, u8)>; 2], active: usize| {
+            Some(ServiceDraw {
+                clusters: c,
+                active,
+            })
+        };
+        use Action::*;
+        let actions = vec![
+            Publish(vec![None, None, d([None, Some((0, 0))], 1)]),
+            Step,
+            Step,
+            Step,
+            Publish(vec![None, None, None]),
+            Publish(vec![
+                d([Some((0, 6)), Some((0, 0))], 0),
+                d([None, Some((0, 0))], 1),
+                d([Some((0, 0)), None], 0),
+            ]),
+            Step,
+            Step,
+            Publish(vec![
+                d([Some((0, 6)), Some((0, 0))], 0),
+                None,
+                d([Some((0, 0)), None], 0),
+            ]),
+        ];
+        run(&mut DeltaClient::default(), &actions).unwrap();
+        run(&mut SotwClient::default(), &actions).unwrap();
+    }
 }

@@ -488,7 +488,14 @@ impl Rejections {
         let before = self.suspects.len();
         self.suspects.retain(live);
         if self.suspects.len() != before {
-            self.split();
+            // The search goes on where it was: the half being tried keeps what is left
+            // of it. (Splitting the suspects afresh could offer again a set the Envoy
+            // just rejected whole, which is not sent twice: the search would stall.)
+            let suspects = &self.suspects;
+            self.trying.retain(|n| suspects.contains_key(n));
+            if self.trying.is_empty() {
+                self.split();
+            }
         }
     }
 
