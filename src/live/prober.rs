@@ -81,6 +81,9 @@ pub fn stale_after(settings: &ProbePolicy, probes: usize, max_concurrent: usize)
         .max(Duration::from_secs(5))
 }
 
+/// The most probe reports folded into one publication.
+const MAX_REPORTS_PER_PUBLICATION: usize = 4096;
+
 /// The prober's manager beats its [`Heartbeat`] every second: this long without a beat,
 /// it is wedged, and the pipeline serves no probe result as fresh.
 pub const WEDGED_AFTER: Duration = Duration::from_secs(10);
@@ -206,8 +209,21 @@ impl Prober {
                     }
                 }
                 Some(report) = rx.recv() => {
-                    fresh.insert(report.address, Instant::now());
-                    if self.apply(&mut current, &tasks, report) {
+                    // Every report already waiting is applied before one publication:
+                    // a burst (thousands of first probes) is published a few times, not
+                    // once per proxy (each publication copies every proxy's state).
+                    let mut changed = false;
+                    let mut next = Some(report);
+                    let mut taken = 0;
+                    while let Some(report) = next.take() {
+                        fresh.insert(report.address, Instant::now());
+                        changed |= self.apply(&mut current, &tasks, report);
+                        taken += 1;
+                        if taken < MAX_REPORTS_PER_PUBLICATION {
+                            next = rx.try_recv().ok();
+                        }
+                    }
+                    if changed {
                         self.update_complete(&mut current);
                         states.send_replace(Arc::new(current.clone()));
                     }

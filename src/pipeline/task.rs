@@ -111,18 +111,34 @@ pub async fn run(
             ));
         }
         let started = std::time::Instant::now();
-        let out = pipeline.build(
-            &Inputs {
-                model: &model,
-                probes: &probes,
-                dashboards: &dashboards,
-                envoys: &*clients,
-            },
-            SystemTime::now(),
-        );
-        metrics
-            .translate_seconds
-            .observe(started.elapsed().as_secs_f64());
+        // The build is CPU work that grows with the model (20,000 proxies take tens of
+        // milliseconds): it runs on a blocking thread, so the admin port and the xDS
+        // streams keep being served meanwhile. A panic in it is the pipeline's panic
+        // (the supervisor restarts the pipeline).
+        let envoys = clients.clone();
+        let built = tokio::task::spawn_blocking(move || {
+            let out = pipeline.build(
+                &Inputs {
+                    model: &model,
+                    probes: &probes,
+                    dashboards: &dashboards,
+                    envoys: &*envoys,
+                },
+                SystemTime::now(),
+            );
+            (pipeline, out)
+        })
+        .await;
+        let out = match built {
+            Ok((back, out)) => {
+                pipeline = back;
+                out
+            }
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => return, // the runtime is shutting down
+        };
+        let spent = started.elapsed();
+        metrics.translate_seconds.observe(spent.as_secs_f64());
         record(&out, &metrics, &mut weights);
         for cluster in &out.refresh {
             let _ = sinks.refresh.send(cluster.clone());
@@ -150,6 +166,15 @@ pub async fn run(
                 + t.duration_since(SystemTime::now()).unwrap_or_default()
                 + Duration::from_millis(5)
         });
+        // A build that took long is followed by a pause as long (at most 500 ms): changes
+        // that come meanwhile are folded into the next build, and a burst (the first
+        // probes of thousands of proxies) costs at most half a core.
+        if spent > PACE_ABOVE {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(spent.min(MAX_PACE)) => {}
+            }
+        }
         let mut check = tokio::time::interval(Duration::from_secs(1));
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         check.tick().await;
@@ -184,6 +209,11 @@ pub async fn run(
         }
     }
 }
+
+/// Builds faster than this are not followed by a pause.
+const PACE_ABOVE: Duration = Duration::from_millis(10);
+/// The longest pause after a build.
+const MAX_PACE: Duration = Duration::from_millis(500);
 
 fn prober_wedged(sources: &Sources) -> bool {
     sources.prober.age() > crate::live::prober::WEDGED_AFTER
