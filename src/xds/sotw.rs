@@ -124,7 +124,13 @@ impl SotwStream {
     /// again.
     fn forget(&mut self, ty: ResourceType, names: &[Arc<str>]) {
         let st = &mut self.types[ty.index()];
-        if names.iter().all(|n| !st.acked.contains(n)) {
+        // (One only in flight matters too: its ACK would record it as held.)
+        let in_flight = st.in_flight.as_ref().is_some_and(|f| {
+            names.iter().any(|n| {
+                f.resources.contains_key(n) || f.then_whole.as_ref().is_some_and(|w| w.contains(n))
+            })
+        });
+        if !in_flight && names.iter().all(|n| !st.acked.contains(n)) {
             return;
         }
         let held = st.acked.own();
