@@ -73,10 +73,17 @@ struct Gateway {
 }
 
 async fn gateway(services: &str) -> Gateway {
+    gateway_allowing(services, vec![]).await
+}
+
+/// A gateway whose ray-xds publishes proxies in `networks` only (`proxies.networks`).
+async fn gateway_allowing(services: &str, networks: Vec<ipnet::IpNet>) -> Gateway {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("services.yaml");
     std::fs::write(&path, services).unwrap();
-    let xds = ray_xds::runtime::start(test_config(&path, 0), Default::default())
+    let mut config = test_config(&path, 0);
+    config.addresses.networks = networks;
+    let xds = ray_xds::runtime::start(config, Default::default())
         .await
         .unwrap();
     let envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
@@ -422,12 +429,18 @@ async fn real_ray_proxies_are_discovered_from_the_real_dashboard() {
         ..App::hello("/")
     }]);
     a.wait_for_app("hello", "RUNNING").await;
-    // The cluster is given by its dashboard alone: no `proxies:` key.
+    // The cluster is given by its dashboard alone: no `proxies:` key. The dashboard
+    // answers on 127.0.0.1 while Ray's nodes are on 198.18.0.0/15: discovered proxies
+    // outside the dashboard's own network are published only inside `proxies.networks`.
     let cluster = format!(
         "      - name: a\n        dashboard: {}\n",
         a.dashboard_url()
     );
-    let gw = gateway(&services_yaml("a", None, "", &[cluster])).await;
+    let gw = gateway_allowing(
+        &services_yaml("a", None, "", &[cluster]),
+        vec!["198.18.0.0/15".parse().unwrap()],
+    )
+    .await;
     for (proxy, node_type) in [(a.head_proxy(), "head"), (a.worker_proxy(), "worker")] {
         eventually(
             &format!("the {node_type} proxy {proxy}, discovered, is healthy in Envoy"),
