@@ -290,15 +290,19 @@ async fn a_restart_never_removes_a_cluster_a_route_names(bootstrap: Bootstrap) {
 
     // Requests back to back, from several connections, across the restart.
     let stop = tokio_util::sync::CancellationToken::new();
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let mut load = Vec::new();
     for _ in 0..4 {
-        let stop = stop.clone();
+        let (stop, served) = (stop.clone(), served.clone());
         load.push(tokio::spawn(async move {
             let (mut ok, mut failed) = (0u32, Vec::new());
             while !stop.is_cancelled() {
                 let url = format!("http://127.0.0.1:{port}/hello");
                 match http_to_host("POST", &url, "demo.example", "{}").await {
-                    Ok((200, _)) => ok += 1,
+                    Ok((200, _)) => {
+                        ok += 1;
+                        served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
                     other => failed.push(format!("{other:?}")),
                 }
             }
@@ -310,6 +314,12 @@ async fn a_restart_never_removes_a_cluster_a_route_names(bootstrap: Bootstrap) {
     eventually("demo-a leaves Envoy", DEADLINE, || async {
         let (active, _) = envoy_clusters(&envoy).await;
         (!active.contains(&"default/demo/demo-a".to_string())).then_some(())
+    })
+    .await;
+    // However fast the restart went on this machine, the load goes on past it until it
+    // has sent a fair number of requests (a count, not a timing).
+    eventually("the load has run", DEADLINE, || async {
+        (served.load(std::sync::atomic::Ordering::Relaxed) > 100).then_some(())
     })
     .await;
     stop.cancel();
