@@ -241,7 +241,9 @@ impl SotwStream {
             let held = &self.types[ty.index()].acked;
             let changed: Vec<Arc<str>> = resources
                 .iter()
-                .filter(|(n, r)| held.version_of(n).is_some_and(|v| **v != *r.version))
+                // New to this stream counts too: after a reconnect the Envoy may hold (or
+                // warm) a cluster this stream never recorded, and its endpoints already.
+                .filter(|(n, r)| held.version_of(n).is_none_or(|v| **v != *r.version))
                 .map(|(n, _)| n.clone())
                 .collect();
             if !changed.is_empty() {
@@ -345,6 +347,7 @@ impl SotwStream {
             },
         };
         let mut wanted = desired(snapshot, ty, &holds);
+        let mut kept = Vec::new();
         let st = &self.types[ty.index()];
         let subscription = st.subscription.as_ref()?;
         if let Subscription::Names(names) = subscription {
@@ -353,11 +356,14 @@ impl SotwStream {
                 // Endpoints asked for that the snapshot lacks and that the Envoy may never
                 // have had: their cluster may be warming (Envoy ACKs no cluster until
                 // every one is warm), and state of the world cannot say "there is none".
-                // A stand-in assignment warms it.
+                // A stand-in assignment warms it. One the Envoy has keeps what it has
+                // (else, left out of what it holds, it was sent again at every wake).
                 for name in names {
                     let had = st.acked.version_of(name).is_some_and(|v| !v.is_empty());
-                    if !had && !wanted.contains_key(name) && !current.contains_key(name) {
-                        if let Some(stand_in) = snapshot.stand_in(ty, name) {
+                    if !wanted.contains_key(name) && !current.contains_key(name) {
+                        if had {
+                            kept.push(name.clone());
+                        } else if let Some(stand_in) = snapshot.stand_in(ty, name) {
                             wanted.insert(name.clone(), Desired::Send(stand_in));
                         }
                     }
@@ -367,7 +373,6 @@ impl SotwStream {
         // State of the world cannot send a resource it has no body for: a cluster the
         // Envoy must keep (a route it holds may name it) goes as a stand-in, and so do
         // its endpoints; a route is per name, and leaving it out leaves it as it is.
-        let mut kept = Vec::new();
         let wanted: ResourceMap = wanted
             .into_iter()
             .filter_map(|(name, d)| match d {
@@ -1333,6 +1338,23 @@ mod tests {
             1,
             "the real assignment"
         );
+    }
+
+    #[test]
+    fn an_absent_name_gets_one_stand_in_not_one_per_wake() {
+        // Found by fuzzing (fuzz/regressions/xds_requests/sotw-absent-eds-name): the
+        // stand-in assignment of an EDS name the snapshot lacks was left out of what the
+        // Envoy holds after its ACK, so every later poll sent it again.
+        let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
+        let mut s = SotwStream::new();
+        s.on_request(request(ResourceType::Endpoints, &["default/b/b1"], "", ""))
+            .unwrap();
+        let r = s.poll(&snap).remove(0).2;
+        s.on_request(ack(&r, &["default/b/b1"])).unwrap();
+        let changed = snapshot_of(vec![service("a", "a1", &[8001])]);
+        for snap in [&snap, &snap, &changed, &changed] {
+            assert!(s.poll(snap).is_empty(), "nothing changed for this Envoy");
+        }
     }
 
     #[test]

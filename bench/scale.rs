@@ -1,0 +1,402 @@
+//! Scale benchmark (issue 13): a real `ray-xds` process with 20,000 proxies, all
+//! probed with the default settings, while `/healthz` is timed every 50 ms and the
+//! source is edited: does the admin port keep answering (goal: within 100 ms), and how
+//! long until an edit reaches an ADS client (goal: within 2 s)?
+//!
+//! `cargo bench --bench scale` (20,000 proxies), `cargo bench --bench scale -- --help`.
+//!
+//! What it models: RayServices of 100 proxies each (`--per-service`), every proxy at its
+//! own loopback address `127.<a>.<b>.<c>` on one port, all answered by one responder in
+//! this process that says `success` to `/-/healthz` (and lists `/` on `/-/routes`), so
+//! every proxy is live and healthy. The responder closes each connection after its
+//! answer: 20,000 kept-alive connections would need more file descriptors than this
+//! machine allows a process (20,000), so every probe opens a connection, a heavier
+//! load than a real deployment with kept-alive probes. Probing uses ray-xds's defaults
+//! (every 500 ms, 256 in flight). Phases: `start` from the process start until the
+//! snapshot has every proxy healthy (every first probe, the burst), then `steady` for
+//! `--steady` seconds, during which `--edits` edits add a RayService each; an edit's
+//! time is from the file's rename to a state-of-the-world ADS client holding the new
+//! cluster. Everything shares the machine's 2 cores with the responder and the client:
+//! the figures are an upper bound.
+//!
+//! Ends with one line: `scale proxies=<n> start_s=<s> healthz_p50_ms=.. healthz_p99_ms=..
+//! healthz_max_ms=.. edit_p50_ms=.. edit_max_ms=.. cpu_pct=.. rss_mib=..` (healthz over
+//! both phases; CPU over the steady phase).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use envoy_types::pb::envoy::config::cluster::v3::Cluster;
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
+use prost::Message;
+use ray_xds::xds::snapshot::CLUSTER_TYPE_URL;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// Proxies in all.
+    #[arg(long, default_value_t = 20_000)]
+    proxies: usize,
+    /// Proxies per RayService (one cluster each).
+    #[arg(long, default_value_t = 100)]
+    per_service: usize,
+    /// Source edits timed in the steady phase.
+    #[arg(long, default_value_t = 5)]
+    edits: usize,
+    /// Seconds of the steady phase.
+    #[arg(long, default_value_t = 20)]
+    steady: u64,
+    /// The ray-xds binary [default: the one cargo built with this benchmark].
+    #[arg(long)]
+    ray_xds: Option<PathBuf>,
+    /// Ignored: cargo passes it to every benchmark.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// The `i`-th proxy's address on loopback (never 127.0.0.1, where the admin port is).
+fn proxy_ip(i: usize) -> String {
+    let n = i + 1;
+    format!("127.{}.{}.{}", 1 + n / 62_500, (n / 250) % 250, 1 + n % 250)
+}
+
+fn services_yaml(args: &Args, port: u16, edits: usize) -> String {
+    let mut s = String::from("rayservices:\n");
+    let services = args.proxies.div_ceil(args.per_service);
+    for svc in 0..services {
+        s += &format!("  - name: svc-{svc}\n    namespace: scale\n    hosts: [\"svc-{svc}.scale\"]\n    active_cluster: c\n    clusters:\n      - name: c\n        proxies:\n");
+        let first = svc * args.per_service;
+        for i in first..(first + args.per_service).min(args.proxies) {
+            s += &format!(
+                "          - {{ address: \"{}:{port}\", node_type: {} }}\n",
+                proxy_ip(i),
+                if i == first { "head" } else { "worker" }
+            );
+        }
+    }
+    for e in 0..edits {
+        s += &format!("  - name: edit-{e}\n    namespace: scale\n    hosts: [\"edit-{e}.scale\"]\n    active_cluster: c\n    clusters:\n      - name: c\n        proxies:\n          - {{ address: \"127.250.250.{}:{port}\", node_type: worker }}\n", e + 1);
+    }
+    s
+}
+
+fn write_atomic(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp~");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// User + system CPU seconds of a process.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+struct Server(Child);
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Answers every connection once (`/-/healthz`: `success`; `/-/routes`: `{"/": "app"}`)
+/// and closes it.
+async fn responder(listener: tokio::net::TcpListener) {
+    loop {
+        let Ok((mut conn, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1024];
+            let mut have = 0;
+            while have < buf.len() {
+                match conn.read(&mut buf[have..]).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => have += n,
+                }
+                if buf[..have].windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            let body: &[u8] = if buf[..have].starts_with(b"GET /-/routes") {
+                b"{\"/\": \"app\"}"
+            } else {
+                b"success"
+            };
+            let head = format!(
+                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = conn.write_all(head.as_bytes()).await;
+            let _ = conn.write_all(body).await;
+            let _ = conn.shutdown().await;
+        });
+    }
+}
+
+/// One `GET` on loopback with a deadline: the status line, or `None`.
+async fn get(port: u16, path: &str, deadline: Duration) -> Option<String> {
+    tokio::time::timeout(deadline, async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.ok()?;
+        Some(out)
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    let responder_listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let port = responder_listener.local_addr().unwrap().port();
+    tokio::spawn(responder(responder_listener));
+
+    let dir = tempfile::tempdir().unwrap();
+    let services = dir.path().join("services.yaml");
+    write_atomic(&services, &services_yaml(&args, port, 0));
+    let (xds_port, admin_port) = (free_port(), free_port());
+    let binary = args
+        .ray_xds
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ray-xds")));
+    let started = Instant::now();
+    let server = Server(
+        Command::new(&binary)
+            .args(["serve", "--source-file"])
+            .arg(&services)
+            .args([
+                "--xds-listen",
+                &format!("127.0.0.1:{xds_port}"),
+                "--admin-listen",
+                &format!("127.0.0.1:{admin_port}"),
+            ])
+            .env("RAY_XDS_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", binary.display())),
+    );
+    let pid = server.0.id();
+
+    // /healthz every 50 ms, from the start to the end.
+    let samples: Arc<Mutex<Vec<(Instant, Duration)>>> = Arc::default();
+    let failures = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (s, f) = (samples.clone(), failures.clone());
+    let sampler = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let t = Instant::now();
+            match get(admin_port, "/healthz", Duration::from_secs(10)).await {
+                Some(r) if r.starts_with("HTTP/1.1 200") => {
+                    s.lock().unwrap().push((t, t.elapsed()));
+                }
+                // Before the admin port is bound, a refused connection is not a sample.
+                _ if s.lock().unwrap().is_empty() => {}
+                _ => {
+                    f.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    s.lock().unwrap().push((t, t.elapsed()));
+                }
+            }
+        }
+    });
+
+    // Start-up: until every proxy is healthy in the metrics' eyes (probes complete and
+    // no fail-open), read from /debug/state's probes_complete and /readyz.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        assert!(Instant::now() < deadline, "ray-xds did not start in 600 s");
+        if let Some(r) = get(admin_port, "/readyz", Duration::from_secs(10)).await {
+            if r.starts_with("HTTP/1.1 200") {
+                let metrics = get(admin_port, "/metrics", Duration::from_secs(30))
+                    .await
+                    .unwrap_or_default();
+                let healthy = metrics
+                    .lines()
+                    .find(|l| l.starts_with("ray_xds_health_transitions_total{state=\"healthy\"}"))
+                    .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+                    .unwrap_or(0.0);
+                if healthy as usize >= args.proxies {
+                    break;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let start_s = started.elapsed().as_secs_f64();
+    println!("start: every proxy healthy after {start_s:.1} s");
+
+    // Steady: an ADS client follows the clusters; edits add a RayService each.
+    let mut client = loop {
+        match AggregatedDiscoveryServiceClient::connect(format!("http://127.0.0.1:{xds_port}"))
+            .await
+        {
+            Ok(c) => break c.max_decoding_message_size(256 << 20),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    let (tx, rx) = mpsc::channel(16);
+    let mut responses = client
+        .stream_aggregated_resources(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let node = Some(Node {
+        id: "scale".into(),
+        cluster: "scale".into(),
+        ..Default::default()
+    });
+    tx.send(DiscoveryRequest {
+        node: node.clone(),
+        type_url: CLUSTER_TYPE_URL.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (names_tx, mut names_rx) = mpsc::unbounded_channel::<Vec<String>>();
+    tokio::spawn(async move {
+        while let Ok(Some(r)) = responses.message().await {
+            let names = r
+                .resources
+                .iter()
+                .filter_map(|a| Cluster::decode(&*a.value).ok())
+                .map(|c| c.name)
+                .collect();
+            let _ = names_tx.send(names);
+            let ack = DiscoveryRequest {
+                node: None,
+                type_url: r.type_url,
+                version_info: r.version_info,
+                response_nonce: r.nonce,
+                ..Default::default()
+            };
+            if tx.send(ack).await.is_err() {
+                return;
+            }
+        }
+    });
+    let steady_from = Instant::now();
+    let cpu_from = cpu_seconds(pid);
+    let mut edit_times = Vec::new();
+    let pause = Duration::from_secs(args.steady) / (args.edits as u32 + 1);
+    for e in 0..args.edits {
+        tokio::time::sleep(pause).await;
+        while names_rx.try_recv().is_ok() {}
+        let want = format!("scale/edit-{e}/c");
+        let t = Instant::now();
+        write_atomic(&services, &services_yaml(&args, port, e + 1));
+        let seen = tokio::time::timeout(Duration::from_secs(60), async {
+            while let Some(names) = names_rx.recv().await {
+                if names.contains(&want) {
+                    return;
+                }
+            }
+        })
+        .await;
+        assert!(seen.is_ok(), "edit {e} did not reach the client in 60 s");
+        let took = t.elapsed();
+        println!("edit {e}: {:.0} ms", ms(took));
+        edit_times.push(took);
+    }
+    let left = Duration::from_secs(args.steady).saturating_sub(steady_from.elapsed());
+    tokio::time::sleep(left).await;
+    let cpu_pct = (cpu_seconds(pid) - cpu_from) / steady_from.elapsed().as_secs_f64() * 100.0;
+    let rss_mib = rss_kib(pid) as f64 / 1024.0;
+    sampler.abort();
+
+    let all: Vec<(Instant, Duration)> = samples.lock().unwrap().clone();
+    let mut start_phase: Vec<Duration> = all
+        .iter()
+        .filter(|(t, _)| *t < steady_from)
+        .map(|(_, d)| *d)
+        .collect();
+    let mut steady_phase: Vec<Duration> = all
+        .iter()
+        .filter(|(t, _)| *t >= steady_from)
+        .map(|(_, d)| *d)
+        .collect();
+    let mut both: Vec<Duration> = all.iter().map(|(_, d)| *d).collect();
+    for v in [&mut start_phase, &mut steady_phase, &mut both] {
+        v.sort();
+    }
+    edit_times.sort();
+    println!();
+    println!("| phase  | /healthz samples | p50 ms | p99 ms | max ms |");
+    println!("|--------|-----------------:|-------:|-------:|-------:|");
+    for (name, v) in [("start", &start_phase), ("steady", &steady_phase)] {
+        println!(
+            "| {name:<6} | {:>16} | {:>6.1} | {:>6.1} | {:>6.1} |",
+            v.len(),
+            ms(percentile(v, 0.5)),
+            ms(percentile(v, 0.99)),
+            ms(percentile(v, 1.0))
+        );
+    }
+    println!(
+        "/healthz failures: {}",
+        failures.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    println!(
+        "scale proxies={} start_s={start_s:.1} healthz_p50_ms={:.1} healthz_p99_ms={:.1} healthz_max_ms={:.1} edit_p50_ms={:.0} edit_max_ms={:.0} cpu_pct={cpu_pct:.0} rss_mib={rss_mib:.0}",
+        args.proxies,
+        ms(percentile(&both, 0.5)),
+        ms(percentile(&both, 0.99)),
+        ms(percentile(&both, 1.0)),
+        ms(percentile(&edit_times, 0.5)),
+        ms(percentile(&edit_times, 1.0)),
+    );
+    drop(server);
+}
