@@ -266,7 +266,9 @@ async fn main() {
                     .unwrap_or_default();
                 let healthy = metrics
                     .lines()
-                    .find(|l| l.starts_with("ray_xds_health_transitions_total{state=\"healthy\"}"))
+                    .find(|l| {
+                        l.starts_with("ray_xds_proxy_health_transitions_total{state=\"healthy\"}")
+                    })
                     .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
                     .unwrap_or(0.0);
                 if healthy as usize >= args.proxies {
