@@ -280,15 +280,11 @@ impl Metrics {
     /// The proxies the address policy refuses now, by reason label (every label of
     /// [`AddressRefusal`](crate::model::AddressRefusal) is set, to 0 when none).
     pub fn set_refused_proxies(&self, labels: impl Iterator<Item = &'static str>) {
-        let mut counts: std::collections::BTreeMap<&'static str, i64> = [
-            "never_a_proxy",
-            "outside_proxy_networks",
-            "outside_dashboard_network",
-            "dashboard_address_unknown",
-        ]
-        .into_iter()
-        .map(|l| (l, 0))
-        .collect();
+        let mut counts: std::collections::BTreeMap<&'static str, i64> =
+            crate::model::AddressRefusal::LABELS
+                .into_iter()
+                .map(|l| (l, 0))
+                .collect();
         for l in labels {
             *counts.entry(l).or_default() += 1;
         }

@@ -398,6 +398,14 @@ pub enum AddressRefusal {
 }
 
 impl AddressRefusal {
+    /// Every [`label`](Self::label), for metrics that show each one, even at 0.
+    pub const LABELS: [&'static str; 4] = [
+        "never_a_proxy",
+        "outside_proxy_networks",
+        "outside_dashboard_network",
+        "dashboard_address_unknown",
+    ];
+
     /// A short, fixed label (for metrics).
     pub fn label(&self) -> &'static str {
         match self {
@@ -717,6 +725,18 @@ mod address_policy_tests {
         );
         // What the source lists is trusted.
         assert_eq!(p.check(a("203.0.113.9:8000"), ProxyOrigin::Source), Ok(()));
+    }
+
+    #[test]
+    fn every_refusal_label_is_listed() {
+        for r in [
+            AddressRefusal::Never("x"),
+            AddressRefusal::OutsideNetworks,
+            AddressRefusal::OutsideDashboardNetwork("10.0.0.0/16".parse().unwrap()),
+            AddressRefusal::DashboardAddressUnknown,
+        ] {
+            assert!(AddressRefusal::LABELS.contains(&r.label()), "{r:?}");
+        }
     }
 
     #[test]
