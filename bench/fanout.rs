@@ -11,7 +11,7 @@
 //! hour: this measures xDS, not probing (see the detection benchmark for that).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,6 +28,10 @@ use ray_xds::xds::snapshot::{
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
+
+#[path = "support/mod.rs"]
+mod support;
+use support::{cpu_seconds, free_port, http_get, percentile, rss_kib, write_atomic};
 
 #[derive(Parser, Debug, Clone)]
 struct Args {
@@ -90,45 +94,6 @@ fn services_yaml(args: &Args, change: usize) -> String {
         }
     }
     s
-}
-
-fn write_atomic(path: &Path, text: &str) {
-    let tmp = path.with_extension("tmp~");
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
-}
-
-/// User + system CPU seconds of a process.
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks: f64 = fields
-        .get(11)
-        .and_then(|u| u.parse::<f64>().ok())
-        .unwrap_or(0.0)
-        + fields
-            .get(12)
-            .and_then(|s| s.parse::<f64>().ok())
-            .unwrap_or(0.0);
-    ticks / 100.0
 }
 
 struct Server(Child);
@@ -352,28 +317,6 @@ async fn delta_client(
     }
 }
 
-/// A bare HTTP/1.0 GET on loopback, enough for the admin API.
-async fn reqwest_like_get(port: u16, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut out = String::new();
-    stream.read_to_string(&mut out).await.unwrap();
-    out
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
@@ -461,7 +404,10 @@ async fn main() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     while report_rx.try_recv().is_ok() {}
     let rss_connected = rss_kib(pid);
-    let clients = reqwest_like_get(admin_port, "/debug/clients").await;
+    let clients = http_get(admin_port, "/debug/clients", Duration::from_secs(30))
+        .await
+        .map(|(_, body)| body)
+        .expect("/debug/clients");
     let own = clients.matches("\"holds_snapshot_set\":false").count();
     println!("types held resource by resource (not as a shared snapshot set) after sync: {own}");
 

@@ -8,10 +8,11 @@
 //! What it models: RayServices of 100 proxies each (`--per-service`), every proxy at its
 //! own loopback address `127.<a>.<b>.<c>` on one port, all answered by one responder in
 //! this process that says `success` to `/-/healthz` (and lists `/` on `/-/routes`), so
-//! every proxy is live and healthy. The responder closes each connection after its
-//! answer: 20,000 kept-alive connections would need more file descriptors than this
-//! machine allows a process (20,000), so every probe opens a connection, a heavier
-//! load than a real deployment with kept-alive probes. Probing uses ray-xds's defaults
+//! every proxy is live and healthy. Probes reuse their connection as they would with
+//! real proxies (the benchmark raises the open-files limit it and ray-xds inherit, to
+//! hold 20,000 connections on each side); `--close` makes the responder close each one
+//! after its answer, so that every probe opens a connection (a heavier load than a real
+//! deployment). Probing uses ray-xds's defaults
 //! (every 500 ms, 256 in flight). Phases: `start` from the process start until the
 //! snapshot has every proxy healthy (every first probe, the burst), then `steady` for
 //! `--steady` seconds, during which `--edits` edits add a RayService each; an edit's
@@ -23,7 +24,7 @@
 //! healthz_max_ms=.. edit_p50_ms=.. edit_max_ms=.. cpu_pct=.. rss_mib=..` (healthz over
 //! both phases; CPU over the steady phase).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -39,6 +40,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+#[path = "support/mod.rs"]
+mod support;
+use support::{
+    cpu_seconds, free_port, http_get, metric_value, ms, percentile, rss_kib, write_atomic,
+};
+
 #[derive(Parser, Debug, Clone)]
 struct Args {
     /// Proxies in all.
@@ -53,6 +60,13 @@ struct Args {
     /// Seconds of the steady phase.
     #[arg(long, default_value_t = 20)]
     steady: u64,
+    /// The responder closes each connection after its answer (every probe then opens
+    /// one: a heavier load than kept-alive probes).
+    #[arg(long)]
+    close: bool,
+    /// ray-xds's log filter (`RAY_XDS_LOG`); its log goes to this benchmark's stderr.
+    #[arg(long, default_value = "error")]
+    log: String,
     /// The ray-xds binary [default: the one cargo built with this benchmark].
     #[arg(long)]
     ray_xds: Option<PathBuf>,
@@ -87,43 +101,6 @@ fn services_yaml(args: &Args, port: u16, edits: usize) -> String {
     s
 }
 
-fn write_atomic(path: &Path, text: &str) {
-    let tmp = path.with_extension("tmp~");
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
-}
-
-/// User + system CPU seconds of a process.
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (ticks(11) + ticks(12)) / 100.0
-}
-
 struct Server(Child);
 impl Drop for Server {
     fn drop(&mut self) {
@@ -132,77 +109,73 @@ impl Drop for Server {
     }
 }
 
-/// Answers every connection once (`/-/healthz`: `success`; `/-/routes`: `{"/": "app"}`)
-/// and closes it.
-async fn responder(listener: tokio::net::TcpListener) {
+/// Answers `/-/healthz` with `success` and `/-/routes` with `{"/": "app"}`; keeps each
+/// connection for the next request unless `close`.
+async fn responder(listener: tokio::net::TcpListener, close: bool) {
     loop {
         let Ok((mut conn, _)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         };
         tokio::spawn(async move {
-            let mut buf = [0u8; 1024];
+            let mut buf = vec![0u8; 4096];
             let mut have = 0;
-            while have < buf.len() {
-                match conn.read(&mut buf[have..]).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => have += n,
+            loop {
+                let end = loop {
+                    if let Some(i) = buf[..have].windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                    if have == buf.len() {
+                        return;
+                    }
+                    match conn.read(&mut buf[have..]).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => have += n,
+                    }
+                };
+                let body: &[u8] = if buf[..have].starts_with(b"GET /-/routes") {
+                    b"{\"/\": \"app\"}"
+                } else {
+                    b"success"
+                };
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: {}\r\n\r\n",
+                    body.len(),
+                    if close { "close" } else { "keep-alive" }
+                );
+                let mut answer = head.into_bytes();
+                answer.extend_from_slice(body);
+                if conn.write_all(&answer).await.is_err() {
+                    return;
                 }
-                if buf[..have].windows(4).any(|w| w == b"\r\n\r\n") {
-                    break;
+                if close {
+                    let _ = conn.shutdown().await;
+                    return;
                 }
+                buf.copy_within(end..have, 0);
+                have -= end;
             }
-            let body: &[u8] = if buf[..have].starts_with(b"GET /-/routes") {
-                b"{\"/\": \"app\"}"
-            } else {
-                b"success"
-            };
-            let head = format!(
-                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = conn.write_all(head.as_bytes()).await;
-            let _ = conn.write_all(body).await;
-            let _ = conn.shutdown().await;
         });
     }
 }
 
-/// One `GET` on loopback with a deadline: the status line, or `None`.
-async fn get(port: u16, path: &str, deadline: Duration) -> Option<String> {
-    tokio::time::timeout(deadline, async {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .ok()?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-            .await
-            .ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.ok()?;
-        Some(out)
-    })
-    .await
-    .ok()
-    .flatten()
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
+/// Raises this process's open-files limit (and so ray-xds's, which inherits it) to
+/// `want`: kept-alive probes hold a descriptor per proxy on both sides. Raising the
+/// hard limit needs root; otherwise the soft limit goes as high as the hard one.
+fn raise_open_files(want: u64) {
+    let (_, hard) = rlimit::getrlimit(rlimit::Resource::NOFILE).unwrap_or((0, 0));
+    if rlimit::setrlimit(rlimit::Resource::NOFILE, want, want.max(hard)).is_err() {
+        let _ = rlimit::increase_nofile_limit(want);
     }
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }
 
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
+    raise_open_files(3 * args.proxies as u64 + 4096);
     let responder_listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
     let port = responder_listener.local_addr().unwrap().port();
-    tokio::spawn(responder(responder_listener));
+    tokio::spawn(responder(responder_listener, args.close));
 
     let dir = tempfile::tempdir().unwrap();
     let services = dir.path().join("services.yaml");
@@ -223,7 +196,7 @@ async fn main() {
                 "--admin-listen",
                 &format!("127.0.0.1:{admin_port}"),
             ])
-            .env("RAY_XDS_LOG", "warn")
+            .env("RAY_XDS_LOG", &args.log)
             .stdout(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("starting {}: {e}", binary.display())),
@@ -240,8 +213,8 @@ async fn main() {
         loop {
             tick.tick().await;
             let t = Instant::now();
-            match get(admin_port, "/healthz", Duration::from_secs(10)).await {
-                Some(r) if r.starts_with("HTTP/1.1 200") => {
+            match http_get(admin_port, "/healthz", Duration::from_secs(10)).await {
+                Some((200, _)) => {
                     s.lock().unwrap().push((t, t.elapsed()));
                 }
                 // Before the admin port is bound, a refused connection is not a sample.
@@ -259,18 +232,17 @@ async fn main() {
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
         assert!(Instant::now() < deadline, "ray-xds did not start in 600 s");
-        if let Some(r) = get(admin_port, "/readyz", Duration::from_secs(10)).await {
-            if r.starts_with("HTTP/1.1 200") {
-                let metrics = get(admin_port, "/metrics", Duration::from_secs(30))
+        if let Some((200, _)) = http_get(admin_port, "/readyz", Duration::from_secs(10)).await {
+            {
+                let metrics = http_get(admin_port, "/metrics", Duration::from_secs(30))
                     .await
+                    .map(|(_, body)| body)
                     .unwrap_or_default();
-                let healthy = metrics
-                    .lines()
-                    .find(|l| {
-                        l.starts_with("ray_xds_proxy_health_transitions_total{state=\"healthy\"}")
-                    })
-                    .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
-                    .unwrap_or(0.0);
+                let healthy = metric_value(
+                    &metrics,
+                    "ray_xds_proxy_health_transitions_total{state=\"healthy\"}",
+                )
+                .unwrap_or(0.0);
                 if healthy as usize >= args.proxies {
                     break;
                 }
@@ -350,7 +322,15 @@ async fn main() {
         .await;
         assert!(seen.is_ok(), "edit {e} did not reach the client in 60 s");
         let took = t.elapsed();
-        println!("edit {e}: {:.0} ms", ms(took));
+        let written = std::time::SystemTime::now() - took;
+        let unix = written
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        println!(
+            "edit {e}: {:.0} ms (written at unix {:.3})",
+            ms(took),
+            unix.as_secs_f64()
+        );
         edit_times.push(took);
     }
     let left = Duration::from_secs(args.steady).saturating_sub(steady_from.elapsed());

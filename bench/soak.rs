@@ -101,6 +101,10 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
+#[path = "support/mod.rs"]
+mod support;
+use support::{free_port, http_get, metric_value, open_fds, rss_kib, write_atomic};
+
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Soak: ray-xds under churn; RSS, fds, tasks and /metrics series flat after it")]
 struct Args {
@@ -231,54 +235,11 @@ impl Drop for Server {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn write_atomic(path: &Path, text: &str) {
-    let tmp = path.with_extension("tmp~");
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
-}
-
-/// A bare HTTP/1.0 GET on loopback: (status, body), or None on any failure or after 5 s.
-async fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    tokio::time::timeout(Duration::from_secs(5), async {
-        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .ok()?;
-        stream
-            .write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-            .await
-            .ok()?;
-        let mut out = String::new();
-        stream.read_to_string(&mut out).await.ok()?;
-        let (head, body) = out.split_once("\r\n\r\n")?;
-        let status = head.split_whitespace().nth(1)?.parse().ok()?;
-        Some((status, body.to_string()))
-    })
-    .await
-    .ok()?
-}
-
 async fn metrics(admin: u16) -> Option<String> {
-    match get(admin, "/metrics").await {
+    match http_get(admin, "/metrics", Duration::from_secs(5)).await {
         Some((200, body)) => Some(body),
         _ => None,
     }
-}
-
-/// The value of the series `key` (name and labels exactly as rendered).
-fn metric_value(text: &str, key: &str) -> Option<f64> {
-    text.lines().find_map(|l| {
-        let (k, v) = l.rsplit_once(' ')?;
-        (k == key).then(|| v.parse().ok()).flatten()
-    })
 }
 
 fn series(text: &str) -> impl Iterator<Item = &str> {
@@ -313,21 +274,6 @@ struct Sample {
     streams: u64,
     /// `switchover_weight` series: the clusters ray-xds weighs now.
     weights: u64,
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
-}
-
-fn open_fds(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.count() as u64)
-        .unwrap_or(0)
 }
 
 /// One sample; None if /metrics did not answer.
@@ -1309,7 +1255,10 @@ async fn run(args: Args) -> i32 {
     let pid = server.pid();
     wait_for("ray-xds ready", Duration::from_secs(60), async || {
         server.check_alive();
-        matches!(get(admin, "/readyz").await, Some((200, _)))
+        matches!(
+            http_get(admin, "/readyz", Duration::from_secs(5)).await,
+            Some((200, _))
+        )
     })
     .await;
     let first: Vec<String> = world

@@ -13,6 +13,12 @@ async fn main() -> std::process::ExitCode {
                 .unwrap_or_else(|_| "info".into()),
         )
         .init();
+    // Every proxy probed over a kept-alive connection holds a file descriptor: take all
+    // the process may have (the soft limit is often 1,024; the hard one far more).
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => tracing::debug!(limit, "open files limit"),
+        Err(err) => tracing::warn!(%err, "cannot raise the open files limit"),
+    }
     let Command::Serve(args) = Cli::parse().command;
     let config = match Config::load(&args) {
         Ok(c) => c,

@@ -370,6 +370,12 @@ impl AdsProtocol for DeltaStream {
         if st.names.len() + new_names > super::MAX_NAMES_PER_TYPE {
             return Err(ProtocolError::TooManyNames(st.names.len() + new_names));
         }
+        // The versions a reconnecting client declares are held per name too: the same cap.
+        if req.initial_resource_versions.len() > super::MAX_NAMES_PER_TYPE {
+            return Err(ProtocolError::TooManyNames(
+                req.initial_resource_versions.len(),
+            ));
+        }
         let first = !st.subscribed;
         if first {
             st.subscribed = true;
@@ -1063,6 +1069,19 @@ mod tests {
         let err = s
             .on_request(subscribe(ResourceType::Endpoints, &more))
             .unwrap_err();
+        assert!(matches!(err, ProtocolError::TooManyNames(_)), "{err}");
+    }
+
+    #[test]
+    fn a_reconnecting_client_declares_a_bounded_number_of_versions() {
+        let mut req = subscribe(ResourceType::Cluster, &[]);
+        req.initial_resource_versions = (0..super::super::MAX_NAMES_PER_TYPE)
+            .map(|i| (format!("c{i}"), "v".to_string()))
+            .collect();
+        DeltaStream::new().on_request(req.clone()).unwrap();
+        req.initial_resource_versions
+            .insert("one-more".into(), "v".into());
+        let err = DeltaStream::new().on_request(req).unwrap_err();
         assert!(matches!(err, ProtocolError::TooManyNames(_)), "{err}");
     }
 

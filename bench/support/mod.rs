@@ -1,0 +1,99 @@
+//! Helpers the process-level benchmarks share (`fanout`, `scale`, `soak`): atomic file
+//! edits, free ports, a bare admin-API GET, `/proc` readings and percentiles. Included by
+//! each benchmark with `#[path = "support/mod.rs"] mod support;`, so a benchmark that
+//! uses only some of them still builds without warnings.
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::time::Duration;
+
+/// Replaces `path` by a rename, so a reader never sees half a file.
+pub fn write_atomic(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp~");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// A loopback port free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A bare HTTP/1.0 GET on loopback, enough for the admin API: (status, body), or `None`
+/// on any failure or after `deadline`. The server answers an HTTP/1.0 request with an
+/// HTTP/1.0 status line and closes the connection.
+pub async fn http_get(port: u16, path: &str, deadline: Duration) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    tokio::time::timeout(deadline, async {
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()?;
+        stream
+            .write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut out = String::new();
+        stream.read_to_string(&mut out).await.ok()?;
+        let (head, body) = out.split_once("\r\n\r\n")?;
+        let status = head.split_whitespace().nth(1)?.parse().ok()?;
+        Some((status, body.to_string()))
+    })
+    .await
+    .ok()?
+}
+
+/// The value of the series `key` (name and labels exactly as rendered) in a
+/// Prometheus text exposition.
+pub fn metric_value(text: &str, key: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let (k, v) = l.rsplit_once(' ')?;
+        (k == key).then(|| v.parse().ok()).flatten()
+    })
+}
+
+/// Resident set size of a process, KiB (0 once it is gone).
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// User + system CPU seconds of a process.
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// Open file descriptors of a process.
+pub fn open_fds(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count() as u64)
+        .unwrap_or(0)
+}
+
+/// The `p` quantile (0..=1) of sorted durations, nearest rank; zero when empty.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
