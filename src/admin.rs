@@ -78,6 +78,10 @@ pub async fn serve(
     state: AdminState,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    let listener = crate::admin_listener::BoundedAdminListener::new(
+        listener,
+        crate::admin_listener::AdminLimits::default(),
+    );
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await

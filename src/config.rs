@@ -451,6 +451,21 @@ impl Config {
             .validate()
             .map_err(|e| ConfigError::Invalid(format!("the command line: {e}")))?;
         let policies = Policies::default().with_global(&overrides);
+        // The same rule as every policy duration: Envoy reads these in whole
+        // milliseconds, so `1ns` would be published as 0 (no idle timeout at all).
+        for (field, value) in [
+            (
+                "gateway.upstream_idle_timeout (--upstream-idle-timeout)",
+                gateway.upstream_idle_timeout,
+            ),
+            (
+                "gateway.connect_timeout (--connect-timeout)",
+                gateway.connect_timeout,
+            ),
+        ] {
+            crate::policy::Value::check(&value)
+                .map_err(|e| ConfigError::Invalid(format!("{field}: {e}")))?;
+        }
         if gateway.upstream_idle_timeout.is_zero()
             || gateway.upstream_idle_timeout >= Duration::from_secs(90)
         {
@@ -513,6 +528,7 @@ impl Config {
                 1..=65_536,
             )?,
             handshake_timeout: listener_defaults.handshake_timeout,
+            idle_timeout: listener_defaults.idle_timeout,
         };
         let xds_max_streams = bounded(
             "xds.max_streams",
@@ -778,6 +794,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("gateway.upstream_idle_timeout"), "{err}");
+    }
+
+    /// Envoy reads these in whole milliseconds: `1ns` would be published as 0 (no idle
+    /// timeout at all), `1500us` as 1 ms.
+    #[test]
+    fn gateway_durations_are_whole_milliseconds() {
+        for (yaml, field) in [
+            ("upstream_idle_timeout: 1ns", "gateway.upstream_idle_timeout"),
+            ("connect_timeout: 1500us", "gateway.connect_timeout"),
+        ] {
+            let err = load(&format!(
+                "gateway: {{ {yaml} }}\nsource: {{ file: {{ path: a.yaml }} }}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains(field) && err.contains("whole number of milliseconds"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -20,6 +20,7 @@
 //! - [`runtime`]: wiring, one shutdown token for everything.
 
 pub mod admin;
+pub mod admin_listener;
 pub mod config;
 pub mod live;
 pub mod metrics;

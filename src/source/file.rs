@@ -108,6 +108,19 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
         )));
     }
     let parsed: ServicesFile = parse_yaml(file, text)?;
+    // YAML aliases repeat a list without its bytes: the size cap alone does not bound it.
+    let proxies: usize = parsed
+        .rayservices
+        .iter()
+        .flat_map(|s| &s.clusters)
+        .map(|c| c.proxies.as_ref().map_or(0, Vec::len))
+        .sum();
+    if proxies > MAX_PROXIES {
+        return Err(ConfigError::Invalid(format!(
+            "{}: {proxies} proxies, over the {MAX_PROXIES} a services file may list",
+            file.display()
+        )));
+    }
     let services = parsed
         .rayservices
         .into_iter()
@@ -185,6 +198,9 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
         .collect::<Result<Vec<_>, ConfigError>>()?;
     Model::new(services).map_err(|e| ConfigError::Invalid(format!("{}: {e}", file.display())))
 }
+
+/// The most proxies a services file may list, in all (aliases included).
+pub const MAX_PROXIES: usize = 100_000;
 
 /// The largest services file read (16 MiB; 20,000 proxies take about 1.5 MiB): a bigger
 /// one is an invalid edit, refused before it is read.
@@ -403,6 +419,28 @@ rayservices:
       - name: demo-b
         proxies: [ { address: 127.0.0.1:8100, node_type: head } ]
 "#;
+
+    /// Aliases repeat a list of proxies without its bytes: a small file naming over
+    /// [`MAX_PROXIES`] is refused all the same.
+    #[test]
+    fn aliases_cannot_list_more_proxies_than_the_cap() {
+        let mut text = String::from(
+            "rayservices:\n  - name: s0\n    namespace: ns\n    active_cluster: c\n    clusters:\n      - name: c\n        proxies: &p\n",
+        );
+        for i in 0..5_001 {
+            text += &format!(
+                "          - {{ address: \"10.0.{}.{}:8000\", node_type: worker }}\n",
+                i / 250,
+                i % 250 + 1
+            );
+        }
+        for i in 1..20 {
+            text += &format!("  - {{ name: s{i}, namespace: ns, active_cluster: c, clusters: [ {{ name: c, proxies: *p }} ] }}\n");
+        }
+        assert!(text.len() < 400_000, "{}", text.len());
+        let err = parse(Path::new("services.yaml"), &text).unwrap_err().to_string();
+        assert!(err.contains("100020 proxies, over the 100000"), "{err}");
+    }
 
     #[test]
     fn a_file_over_the_cap_or_a_directory_is_refused_before_it_is_read() {

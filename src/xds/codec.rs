@@ -8,7 +8,14 @@
 //! of the stream; with thousands of idle Envoys that was most of the server's memory.
 //!
 //! Invariants: a request over the size limit is refused from its header, before it is
-//! buffered; compressed requests are refused.
+//! buffered; compressed requests are refused; the bytes of requests not yet whole are
+//! bounded across every stream ([`PartialRequests`]), and a request not whole within
+//! [`PARTIAL_REQUEST_TIMEOUT`] of its first byte ends its stream: a client that
+//! declares large messages and trickles them cannot hold the server's memory.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http_body_util::BodyExt;
@@ -28,31 +35,129 @@ pub fn frame<M: prost::Message>(message: &M) -> Bytes {
     buf.freeze()
 }
 
+/// How long a request may take to arrive whole, from its first byte.
+pub const PARTIAL_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The bytes held in requests not yet whole, across every stream of the server, and
+/// their bound: the larger of 64 MiB and two of the largest requests accepted.
+#[derive(Clone, Debug)]
+pub struct PartialRequests {
+    held: Arc<AtomicUsize>,
+    limit: usize,
+}
+
+impl PartialRequests {
+    pub fn new(max_message_bytes: usize) -> PartialRequests {
+        PartialRequests::with_limit((64 << 20).max(max_message_bytes.saturating_mul(2)))
+    }
+
+    pub fn with_limit(limit: usize) -> PartialRequests {
+        PartialRequests {
+            held: Arc::default(),
+            limit,
+        }
+    }
+
+    /// Bytes held now.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Relaxed)
+    }
+
+    fn try_take(&self, bytes: usize) -> bool {
+        self.held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+                held.checked_add(bytes).filter(|&n| n <= self.limit)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self, bytes: usize) {
+        self.held.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
 /// The messages of a gRPC request body.
 pub struct RequestStream<T> {
     body: tonic::body::Body,
     buf: BytesMut,
     max_message_bytes: usize,
+    partial: PartialRequests,
+    /// Bytes of `buf` counted in `partial`.
+    counted: usize,
+    /// When the bytes now buffered began to arrive.
+    partial_since: Option<tokio::time::Instant>,
     _message: std::marker::PhantomData<fn() -> T>,
 }
 
+impl<T> Drop for RequestStream<T> {
+    fn drop(&mut self) {
+        self.partial.give_back(self.counted);
+    }
+}
+
 impl<T: prost::Message + Default> RequestStream<T> {
-    pub fn new(body: tonic::body::Body, max_message_bytes: usize) -> RequestStream<T> {
+    pub fn new(
+        body: tonic::body::Body,
+        max_message_bytes: usize,
+        partial: PartialRequests,
+    ) -> RequestStream<T> {
         RequestStream {
             body,
             buf: BytesMut::new(),
             max_message_bytes,
+            partial,
+            counted: 0,
+            partial_since: None,
             _message: std::marker::PhantomData,
         }
+    }
+
+    /// Counts what `buf` holds now in the server's partial requests.
+    fn count_buffered(&mut self) -> Result<(), Status> {
+        let now = self.buf.len();
+        if now > self.counted {
+            if !self.partial.try_take(now - self.counted) {
+                return Err(Status::resource_exhausted(format!(
+                    "requests not yet whole hold over {} MiB across all streams",
+                    self.partial.limit >> 20
+                )));
+            }
+        } else {
+            self.partial.give_back(self.counted - now);
+        }
+        self.counted = now;
+        if now == 0 {
+            self.partial_since = None;
+        } else if self.partial_since.is_none() {
+            self.partial_since = Some(tokio::time::Instant::now());
+        }
+        Ok(())
     }
 
     /// The next message; `Ok(None)` when the client ended the stream.
     pub async fn message(&mut self) -> Result<Option<T>, Status> {
         loop {
-            if let Some(message) = self.decode_buffered()? {
+            let decoded = self.decode_buffered();
+            self.count_buffered()?;
+            if let Some(message) = decoded? {
                 return Ok(Some(message));
             }
-            match self.body.frame().await {
+            let next = match self.partial_since {
+                None => self.body.frame().await,
+                Some(since) => {
+                    let until = since + PARTIAL_REQUEST_TIMEOUT;
+                    match tokio::time::timeout_at(until, self.body.frame()).await {
+                        Ok(next) => next,
+                        Err(_) => {
+                            return Err(Status::deadline_exceeded(format!(
+                                "a request was not whole {}s after its first byte",
+                                PARTIAL_REQUEST_TIMEOUT.as_secs()
+                            )))
+                        }
+                    }
+                }
+            };
+            match next {
                 None if self.buf.is_empty() => return Ok(None),
                 None => return Err(Status::internal("the stream ended inside a message")),
                 Some(Err(status)) => return Err(status),
@@ -82,7 +187,7 @@ impl<T: prost::Message + Default> RequestStream<T> {
             )));
         }
         if self.buf.len() < 5 + len {
-            self.buf.reserve(5 + len - self.buf.len());
+            // Not reserved from the header: the buffer grows only with bytes received.
             return Ok(None);
         }
         let mut message = self.buf.split_to(5 + len);
@@ -107,12 +212,11 @@ mod tests {
             .into_iter()
             .map(|c| Ok::<_, Status>(Frame::data(Bytes::from(c))));
         let body = http_body_util::StreamBody::new(futures::stream::iter(frames));
-        RequestStream {
-            body: tonic::body::Body::new(body),
-            buf: BytesMut::new(),
-            max_message_bytes: max,
-            _message: std::marker::PhantomData,
-        }
+        RequestStream::new(
+            tonic::body::Body::new(body),
+            max,
+            PartialRequests::new(max),
+        )
     }
 
     fn request(type_url: &str) -> DiscoveryRequest {
@@ -183,5 +287,54 @@ mod tests {
         let garbage = vec![0, 0, 0, 0, 9, 0x11, 1, 2, 3, 4, 5, 6, 7, 8];
         let err = stream(vec![garbage], 1024).message().await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::Internal);
+    }
+
+    /// A body that sends `chunks` and then nothing, without ending.
+    fn stalled(chunks: Vec<Vec<u8>>, partial: PartialRequests) -> RequestStream<DiscoveryRequest> {
+        use futures::StreamExt;
+        let frames = futures::stream::iter(
+            chunks
+                .into_iter()
+                .map(|c| Ok::<_, Status>(Frame::data(Bytes::from(c)))),
+        )
+        .chain(futures::stream::pending());
+        let body = http_body_util::StreamBody::new(frames);
+        RequestStream::new(tonic::body::Body::new(body), 1 << 20, partial)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn partial_requests_are_bounded_across_streams_and_in_time() {
+        let partial = PartialRequests::with_limit(10_000);
+        let big = frame(&DiscoveryRequest {
+            resource_names: (0..400).map(|i| format!("resource-name-{i}")).collect(),
+            ..Default::default()
+        });
+        assert!(big.len() > 6_000, "{}", big.len());
+        // A header declaring the whole message, and 6,000 of its bytes: held.
+        let mut first = stalled(vec![big[..6_000].to_vec()], partial.clone());
+        let held = tokio::time::timeout(Duration::from_secs(1), first.message()).await;
+        assert!(held.is_err(), "a partial message is waited for");
+        assert_eq!(partial.held(), 6_000);
+        // A second stream doing the same goes over the bound: refused, and counts nothing.
+        let mut second = stalled(vec![big[..6_000].to_vec()], partial.clone());
+        let err = second.message().await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
+        drop(second);
+        assert_eq!(partial.held(), 6_000);
+        // The first one's request never completes: its stream ends at the deadline.
+        let err = first.message().await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err}");
+        drop(first);
+        assert_eq!(partial.held(), 0, "a stream gives its bytes back when it ends");
+
+        // A header declaring 1 MiB reserves nothing: only what arrived is held.
+        let mut header = vec![0u8];
+        header.extend_from_slice(&(1u32 << 20).to_be_bytes());
+        let mut s = stalled(vec![header], partial.clone());
+        assert!(tokio::time::timeout(Duration::from_secs(1), s.message())
+            .await
+            .is_err());
+        assert_eq!(partial.held(), 5);
+        assert!(s.buf.capacity() < 4096, "{}", s.buf.capacity());
     }
 }

@@ -354,6 +354,12 @@ impl AdsProtocol for DeltaStream {
     fn on_request(&mut self, req: DeltaDiscoveryRequest) -> Result<Event, ProtocolError> {
         let ty = ResourceType::from_type_url(&req.type_url)
             .ok_or_else(|| ProtocolError::UnknownType(req.type_url.clone()))?;
+        super::check_name_lengths(
+            req.resource_names_subscribe
+                .iter()
+                .chain(&req.resource_names_unsubscribe)
+                .chain(req.initial_resource_versions.keys()),
+        )?;
         if self.node.is_none() {
             if let Some(node) = &req.node {
                 self.node = Some(NodeInfo::from_node(node));
@@ -1070,6 +1076,23 @@ mod tests {
             .on_request(subscribe(ResourceType::Endpoints, &more))
             .unwrap_err();
         assert!(matches!(err, ProtocolError::TooManyNames(_)), "{err}");
+    }
+
+    #[test]
+    fn a_name_is_bounded_in_length() {
+        let long = "n".repeat(crate::xds::MAX_NAME_BYTES + 1);
+        let err = DeltaStream::new()
+            .on_request(subscribe(ResourceType::Endpoints, &[&long]))
+            .unwrap_err();
+        assert_eq!(err, ProtocolError::NameTooLong(long.len()));
+        let mut req = subscribe(ResourceType::Cluster, &[]);
+        req.initial_resource_versions.insert(long.clone(), "v".into());
+        let err = DeltaStream::new().on_request(req).unwrap_err();
+        assert_eq!(err, ProtocolError::NameTooLong(long.len()));
+        let fits = "n".repeat(crate::xds::MAX_NAME_BYTES);
+        DeltaStream::new()
+            .on_request(subscribe(ResourceType::Endpoints, &[&fits]))
+            .unwrap();
     }
 
     #[test]

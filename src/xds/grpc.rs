@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tonic::server::NamedService;
 use tonic::Status;
 
-use super::codec::RequestStream;
+use super::codec::{PartialRequests, RequestStream};
 use super::delta::DeltaStream;
 use super::server::AdsServer;
 use super::sotw::SotwStream;
@@ -32,6 +32,7 @@ const DELTA_PATH: &str =
 pub struct AdsService {
     server: AdsServer,
     max_message_bytes: usize,
+    partial: PartialRequests,
 }
 
 impl AdsService {
@@ -39,11 +40,12 @@ impl AdsService {
         AdsService {
             server,
             max_message_bytes,
+            partial: PartialRequests::new(max_message_bytes),
         }
     }
 
     fn decode<T: prost::Message + Default>(&self, body: tonic::body::Body) -> RequestStream<T> {
-        RequestStream::new(body, self.max_message_bytes)
+        RequestStream::new(body, self.max_message_bytes, self.partial.clone())
     }
 }
 
@@ -63,6 +65,12 @@ impl tower::Service<http::Request<tonic::body::Body>> for AdsService {
     fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
         let (tx, rx) = mpsc::channel(super::server::STREAM_BUFFER);
         let path = request.uri().path().to_owned();
+        // The connection counts the stream while its response lives (an idle connection,
+        // one without streams, is closed by the listener).
+        let open = request
+            .extensions()
+            .get::<super::listener::XdsConnectInfo>()
+            .map(|info| info.streams.open());
         let body = request.into_body();
         match path.as_str() {
             SOTW_PATH => {
@@ -79,12 +87,19 @@ impl tower::Service<http::Request<tonic::body::Body>> for AdsService {
                 let _ = tx.try_send(Err(Status::unimplemented(format!("no method {path}"))));
             }
         }
-        std::future::ready(Ok(grpc_response(rx)))
+        std::future::ready(Ok(grpc_response(rx, open)))
     }
 }
 
-fn grpc_response(rx: mpsc::Receiver<Result<Bytes, Status>>) -> http::Response<tonic::body::Body> {
-    let mut response = http::Response::new(tonic::body::Body::new(FramedBody { rx, ended: false }));
+fn grpc_response(
+    rx: mpsc::Receiver<Result<Bytes, Status>>,
+    open: Option<super::listener::OpenStream>,
+) -> http::Response<tonic::body::Body> {
+    let mut response = http::Response::new(tonic::body::Body::new(FramedBody {
+        rx,
+        ended: false,
+        _open: open,
+    }));
     response.headers_mut().insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/grpc"),
@@ -96,6 +111,7 @@ fn grpc_response(rx: mpsc::Receiver<Result<Bytes, Status>>) -> http::Response<to
 struct FramedBody {
     rx: mpsc::Receiver<Result<Bytes, Status>>,
     ended: bool,
+    _open: Option<super::listener::OpenStream>,
 }
 
 impl http_body::Body for FramedBody {

@@ -1,7 +1,9 @@
 //! The xDS listener's connections, bounded: at most `max_connections` open at once and
-//! `max_connections_per_peer` from one IP address (one more is closed at once), each given `handshake_timeout` to send its first byte (an
-//! HTTP/2 client sends its preface at once; a socket that stays silent is closed), and
-//! accept errors (out of file descriptors) back off instead of spinning.
+//! `max_connections_per_peer` from one IP address (one more is closed at once), each given
+//! `handshake_timeout` to send the 24 bytes of the HTTP/2 client preface (a client sends
+//! it at once; a socket silent or trickling is closed), closed after `idle_timeout`
+//! without an open stream (an Envoy keeps its ADS stream open for the connection's
+//! life), and accept errors (out of file descriptors) back off instead of spinning.
 //!
 //! Invariants: a connection's slots (total and its peer's) are freed when the
 //! connection is dropped, whatever ends it; nothing here reads or writes a byte of the
@@ -10,7 +12,7 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -28,6 +30,8 @@ pub struct Limits {
     /// From one IP address (Envoys sharing a node's address, or behind one NAT, share it).
     pub max_connections_per_peer: usize,
     pub handshake_timeout: Duration,
+    /// How long a connection may stay without a stream once its preface arrived.
+    pub idle_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -36,8 +40,46 @@ impl Default for Limits {
             max_connections: 4096,
             max_connections_per_peer: 256,
             handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
         }
     }
+}
+
+/// The HTTP/2 client preface's length (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`).
+const PREFACE_BYTES: usize = 24;
+
+/// The streams open on one connection, counted by the ADS service through the
+/// connection's [`XdsConnectInfo`].
+#[derive(Debug, Default)]
+pub struct ConnectionStreams(AtomicUsize);
+
+impl ConnectionStreams {
+    /// Counts one stream open until the returned guard is dropped.
+    pub fn open(self: &Arc<Self>) -> OpenStream {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        OpenStream(self.clone())
+    }
+
+    fn any(&self) -> bool {
+        self.0.load(Ordering::Relaxed) > 0
+    }
+}
+
+/// One stream of a connection, counted while it lives.
+#[derive(Debug)]
+pub struct OpenStream(Arc<ConnectionStreams>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What a request learns of its connection (in its extensions, from tonic).
+#[derive(Debug, Clone)]
+pub struct XdsConnectInfo {
+    pub tcp: TcpConnectInfo,
+    pub streams: Arc<ConnectionStreams>,
 }
 
 /// Open connections per peer address.
@@ -84,8 +126,10 @@ pub struct Refusals {
     pub over_limit: AtomicU64,
     /// Connections closed at once: `max_connections_per_peer` were open from its address.
     pub over_peer_limit: AtomicU64,
-    /// Connections closed for sending nothing within `handshake_timeout`.
+    /// Connections closed for not sending the preface within `handshake_timeout`.
     pub silent: Arc<AtomicU64>,
+    /// Connections closed for having no stream for `idle_timeout`.
+    pub idle: Arc<AtomicU64>,
     /// Accept errors (each followed by a pause).
     pub accept_errors: AtomicU64,
 }
@@ -139,7 +183,12 @@ pub fn incoming(
                         _slot: slot,
                         _peer_slot: peer_slot,
                         deadline: Some(Box::pin(tokio::time::sleep(limits.handshake_timeout))),
+                        preface_left: PREFACE_BYTES,
+                        idle_timeout: limits.idle_timeout,
+                        idle: None,
+                        streams: Arc::default(),
                         silent: refusals.silent.clone(),
+                        idle_closed: refusals.idle.clone(),
                         observer: observer.clone(),
                     };
                     return Some((Ok(connection), (listener, slots, refusals, observer)));
@@ -154,9 +203,15 @@ pub struct BoundedConnection {
     inner: TcpStream,
     _slot: OwnedSemaphorePermit,
     _peer_slot: PeerSlot,
-    /// Until the first byte arrives.
+    /// Until the preface has arrived.
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    preface_left: usize,
+    idle_timeout: Duration,
+    /// Armed while the connection has no stream.
+    idle: Option<Pin<Box<tokio::time::Sleep>>>,
+    streams: Arc<ConnectionStreams>,
     silent: Arc<AtomicU64>,
+    idle_closed: Arc<AtomicU64>,
     observer: Arc<dyn super::Observer>,
 }
 
@@ -170,26 +225,46 @@ impl AsyncRead for BoundedConnection {
         let this = &mut *self;
         match Pin::new(&mut this.inner).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
-                if buf.filled().len() > before {
+                let read = buf.filled().len() - before;
+                this.preface_left = this.preface_left.saturating_sub(read);
+                if this.preface_left == 0 {
                     this.deadline = None;
                 }
                 Poll::Ready(Ok(()))
             }
             Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
             Poll::Pending => {
-                let expired = this
-                    .deadline
-                    .as_mut()
-                    .is_some_and(|d| d.as_mut().poll(cx).is_ready());
-                if !expired {
+                if let Some(deadline) = this.deadline.as_mut() {
+                    if deadline.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    this.deadline = None;
+                    this.silent.fetch_add(1, Ordering::Relaxed);
+                    this.observer.stream_error("connection", "silent");
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "no HTTP/2 preface in time",
+                    )));
+                }
+                // Preface done. HTTP/2 reads the connection for as long as it lives, so
+                // a read is pending (and polled again) whenever its streams change.
+                if this.streams.any() {
+                    this.idle = None;
                     return Poll::Pending;
                 }
-                this.deadline = None;
-                this.silent.fetch_add(1, Ordering::Relaxed);
-                this.observer.stream_error("connection", "silent");
+                let timeout = this.idle_timeout;
+                let idle = this
+                    .idle
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                if idle.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                this.idle = None;
+                this.idle_closed.fetch_add(1, Ordering::Relaxed);
+                this.observer.stream_error("connection", "idle");
                 Poll::Ready(Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    "no HTTP/2 preface in time",
+                    "no stream on the connection in time",
                 )))
             }
         }
@@ -227,10 +302,13 @@ impl AsyncWrite for BoundedConnection {
 }
 
 impl Connected for BoundedConnection {
-    type ConnectInfo = TcpConnectInfo;
+    type ConnectInfo = XdsConnectInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
+        XdsConnectInfo {
+            tcp: self.inner.connect_info(),
+            streams: self.streams.clone(),
+        }
     }
 }
 
@@ -268,8 +346,10 @@ mod tests {
         (addr, refusals, task)
     }
 
+    const PREFACE: &[u8; PREFACE_BYTES] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
     #[tokio::test]
-    async fn a_silent_connection_is_closed_and_a_talking_one_is_not() {
+    async fn a_silent_or_trickling_connection_is_closed_and_a_talking_one_is_not() {
         let limits = Limits {
             max_connections: 8,
             handshake_timeout: Duration::from_millis(200),
@@ -277,18 +357,86 @@ mod tests {
         };
         let (addr, refusals, _task) = listen(limits).await;
         let mut silent = TcpStream::connect(addr).await.unwrap();
+        // One byte of the preface does not buy the connection more time.
+        let mut trickling = TcpStream::connect(addr).await.unwrap();
+        trickling.write_all(b"P").await.unwrap();
         let mut talking = TcpStream::connect(addr).await.unwrap();
-        talking.write_all(b"PRI").await.unwrap();
-        let mut buf = [0u8; 3];
+        talking.write_all(PREFACE).await.unwrap();
+        let mut buf = [0u8; PREFACE_BYTES];
         talking.read_exact(&mut buf).await.unwrap();
-        // The silent one is closed (read gives EOF or a reset) within a generous bound.
-        let closed = tokio::time::timeout(Duration::from_secs(10), silent.read(&mut buf)).await;
-        assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
-        assert_eq!(refusals.silent.load(Ordering::Relaxed), 1);
-        // Long after the deadline, the one that spoke still works.
+        // The others are closed (read gives EOF or a reset) within a generous bound.
+        for c in [&mut silent, &mut trickling] {
+            let closed = loop {
+                match tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf)).await {
+                    Ok(Ok(n)) if n > 0 => continue, // the echo of the byte sent
+                    other => break other,
+                }
+            };
+            assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+        }
+        assert_eq!(refusals.silent.load(Ordering::Relaxed), 2);
+        // Long after the deadline, the one that sent its preface still works.
         talking.write_all(b"abc").await.unwrap();
-        talking.read_exact(&mut buf).await.unwrap();
-        assert_eq!(&buf, b"abc");
+        talking.read_exact(&mut buf[..3]).await.unwrap();
+        assert_eq!(&buf[..3], b"abc");
+    }
+
+    /// Past its preface, a connection lives while it has a stream, and is closed after
+    /// `idle_timeout` without one.
+    #[tokio::test]
+    async fn a_connection_without_streams_is_closed_when_idle() {
+        let limits = Limits {
+            idle_timeout: Duration::from_millis(300),
+            ..Default::default()
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let refusals = Arc::new(Refusals::default());
+        let stream = incoming(listener, limits, refusals.clone(), Arc::new(()));
+        // Echo; a connection whose first bytes after the preface are "open" holds a stream
+        // until it sends "shut".
+        tokio::spawn(async move {
+            tokio::pin!(stream);
+            while let Some(Ok(mut conn)) = stream.next().await {
+                tokio::spawn(async move {
+                    let streams = conn.connect_info().streams;
+                    let mut open = None;
+                    let mut buf = [0u8; 64];
+                    while let Ok(n) = conn.read(&mut buf).await {
+                        match &buf[..n] {
+                            b"open" => open = Some(streams.open()),
+                            b"shut" => open = None,
+                            _ => {}
+                        }
+                        if n == 0 || conn.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                    drop(open);
+                });
+            }
+        });
+        let mut buf = [0u8; PREFACE_BYTES];
+        let mut idle = TcpStream::connect(addr).await.unwrap();
+        idle.write_all(PREFACE).await.unwrap();
+        idle.read_exact(&mut buf).await.unwrap();
+        let mut busy = TcpStream::connect(addr).await.unwrap();
+        busy.write_all(PREFACE).await.unwrap();
+        busy.read_exact(&mut buf).await.unwrap();
+        busy.write_all(b"open").await.unwrap();
+        busy.read_exact(&mut buf[..4]).await.unwrap();
+        let closed = tokio::time::timeout(Duration::from_secs(10), idle.read(&mut buf)).await;
+        assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+        assert_eq!(refusals.idle.load(Ordering::Relaxed), 1);
+        // Well past the idle timeout, the one with a stream still works...
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        busy.write_all(b"shut").await.unwrap();
+        busy.read_exact(&mut buf[..4]).await.unwrap();
+        assert_eq!(&buf[..4], b"shut");
+        // ...and once its stream ends, it is idle too.
+        let closed = tokio::time::timeout(Duration::from_secs(10), busy.read(&mut buf)).await;
+        assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+        assert_eq!(refusals.idle.load(Ordering::Relaxed), 2);
     }
 
     #[tokio::test]
@@ -335,6 +483,7 @@ mod tests {
             max_connections: 16,
             max_connections_per_peer: 2,
             handshake_timeout: Duration::from_secs(60),
+            ..Default::default()
         };
         // Listen on every loopback address, so that 127.0.0.2 is another peer.
         let listener = TcpListener::bind("0.0.0.0:0").await.unwrap();

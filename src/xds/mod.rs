@@ -83,6 +83,23 @@ pub enum ProtocolError {
     UnknownType(String),
     #[error("{0} resource names of one type on one stream, over the {MAX_NAMES_PER_TYPE} a client may subscribe to")]
     TooManyNames(usize),
+    #[error("a resource name of {0} bytes, over the {MAX_NAME_BYTES} a name may have")]
+    NameTooLong(usize),
+}
+
+/// The longest resource name a client may send (ray-xds's names are
+/// `<namespace>/<rayservice>/<cluster>`, well under it): with [`MAX_NAMES_PER_TYPE`],
+/// bounds the bytes one stream's subscriptions hold.
+pub const MAX_NAME_BYTES: usize = 1024;
+
+/// Refuses a request naming a resource longer than [`MAX_NAME_BYTES`].
+pub fn check_name_lengths<'a>(
+    names: impl IntoIterator<Item = &'a String>,
+) -> Result<(), ProtocolError> {
+    match names.into_iter().map(String::len).max() {
+        Some(len) if len > MAX_NAME_BYTES => Err(ProtocolError::NameTooLong(len)),
+        _ => Ok(()),
+    }
 }
 
 /// The most resource names of one type a stream may subscribe to (an Envoy subscribes
@@ -120,6 +137,7 @@ impl ProtocolError {
         match self {
             ProtocolError::UnknownType(_) => "unknown_type",
             ProtocolError::TooManyNames(_) => "too_many_names",
+            ProtocolError::NameTooLong(_) => "name_too_long",
         }
     }
 }

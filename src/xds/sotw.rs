@@ -471,6 +471,7 @@ impl AdsProtocol for SotwStream {
         if req.resource_names.len() > super::MAX_NAMES_PER_TYPE {
             return Err(ProtocolError::TooManyNames(req.resource_names.len()));
         }
+        super::check_name_lengths(&req.resource_names)?;
         if self.node.is_none() {
             if let Some(node) = &req.node {
                 self.node = Some(NodeInfo::from_node(node));
@@ -801,6 +802,26 @@ mod tests {
             }
         }
         last
+    }
+
+    #[test]
+    fn names_are_bounded_in_number_and_length() {
+        let long = "n".repeat(crate::xds::MAX_NAME_BYTES + 1);
+        let err = SotwStream::new()
+            .on_request(request(ResourceType::Endpoints, &[&long], "", ""))
+            .unwrap_err();
+        assert_eq!(err, ProtocolError::NameTooLong(long.len()));
+        let many: Vec<String> = (0..=crate::xds::MAX_NAMES_PER_TYPE)
+            .map(|i| format!("n{i}"))
+            .collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        let err = SotwStream::new()
+            .on_request(request(ResourceType::Endpoints, &many, "", ""))
+            .unwrap_err();
+        assert!(matches!(err, ProtocolError::TooManyNames(_)), "{err}");
+        SotwStream::new()
+            .on_request(request(ResourceType::Endpoints, &many[1..], "", ""))
+            .unwrap();
     }
 
     #[test]
