@@ -335,15 +335,26 @@ fn validate_host(host: &str) -> Result<(), String> {
     }
 }
 
+/// Cloud metadata services outside link-local ranges: AWS's IPv6 endpoint
+/// (`fd00:ec2::254`) and Alibaba Cloud's (`100.100.100.200`).
+pub const METADATA_ADDRESSES: [std::net::IpAddr; 2] = [
+    std::net::IpAddr::V6(std::net::Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254)),
+    std::net::IpAddr::V4(std::net::Ipv4Addr::new(100, 100, 100, 200)),
+];
+
 /// Why `address` can never be a Ray Serve proxy's, if it cannot: an address that names
 /// no host (unspecified, broadcast, multicast), a link-local one (the cloud metadata
-/// service, 169.254.169.254, among them), or port 0. Such an endpoint is never published,
-/// whatever source or dashboard lists it. (Loopback stays allowed: the demo and tests.)
+/// service, 169.254.169.254, among them), a cloud metadata service elsewhere
+/// ([`METADATA_ADDRESSES`]), or port 0. Such an endpoint is never published, whatever
+/// source or dashboard lists it. (Loopback stays allowed: the demo and tests.)
 pub fn refused_address(address: std::net::SocketAddr) -> Option<&'static str> {
     use std::net::IpAddr;
     let ip = address.ip();
     if address.port() == 0 {
         return Some("port 0");
+    }
+    if METADATA_ADDRESSES.contains(&ip) {
+        return Some("a cloud metadata service's address");
     }
     if ip.is_unspecified() {
         return Some("an unspecified address");
@@ -682,6 +693,8 @@ mod address_policy_tests {
             "[::]:8000",
             "[fe80::1]:8000",
             "[::ffff:169.254.169.254]:80",
+            "[fd00:ec2::254]:80",
+            "100.100.100.200:80",
             "10.0.0.1:0",
         ] {
             for policy in [&AddressPolicy::default(), &open] {
