@@ -13,7 +13,9 @@
 //!   from its dashboard), each proxy's probe state and endpoint health with the reason,
 //!   and what the cluster's dashboard says (application statuses, staleness);
 //!   the source's state (each Kubernetes watch, how stale, what it skipped and why);
-//!   the proxies the address policy refused (`refused_proxies`, with the reason).
+//!   the proxies the address policy refused (`refused_proxies`, with the reason: the
+//!   first 100, with `refused_proxies_total`, `refused_proxies_shown` and
+//!   `refused_proxies_by_reason`, so the page stays small however many there are).
 
 use std::sync::Arc;
 
@@ -228,6 +230,8 @@ async fn live_state(State(state): State<AdminState>) -> Response {
             v
         })
         .collect();
+    let refused = live.refused.borrow().clone();
+    let refused = crate::live::discovery::RefusedSummary::of(&refused);
     Json(json!({
         "source": {
             "source": source.source,
@@ -239,7 +243,10 @@ async fn live_state(State(state): State<AdminState>) -> Response {
         },
         "components": state.components.report(),
         "rayservices": services,
-        "refused_proxies": &**live.refused.borrow(),
+        "refused_proxies": refused.shown,
+        "refused_proxies_shown": refused.shown.len(),
+        "refused_proxies_total": refused.total,
+        "refused_proxies_by_reason": refused.by_reason,
         "probes_complete": probes.complete,
     }))
     .into_response()

@@ -22,6 +22,9 @@
 //! - An entry with garbage (an `ip` or `node_ip` that is not an IP address, a port that
 //!   is not a number in 1..=65535, a target that is not an object) is left out alone; a
 //!   `target_groups` that is not a list counts as none. It never fails the parse.
+//! - Matching a target to its proxy goes through maps built once (by actor name, by
+//!   node IP), so a parse is O(n log n): matching each target against every proxy froze
+//!   the async runtime for minutes on answers with 40,000 of each.
 //!
 //! Invariants:
 //!
@@ -29,8 +32,12 @@
 //! - [`parse`] is tolerant the way a reader of someone else's evolving API must be:
 //!   unknown fields are ignored, nulls and missing fields become `None`, empty strings or
 //!   empty maps, and status strings this version does not know become `Other(..)` instead
-//!   of failing. Only a body that is not a JSON object, or whose `applications` or
-//!   `proxies` are present but not objects, is [`DashboardError::Malformed`].
+//!   of failing. Only a body that is not a JSON object, whose `applications` or
+//!   `proxies` are present but not objects, or that lists more than [`MAX_PROXIES`]
+//!   proxies or [`MAX_TARGETS`] HTTP targets, is [`DashboardError::Malformed`] (and, as
+//!   for every failed poll, the last good answer stays).
+//! - [`DashboardClient::fetch`] parses on a blocking thread: a big answer costs a
+//!   blocking-pool thread for a while, never a runtime worker (admin, xDS and probes go on).
 //! - [`DashboardClient::fetch`] never takes longer than its timeout (connect, request and
 //!   the whole body are under one deadline), never buffers more than [`MAX_BODY_BYTES`],
 //!   and reports every failure as one [`DashboardError`] whose
@@ -60,6 +67,17 @@ pub const DEFAULT_HTTP_PORT: u16 = 8000;
 /// The largest body [`DashboardClient::fetch`] accepts (8 MiB); a bigger one is
 /// [`DashboardError::Malformed`].
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+
+/// The most proxies one answer may list (`proxies`), and the most targets its HTTP
+/// `target_groups` may list ([`MAX_TARGETS`]). Ray runs one proxy per node and clusters
+/// stay well under a few thousand nodes, so an answer over either is not a real cluster's
+/// (a broken or hostile dashboard) and is [`DashboardError::Malformed`]: refused whole,
+/// rather than published in part or parsed at any cost.
+pub const MAX_PROXIES: usize = 20_000;
+
+/// The most targets the HTTP `target_groups` of one answer may list, all groups together
+/// (see [`MAX_PROXIES`]).
+pub const MAX_TARGETS: usize = 20_000;
 
 /// How long an idle pooled connection to a dashboard is kept. Below aiohttp's default
 /// keep-alive (75 s), so the client does not race the dashboard closing it.
@@ -298,6 +316,19 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
         );
     }
 
+    // The caps come before any work on the lists (see `MAX_PROXIES`).
+    let proxies = root.get("proxies").and_then(Value::as_object);
+    if let Some(listed) = proxies.map(Map::len).filter(|n| *n > MAX_PROXIES) {
+        return Err(DashboardError::Malformed(format!(
+            "{listed} proxies listed, over the cap of {MAX_PROXIES}"
+        )));
+    }
+    let targets = http_targets(&root).count();
+    if targets > MAX_TARGETS {
+        return Err(DashboardError::Malformed(format!(
+            "{targets} HTTP targets listed, over the cap of {MAX_TARGETS}"
+        )));
+    }
     // Node id → the proxy's actor name: a target's `name` says which proxy it is.
     let mut actor_names = BTreeMap::new();
     for (node_id, proxy) in object_field(&root, "proxies")? {
@@ -330,6 +361,62 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
     Ok(status)
 }
 
+/// Every entry of the `targets` of the HTTP `target_groups` (gRPC groups are skipped),
+/// objects or not.
+fn http_targets(root: &Map<String, Value>) -> impl Iterator<Item = &Value> {
+    let groups = root.get("target_groups").and_then(Value::as_array);
+    groups
+        .into_iter()
+        .flatten()
+        .filter(|g| {
+            g.get("protocol")
+                .and_then(Value::as_str)
+                .is_some_and(|p| p.eq_ignore_ascii_case("http"))
+        })
+        .filter_map(|g| g.get("targets").and_then(Value::as_array))
+        .flatten()
+}
+
+/// Who owns a target, looked up in maps built once from `proxies` (a scan of every proxy
+/// per target was quadratic): the proxy whose actor name is the target's `name`, else
+/// the only proxy on the target's IP.
+struct Owners<'a> {
+    /// Actor name → the first proxy (in `proxies` order) with that name.
+    by_name: BTreeMap<&'a str, &'a ServeProxy>,
+    /// Node IP → its proxy, or `None` when several proxies share the IP (then only the
+    /// name tells them apart).
+    by_ip: BTreeMap<IpAddr, Option<&'a ServeProxy>>,
+}
+
+impl<'a> Owners<'a> {
+    fn new(
+        proxies: &'a BTreeMap<String, ServeProxy>,
+        actor_names: &'a BTreeMap<String, String>,
+    ) -> Self {
+        let mut by_name = BTreeMap::new();
+        let mut by_ip = BTreeMap::new();
+        for proxy in proxies.values() {
+            if let Some(name) = actor_names.get(&proxy.node_id).filter(|n| !n.is_empty()) {
+                by_name.entry(name.as_str()).or_insert(proxy);
+            }
+            if let Some(ip) = ip_addr(&proxy.node_ip) {
+                by_ip
+                    .entry(ip)
+                    .and_modify(|only: &mut Option<_>| *only = None)
+                    .or_insert(Some(proxy));
+            }
+        }
+        Owners { by_name, by_ip }
+    }
+
+    fn of(&self, name: &str, ip: IpAddr) -> Option<&'a ServeProxy> {
+        let by_name = (!name.is_empty())
+            .then(|| self.by_name.get(name).copied())
+            .flatten();
+        by_name.or_else(|| self.by_ip.get(&ip).copied().flatten())
+    }
+}
+
 /// The HTTP proxies of the answer: see the module doc for the rules.
 fn http_proxies(
     root: &Map<String, Value>,
@@ -360,17 +447,9 @@ fn http_proxies(
 
     let mut out: BTreeMap<SocketAddr, HttpProxy> = BTreeMap::new();
     let mut owning = BTreeSet::new();
-    let groups = root.get("target_groups").and_then(Value::as_array);
-    let http_groups = groups.into_iter().flatten().filter(|g| {
-        g.get("protocol")
-            .and_then(Value::as_str)
-            .is_some_and(|p| p.eq_ignore_ascii_case("http"))
-    });
-    let targets = http_groups
-        .filter_map(|g| g.get("targets").and_then(Value::as_array))
-        .flatten()
-        .filter_map(Value::as_object);
-    for target in targets {
+    let owners = Owners::new(proxies, actor_names);
+    let controller_ip_addr = ip_addr(&controller_ip);
+    for target in http_targets(root).filter_map(Value::as_object) {
         let ip = target.get("ip").and_then(Value::as_str).and_then(ip_addr);
         let port = target.get("port").and_then(port_number);
         let (Some(ip), Some(port)) = (ip, port) else {
@@ -380,15 +459,11 @@ fn http_proxies(
         if out.contains_key(&address) {
             continue;
         }
-        let name = string_field(target, "name");
-        let by_name = proxies
-            .values()
-            .find(|p| !name.is_empty() && actor_names.get(&p.node_id) == Some(&name));
-        let owner = by_name.or_else(|| {
-            let mut on_ip = proxies.values().filter(|p| ip_addr(&p.node_ip) == Some(ip));
-            on_ip.next().filter(|_| on_ip.next().is_none())
-        });
-        let proxy = match owner {
+        let name = target
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let proxy = match owners.of(name, ip) {
             Some(p) => {
                 owning.insert(p.node_id.clone());
                 HttpProxy {
@@ -401,9 +476,7 @@ fn http_proxies(
             None => HttpProxy {
                 address,
                 node_id: String::new(),
-                node_type: node_type(
-                    !controller_ip.is_empty() && ip_addr(&controller_ip) == Some(ip),
-                ),
+                node_type: node_type(controller_ip_addr == Some(ip)),
                 status: None,
             },
         };
@@ -551,7 +624,12 @@ impl DashboardClient {
         .map_err(|_| DashboardError::Timeout)??;
 
         let (body, peer) = body;
-        let mut status = parse(&body)?;
+        // Off the runtime's workers: parsing an answer near the body cap takes a while.
+        let mut status = match tokio::task::spawn_blocking(move || parse(&body)).await {
+            Ok(parsed) => parsed?,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => return Err(DashboardError::Unreachable(format!("parse cancelled: {e}"))),
+        };
         status.answered_from = peer;
         Ok(status)
     }
@@ -1025,6 +1103,196 @@ mod tests {
         assert_eq!(http(&v), [healthy("192.0.2.2:8000", NodeType::Head)]);
         v["target_groups"] = Value::Null;
         assert_eq!(http(&v), [healthy("192.0.2.2:8000", NodeType::Head)]);
+    }
+
+    /// The owner of a target as `parse` found it before [`Owners`]: a scan of every
+    /// proxy per target (quadratic, kept here as the reference).
+    fn owner_by_scan<'a>(
+        proxies: &'a BTreeMap<String, ServeProxy>,
+        actor_names: &BTreeMap<String, String>,
+        name: &str,
+        ip: IpAddr,
+    ) -> Option<&'a ServeProxy> {
+        let by_name = proxies.values().find(|p| {
+            !name.is_empty() && actor_names.get(&p.node_id).map(String::as_str) == Some(name)
+        });
+        by_name.or_else(|| {
+            let mut on_ip = proxies.values().filter(|p| ip_addr(&p.node_ip) == Some(ip));
+            on_ip.next().filter(|_| on_ip.next().is_none())
+        })
+    }
+
+    /// The maps give every target of every capture, and of a variant with shared IPs,
+    /// shared actor names and unknown names, the owner the scan of every proxy gave.
+    #[test]
+    fn owners_match_a_scan_of_every_proxy() {
+        let mut tricky = running();
+        add_worker(&mut tricky, "w1", "192.0.2.3", "HEALTHY");
+        add_worker(&mut tricky, "w2", "192.0.2.3", "STARTING");
+        add_worker(&mut tricky, "w3", "192.0.2.4", "HEALTHY");
+        add_worker(&mut tricky, "w4", "not-an-ip", "HEALTHY");
+        add_worker(&mut tricky, "w5", "192.0.2.5", "HEALTHY");
+        // w5 takes w3's actor name: the first in `proxies` order wins, as before.
+        tricky["proxies"]["w5"]["actor_name"] = "SERVE_PROXY_ACTOR-w3".into();
+        // A proxy keyed apart from its node id.
+        add_worker(&mut tricky, "w6", "192.0.2.6", "HEALTHY");
+        tricky["proxies"]["w6"]["node_id"] = "w6-real".into();
+        for (ip, name) in [
+            ("192.0.2.3", "SERVE_PROXY_ACTOR-w2"),
+            ("192.0.2.3", ""),
+            ("192.0.2.3", "SERVE_PROXY_ACTOR-nobody"),
+            ("192.0.2.4", ""),
+            ("192.0.2.5", "SERVE_PROXY_ACTOR-w3"),
+            ("192.0.2.6", "SERVE_PROXY_ACTOR-w6"),
+            ("192.0.2.9", ""),
+            ("192.0.2.2", "SERVE_PROXY_ACTOR-w1"),
+        ] {
+            add_target(
+                &mut tricky,
+                serde_json::json!({"ip": ip, "port": 8000, "name": name}),
+            );
+        }
+        let mut bodies: Vec<Vec<u8>> = vec![
+            fixture!("01-no-serve.json"),
+            fixture!("02-running.json"),
+            fixture!("03-deploying.json"),
+            fixture!("04-mixed-settled.json"),
+            fixture!("05-unhealthy.json"),
+        ];
+        bodies.push(tricky.to_string().into_bytes());
+        let mut compared = 0;
+        for body in &bodies {
+            let Value::Object(root) = serde_json::from_slice::<Value>(body).unwrap() else {
+                panic!("a capture is an object")
+            };
+            let proxies = parse(body).unwrap().proxies;
+            let actor_names: BTreeMap<String, String> = proxies
+                .iter()
+                .map(|(key, p)| {
+                    let name = root["proxies"][key]["actor_name"].as_str().unwrap_or("");
+                    (p.node_id.clone(), name.to_string())
+                })
+                .collect();
+            let owners = Owners::new(&proxies, &actor_names);
+            for target in http_targets(&root).filter_map(Value::as_object) {
+                let Some(ip) = target.get("ip").and_then(Value::as_str).and_then(ip_addr) else {
+                    continue;
+                };
+                let name = target.get("name").and_then(Value::as_str).unwrap_or("");
+                assert_eq!(
+                    owners.of(name, ip),
+                    owner_by_scan(&proxies, &actor_names, name, ip),
+                    "target {name:?} on {ip}"
+                );
+                compared += 1;
+            }
+        }
+        assert!(compared >= 12, "only {compared} targets compared");
+        // And the answer as a whole: w2 by name on the shared IP, the unnamed target
+        // there unowned, w3 by name though w5 shares it, w4 by IP, w6 by its node id.
+        let s = parse(tricky.to_string().as_bytes()).unwrap();
+        let owner = |address: &str| {
+            let address: SocketAddr = address.parse().unwrap();
+            let p = s
+                .http_proxies
+                .iter()
+                .find(|p| p.address == address)
+                .unwrap();
+            p.node_id.clone()
+        };
+        assert_eq!(owner("192.0.2.3:8000"), "w2");
+        assert_eq!(owner("192.0.2.4:8000"), "w3");
+        assert_eq!(owner("192.0.2.5:8000"), "w3");
+        assert_eq!(owner("192.0.2.6:8000"), "w6-real");
+        assert_eq!(owner("192.0.2.9:8000"), "");
+    }
+
+    /// The IP of proxy `i` of [`big_answer`]: distinct for each `i` under 2^24.
+    fn big_answer_ip(i: usize) -> String {
+        format!("10.{}.{}.{}", i >> 16, (i >> 8) & 0xff, i & 0xff)
+    }
+
+    /// An answer with `proxies` proxies on distinct IPs and `targets` targets, target `i`
+    /// on proxy `i`'s IP: every other one named by its actor (so matched by name), the
+    /// rest unnamed (so matched by IP).
+    fn big_answer(proxies: usize, targets: usize) -> Vec<u8> {
+        let ip = big_answer_ip;
+        let proxy_entries: Map<String, Value> = (0..proxies)
+            .map(|i| {
+                let entry = serde_json::json!({
+                    "node_id": format!("n{i}"),
+                    "node_ip": ip(i),
+                    "actor_name": format!("SERVE_PROXY_ACTOR-n{i}"),
+                    "status": "HEALTHY",
+                });
+                (format!("n{i}"), entry)
+            })
+            .collect();
+        let target_entries: Vec<Value> = (0..targets)
+            .map(|i| {
+                let name = if i % 2 == 0 {
+                    format!("SERVE_PROXY_ACTOR-n{i}")
+                } else {
+                    String::new()
+                };
+                serde_json::json!({"ip": ip(i), "port": 8000, "name": name})
+            })
+            .collect();
+        serde_json::json!({
+            "controller_info": {"node_id": "n0", "node_ip": ip(0)},
+            "proxies": Value::Object(proxy_entries),
+            "target_groups": [{"protocol": "HTTP", "targets": target_entries}],
+        })
+        .to_string()
+        .into_bytes()
+    }
+
+    /// An answer at both caps: every target matched to its proxy. Matching was
+    /// quadratic (20,000 × 20,000 scans, minutes in a debug build); with the maps this
+    /// finishes like any other test.
+    #[test]
+    fn an_answer_at_the_caps_matches_every_target_to_its_proxy() {
+        let s = parse(&big_answer(MAX_PROXIES, MAX_TARGETS)).unwrap();
+        assert_eq!(s.http_proxies.len(), MAX_PROXIES);
+        let ip = big_answer_ip;
+        let by_address: BTreeMap<SocketAddr, &HttpProxy> =
+            s.http_proxies.iter().map(|p| (p.address, p)).collect();
+        for i in 0..MAX_TARGETS {
+            let address: SocketAddr = format!("{}:8000", ip(i)).parse().unwrap();
+            let p = by_address[&address];
+            assert_eq!(p.node_id, format!("n{i}"));
+            assert_eq!(p.status, Some(ProxyStatus::Healthy));
+            let want = if i == 0 {
+                NodeType::Head
+            } else {
+                NodeType::Worker
+            };
+            assert_eq!(p.node_type, want);
+        }
+    }
+
+    /// One proxy or one HTTP target over its cap and the whole answer is refused,
+    /// naming the cap (the poller then keeps the last good answer, as for any
+    /// malformed one). gRPC targets do not count.
+    #[test]
+    fn an_answer_over_a_cap_is_malformed_naming_it() {
+        let why = assert_malformed(&big_answer(MAX_PROXIES + 1, 1));
+        assert!(
+            why.contains(&format!("{} proxies", MAX_PROXIES + 1))
+                && why.contains(&format!("cap of {MAX_PROXIES}")),
+            "{why}"
+        );
+        let why = assert_malformed(&big_answer(1, MAX_TARGETS + 1));
+        assert!(
+            why.contains(&format!("{} HTTP targets", MAX_TARGETS + 1))
+                && why.contains(&format!("cap of {MAX_TARGETS}")),
+            "{why}"
+        );
+        let mut v: Value = serde_json::from_slice(&big_answer(1, MAX_TARGETS)).unwrap();
+        let mut grpc = v["target_groups"][0].clone();
+        grpc["protocol"] = "gRPC".into();
+        v["target_groups"].as_array_mut().unwrap().push(grpc);
+        assert_eq!(parse(v.to_string().as_bytes()).unwrap().proxies.len(), 1);
     }
 
     #[test]

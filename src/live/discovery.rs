@@ -19,8 +19,13 @@
 //! - Discovered proxies are never marked `draining` here: a DRAINING proxy stays in the
 //!   model and `live::health` drains it from the same dashboard answer.
 //! - The result is a valid [`Model`] (proxies sorted, each address once per cluster).
+//! - Refusals stay cheap to report however many there are (80,000 once meant 80,000 WARN
+//!   lines a poll and an 18 MB `/debug/state`): they are logged one line per cluster,
+//!   origin and reason, with the count and a few example addresses, only when that
+//!   group's addresses change; `/debug/state` lists the first [`REFUSED_SHOWN`] and counts
+//!   the rest per reason ([`RefusedSummary`]).
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
@@ -51,6 +56,92 @@ pub struct Discovered {
     pub model: Model,
     /// Sorted.
     pub refused: Vec<RefusedProxy>,
+}
+
+/// How many refused proxies `/debug/state` lists; the rest are only counted.
+pub const REFUSED_SHOWN: usize = 100;
+
+/// How many example addresses a log line about refused proxies names.
+const REFUSAL_EXAMPLES: usize = 3;
+
+/// The refused proxies as `/debug/state` shows them: the first [`REFUSED_SHOWN`] of the
+/// sorted list, how many there are in all, and how many per reason label, so that the
+/// page stays small whatever a dashboard lists.
+#[derive(Debug, PartialEq, Serialize)]
+pub struct RefusedSummary<'a> {
+    pub shown: &'a [RefusedProxy],
+    pub total: usize,
+    /// Reason label → how many proxies it refused.
+    pub by_reason: BTreeMap<&'static str, usize>,
+}
+
+impl<'a> RefusedSummary<'a> {
+    pub fn of(refused: &'a [RefusedProxy]) -> Self {
+        let mut by_reason = BTreeMap::new();
+        for r in refused {
+            *by_reason.entry(r.label).or_insert(0) += 1;
+        }
+        RefusedSummary {
+            shown: &refused[..refused.len().min(REFUSED_SHOWN)],
+            total: refused.len(),
+            by_reason,
+        }
+    }
+}
+
+/// The refusals one log line reports: one cluster's, from one origin, for one reason.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct RefusalGroup {
+    cluster: String,
+    from: &'static str,
+    label: &'static str,
+    reason: String,
+}
+
+/// Each group's refused addresses, sorted.
+type RefusalGroups = BTreeMap<RefusalGroup, Vec<SocketAddr>>;
+
+fn refusal_groups(refused: &[RefusedProxy]) -> RefusalGroups {
+    let mut groups = RefusalGroups::new();
+    for r in refused {
+        let group = RefusalGroup {
+            cluster: r.cluster.clone(),
+            from: r.from,
+            label: r.label,
+            reason: r.reason.clone(),
+        };
+        groups.entry(group).or_default().push(r.address);
+    }
+    for addresses in groups.values_mut() {
+        addresses.sort();
+    }
+    groups
+}
+
+/// The groups of `now` whose addresses differ from those of `before` (new ones included):
+/// the ones to log again.
+fn changed_groups<'a>(
+    before: &'a RefusalGroups,
+    now: &'a RefusalGroups,
+) -> impl Iterator<Item = (&'a RefusalGroup, &'a [SocketAddr])> + 'a {
+    now.iter()
+        .filter(move |(group, addresses)| before.get(*group) != Some(*addresses))
+        .map(|(group, addresses)| (group, addresses.as_slice()))
+}
+
+/// The first few `addresses`, and how many more there are: `a, b, c and 7 more`.
+fn examples(addresses: &[SocketAddr]) -> String {
+    let named: Vec<String> = addresses
+        .iter()
+        .take(REFUSAL_EXAMPLES)
+        .map(SocketAddr::to_string)
+        .collect();
+    let mut text = named.join(", ");
+    let more = addresses.len().saturating_sub(REFUSAL_EXAMPLES);
+    if more > 0 {
+        text.push_str(&format!(" and {more} more"));
+    }
+    text
 }
 
 /// The IP address a dashboard answered from, or else the one its URL names.
@@ -142,7 +233,7 @@ impl Discovery {
         refused_tx: watch::Sender<Arc<Vec<RefusedProxy>>>,
         shutdown: CancellationToken,
     ) {
-        let mut logged: BTreeSet<(String, SocketAddr)> = BTreeSet::new();
+        let mut logged = RefusalGroups::new();
         loop {
             let model = source.borrow_and_update().clone();
             let discovers = model.discovers();
@@ -193,16 +284,13 @@ impl Discovery {
         }
     }
 
-    /// Logs each refusal once (until it stops being refused) and sets the gauge.
-    fn report(&self, refused: &[RefusedProxy], logged: &mut BTreeSet<(String, SocketAddr)>) {
-        let now: BTreeSet<(String, SocketAddr)> = refused
-            .iter()
-            .map(|r| (r.cluster.clone(), r.address))
-            .collect();
-        for r in refused {
-            if !logged.contains(&(r.cluster.clone(), r.address)) {
-                tracing::warn!(cluster = %r.cluster, proxy = %r.address, from = r.from, reason = %r.reason, "proxy refused by the address policy: not published");
-            }
+    /// Logs the refusals, one line per cluster, origin and reason with the count and a few
+    /// examples, when that group's addresses changed since the last report (so once while
+    /// nothing changes, however many there are), and sets the gauge.
+    fn report(&self, refused: &[RefusedProxy], logged: &mut RefusalGroups) {
+        let now = refusal_groups(refused);
+        for (group, addresses) in changed_groups(logged, &now) {
+            tracing::warn!(cluster = %group.cluster, from = group.from, reason = %group.reason, count = addresses.len(), examples = %examples(addresses), "proxies refused by the address policy: not published");
         }
         *logged = now;
         self.metrics
@@ -359,6 +447,115 @@ mod tests {
             discovered(&m),
             [("192.0.2.2:8000".parse().unwrap(), NodeType::Head, false)]
         );
+    }
+}
+
+#[cfg(test)]
+mod refusal_tests {
+    use super::*;
+    use std::net::Ipv4Addr;
+    use std::sync::Mutex;
+
+    /// `n` proxies of `cluster` refused as never a proxy's, from 169.254.0.0 on.
+    fn refused(cluster: &str, n: u32) -> Vec<RefusedProxy> {
+        (0..n)
+            .map(|i| RefusedProxy {
+                cluster: cluster.into(),
+                address: SocketAddr::new(Ipv4Addr::from(0xa9fe_0000 + i).into(), 80),
+                from: "dashboard",
+                label: "never_a_proxy",
+                reason: "a link-local address is never a proxy's".into(),
+            })
+            .collect()
+    }
+
+    /// Where a test's log lines go.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// The lines `f` logs.
+    fn log_lines(f: impl FnOnce()) -> Vec<String> {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        text.lines().map(str::to_owned).collect()
+    }
+
+    /// Issue F7: 80,000 refusals are one line (with the count and examples), not 80,000,
+    /// and nothing is logged again until that cluster's refusals change.
+    #[test]
+    fn refusals_are_logged_one_line_per_group_only_when_they_change() {
+        let discovery = Discovery {
+            policy: AddressPolicy::default(),
+            metrics: Arc::new(Metrics::new()),
+        };
+        let mut all = refused("default/a/a1", 80_000);
+        all.extend(refused("default/b/b1", 2));
+        all.sort();
+        let mut logged = RefusalGroups::new();
+        let lines = log_lines(|| discovery.report(&all, &mut logged));
+        assert_eq!(lines.len(), 2, "{lines:#?}");
+        let a = lines.iter().find(|l| l.contains("default/a/a1")).unwrap();
+        assert!(a.contains("WARN") && a.contains("count=80000"), "{a}");
+        assert!(
+            a.contains("169.254.0.0:80, 169.254.0.1:80, 169.254.0.2:80 and 79997 more"),
+            "{a}"
+        );
+        let b = lines.iter().find(|l| l.contains("default/b/b1")).unwrap();
+        assert!(b.contains("count=2") && !b.contains("more"), "{b}");
+
+        // The same refusals again: nothing.
+        assert!(log_lines(|| discovery.report(&all, &mut logged)).is_empty());
+        // One of a's goes: a's line again, b's not.
+        all.retain(|r| {
+            r.cluster != "default/a/a1" || r.address.ip() != Ipv4Addr::new(169, 254, 0, 0)
+        });
+        let lines = log_lines(|| discovery.report(&all, &mut logged));
+        assert_eq!(lines.len(), 1, "{lines:#?}");
+        assert!(lines[0].contains("default/a/a1") && lines[0].contains("count=79999"));
+    }
+
+    /// Issue F7: `/debug/state` shows at most [`REFUSED_SHOWN`] refusals, and counts all
+    /// of them, per reason too.
+    #[test]
+    fn the_refused_summary_shows_a_few_and_counts_all() {
+        let mut all = refused("default/a/a1", 80_000);
+        let mut outside = refused("default/b/b1", 2);
+        for r in &mut outside {
+            r.label = "outside_dashboard_network";
+        }
+        all.extend(outside);
+        all.sort();
+        let summary = RefusedSummary::of(&all);
+        assert_eq!(summary.shown, &all[..REFUSED_SHOWN]);
+        assert_eq!(summary.total, 80_002);
+        assert_eq!(
+            summary.by_reason,
+            BTreeMap::from([("never_a_proxy", 80_000), ("outside_dashboard_network", 2)])
+        );
+        // The page stays small: about 20 KB, where the whole list was 18 MB.
+        let json = serde_json::to_string(&summary).unwrap();
+        assert!(json.len() < 64 * 1024, "{} bytes", json.len());
+
+        let few = refused("default/a/a1", 3);
+        let summary = RefusedSummary::of(&few);
+        assert_eq!((summary.shown.len(), summary.total), (3, 3));
+        assert!(RefusedSummary::of(&[]).by_reason.is_empty());
     }
 }
 

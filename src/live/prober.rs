@@ -8,7 +8,9 @@
 //! outcome goes to the manager, the single writer of the [`ProbeStates`] channel, which
 //! feeds each proxy's [`ProxyProbe`] and publishes only when a state (or a proxy's route
 //! list) changes. A proxy's `/-/routes` is read when it answers healthy after not doing so,
-//! and every `routes_interval` while healthy.
+//! and every `routes_interval` while healthy. At most [`MAX_ROUTES`] route prefixes of at
+//! most [`MAX_ROUTE_PREFIX_BYTES`] each are kept per proxy; an answer over either is read
+//! as a malformed one (routes unknown), which never touches the probe state.
 //!
 //! Freshness: a proxy whose last probe result is older than [`stale_after`] (a probe task
 //! that died or is starved) goes back to `unknown`, so a result nobody renews is never
@@ -504,11 +506,64 @@ pub async fn read_routes(
     parse_routes(&body)
 }
 
+/// The most route prefixes kept from one proxy's `/-/routes` (Ray lists one per
+/// application with a route; real clusters have tens). A body just under
+/// [`MAX_PROBE_BODY_BYTES`] lists ~87,000 keys, ~12 MB held per proxy, so 40 such proxies
+/// ran the process out of memory. An answer over the cap is malformed, as one that is
+/// not JSON: the proxy's routes are unknown (`live::health` then drains it where routes
+/// are enforced, as for any unreadable answer); its probe state is untouched.
+pub const MAX_ROUTES: usize = 1_000;
+
+/// The longest route prefix kept, in bytes (1 KiB; Serve's are short paths). A longer
+/// one makes the whole answer malformed, as for [`MAX_ROUTES`].
+pub const MAX_ROUTE_PREFIX_BYTES: usize = 1024;
+
 /// The route prefixes of a `/-/routes` body (a JSON object keyed by route prefix); `None`
-/// when it is not one.
+/// when it is not one, or is over [`MAX_ROUTES`] or [`MAX_ROUTE_PREFIX_BYTES`].
 pub fn parse_routes(body: &[u8]) -> Option<BTreeSet<String>> {
-    let routes: BTreeMap<String, serde_json::Value> = serde_json::from_slice(body).ok()?;
-    Some(routes.into_keys().collect())
+    serde_json::from_slice::<RouteKeys>(body)
+        .ok()
+        .map(|keys| keys.0)
+}
+
+/// The keys of a `/-/routes` object, within the caps. Values are skipped unbuilt and the
+/// read stops at the first key over a cap, so an oversized answer never costs more than
+/// the caps allow.
+struct RouteKeys(BTreeSet<String>);
+
+impl<'de> serde::Deserialize<'de> for RouteKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Keys;
+        impl<'de> serde::de::Visitor<'de> for Keys {
+            type Value = RouteKeys;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object keyed by route prefix")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<RouteKeys, A::Error> {
+                use serde::de::Error;
+                let mut routes = BTreeSet::new();
+                while let Some(prefix) = map.next_key::<String>()? {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                    if prefix.len() > MAX_ROUTE_PREFIX_BYTES {
+                        return Err(A::Error::custom(format!(
+                            "a route prefix over {MAX_ROUTE_PREFIX_BYTES} bytes"
+                        )));
+                    }
+                    routes.insert(prefix);
+                    if routes.len() > MAX_ROUTES {
+                        return Err(A::Error::custom(format!("more than {MAX_ROUTES} routes")));
+                    }
+                }
+                Ok(RouteKeys(routes))
+            }
+        }
+        deserializer.deserialize_map(Keys)
+    }
 }
 
 /// The prober's HTTP client: one kept-alive connection per proxy, connects bounded by
@@ -604,6 +659,63 @@ mod tests {
             .render()
             .contains("ray_xds_component_restarts_total{component=\"probe_task\"} 1"));
         tasks[&addr].1.abort();
+    }
+
+    /// A `/-/routes` object keyed by `n` distinct prefixes of `len` bytes each.
+    fn routes_body(n: usize, len: usize) -> Vec<u8> {
+        let routes: serde_json::Map<String, serde_json::Value> = (0..n)
+            .map(|i| {
+                let prefix = format!("/{i:0>width$}", width = len - 1);
+                (prefix, serde_json::json!(0))
+            })
+            .collect();
+        serde_json::Value::Object(routes).to_string().into_bytes()
+    }
+
+    /// Issue F6: an answer over the route caps is read as a malformed one (routes
+    /// unknown), and up to them every route is kept.
+    #[test]
+    fn routes_over_the_caps_are_unknown_like_malformed_ones() {
+        assert_eq!(parse_routes(b"not json"), None);
+        let at_caps = parse_routes(&routes_body(MAX_ROUTES, MAX_ROUTE_PREFIX_BYTES));
+        assert_eq!(at_caps.map(|r| r.len()), Some(MAX_ROUTES));
+        assert_eq!(parse_routes(&routes_body(MAX_ROUTES + 1, 8)), None);
+        assert_eq!(
+            parse_routes(&routes_body(1, MAX_ROUTE_PREFIX_BYTES + 1)),
+            None
+        );
+        // Below the body cap, as in the report: ~87,000 short keys.
+        let huge = routes_body(87_000, 5);
+        assert!(huge.len() < MAX_PROBE_BODY_BYTES);
+        assert_eq!(parse_routes(&huge), None);
+        // A key repeated counts once, as before.
+        let mut repeated = routes_body(MAX_ROUTES, 8);
+        repeated.pop();
+        repeated.extend_from_slice(br#","/0000000":"again"}"#);
+        assert_eq!(parse_routes(&repeated).map(|r| r.len()), Some(MAX_ROUTES));
+    }
+
+    /// An over-cap routes answer from a proxy that answers healthz leaves it healthy:
+    /// only its routes become unknown, as for a malformed answer.
+    #[tokio::test]
+    async fn over_cap_routes_leave_a_healthy_proxy_healthy() {
+        let p = prober();
+        let addr = SocketAddr::from(([127, 0, 0, 1], 1));
+        let mut probe = ProxyProbe::new(SystemTime::now());
+        probe.state = ProbeState::Healthy;
+        probe.routes = Some(["/".to_string()].into());
+        let mut current = ProbeStates::default();
+        current.proxies.insert(addr, probe);
+        let tasks = BTreeMap::from([(addr, (p.policy.clone(), tokio::spawn(async {})))]);
+        let report = Report {
+            address: addr,
+            outcome: Outcome::Healthy,
+            latency: Duration::ZERO,
+            routes: Some(parse_routes(&routes_body(MAX_ROUTES + 1, 8))),
+        };
+        assert!(p.apply(&mut current, &tasks, report));
+        assert_eq!(current.proxies[&addr].state, ProbeState::Healthy);
+        assert_eq!(current.proxies[&addr].routes, None);
     }
 
     #[test]
