@@ -84,9 +84,7 @@ impl axum::serve::Listener for BoundedAdminListener {
                     _slot: slot,
                     idle_timeout: self.limits.idle_timeout,
                     idle: Box::pin(tokio::time::sleep_until(now + self.limits.idle_timeout)),
-                    end_of_life: Box::pin(tokio::time::sleep_until(
-                        now + self.limits.max_lifetime,
-                    )),
+                    end_of_life: Box::pin(tokio::time::sleep_until(now + self.limits.max_lifetime)),
                 },
                 peer,
             );
@@ -234,7 +232,10 @@ mod tests {
             silent.push(TcpStream::connect(addr).await.unwrap());
         }
         let mut over = TcpStream::connect(addr).await.unwrap();
-        assert!(closed(&mut over).await, "a connection over the limit is closed");
+        assert!(
+            closed(&mut over).await,
+            "a connection over the limit is closed"
+        );
         for c in &mut silent {
             assert!(closed(c).await, "an idle connection is closed");
         }

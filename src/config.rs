@@ -801,7 +801,10 @@ mod tests {
     #[test]
     fn gateway_durations_are_whole_milliseconds() {
         for (yaml, field) in [
-            ("upstream_idle_timeout: 1ns", "gateway.upstream_idle_timeout"),
+            (
+                "upstream_idle_timeout: 1ns",
+                "gateway.upstream_idle_timeout",
+            ),
             ("connect_timeout: 1500us", "gateway.connect_timeout"),
         ] {
             let err = load(&format!(

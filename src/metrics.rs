@@ -100,6 +100,9 @@ pub struct Metrics {
     pub inconsistent_snapshots: Counter,
     pub proxies_refused: Family<ErrorLabels, Gauge>,
     pub runtime_tasks: Gauge,
+    /// The runtime whose tasks `runtime_tasks` counts (the main one: the admin port,
+    /// which renders the metrics, runs on a runtime of its own).
+    counted_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
     pub component_restarts: Family<ComponentLabels, Counter>,
     pub component_up: Family<ComponentLabels, Gauge>,
 }
@@ -145,6 +148,7 @@ impl Metrics {
             inconsistent_snapshots: Counter::default(),
             proxies_refused: Family::default(),
             runtime_tasks: Gauge::default(),
+            counted_runtime: std::sync::OnceLock::new(),
             component_restarts: Family::default(),
             component_up: Family::default(),
             registry: Registry::with_prefix("ray_xds"),
@@ -326,10 +330,17 @@ impl Metrics {
         *current = version.to_string();
     }
 
+    /// Counts the tasks of `runtime` in `ray_xds_runtime_alive_tasks` (the first one
+    /// named wins).
+    pub fn count_tasks_of(&self, runtime: tokio::runtime::Handle) {
+        let _ = self.counted_runtime.set(runtime);
+    }
+
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         // The runtime's live tasks, read when scraped (a leak of tasks shows as growth).
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        let current = tokio::runtime::Handle::try_current().ok();
+        if let Some(handle) = self.counted_runtime.get().or(current.as_ref()) {
             self.runtime_tasks
                 .set(handle.metrics().num_alive_tasks() as i64);
         }

@@ -101,6 +101,7 @@ impl Running {
 /// Starts ray-xds. A bad source file at start is an error; later bad edits are not.
 pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Result<Running> {
     let metrics = Arc::new(Metrics::new());
+    metrics.count_tasks_of(tokio::runtime::Handle::current());
     let clients = Arc::new(Clients::default());
     let xds_listener = TcpListener::bind(config.xds_listen)
         .await
@@ -320,10 +321,33 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             refused: refused_rx,
         },
     };
+    // The admin port runs on a thread and runtime of its own: with thousands of probes
+    // queued on the main runtime, `/healthz` and `/readyz` do not wait behind them
+    // (the kernel shares the cores between the threads instead).
     let token = shutdown.clone();
+    let admin_listener = admin_listener
+        .into_std()
+        .context("moving the admin listener to its thread")?;
+    let (admin_done, admin_ended) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("ray-xds-admin".into())
+        .spawn(move || {
+            let served = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .and_then(|runtime| {
+                    runtime.block_on(async move {
+                        let listener = tokio::net::TcpListener::from_std(admin_listener)?;
+                        admin::serve(listener, state, token).await
+                    })
+                });
+            let _ = admin_done.send(served);
+        })
+        .context("starting the admin thread")?;
     tasks.spawn(async move {
-        admin::serve(admin_listener, state, token)
+        admin_ended
             .await
+            .unwrap_or_else(|_| Err(std::io::Error::other("the admin thread panicked")))
             .context("admin server")
     });
     tracing::info!(%xds_addr, %admin_addr, "ray-xds started");

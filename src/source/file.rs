@@ -438,7 +438,9 @@ rayservices:
             text += &format!("  - {{ name: s{i}, namespace: ns, active_cluster: c, clusters: [ {{ name: c, proxies: *p }} ] }}\n");
         }
         assert!(text.len() < 400_000, "{}", text.len());
-        let err = parse(Path::new("services.yaml"), &text).unwrap_err().to_string();
+        let err = parse(Path::new("services.yaml"), &text)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("100020 proxies, over the 100000"), "{err}");
     }
 

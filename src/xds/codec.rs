@@ -212,11 +212,7 @@ mod tests {
             .into_iter()
             .map(|c| Ok::<_, Status>(Frame::data(Bytes::from(c))));
         let body = http_body_util::StreamBody::new(futures::stream::iter(frames));
-        RequestStream::new(
-            tonic::body::Body::new(body),
-            max,
-            PartialRequests::new(max),
-        )
+        RequestStream::new(tonic::body::Body::new(body), max, PartialRequests::new(max))
     }
 
     fn request(type_url: &str) -> DiscoveryRequest {
@@ -325,7 +321,11 @@ mod tests {
         let err = first.message().await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err}");
         drop(first);
-        assert_eq!(partial.held(), 0, "a stream gives its bytes back when it ends");
+        assert_eq!(
+            partial.held(),
+            0,
+            "a stream gives its bytes back when it ends"
+        );
 
         // A header declaring 1 MiB reserves nothing: only what arrived is held.
         let mut header = vec![0u8];

@@ -1086,7 +1086,8 @@ mod tests {
             .unwrap_err();
         assert_eq!(err, ProtocolError::NameTooLong(long.len()));
         let mut req = subscribe(ResourceType::Cluster, &[]);
-        req.initial_resource_versions.insert(long.clone(), "v".into());
+        req.initial_resource_versions
+            .insert(long.clone(), "v".into());
         let err = DeltaStream::new().on_request(req).unwrap_err();
         assert_eq!(err, ProtocolError::NameTooLong(long.len()));
         let fits = "n".repeat(crate::xds::MAX_NAME_BYTES);
