@@ -381,4 +381,11 @@ async fn main() {
         ms(percentile(&edit_times, 1.0)),
     );
     drop(server);
+    // The admin port must answer throughout (every edit reaching the client is asserted
+    // above); how fast is a figure, not a verdict.
+    let failed = failures.load(std::sync::atomic::Ordering::Relaxed);
+    if failed > 0 {
+        eprintln!("scale: /healthz failed {failed} times");
+        std::process::exit(1);
+    }
 }

@@ -24,6 +24,7 @@ cargo clippy --all-targets -- -D warnings
 # The fan-out benchmark, small and unoptimized: a smoke test that it still runs.
 step 12m cargo test --bench fanout -- --sotw 20 --delta 20 --changes 2
 step 8m cargo test --bench soak -- --duration 20
+step 8m cargo test --bench scale -- --proxies 300 --steady 4 --edits 2
 step 10m cargo test --bench chaos -- --scenario proxy-crash --duration 6 --fault-at 2 --rps 50 --connections 2
 step 35m cargo test --lib --bins --tests -- --skip real_ray_
 # Real Ray Serve clusters (about 1 GB and 15 s per node): one test at a time.

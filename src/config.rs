@@ -397,12 +397,30 @@ pub fn parse_yaml<T: serde::de::DeserializeOwned>(
     })
 }
 
+/// The largest `ray-xds.yaml` read (1 MiB; a real one is a few KiB).
+pub const MAX_CONFIG_FILE_BYTES: u64 = 1024 * 1024;
+
+fn read_config_file(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_CONFIG_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_CONFIG_FILE_BYTES {
+        return Err(std::io::Error::other(format!(
+            "over {} MiB: not a ray-xds config file",
+            MAX_CONFIG_FILE_BYTES >> 20
+        )));
+    }
+    String::from_utf8(bytes).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
 impl Config {
     /// Reads the config file named by the flags (if any) and applies the flags over it.
     pub fn load(args: &ServeArgs) -> Result<Config, ConfigError> {
         let (file, base_dir) = match &args.config {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                let text = read_config_file(path).map_err(|source| ConfigError::Read {
                     file: path.clone(),
                     source,
                 })?;
@@ -435,6 +453,18 @@ impl Config {
                 .or(file.gateway.connect_timeout)
                 .unwrap_or(defaults.connect_timeout),
         };
+        if gateway.listener_port == 0 {
+            return Err(ConfigError::Invalid(
+                "gateway.http_listener.port (--gateway-port) is 0: Envoy's listener needs a port"
+                    .into(),
+            ));
+        }
+        let ip = gateway.listener_address;
+        if ip.is_multicast() || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast()) {
+            return Err(ConfigError::Invalid(format!(
+                "gateway.http_listener.address (--gateway-address) is {ip}: Envoy cannot listen on a multicast or broadcast address"
+            )));
+        }
         // Policies: defaults, then the file's sections, then flags and environment,
         // every value checked by its setting's own rule.
         let from_file = GlobalOverrides {
@@ -794,6 +824,33 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("gateway.upstream_idle_timeout"), "{err}");
+    }
+
+    #[test]
+    fn a_gateway_listener_needs_a_port_and_a_unicast_address() {
+        for (yaml, field) in [
+            ("port: 0", "gateway.http_listener.port"),
+            ("address: 255.255.255.255", "gateway.http_listener.address"),
+            ("address: 224.0.0.1", "gateway.http_listener.address"),
+        ] {
+            let err = load(&format!(
+                "gateway: {{ http_listener: {{ {yaml} }} }}\nsource: {{ file: {{ path: a.yaml }} }}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains(field), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_config_file_over_the_cap_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ray-xds.yaml");
+        let mut text = String::from("source: { file: { path: a.yaml } }\n");
+        text += &"# padding\n".repeat(120_000);
+        std::fs::write(&path, text).unwrap();
+        let err = read_config_file(&path).unwrap_err().to_string();
+        assert!(err.contains("over 1 MiB"), "{err}");
     }
 
     /// Envoy reads these in whole milliseconds: `1ns` would be published as 0 (no idle
