@@ -2,8 +2,9 @@
 //! publishes their probe states.
 //!
 //! One task per proxy sleeps its (jittered) interval (a fifth of it after a healthy
-//! proxy's first failure, to confirm quickly), takes a permit from a shared
-//! semaphore (so thousands of proxies share a bounded number of probes in flight), and
+//! proxy's first failure, to confirm quickly), takes a permit from [`ProbePermits`]
+//! (thousands of proxies share a bounded number of probes in flight; first probes and
+//! quick re-probes have permits of their own), and
 //! sends `GET /-/healthz` through one pooled HTTP client (connections are reused). The
 //! outcome goes to the manager, the single writer of the [`ProbeStates`] channel, which
 //! feeds each proxy's [`ProxyProbe`] and publishes only when a state (or a proxy's route
@@ -140,9 +141,7 @@ impl Prober {
         shutdown: CancellationToken,
     ) {
         let client = probe_client(self.policy.timeout);
-        let permits = Arc::new(Semaphore::new(
-            self.policy.max_concurrent.clamp(1, Semaphore::MAX_PERMITS),
-        ));
+        let permits = ProbePermits::new(self.policy.max_concurrent);
         let (tx, mut rx) = mpsc::channel::<Report>(1024);
         let mut tasks: BTreeMap<SocketAddr, (ProbePolicy, JoinHandle<()>)> = BTreeMap::new();
         // A restarted prober goes on from what the last one published.
@@ -243,7 +242,7 @@ impl Prober {
         &self,
         tasks: &mut BTreeMap<SocketAddr, (ProbePolicy, JoinHandle<()>)>,
         client: &HttpClient,
-        permits: &Arc<Semaphore>,
+        permits: &ProbePermits,
         reports: &mpsc::Sender<Report>,
     ) {
         for (addr, (settings, task)) in tasks.iter_mut() {
@@ -368,8 +367,42 @@ struct ProbeTask {
     settings: ProbePolicy,
     routes_interval: Duration,
     client: HttpClient,
-    permits: Arc<Semaphore>,
+    permits: ProbePermits,
     reports: mpsc::Sender<Report>,
+}
+
+/// Probes in flight, at most `max_concurrent` in all. An eighth of the permits is kept
+/// for urgent probes: a proxy's first (a new proxy is withheld from Envoy until it) and
+/// the quick re-probe of a healthy proxy that just failed (how fast a hung proxy is
+/// found). They take whichever permit frees first; routine probes only the rest, so with
+/// thousands of proxies an urgent probe never waits behind a full round of routine ones.
+#[derive(Clone)]
+struct ProbePermits {
+    routine: Arc<Semaphore>,
+    urgent: Arc<Semaphore>,
+}
+
+impl ProbePermits {
+    fn new(max_concurrent: usize) -> ProbePermits {
+        let total = max_concurrent.clamp(1, Semaphore::MAX_PERMITS);
+        let urgent = total / 8;
+        ProbePermits {
+            routine: Arc::new(Semaphore::new(total - urgent)),
+            urgent: Arc::new(Semaphore::new(urgent)),
+        }
+    }
+
+    /// A permit; `None` once closed (never, today).
+    async fn acquire(&self, urgent: bool) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        if !urgent {
+            return self.routine.acquire().await.ok();
+        }
+        tokio::select! {
+            biased;
+            permit = self.urgent.acquire() => permit.ok(),
+            permit = self.routine.acquire() => permit.ok(),
+        }
+    }
 }
 
 impl ProbeTask {
@@ -377,9 +410,10 @@ impl ProbeTask {
         let mut last_healthy = false;
         let mut routes_read: Option<Instant> = None;
         let mut next = Duration::ZERO;
+        let mut urgent = true; // the first probe
         loop {
             tokio::time::sleep(next).await;
-            let Ok(permit) = self.permits.acquire().await else {
+            let Some(permit) = self.permits.acquire(urgent).await else {
                 return;
             };
             let started = Instant::now();
@@ -405,6 +439,7 @@ impl ProbeTask {
             } else {
                 self.settings.interval.mul_f64(0.8 + fastrand::f64() * 0.4)
             };
+            urgent = suspect;
             last_healthy = healthy;
             let report = Report {
                 address: self.address,
@@ -586,6 +621,36 @@ pub fn probe_client(timeout: Duration) -> HttpClient {
 
 #[cfg(test)]
 mod tests {
+    /// Routine probes leave an eighth of the permits to urgent ones (first probes and
+    /// quick re-probes), which also take a routine permit when one is free.
+    #[tokio::test]
+    async fn urgent_probes_do_not_wait_behind_routine_ones() {
+        let permits = ProbePermits::new(8);
+        let mut held = Vec::new();
+        for _ in 0..7 {
+            held.push(permits.acquire(false).await.unwrap());
+        }
+        let routine = tokio::time::timeout(Duration::from_millis(50), permits.acquire(false));
+        assert!(
+            routine.await.is_err(),
+            "routine probes are bounded at 7 of 8"
+        );
+        let urgent = permits.acquire(true).await.unwrap();
+        let second = tokio::time::timeout(Duration::from_millis(50), permits.acquire(true));
+        assert!(second.await.is_err(), "8 in flight in all");
+        drop(held.pop());
+        assert!(
+            permits.acquire(true).await.is_some(),
+            "an urgent probe takes a routine permit"
+        );
+        drop(urgent);
+        // One permit in all: urgent and routine probes share it.
+        let one = ProbePermits::new(1);
+        let p = one.acquire(true).await.unwrap();
+        drop(p);
+        assert!(one.acquire(false).await.is_some());
+    }
+
     use super::*;
 
     fn prober() -> Prober {
@@ -645,7 +710,7 @@ mod tests {
         let p = prober();
         let (tx, _rx) = mpsc::channel(8);
         let client = probe_client(Duration::from_millis(50));
-        let permits = Arc::new(Semaphore::new(1));
+        let permits = ProbePermits::new(1);
         let addr = SocketAddr::from(([127, 0, 0, 1], 9));
         let mut tasks = BTreeMap::from([(addr, (p.policy.clone(), tokio::spawn(async {})))]);
         tokio::task::yield_now().await;
