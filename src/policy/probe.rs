@@ -22,7 +22,7 @@ crate::declare_policy! {
             healthy_threshold: u32 = 2, range(1, 100), flag "probe-healthy-threshold";
         }
         global {
-            /// Probes in flight at once, across all proxies.
+            /// Probes in flight at once, across all proxies; an eighth is kept for a proxy's first probe and the quick re-probe after a healthy proxy's first failure, so neither waits behind a round of routine probes.
             max_concurrent: usize = 256, range(1, 65_536), flag "probe-max-concurrent";
             /// How often a healthy proxy's `/-/routes` is read again.
             routes_interval: Duration = Duration::from_secs(10),
