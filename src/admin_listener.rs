@@ -1,6 +1,8 @@
 //! The admin port's connections, bounded, so that `/healthz` keeps answering whatever
-//! a client of the admin port does: at most [`AdminLimits::max_connections`] open (one
-//! more is closed at once, before it costs a request task), each closed after
+//! a client of the admin port does: at most [`AdminLimits::max_connections`] open, and
+//! [`AdminLimits::max_connections_per_peer`] from one IP address (so one client cannot
+//! take every slot from kubelet's probes; one more is closed at once, before it costs a
+//! request task), each closed after
 //! `idle_timeout` without a byte from the client (a connection waiting for its next
 //! request, or trickling one) and after `max_lifetime` in all (a client sending a byte
 //! now and then, or never reading its answer). Accept errors (out of file descriptors)
@@ -25,6 +27,7 @@ use tokio::time::{Instant, Sleep};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdminLimits {
     pub max_connections: usize,
+    pub max_connections_per_peer: usize,
     pub idle_timeout: Duration,
     pub max_lifetime: Duration,
 }
@@ -35,6 +38,7 @@ impl Default for AdminLimits {
     fn default() -> Self {
         AdminLimits {
             max_connections: 256,
+            max_connections_per_peer: 32,
             idle_timeout: Duration::from_secs(30),
             max_lifetime: Duration::from_secs(300),
         }
@@ -46,6 +50,25 @@ pub struct BoundedAdminListener {
     listener: TcpListener,
     limits: AdminLimits,
     slots: Arc<Semaphore>,
+    peers: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+}
+
+/// A connection's place in its peer's count, given back on drop.
+struct PeerSlot {
+    peers: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut peers = self.peers.lock().expect("never poisoned");
+        if let Some(n) = peers.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                peers.remove(&self.ip);
+            }
+        }
+    }
 }
 
 impl BoundedAdminListener {
@@ -54,6 +77,7 @@ impl BoundedAdminListener {
             listener,
             limits,
             slots: Arc::new(Semaphore::new(limits.max_connections)),
+            peers: Arc::default(),
         }
     }
 }
@@ -77,11 +101,30 @@ impl axum::serve::Listener for BoundedAdminListener {
                 drop(stream);
                 continue;
             };
+            let peer_slot = {
+                let mut peers = self.peers.lock().expect("never poisoned");
+                let n = peers.entry(peer.ip()).or_default();
+                if *n >= self.limits.max_connections_per_peer {
+                    None
+                } else {
+                    *n += 1;
+                    Some(PeerSlot {
+                        peers: self.peers.clone(),
+                        ip: peer.ip(),
+                    })
+                }
+            };
+            let Some(peer_slot) = peer_slot else {
+                tracing::debug!(%peer, max = self.limits.max_connections_per_peer, "admin listener: connection limit of this peer reached; closing the new connection");
+                drop(stream);
+                continue;
+            };
             let now = Instant::now();
             return (
                 AdminConnection {
                     inner: stream,
                     _slot: slot,
+                    _peer_slot: peer_slot,
                     idle_timeout: self.limits.idle_timeout,
                     idle: Box::pin(tokio::time::sleep_until(now + self.limits.idle_timeout)),
                     end_of_life: Box::pin(tokio::time::sleep_until(now + self.limits.max_lifetime)),
@@ -100,6 +143,7 @@ impl axum::serve::Listener for BoundedAdminListener {
 pub struct AdminConnection {
     inner: TcpStream,
     _slot: OwnedSemaphorePermit,
+    _peer_slot: PeerSlot,
     idle_timeout: Duration,
     /// Reset by every byte read.
     idle: Pin<Box<Sleep>>,
@@ -222,6 +266,7 @@ mod tests {
     async fn silent_connections_are_bounded_and_closed_when_idle() {
         let addr = serve(AdminLimits {
             max_connections: 3,
+            max_connections_per_peer: 3,
             idle_timeout: Duration::from_millis(500),
             max_lifetime: Duration::from_secs(60),
         })
@@ -250,11 +295,56 @@ mod tests {
         assert!(answered.unwrap().contains("ok"));
     }
 
+    /// One address cannot take every slot: another one still gets `/healthz` answered.
+    #[tokio::test]
+    async fn one_peer_cannot_take_every_admin_connection() {
+        let listener = TcpListener::bind("0.0.0.0:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let router = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" }));
+        let limits = AdminLimits {
+            max_connections: 8,
+            max_connections_per_peer: 4,
+            idle_timeout: Duration::from_secs(60),
+            max_lifetime: Duration::from_secs(60),
+        };
+        tokio::spawn(async move {
+            axum::serve(BoundedAdminListener::new(listener, limits), router)
+                .await
+                .unwrap()
+        });
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            held.push(TcpStream::connect(addr).await.unwrap());
+        }
+        let mut over = TcpStream::connect(addr).await.unwrap();
+        assert!(
+            closed(&mut over).await,
+            "a fifth from one address is closed"
+        );
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket
+            .bind(std::net::SocketAddr::from(([127, 0, 0, 2], 0)))
+            .unwrap();
+        let mut other = socket.connect(addr).await.unwrap();
+        other
+            .write_all(b"GET /healthz HTTP/1.0\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = String::new();
+        tokio::time::timeout(Duration::from_secs(10), other.read_to_string(&mut out))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(out.contains("ok"), "{out}");
+    }
+
     /// A byte now and then resets the idle timer, but not the connection's lifetime.
     #[tokio::test]
     async fn a_trickling_connection_is_closed_at_its_end_of_life() {
         let addr = serve(AdminLimits {
             max_connections: 4,
+            max_connections_per_peer: 4,
             idle_timeout: Duration::from_millis(400),
             max_lifetime: Duration::from_millis(1500),
         })

@@ -35,8 +35,13 @@ pub fn frame<M: prost::Message>(message: &M) -> Bytes {
     buf.freeze()
 }
 
-/// How long a request may take to arrive whole, from its first byte.
+/// How long a request may take to arrive whole, from its first byte (or from the
+/// previous request's end, when its first bytes came with it).
 pub const PARTIAL_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a stream may go without its first request: an Envoy sends it at once, and a
+/// stream that sends none would hold a slot of the listener for ever.
+pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The bytes held in requests not yet whole, across every stream of the server, and
 /// their bound: the larger of 64 MiB and two of the largest requests accepted.
@@ -86,6 +91,8 @@ pub struct RequestStream<T> {
     counted: usize,
     /// When the bytes now buffered began to arrive.
     partial_since: Option<tokio::time::Instant>,
+    /// Until the first request is whole.
+    first_until: Option<tokio::time::Instant>,
     _message: std::marker::PhantomData<fn() -> T>,
 }
 
@@ -108,6 +115,7 @@ impl<T: prost::Message + Default> RequestStream<T> {
             partial,
             counted: 0,
             partial_since: None,
+            first_until: Some(tokio::time::Instant::now() + FIRST_REQUEST_TIMEOUT),
             _message: std::marker::PhantomData,
         }
     }
@@ -138,24 +146,37 @@ impl<T: prost::Message + Default> RequestStream<T> {
     pub async fn message(&mut self) -> Result<Option<T>, Status> {
         loop {
             let decoded = self.decode_buffered();
+            if matches!(decoded, Ok(Some(_))) {
+                // The next request's time starts now, even if some of it came along.
+                self.partial_since = None;
+                self.first_until = None;
+            }
             self.count_buffered()?;
             if let Some(message) = decoded? {
                 return Ok(Some(message));
             }
-            let next = match self.partial_since {
+            let partial_until = self.partial_since.map(|t| t + PARTIAL_REQUEST_TIMEOUT);
+            let until = match (partial_until, self.first_until) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let next = match until {
                 None => self.body.frame().await,
-                Some(since) => {
-                    let until = since + PARTIAL_REQUEST_TIMEOUT;
-                    match tokio::time::timeout_at(until, self.body.frame()).await {
-                        Ok(next) => next,
-                        Err(_) => {
-                            return Err(Status::deadline_exceeded(format!(
-                                "a request was not whole {}s after its first byte",
-                                PARTIAL_REQUEST_TIMEOUT.as_secs()
-                            )))
-                        }
+                Some(until) => match tokio::time::timeout_at(until, self.body.frame()).await {
+                    Ok(next) => next,
+                    Err(_) if self.first_until.is_some_and(|t| t <= until) => {
+                        return Err(Status::deadline_exceeded(format!(
+                            "no whole request {}s after the stream opened",
+                            FIRST_REQUEST_TIMEOUT.as_secs()
+                        )))
                     }
-                }
+                    Err(_) => {
+                        return Err(Status::deadline_exceeded(format!(
+                            "a request was not whole {}s after its first byte",
+                            PARTIAL_REQUEST_TIMEOUT.as_secs()
+                        )))
+                    }
+                },
             };
             match next {
                 None if self.buf.is_empty() => return Ok(None),
@@ -296,6 +317,43 @@ mod tests {
         .chain(futures::stream::pending());
         let body = http_body_util::StreamBody::new(frames);
         RequestStream::new(tonic::body::Body::new(body), 1 << 20, partial)
+    }
+
+    /// A stream that never sends its first request ends; a request whose first bytes came
+    /// with the previous one has its own 30 s, not what is left of the previous one's.
+    #[tokio::test(start_paused = true)]
+    async fn a_first_request_is_awaited_10s_and_each_request_gets_its_own_30s() {
+        let mut silent = stalled(vec![], PartialRequests::new(1 << 20));
+        let err = silent.message().await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err}");
+        assert!(err.message().contains("opened"), "{err}");
+
+        // Requests a, b, c, each whole 20 s after the previous, each chunk straddling two.
+        let mut bytes = frame(&request("a")).to_vec();
+        let b = frame(&request("b"));
+        let c = frame(&request("c"));
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Status>>(4);
+        let body = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let mut s = RequestStream::<DiscoveryRequest>::new(
+            tonic::body::Body::new(body),
+            1 << 20,
+            PartialRequests::new(1 << 20),
+        );
+        bytes.extend_from_slice(&b[..3]);
+        tx.send(Ok(Frame::data(Bytes::from(bytes)))).await.unwrap();
+        assert_eq!(s.message().await.unwrap().unwrap().type_url, "a");
+        let feeder = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(20)).await;
+            let mut rest = b[3..].to_vec();
+            rest.extend_from_slice(&c[..3]);
+            tx.send(Ok(Frame::data(Bytes::from(rest)))).await.unwrap();
+            tokio::time::sleep(Duration::from_secs(20)).await;
+            tx.send(Ok(Frame::data(c.slice(3..)))).await.unwrap();
+            tx
+        });
+        assert_eq!(s.message().await.unwrap().unwrap().type_url, "b");
+        assert_eq!(s.message().await.unwrap().unwrap().type_url, "c");
+        drop(feeder.await.unwrap());
     }
 
     #[tokio::test(start_paused = true)]

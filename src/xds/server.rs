@@ -154,7 +154,9 @@ impl AdsServer {
                         // Undecodable, oversized, or the connection went away.
                         let reason = match status.code() {
                             tonic::Code::Cancelled | tonic::Code::Unavailable | tonic::Code::Unknown => "disconnected",
-                            tonic::Code::ResourceExhausted | tonic::Code::OutOfRange => "too_large",
+                            tonic::Code::OutOfRange => "too_large",
+                            tonic::Code::ResourceExhausted => "partial_requests_over_budget",
+                            tonic::Code::DeadlineExceeded => "request_too_slow",
                             _ => "bad_message",
                         };
                         if reason != "disconnected" {
