@@ -65,28 +65,101 @@ pub struct LiveViews {
 }
 
 pub fn router(state: AdminState) -> Router {
+    let debug = bounded_pages(
+        Router::new()
+            .route("/debug/snapshot", get(snapshot))
+            .route("/debug/clients", get(clients))
+            .route("/debug/state", get(live_state)),
+        DEBUG_PAGES_AT_ONCE,
+    );
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .route("/debug/snapshot", get(snapshot))
-        .route("/debug/clients", get(clients))
-        .route("/debug/state", get(live_state))
+        .merge(debug)
         .with_state(state)
 }
 
+/// Debug pages being answered at once: each can be megabytes (every client's
+/// subscriptions), and a client that never reads its answer holds it.
+pub const DEBUG_PAGES_AT_ONCE: usize = 4;
+
+/// `pages`, at most `at_once` of them being sent at once ([`bounded_debug_page`]).
+fn bounded_pages<S: Clone + Send + Sync + 'static>(pages: Router<S>, at_once: usize) -> Router<S> {
+    let places = Arc::new(tokio::sync::Semaphore::new(at_once));
+    pages.layer(axum::middleware::from_fn(move |request, next| {
+        bounded_debug_page(places.clone(), request, next)
+    }))
+}
+
+/// Answers a debug page while fewer than [`DEBUG_PAGES_AT_ONCE`] are being sent (else
+/// 503), holding its place until the page's last chunk is taken by the connection: the
+/// page is sent in 64 KiB chunks, which HTTP/1 takes only as it writes them.
+async fn bounded_debug_page(
+    pages: Arc<tokio::sync::Semaphore>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Ok(place) = pages.try_acquire_owned() else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{DEBUG_PAGES_AT_ONCE} debug pages are being sent; try again\n"),
+        )
+            .into_response();
+    };
+    let (parts, body) = next.run(request).await.into_parts();
+    let bytes = match axum::body::to_bytes(body, usize::MAX).await {
+        Ok(b) => b,
+        Err(e) => return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    };
+    let chunks: Vec<Result<bytes::Bytes, std::convert::Infallible>> = (0..bytes.len())
+        .step_by(64 * 1024)
+        .map(|at| Ok(bytes.slice(at..(at + 64 * 1024).min(bytes.len()))))
+        .collect();
+    let stream = futures::StreamExt::chain(
+        futures::stream::iter(chunks),
+        futures::stream::once(async move {
+            drop(place);
+            Ok(bytes::Bytes::new())
+        }),
+    );
+    Response::from_parts(parts, axum::body::Body::from_stream(stream))
+}
+
+/// Serves the admin API on `listener` (HTTP/1.1 only: one request at a time per
+/// connection, a header read timeout of 10 s) until `shutdown`.
 pub async fn serve(
     listener: TcpListener,
     state: AdminState,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    let listener = crate::admin_listener::BoundedAdminListener::new(
+    serve_app(listener, router(state), shutdown).await
+}
+
+async fn serve_app(
+    listener: TcpListener,
+    app: Router,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    use axum::serve::Listener;
+    let mut listener = crate::admin_listener::BoundedAdminListener::new(
         listener,
         crate::admin_listener::AdminLimits::default(),
     );
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
+    loop {
+        let (io, _peer) = tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            accepted = listener.accept() => accepted,
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(std::time::Duration::from_secs(10))
+                .serve_connection(hyper_util::rt::TokioIo::new(io), service)
+                .await;
+        });
+    }
 }
 
 async fn readyz(State(state): State<AdminState>) -> Response {
@@ -255,6 +328,65 @@ async fn live_state(State(state): State<AdminState>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn send(port: u16, request: &[u8]) -> tokio::net::TcpStream {
+        let mut c = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        c.write_all(request).await.unwrap();
+        c
+    }
+
+    /// Clients that ask for big debug pages and never read them hold at most
+    /// `at_once` pages; one more gets 503, `/healthz` answers, and a page read whole is
+    /// the page. The admin port speaks HTTP/1 only: an HTTP/2 preface gets no HTTP/2.
+    #[tokio::test]
+    async fn big_pages_nobody_reads_are_bounded_and_the_admin_port_is_http1() {
+        let page = "x".repeat(8 << 20);
+        let pages = bounded_pages(
+            Router::new().route("/debug/big", get(move || async move { page.clone() })),
+            2,
+        );
+        let app = Router::new()
+            .route("/healthz", get(|| async { "ok\n" }))
+            .merge(pages);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(serve_app(listener, app, CancellationToken::new()));
+        let big = b"GET /debug/big HTTP/1.1\r\nHost: x\r\n\r\n";
+        let _held = [send(port, big).await, send(port, big).await];
+        let mut third = None;
+        for _ in 0..100 {
+            let mut c = send(port, big).await;
+            let mut head = [0u8; 12];
+            c.read_exact(&mut head).await.unwrap();
+            if &head == b"HTTP/1.1 503" {
+                third = Some(head);
+                break;
+            }
+            // The first two had not reached the handler yet: try again.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            third.is_some(),
+            "a third big page nobody reads was answered"
+        );
+        let mut c = send(port, b"GET /healthz HTTP/1.0\r\nHost: x\r\n\r\n").await;
+        let mut out = String::new();
+        c.read_to_string(&mut out).await.unwrap();
+        assert!(out.ends_with("ok\n"), "{out}");
+        // HTTP/2 (prior knowledge) is not spoken: the answer, if any, is HTTP/1.
+        let mut c = send(port, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await;
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut out)).await;
+        assert!(
+            out.is_empty() || out.starts_with(b"HTTP/1.1 "),
+            "{:?}",
+            String::from_utf8_lossy(&out[..out.len().min(40)])
+        );
+    }
 
     #[test]
     fn a_component_that_is_down_makes_readyz_fail_and_names_it() {
