@@ -121,6 +121,9 @@ pub struct ClusterHealth {
     /// Proxies Envoy may send new requests to on ray-xds's own knowledge: published
     /// healthy or unknown, not by fail-open.
     pub routable: u32,
+    /// Proxies withheld until their first probe (new since the last snapshot, or every
+    /// proxy just after a start): not routable yet, not known to be down either.
+    pub awaiting_first_probe: u32,
     /// Every proxy of the cluster failed its probe: published healthy anyway.
     pub fail_open: bool,
 }
@@ -298,6 +301,7 @@ pub fn assess(
                     matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
                         && !matches!(v.reason, Reason::FailOpen(_));
                 summary.routable += routable as u32;
+                summary.awaiting_first_probe += (v.health == EndpointHealth::Withheld) as u32;
                 out.endpoints.insert((name.clone(), address), v);
             }
             if departed {

@@ -285,7 +285,17 @@ impl Switchover {
                     );
                     let routable =
                         |c: &str| health.cluster(&service.envoy_cluster_name(c)).routable > 0;
-                    let desperate = !routable(&st.serving) && routable(&target);
+                    // Proxies still awaiting their first probe (a restart, or new ones) are
+                    // not known to be down: no emergency move on their account, or one
+                    // replica that probed the target first would move to it for good.
+                    let awaiting = |c: &str| {
+                        health
+                            .cluster(&service.envoy_cluster_name(c))
+                            .awaiting_first_probe
+                            > 0
+                    };
+                    let desperate =
+                        !routable(&st.serving) && !awaiting(&st.serving) && routable(&target);
                     if ready.is_err() {
                         st.warming_since = None;
                     }
@@ -662,6 +672,45 @@ mod tests {
         );
         assert_eq!(weights(&s), w(&[(B, 100)]));
         assert!(s.services["default/s"].reason.contains("no healthy proxy"));
+    }
+
+    /// The serving cluster's proxies awaiting their first probe (just after a restart)
+    /// are not "nothing left": traffic does not move to a target that is not ready.
+    #[test]
+    fn proxies_awaiting_their_first_probe_are_not_nothing_left() {
+        let mut world = World::new();
+        world.apps("default/s/b1", "03-deploying.json");
+        world.probes.proxies.remove(&addr(8000));
+        let m = model(B, None, SwitchoverOverrides::default());
+        let mut s = Switchover::default();
+        advance(
+            &mut s,
+            &model(A, None, SwitchoverOverrides::default()),
+            &world,
+            &(),
+            T0,
+        );
+        let withheld: std::collections::BTreeSet<SocketAddr> = [addr(8000)].into();
+        let health = assess(
+            &m,
+            &world.probes,
+            &world.dashboards,
+            Facts {
+                withheld: Some(&withheld),
+                ..Facts::default()
+            },
+        );
+        s.advance(&m, &health, &world.dashboards, &(), T0);
+        assert_eq!(
+            weights(&s),
+            w(&[(A, 100)]),
+            "{}",
+            s.services["default/s"].reason
+        );
+        // Once probed and found down, it is nothing left: traffic moves.
+        world.proxy(8000, ProbeState::Unhealthy);
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(B, 100)]));
     }
 
     #[test]
