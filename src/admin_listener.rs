@@ -23,6 +23,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
+use crate::peer_counts::{PeerCounts, PeerSlot};
+
 /// How many admin connections are held, and for how long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdminLimits {
@@ -50,25 +52,7 @@ pub struct BoundedAdminListener {
     listener: TcpListener,
     limits: AdminLimits,
     slots: Arc<Semaphore>,
-    peers: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
-}
-
-/// A connection's place in its peer's count, given back on drop.
-struct PeerSlot {
-    peers: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
-    ip: std::net::IpAddr,
-}
-
-impl Drop for PeerSlot {
-    fn drop(&mut self) {
-        let mut peers = self.peers.lock().expect("never poisoned");
-        if let Some(n) = peers.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                peers.remove(&self.ip);
-            }
-        }
-    }
+    peers: Arc<PeerCounts>,
 }
 
 impl BoundedAdminListener {
@@ -101,20 +85,10 @@ impl axum::serve::Listener for BoundedAdminListener {
                 drop(stream);
                 continue;
             };
-            let peer_slot = {
-                let mut peers = self.peers.lock().expect("never poisoned");
-                let n = peers.entry(peer.ip()).or_default();
-                if *n >= self.limits.max_connections_per_peer {
-                    None
-                } else {
-                    *n += 1;
-                    Some(PeerSlot {
-                        peers: self.peers.clone(),
-                        ip: peer.ip(),
-                    })
-                }
-            };
-            let Some(peer_slot) = peer_slot else {
+            let Some(peer_slot) = self
+                .peers
+                .try_take(peer.ip(), self.limits.max_connections_per_peer)
+            else {
                 tracing::debug!(%peer, max = self.limits.max_connections_per_peer, "admin listener: connection limit of this peer reached; closing the new connection");
                 drop(stream);
                 continue;

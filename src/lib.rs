@@ -25,6 +25,7 @@ pub mod config;
 pub mod live;
 pub mod metrics;
 pub mod model;
+pub mod peer_counts;
 pub mod pipeline;
 pub mod policy;
 pub mod runtime;

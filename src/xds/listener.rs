@@ -23,6 +23,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
+use crate::peer_counts::{PeerCounts, PeerSlot};
+
 /// How many connections the listener holds, and how long one may stay silent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -80,43 +82,6 @@ impl Drop for OpenStream {
 pub struct XdsConnectInfo {
     pub tcp: TcpConnectInfo,
     pub streams: Arc<ConnectionStreams>,
-}
-
-/// Open connections per peer address.
-#[derive(Debug, Default)]
-struct PeerCounts(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
-
-/// One connection's place in its peer's count, given back on drop.
-struct PeerSlot {
-    counts: Arc<PeerCounts>,
-    ip: std::net::IpAddr,
-}
-
-impl PeerCounts {
-    fn try_take(self: &Arc<Self>, ip: std::net::IpAddr, max: usize) -> Option<PeerSlot> {
-        let mut counts = self.0.lock().expect("never poisoned");
-        let n = counts.entry(ip).or_default();
-        if *n >= max {
-            return None;
-        }
-        *n += 1;
-        Some(PeerSlot {
-            counts: self.clone(),
-            ip,
-        })
-    }
-}
-
-impl Drop for PeerSlot {
-    fn drop(&mut self) {
-        let mut counts = self.counts.0.lock().expect("never poisoned");
-        if let Some(n) = counts.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                counts.remove(&self.ip);
-            }
-        }
-    }
 }
 
 /// What the listener turned away, for metrics and tests.
@@ -318,32 +283,39 @@ mod tests {
     use futures::StreamExt;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    async fn listen(
-        limits: Limits,
-    ) -> (
-        std::net::SocketAddr,
-        Arc<Refusals>,
-        tokio::task::JoinHandle<()>,
-    ) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+    /// Serves `listener` within `limits`: each connection echoes what it reads, and one
+    /// whose read is `open` holds a stream (as an ADS stream would) until it sends `shut`.
+    fn echo_on(listener: TcpListener, limits: Limits) -> Arc<Refusals> {
         let refusals = Arc::new(Refusals::default());
         let stream = incoming(listener, limits, refusals.clone(), Arc::new(()));
-        // Echo whatever each connection sends; hold it until it ends.
-        let task = tokio::spawn(async move {
+        tokio::spawn(async move {
             tokio::pin!(stream);
             while let Some(Ok(mut conn)) = stream.next().await {
                 tokio::spawn(async move {
+                    let streams = conn.connect_info().streams;
+                    let mut open = None;
                     let mut buf = [0u8; 64];
                     while let Ok(n) = conn.read(&mut buf).await {
+                        match &buf[..n] {
+                            b"open" => open = Some(streams.open()),
+                            b"shut" => open = None,
+                            _ => {}
+                        }
                         if n == 0 || conn.write_all(&buf[..n]).await.is_err() {
                             return;
                         }
                     }
+                    drop(open);
                 });
             }
         });
-        (addr, refusals, task)
+        refusals
+    }
+
+    async fn listen(limits: Limits) -> (std::net::SocketAddr, Arc<Refusals>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        (addr, echo_on(listener, limits))
     }
 
     const PREFACE: &[u8; PREFACE_BYTES] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -355,7 +327,7 @@ mod tests {
             handshake_timeout: Duration::from_millis(200),
             ..Default::default()
         };
-        let (addr, refusals, _task) = listen(limits).await;
+        let (addr, refusals) = listen(limits).await;
         let mut silent = TcpStream::connect(addr).await.unwrap();
         // One byte of the preface does not buy the connection more time.
         let mut trickling = TcpStream::connect(addr).await.unwrap();
@@ -389,33 +361,7 @@ mod tests {
             idle_timeout: Duration::from_millis(300),
             ..Default::default()
         };
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let refusals = Arc::new(Refusals::default());
-        let stream = incoming(listener, limits, refusals.clone(), Arc::new(()));
-        // Echo; a connection whose first bytes after the preface are "open" holds a stream
-        // until it sends "shut".
-        tokio::spawn(async move {
-            tokio::pin!(stream);
-            while let Some(Ok(mut conn)) = stream.next().await {
-                tokio::spawn(async move {
-                    let streams = conn.connect_info().streams;
-                    let mut open = None;
-                    let mut buf = [0u8; 64];
-                    while let Ok(n) = conn.read(&mut buf).await {
-                        match &buf[..n] {
-                            b"open" => open = Some(streams.open()),
-                            b"shut" => open = None,
-                            _ => {}
-                        }
-                        if n == 0 || conn.write_all(&buf[..n]).await.is_err() {
-                            return;
-                        }
-                    }
-                    drop(open);
-                });
-            }
-        });
+        let (addr, refusals) = listen(limits).await;
         let mut buf = [0u8; PREFACE_BYTES];
         let mut idle = TcpStream::connect(addr).await.unwrap();
         idle.write_all(PREFACE).await.unwrap();
@@ -446,7 +392,7 @@ mod tests {
             handshake_timeout: Duration::from_secs(60),
             ..Default::default()
         };
-        let (addr, refusals, _task) = listen(limits).await;
+        let (addr, refusals) = listen(limits).await;
         let mut a = TcpStream::connect(addr).await.unwrap();
         let mut b = TcpStream::connect(addr).await.unwrap();
         let mut buf = [0u8; 1];
@@ -488,21 +434,7 @@ mod tests {
         // Listen on every loopback address, so that 127.0.0.2 is another peer.
         let listener = TcpListener::bind("0.0.0.0:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let refusals = Arc::new(Refusals::default());
-        let stream = incoming(listener, limits, refusals.clone(), Arc::new(()));
-        tokio::spawn(async move {
-            tokio::pin!(stream);
-            while let Some(Ok(mut conn)) = stream.next().await {
-                tokio::spawn(async move {
-                    let mut buf = [0u8; 64];
-                    while let Ok(n) = conn.read(&mut buf).await {
-                        if n == 0 || conn.write_all(&buf[..n]).await.is_err() {
-                            return;
-                        }
-                    }
-                });
-            }
-        });
+        let refusals = echo_on(listener, limits);
         async fn connect_from(ip: [u8; 4], port: u16) -> Option<TcpStream> {
             let socket = tokio::net::TcpSocket::new_v4().unwrap();
             socket.bind(std::net::SocketAddr::from((ip, 0))).unwrap();
