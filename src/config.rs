@@ -453,12 +453,7 @@ impl Config {
                 .or(file.gateway.connect_timeout)
                 .unwrap_or(defaults.connect_timeout),
         };
-        if gateway.listener_port == 0 {
-            return Err(ConfigError::Invalid(
-                "gateway.http_listener.port (--gateway-port) is 0: Envoy's listener needs a port"
-                    .into(),
-            ));
-        }
+        // Port 0 stays allowed: Envoy then binds a free port (tests use it).
         let ip = gateway.listener_address;
         if ip.is_multicast() || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast()) {
             return Err(ConfigError::Invalid(format!(
@@ -827,9 +822,8 @@ mod tests {
     }
 
     #[test]
-    fn a_gateway_listener_needs_a_port_and_a_unicast_address() {
+    fn a_gateway_listener_needs_a_unicast_address() {
         for (yaml, field) in [
-            ("port: 0", "gateway.http_listener.port"),
             ("address: 255.255.255.255", "gateway.http_listener.address"),
             ("address: 224.0.0.1", "gateway.http_listener.address"),
         ] {
