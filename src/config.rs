@@ -99,9 +99,9 @@ pub struct ServeArgs {
     pub xds_max_streams: Option<usize>,
 
     /// Networks every published proxy must be in, comma-separated CIDRs (e.g.
-    /// `10.0.0.0/8,fd00::/8`). Unset: proxies the source lists are trusted, and proxies
-    /// discovered from a dashboard must be in its /16 (IPv4) or /64 (IPv6)
-    /// [config: proxies.networks].
+    /// `10.0.0.0/8,fd00::/8`). Unset: proxies the source lists are trusted (but a
+    /// hostNetwork pod's, its node's address, is refused), and proxies discovered from a
+    /// dashboard must be in its /16 (IPv4) or /64 (IPv6) [config: proxies.networks].
     #[arg(long, env = "RAY_XDS_PROXY_NETWORKS", value_delimiter = ',')]
     pub proxy_networks: Option<Vec<ipnet::IpNet>>,
 

@@ -21,6 +21,7 @@
 
 pub mod admin;
 pub mod admin_listener;
+pub mod budget;
 pub mod config;
 pub mod live;
 pub mod metrics;

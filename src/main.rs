@@ -15,10 +15,16 @@ async fn main() -> std::process::ExitCode {
         .init();
     // Every proxy probed over a kept-alive connection holds a file descriptor: take all
     // the process may have (the soft limit is often 1,024; the hard one far more).
-    match rlimit::increase_nofile_limit(u64::MAX) {
-        Ok(limit) => tracing::debug!(limit, "open files limit"),
-        Err(err) => tracing::warn!(%err, "cannot raise the open files limit"),
-    }
+    let open_files = match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => {
+            tracing::debug!(limit, "open files limit");
+            Some(limit)
+        }
+        Err(err) => {
+            tracing::warn!(%err, "cannot raise the open files limit");
+            rlimit::Resource::NOFILE.get().ok().map(|(soft, _)| soft)
+        }
+    };
     let Command::Serve(args) = Cli::parse().command;
     let config = match Config::load(&args) {
         Ok(c) => c,
@@ -27,6 +33,19 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
+    if let Some(limit) = open_files {
+        if let Some(needed) = ray_xds::runtime::open_files_shortfall(limit, &config) {
+            tracing::warn!(
+                limit,
+                needed,
+                xds_max_connections = config.xds_limits.max_connections,
+                "the open files limit is below what the configured limits may need at once \
+                 (xDS and admin connections, a kept-alive connection per probed proxy, files \
+                 and watches): raise the hard limit (ulimit -n, LimitNOFILE) or lower \
+                 xds.max_connections"
+            );
+        }
+    }
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
     let result = match ray_xds::runtime::start(config, shutdown).await {

@@ -62,6 +62,11 @@ pub struct WeightLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WhatLabels {
+    pub what: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub reason: &'static str,
 }
@@ -100,6 +105,11 @@ pub struct Metrics {
     pub inconsistent_snapshots: Counter,
     pub proxies_refused: Family<ErrorLabels, Gauge>,
     pub runtime_tasks: Gauge,
+    /// Route tables (`/-/routes`) refused or dropped by the routes' memory budget.
+    pub routes_refused: Counter,
+    /// What outside answers hold now, as the memory budgets count it, by `what`
+    /// (`dashboards`, `routes`).
+    pub held_bytes: Family<WhatLabels, Gauge>,
     /// The runtime whose tasks `runtime_tasks` counts (the main one: the admin port,
     /// which renders the metrics, runs on a runtime of its own).
     counted_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
@@ -148,6 +158,8 @@ impl Metrics {
             inconsistent_snapshots: Counter::default(),
             proxies_refused: Family::default(),
             runtime_tasks: Gauge::default(),
+            routes_refused: Counter::default(),
+            held_bytes: Family::default(),
             counted_runtime: std::sync::OnceLock::new(),
             component_restarts: Family::default(),
             component_up: Family::default(),
@@ -264,6 +276,16 @@ impl Metrics {
             m.runtime_tasks.clone(),
         );
         registry.register(
+            "probe_routes_refused",
+            "Route tables (GET /-/routes) refused or dropped as over their cluster's fair share of the routes' memory budget; those proxies' routes are unknown",
+            m.routes_refused.clone(),
+        );
+        registry.register(
+            "held_bytes",
+            "What outside answers hold now (estimated, as the memory budgets count it), by what: dashboards or routes",
+            m.held_bytes.clone(),
+        );
+        registry.register(
             "proxies_refused",
             "Proxies left out by the address policy now (never a proxy's address, outside proxies.networks, or discovered outside their dashboard's network), by reason",
             m.proxies_refused.clone(),
@@ -278,6 +300,8 @@ impl Metrics {
             "1 while a component is running, 0 while it is down (between a failure and its restart)",
             m.component_up.clone(),
         );
+        m.set_held_bytes("dashboards", 0);
+        m.set_held_bytes("routes", 0);
         m
     }
 
@@ -297,6 +321,13 @@ impl Metrics {
                 .get_or_create(&ErrorLabels { reason })
                 .set(n);
         }
+    }
+
+    /// Sets what `what` (`dashboards` or `routes`) holds now.
+    pub fn set_held_bytes(&self, what: &'static str, bytes: usize) {
+        self.held_bytes
+            .get_or_create(&WhatLabels { what })
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     pub fn source_rejected(&self, source: &'static str) {

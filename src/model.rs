@@ -76,6 +76,10 @@ pub struct Proxy {
     /// requests, whatever its probe says. Ray's proxy does not drain on SIGTERM, so Envoy
     /// must stop using it before the pod dies.
     pub draining: bool,
+    /// The source's pod runs in its node's network namespace (`spec.hostNetwork`): the
+    /// address is the node's, not a pod's own, so the address policy does not trust it
+    /// as it trusts other addresses the source lists ([`ProxyOrigin::HostNetwork`]).
+    pub host_network: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -378,9 +382,11 @@ pub fn refused_address(address: std::net::SocketAddr) -> Option<&'static str> {
 ///
 /// With `networks` set, every proxy (listed by the source or discovered) must fall in
 /// one of them. Without, a proxy listed by the source is trusted (Kubernetes gives pod
-/// IPs; services.yaml is the operator's own file), and a proxy *discovered* from a
-/// dashboard must be in the dashboard's own network ([`dashboard_network`]): a dashboard
-/// can name any address, and ray-xds would send traffic there.
+/// IPs; services.yaml is the operator's own file), except a hostNetwork pod's, which is
+/// refused (its address is its node's: whoever owns a RayService could publish a node's
+/// address, any port on it); and a proxy *discovered* from a dashboard must be in the
+/// dashboard's own network ([`dashboard_network`]): a dashboard can name any address,
+/// and ray-xds would send traffic there.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AddressPolicy {
     pub networks: Vec<ipnet::IpNet>,
@@ -391,6 +397,8 @@ pub struct AddressPolicy {
 pub enum ProxyOrigin {
     /// The source lists it (services.yaml, or a pod's IP in Kubernetes).
     Source,
+    /// The source lists it, but as a `hostNetwork` pod's IP: its node's address.
+    HostNetwork,
     /// A dashboard listed it; the dashboard's IP address, when known.
     Dashboard(Option<std::net::IpAddr>),
 }
@@ -406,15 +414,18 @@ pub enum AddressRefusal {
     OutsideDashboardNetwork(ipnet::IpNet),
     /// Discovered from a dashboard whose address is unknown.
     DashboardAddressUnknown,
+    /// A hostNetwork pod's address (its node's), with no `proxies.networks` to allow it.
+    HostNetwork,
 }
 
 impl AddressRefusal {
     /// Every [`label`](Self::label), for metrics that show each one, even at 0.
-    pub const LABELS: [&'static str; 4] = [
+    pub const LABELS: [&'static str; 5] = [
         "never_a_proxy",
         "outside_proxy_networks",
         "outside_dashboard_network",
         "dashboard_address_unknown",
+        "host_network",
     ];
 
     /// A short, fixed label (for metrics).
@@ -424,6 +435,7 @@ impl AddressRefusal {
             AddressRefusal::OutsideNetworks => "outside_proxy_networks",
             AddressRefusal::OutsideDashboardNetwork(_) => "outside_dashboard_network",
             AddressRefusal::DashboardAddressUnknown => "dashboard_address_unknown",
+            AddressRefusal::HostNetwork => "host_network",
         }
     }
 }
@@ -442,6 +454,10 @@ impl std::fmt::Display for AddressRefusal {
             AddressRefusal::DashboardAddressUnknown => {
                 write!(f, "discovered from a dashboard whose address is unknown")
             }
+            AddressRefusal::HostNetwork => write!(
+                f,
+                "a hostNetwork pod's address (its node's); set proxies.networks to allow it"
+            ),
         }
     }
 }
@@ -470,6 +486,7 @@ impl AddressPolicy {
         }
         match origin {
             ProxyOrigin::Source => Ok(()),
+            ProxyOrigin::HostNetwork => Err(AddressRefusal::HostNetwork),
             ProxyOrigin::Dashboard(None) => Err(AddressRefusal::DashboardAddressUnknown),
             ProxyOrigin::Dashboard(Some(dashboard)) => {
                 let net = dashboard_network(dashboard);
@@ -531,6 +548,7 @@ pub(crate) mod test_support {
                             NodeType::Worker
                         },
                         draining: false,
+                        host_network: false,
                     })
                     .collect(),
             }],
@@ -636,6 +654,7 @@ mod tests {
             address: SocketAddr::from(([127, 0, 0, 1], port)),
             node_type,
             draining: false,
+            host_network: false,
         };
         let mut asked = Vec::new();
         let found = m.with_discovered_proxies(|name, _| {
@@ -698,7 +717,11 @@ mod address_policy_tests {
             "10.0.0.1:0",
         ] {
             for policy in [&AddressPolicy::default(), &open] {
-                for origin in [ProxyOrigin::Source, dashboard("169.254.0.1")] {
+                for origin in [
+                    ProxyOrigin::Source,
+                    ProxyOrigin::HostNetwork,
+                    dashboard("169.254.0.1"),
+                ] {
                     assert!(
                         matches!(policy.check(a(bad), origin), Err(AddressRefusal::Never(_))),
                         "{bad} {origin:?}"
@@ -747,9 +770,52 @@ mod address_policy_tests {
             AddressRefusal::OutsideNetworks,
             AddressRefusal::OutsideDashboardNetwork("10.0.0.0/16".parse().unwrap()),
             AddressRefusal::DashboardAddressUnknown,
+            AddressRefusal::HostNetwork,
         ] {
             assert!(AddressRefusal::LABELS.contains(&r.label()), "{r:?}");
         }
+    }
+
+    /// Issue 13: a hostNetwork pod's podIP is its node's address; without
+    /// `proxies.networks` it is refused (a RayService owner could otherwise publish a
+    /// node's address, any port on it), and with them it is checked like any other.
+    #[test]
+    fn a_host_network_pods_address_needs_configured_networks() {
+        let open = AddressPolicy::default();
+        for addr in [
+            "10.0.0.7:8000",
+            "203.0.113.9:22",
+            "127.0.0.1:8000",
+            "[fd00::7]:8000",
+        ] {
+            assert_eq!(
+                open.check(a(addr), ProxyOrigin::HostNetwork),
+                Err(AddressRefusal::HostNetwork),
+                "{addr}"
+            );
+            // The same address listed by the source as a pod's own is trusted.
+            assert_eq!(open.check(a(addr), ProxyOrigin::Source), Ok(()), "{addr}");
+        }
+        let why = AddressRefusal::HostNetwork.to_string();
+        assert!(
+            why.contains("hostNetwork") && why.contains("proxies.networks"),
+            "{why}"
+        );
+        let nodes = AddressPolicy {
+            networks: vec!["10.0.0.0/24".parse().unwrap()],
+        };
+        assert_eq!(
+            nodes.check(a("10.0.0.7:8000"), ProxyOrigin::HostNetwork),
+            Ok(())
+        );
+        assert_eq!(
+            nodes.check(a("10.0.1.7:8000"), ProxyOrigin::HostNetwork),
+            Err(AddressRefusal::OutsideNetworks)
+        );
+        assert_eq!(
+            nodes.check(a("169.254.169.254:80"), ProxyOrigin::HostNetwork),
+            Err(AddressRefusal::Never("a link-local address"))
+        );
     }
 
     #[test]
@@ -757,7 +823,11 @@ mod address_policy_tests {
         let p = AddressPolicy {
             networks: vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()],
         };
-        for origin in [ProxyOrigin::Source, dashboard("192.0.2.1")] {
+        for origin in [
+            ProxyOrigin::Source,
+            ProxyOrigin::HostNetwork,
+            dashboard("192.0.2.1"),
+        ] {
             assert_eq!(p.check(a("10.200.0.1:8000"), origin), Ok(()));
             assert_eq!(p.check(a("[fd12::1]:8000"), origin), Ok(()));
             assert_eq!(p.check(a("[::ffff:10.0.0.1]:8000"), origin), Ok(()));

@@ -98,6 +98,34 @@ impl Running {
     }
 }
 
+/// Open files kept for probes: each proxy probed holds a kept-alive connection, and how
+/// many proxies there will be is not known at start.
+pub const OPEN_FILES_PROBE_RESERVE: u64 = 1_024;
+
+/// Open files kept for the rest: the services file and its inotify watch, the API
+/// server's watches, dashboard polls, the runtime's own (epoll, eventfd), logs.
+pub const OPEN_FILES_OTHER_RESERVE: u64 = 64;
+
+/// How many files ray-xds may hold open at once with `config`'s limits: every xDS
+/// connection it accepts (`xds.max_connections`), every admin connection
+/// ([`AdminLimits::max_connections`](crate::admin_listener::AdminLimits)),
+/// [`OPEN_FILES_PROBE_RESERVE`] for probes and [`OPEN_FILES_OTHER_RESERVE`] for the rest.
+pub fn open_files_needed(config: &Config) -> u64 {
+    let xds = config.xds_limits.max_connections as u64;
+    let admin = crate::admin_listener::AdminLimits::default().max_connections as u64;
+    xds.saturating_add(admin)
+        .saturating_add(OPEN_FILES_PROBE_RESERVE)
+        .saturating_add(OPEN_FILES_OTHER_RESERVE)
+}
+
+/// What to warn of at start when the open-files `limit` (already raised to the hard one)
+/// is below [`open_files_needed`]: the need, or `None` when the limit is enough. Past the
+/// limit, accepts fail (the listeners pause and retry) and probes fail to connect.
+pub fn open_files_shortfall(limit: u64, config: &Config) -> Option<u64> {
+    let needed = open_files_needed(config);
+    (limit < needed).then_some(needed)
+}
+
 /// Starts ray-xds. A bad source file at start is an error; later bad edits are not.
 pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Result<Running> {
     let metrics = Arc::new(Metrics::new());
@@ -161,6 +189,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         interval: policies.dashboard.poll_interval,
         timeout: policies.dashboard.timeout,
         metrics: metrics.clone(),
+        memory_budget: crate::live::dashboards::MEMORY_BUDGET_BYTES,
     };
     let (models, token) = (source_rx.clone(), shutdown.clone());
     // The refresh requests outlive a poller that fails: the next one takes them over.
@@ -214,6 +243,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let heartbeat = Arc::new(crate::live::prober::Heartbeat::default());
     let prober = Prober {
         policy: policies.probe.clone(),
+        routes_budget: crate::live::route_tables::MEMORY_BUDGET_BYTES,
         metrics: metrics.clone(),
         heartbeat: heartbeat.clone(),
     };
@@ -358,4 +388,38 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         shutdown,
         tasks,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ServeArgs;
+
+    fn config(xds_max_connections: Option<usize>) -> Config {
+        Config::load(&ServeArgs {
+            source_kubernetes: true,
+            xds_max_connections,
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    /// Issue 13: the open-files limit is checked against what the configured limits may
+    /// hold at once: xDS connections, admin connections, probes, the rest.
+    #[test]
+    fn the_open_files_needed_follow_the_connection_limits() {
+        let defaults = config(None);
+        // 4,096 xDS + 256 admin + 1,024 probes + 64 others.
+        assert_eq!(open_files_needed(&defaults), 4_096 + 256 + 1_024 + 64);
+        assert_eq!(open_files_shortfall(1_024, &defaults), Some(5_440));
+        assert_eq!(open_files_shortfall(5_439, &defaults), Some(5_440));
+        assert_eq!(open_files_shortfall(5_440, &defaults), None);
+        assert_eq!(open_files_shortfall(1_048_576, &defaults), None);
+        assert_eq!(open_files_shortfall(u64::MAX, &defaults), None);
+        // Lowering xds.max_connections lowers the need.
+        let small = config(Some(100));
+        assert_eq!(open_files_needed(&small), 100 + 256 + 1_024 + 64);
+        assert_eq!(open_files_shortfall(1_024, &small), Some(1_444));
+        assert_eq!(open_files_shortfall(4_096, &small), None);
+    }
 }

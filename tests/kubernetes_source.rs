@@ -466,6 +466,126 @@ async fn bad_objects_dropped_watches_410_and_an_absent_api_server_keep_the_serve
     shutdown.cancel();
 }
 
+/// Every endpoint address (`ip:port`) of the current snapshot's EDS resources.
+async fn eds_addresses(admin: SocketAddr) -> Vec<String> {
+    fn walk(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                if let Some(a) = m.get("socket_address") {
+                    out.push(format!(
+                        "{}:{}",
+                        a["address"].as_str().unwrap_or(""),
+                        a["port_value"]
+                    ));
+                }
+                m.values().for_each(|v| walk(v, out));
+            }
+            Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let snapshot: Value =
+        serde_json::from_str(&admin_get(admin, "/debug/snapshot").await).unwrap_or(Value::Null);
+    let mut out = Vec::new();
+    walk(&snapshot["types"]["eds"], &mut out);
+    out.sort();
+    out
+}
+
+/// The refused proxies `/debug/state` shows, as `(address, reason label)`.
+async fn refused(admin: SocketAddr) -> Vec<(String, String)> {
+    let state = debug_state(admin).await;
+    let mut out: Vec<(String, String)> = state["refused_proxies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            let field = |k: &str| r[k].as_str().unwrap_or_default().to_string();
+            (field("address"), field("label"))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Issue 13: a `hostNetwork` pod's podIP is its node's address, so whoever owns a
+/// RayService could have a node's address (any port on it) published. Without
+/// `proxies.networks` such a pod's proxy is refused: not in EDS, shown in `/debug/state`
+/// and counted; the cluster's other pods are served. With networks that hold it, it is
+/// published like any pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_network_pods_proxy_is_refused_unless_networks_allow_it() {
+    let shutdown = CancellationToken::new();
+    let api = FakeApiServer::start().await;
+    let a = Cluster::start(
+        "rs-a",
+        &[NodeType::Head, NodeType::Worker],
+        "RUNNING",
+        &shutdown,
+    )
+    .await;
+    api.apply(rayservice(Some("rs-a"), None));
+    api.apply(a.pod(0));
+    let mut node_pod = a.pod(1);
+    node_pod["spec"]["hostNetwork"] = json!(true);
+    api.apply(node_pod);
+    let (pod_addr, node_addr) = (a.sim.proxies[0].0, a.sim.proxies[1].0);
+    let start = |networks: Vec<ipnet::IpNet>| {
+        let mut config = k8s_config(&api);
+        config.addresses.networks = networks;
+        ray_xds::runtime::start(config, shutdown.child_token())
+    };
+
+    let xds = start(vec![]).await.unwrap();
+    let admin = xds.admin_addr;
+    let want = vec![(node_addr.to_string(), "host_network".to_string())];
+    eventually(
+        "the hostNetwork pod's proxy is refused",
+        DEADLINE,
+        || async { (refused(admin).await == want).then_some(()) },
+    )
+    .await;
+    eventually("the other pod's proxy is in EDS", DEADLINE, || async {
+        (eds_addresses(admin).await == [pod_addr.to_string()]).then_some(())
+    })
+    .await;
+    let state = debug_state(admin).await;
+    let reason = state["refused_proxies"][0]["reason"].to_string();
+    assert!(
+        reason.contains("hostNetwork") && reason.contains("proxies.networks"),
+        "{reason}"
+    );
+    assert_eq!(
+        state["refused_proxies_by_reason"]["host_network"], 1,
+        "{state}"
+    );
+    let m = admin_get(admin, "/metrics").await;
+    assert_eq!(
+        metric(&m, "ray_xds_proxies_refused{reason=\"host_network\"}"),
+        1.0,
+        "{m}"
+    );
+    xds.stop().await.unwrap();
+
+    // proxies.networks holds the node: the policy checks it like any address, and passes it.
+    let xds = start(vec!["127.0.0.0/8".parse().unwrap()]).await.unwrap();
+    let admin = xds.admin_addr;
+    eventually(
+        "the hostNetwork pod's proxy is in EDS",
+        DEADLINE,
+        || async {
+            eds_addresses(admin)
+                .await
+                .contains(&node_addr.to_string())
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(refused(admin).await, vec![]);
+    xds.stop().await.unwrap();
+    shutdown.cancel();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn not_ready_and_nothing_served_until_every_watch_has_listed() {
     let shutdown = CancellationToken::new();

@@ -154,6 +154,7 @@ fn run_prober(cluster: &SimCluster) -> Running {
         ..Default::default()
     };
     let prober = Prober {
+        routes_budget: ray_xds::live::route_tables::MEMORY_BUDGET_BYTES,
         policy,
         metrics: metrics.clone(),
         heartbeat: Default::default(),
@@ -264,6 +265,7 @@ async fn the_dashboard_poller_keeps_the_last_known_state() {
         interval: Duration::from_millis(100),
         timeout: Duration::from_millis(300),
         metrics: metrics.clone(),
+        memory_budget: ray_xds::live::dashboards::MEMORY_BUDGET_BYTES,
     };
     let (_refresh_tx, refresh_rx) = tokio::sync::mpsc::unbounded_channel();
     let token = shutdown.clone();
@@ -328,5 +330,104 @@ async fn the_dashboard_poller_keeps_the_last_known_state() {
             "{reason}: {text}"
         );
     }
+    shutdown.cancel();
+}
+
+/// Issue 13: what dashboards' answers hold is bounded in all and shared fairly. A cluster
+/// whose dashboard lists hundreds of proxies holds most of a (small, for the test)
+/// budget; a second cluster's small answer still gets in, and the hog's status is the
+/// one dropped (unknown and stale, counted `over_budget`), not the neighbour's.
+#[tokio::test]
+async fn one_clusters_big_dashboard_answer_cannot_crowd_out_another() {
+    let shutdown = CancellationToken::new();
+    let serve = |d: &SimDashboard| {
+        let d = d.clone();
+        let token = shutdown.clone();
+        async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let url = format!("http://{}", listener.local_addr().unwrap());
+            tokio::spawn(d.serve(listener, token));
+            url
+        }
+    };
+    let hog = SimDashboard::new();
+    hog.set_app("hello", "/", "RUNNING");
+    for i in 0..400 {
+        hog.set_proxy(&format!("127.0.{}.{}", i / 200, 1 + i % 200), "HEALTHY");
+    }
+    let small = SimDashboard::new();
+    small.set_app("hello", "/", "RUNNING");
+    small.set_proxy("127.0.0.1", "HEALTHY");
+    let (hog_url, small_url) = (serve(&hog).await, serve(&small).await);
+
+    // The budget: the hog alone fits, both do not, the small one is within half.
+    let client = ray_xds::live::dashboard::DashboardClient::new(Duration::from_secs(5));
+    let hog_bytes = client.fetch(&hog_url).await.unwrap().estimated_bytes();
+    let small_bytes = client.fetch(&small_url).await.unwrap().estimated_bytes();
+    assert!(small_bytes * 2 < hog_bytes, "{small_bytes} {hog_bytes}");
+    let budget = hog_bytes + small_bytes - 1;
+
+    let c = SimCluster::start("c", &[NodeType::Head]).await;
+    let d = SimCluster::start("d", &[NodeType::Head]).await;
+    let text = services_yaml("c", &[&c, &d])
+        .replace(
+            "      - name: c\n",
+            &format!("      - name: c\n        dashboard: {hog_url}\n"),
+        )
+        .replace(
+            "      - name: d\n",
+            &format!("      - name: d\n        dashboard: {small_url}\n"),
+        );
+    let model = ray_xds::source::file::parse(std::path::Path::new("s.yaml"), &text).unwrap();
+    let (_models_tx, models_rx) = watch::channel(Arc::new(model));
+    let (tx, mut rx) = watch::channel(Arc::new(DashboardStates::default()));
+    let metrics = Arc::new(Metrics::new());
+    let poller = DashboardPoller {
+        interval: Duration::from_millis(100),
+        timeout: Duration::from_secs(5),
+        metrics: metrics.clone(),
+        memory_budget: budget,
+    };
+    let (_refresh_tx, refresh_rx) = tokio::sync::mpsc::unbounded_channel();
+    let token = shutdown.clone();
+    tokio::spawn(async move {
+        let mut refresh_rx = refresh_rx;
+        poller.run(models_rx, tx, &mut refresh_rx, token).await
+    });
+    // Whichever answered first, the end is the same: the small one holds its status,
+    // the hog is refused (or dropped) as over its share.
+    let states = tokio::time::timeout(
+        Duration::from_secs(20),
+        rx.wait_for(|s| {
+            let small = s.clusters.get("default/demo/d");
+            let hog = s.clusters.get("default/demo/c");
+            small.is_some_and(|d| d.status.as_ref().is_some_and(|s| s.all_running()) && !d.stale)
+                && hog.is_some_and(|d| {
+                    d.status.is_none()
+                        && d.stale
+                        && d.last_error
+                            .as_deref()
+                            .is_some_and(|e| e.contains("fair share"))
+                })
+        }),
+    )
+    .await
+    .expect("the small cluster's status in, the hog's out, in time")
+    .unwrap()
+    .clone();
+    assert!(states.clusters["default/demo/c"].applications.is_empty());
+    // And it stays so: the hog's next answers are refused while the small one holds.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let now = rx.borrow().clone();
+    assert!(now.clusters["default/demo/c"].status.is_none());
+    assert!(now.clusters["default/demo/d"].status.is_some());
+    let text = metrics.render();
+    assert!(
+        metric(
+            &text,
+            "ray_xds_dashboard_poll_errors_total{reason=\"over_budget\"}"
+        ) >= 1.0,
+        "{text}"
+    );
     shutdown.cancel();
 }

@@ -34,10 +34,13 @@
 //!   empty maps, and status strings this version does not know become `Other(..)` instead
 //!   of failing. Only a body that is not a JSON object, whose `applications` or
 //!   `proxies` are present but not objects, or that lists more than [`MAX_PROXIES`]
-//!   proxies or [`MAX_TARGETS`] HTTP targets, is [`DashboardError::Malformed`] (and, as
+//!   proxies or [`MAX_TARGETS`] HTTP targets or over [`MAX_JSON_VALUES`] values in all, is
+//!   [`DashboardError::Malformed`] (and, as
 //!   for every failed poll, the last good answer stays).
 //! - [`DashboardClient::fetch`] parses on a blocking thread: a big answer costs a
 //!   blocking-pool thread for a while, never a runtime worker (admin, xDS and probes go on).
+//!   At most [`MAX_READS_AT_ONCE`] answers are read and one is parsed at a time, over all
+//!   clusters, so what answers cost in flight does not grow with the number of clusters.
 //! - [`DashboardClient::fetch`] never takes longer than its timeout (connect, request and
 //!   the whole body are under one deadline), never buffers more than [`MAX_BODY_BYTES`],
 //!   and reports every failure as one [`DashboardError`] whose
@@ -69,15 +72,29 @@ pub const DEFAULT_HTTP_PORT: u16 = 8000;
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 
 /// The most proxies one answer may list (`proxies`), and the most targets its HTTP
-/// `target_groups` may list ([`MAX_TARGETS`]). Ray runs one proxy per node and clusters
-/// stay well under a few thousand nodes, so an answer over either is not a real cluster's
-/// (a broken or hostile dashboard) and is [`DashboardError::Malformed`]: refused whole,
-/// rather than published in part or parsed at any cost.
-pub const MAX_PROXIES: usize = 20_000;
+/// `target_groups` may list ([`MAX_TARGETS`]). Ray runs one proxy per node and Ray's
+/// tested scale is 2,000 nodes per cluster, so an answer over either is not a real
+/// cluster's (a broken or hostile dashboard) and is [`DashboardError::Malformed`]:
+/// refused whole, rather than published in part or parsed at any cost. (20,000 kept up to
+/// 130 MB per cluster alive; what answers hold in all is bounded by
+/// `live::dashboards::MEMORY_BUDGET_BYTES` too.)
+pub const MAX_PROXIES: usize = 5_000;
 
 /// The most targets the HTTP `target_groups` of one answer may list, all groups together
 /// (see [`MAX_PROXIES`]).
-pub const MAX_TARGETS: usize = 20_000;
+pub const MAX_TARGETS: usize = 5_000;
+
+/// The most dashboard answers read at once, over all clusters: each buffers up to
+/// [`MAX_BODY_BYTES`], so bodies in flight stay under 8 × 8 MiB however many clusters
+/// there are. Waiting is first come, first served (tokio's semaphore is fair), and a
+/// read holds its permit for at most the dashboard timeout.
+pub const MAX_READS_AT_ONCE: usize = 8;
+
+static READS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MAX_READS_AT_ONCE);
+
+/// One answer is parsed at a time: a parse near the body cap builds a JSON tree many
+/// times the body's size, and only one such tree is alive at once.
+static PARSES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
 
 /// How long an idle pooled connection to a dashboard is kept. Below aiohttp's default
 /// keep-alive (75 s), so the client does not race the dashboard closing it.
@@ -221,6 +238,37 @@ impl std::fmt::Display for ProxyStatus {
 }
 
 impl ServeStatus {
+    /// About what this status costs in memory (strings and a per-entry overhead), for
+    /// the dashboards' memory budget.
+    pub fn estimated_bytes(&self) -> usize {
+        // String headers (24 bytes each), enum tags and the map's nodes.
+        const ENTRY: usize = 128;
+        let apps: usize = self
+            .applications
+            .iter()
+            .map(|(name, a)| {
+                ENTRY
+                    + name.len()
+                    + a.message.len()
+                    + a.route_prefix.as_ref().map_or(0, String::len)
+                    + a.status.as_str().len()
+            })
+            .sum();
+        let proxies: usize = self
+            .proxies
+            .iter()
+            .map(|(key, p)| {
+                ENTRY + key.len() + p.node_id.len() + p.node_ip.len() + p.status.as_str().len()
+            })
+            .sum();
+        let http: usize = self
+            .http_proxies
+            .iter()
+            .map(|p| ENTRY + p.node_id.len())
+            .sum();
+        std::mem::size_of::<Self>() + apps + proxies + http
+    }
+
     /// True when there is at least one application and every one is `RUNNING`.
     pub fn all_running(&self) -> bool {
         !self.applications.is_empty()
@@ -273,22 +321,71 @@ pub enum DashboardError {
     /// A 200 whose body is not a Serve status.
     #[error("dashboard answer is malformed: {0}")]
     Malformed(String),
+    /// A good answer that would take more than this cluster's share of the memory
+    /// answers may hold (`live::dashboards`).
+    #[error("dashboard answer refused: {0}")]
+    OverBudget(String),
 }
 
 impl DashboardError {
-    /// A fixed label for metrics: `unreachable`, `timeout`, `status` or `malformed`.
+    /// A fixed label for metrics: `unreachable`, `timeout`, `status`, `malformed` or
+    /// `over_budget`.
     pub fn metric_label(&self) -> &'static str {
         match self {
             DashboardError::Unreachable(_) => "unreachable",
             DashboardError::Timeout => "timeout",
             DashboardError::Status(_) => "status",
             DashboardError::Malformed(_) => "malformed",
+            DashboardError::OverBudget(_) => "over_budget",
         }
     }
 }
 
+/// The most JSON values one answer may hold (objects, arrays, strings, numbers...). A
+/// parse builds a tree of every value (tens of bytes each, whatever their size in the
+/// body), so an 8 MiB body of `[0,0,0,...]` would cost hundreds of MB for a moment; a
+/// real answer has about 10 values per proxy and per replica (a 2,000-node cluster with
+/// 10,000 replicas: about 130,000).
+pub const MAX_JSON_VALUES: usize = 400_000;
+
+/// An upper bound of the number of JSON values in `body`, counted up to `cap + 1`: every
+/// value is the first of its container or follows a comma, so values are at most
+/// containers + commas + 1 (outside strings). Garbage is counted the same way and left
+/// for the parser to refuse.
+fn json_values_at_most(body: &[u8], cap: usize) -> usize {
+    let (mut n, mut in_string, mut escaped) = (1usize, false, false);
+    for &b in body {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b',' | b'{' | b'[' => {
+                n += 1;
+                if n > cap {
+                    return n;
+                }
+            }
+            _ => {}
+        }
+    }
+    n
+}
+
 /// Parses the body of `GET /api/serve/applications/`.
 pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
+    // The bound comes before the tree is built (see `MAX_JSON_VALUES`).
+    if json_values_at_most(body, MAX_JSON_VALUES) > MAX_JSON_VALUES {
+        return Err(DashboardError::Malformed(format!(
+            "over {MAX_JSON_VALUES} JSON values"
+        )));
+    }
     let root: Value = serde_json::from_slice(body)
         .map_err(|e| DashboardError::Malformed(format!("not JSON: {e}")))?;
     let Value::Object(root) = root else {
@@ -582,6 +679,8 @@ impl DashboardClient {
             .body(Empty::<Bytes>::new())
             .map_err(|e| DashboardError::Unreachable(format!("bad request for {url:?}: {e}")))?;
 
+        // The wait for a turn is not part of the timeout: a read that got one has it all.
+        let reading = READS.acquire().await.expect("never closed");
         let body = tokio::time::timeout(self.timeout, async {
             let response = self
                 .client
@@ -623,9 +722,13 @@ impl DashboardClient {
         .await
         .map_err(|_| DashboardError::Timeout)??;
 
+        drop(reading);
         let (body, peer) = body;
         // Off the runtime's workers: parsing an answer near the body cap takes a while.
-        let mut status = match tokio::task::spawn_blocking(move || parse(&body)).await {
+        let parsing = PARSES.acquire().await.expect("never closed");
+        let parsed = tokio::task::spawn_blocking(move || parse(&body)).await;
+        drop(parsing);
+        let mut status = match parsed {
             Ok(parsed) => parsed?,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             Err(e) => return Err(DashboardError::Unreachable(format!("parse cancelled: {e}"))),
@@ -1293,6 +1396,16 @@ mod tests {
         grpc["protocol"] = "gRPC".into();
         v["target_groups"].as_array_mut().unwrap().push(grpc);
         assert_eq!(parse(v.to_string().as_bytes()).unwrap().proxies.len(), 1);
+
+        // Many tiny values (the tree, not the body, is what costs): refused before the
+        // tree is built; commas inside strings are not values.
+        let zeros = vec!["0"; MAX_JSON_VALUES].join(",");
+        let why = assert_malformed(format!(r#"{{"applications":{{}},"x":[{zeros}]}}"#).as_bytes());
+        assert!(why.contains("JSON values"), "{why}");
+        let commas = ",".repeat(2 * MAX_JSON_VALUES);
+        let ok = format!(r#"{{"applications":{{}},"x":"{commas}\\\",[{{"}}"#);
+        assert!(parse(ok.as_bytes()).is_ok());
+        assert_eq!(json_values_at_most(br#"[1,{"a":[2,"x,y"]}]"#, 100), 6);
     }
 
     #[test]

@@ -4,6 +4,13 @@
 //! is the single writer of [`DashboardStates`]. A failed poll (unreachable, 503, timeout,
 //! malformed JSON) means "unknown right now": the last known status is kept and marked
 //! stale, the error is counted, and nothing crashes. Publishing happens only on change.
+//!
+//! Memory: a status is shared (`Arc`), never copied per publication, and what all
+//! statuses hold is bounded by [`MEMORY_BUDGET_BYTES`], shared fairly between clusters
+//! (`budget::FairBudget`): an answer over its cluster's fair share, when the budget is
+//! full, is refused like a failed poll (`over_budget`; the last good status stays), and a
+//! cluster within its share always gets in, dropping the statuses of clusters over
+//! theirs (they become unknown and stale, as if their dashboards were down).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -15,8 +22,13 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::dashboard::{DashboardClient, DashboardError, ServeStatus};
+use crate::budget::FairBudget;
 use crate::metrics::{ErrorLabels, Metrics};
 use crate::model::Model;
+
+/// What the statuses of all clusters may hold in all (estimated by
+/// [`ServeStatus::estimated_bytes`]): 64 MiB, over 20 answers at the proxy caps.
+pub const MEMORY_BUDGET_BYTES: usize = 64 * 1024 * 1024;
 
 /// What every cluster's dashboard said, by Envoy cluster name.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -30,7 +42,7 @@ pub struct ClusterDashboard {
     pub url: String,
     /// The last status it answered with; `None` until it first answers.
     #[serde(skip)]
-    pub status: Option<ServeStatus>,
+    pub status: Option<Arc<ServeStatus>>,
     /// Each application's status and since when (unix seconds) it has had it.
     pub applications: BTreeMap<String, (String, f64)>,
     pub last_success_unix: Option<f64>,
@@ -65,7 +77,7 @@ impl ClusterDashboard {
                     applications.insert(name.clone(), (s, since));
                 }
                 self.applications = applications;
-                self.status = Some(status);
+                self.status = Some(Arc::new(status));
                 self.last_success_unix = Some(now_unix);
                 self.last_error = None;
                 self.stale = false;
@@ -89,6 +101,8 @@ pub struct DashboardPoller {
     pub interval: Duration,
     pub timeout: Duration,
     pub metrics: Arc<Metrics>,
+    /// What all statuses may hold ([`MEMORY_BUDGET_BYTES`] outside tests).
+    pub memory_budget: usize,
 }
 
 impl DashboardPoller {
@@ -107,6 +121,7 @@ impl DashboardPoller {
             mpsc::channel::<(String, String, Result<ServeStatus, DashboardError>, bool)>(64);
         let mut tasks: BTreeMap<String, (String, JoinHandle<()>)> = BTreeMap::new();
         let mut current = DashboardStates::default();
+        let mut budget = FairBudget::new(self.memory_budget);
         let mut wanted_fresh = std::collections::BTreeSet::new();
         let mut models_changed = true;
         loop {
@@ -144,6 +159,8 @@ impl DashboardPoller {
                 current
                     .clusters
                     .retain(|c, d| wanted.get(c) == Some(&d.url));
+                budget.retain(|c| current.clusters.contains_key(c));
+                self.metrics.set_held_bytes("dashboards", budget.total());
                 for (cluster, url) in &wanted {
                     current
                         .clusters
@@ -174,7 +191,23 @@ impl DashboardPoller {
                 }
                 Some((cluster, url, result, forced)) = rx.recv() => {
                     let forced = wanted_fresh.remove(&cluster) || forced;
-                    let Some(entry) = current.clusters.get_mut(&cluster).filter(|d| d.url == url) else { continue };
+                    if current.clusters.get(&cluster).is_none_or(|d| d.url != url) {
+                        continue;
+                    }
+                    let result = match result {
+                        Ok(status) => match budget.admit(&cluster, status.estimated_bytes()) {
+                            Ok(evicted) => {
+                                for hog in evicted {
+                                    drop_over_budget(&mut current, &hog, &self.metrics);
+                                }
+                                Ok(status)
+                            }
+                            Err(over) => Err(DashboardError::OverBudget(over.to_string())),
+                        },
+                        Err(e) => Err(e),
+                    };
+                    self.metrics.set_held_bytes("dashboards", budget.total());
+                    let Some(entry) = current.clusters.get_mut(&cluster) else { continue };
                     if let Err(e) = &result {
                         self.metrics.dashboard_errors.get_or_create(&ErrorLabels { reason: e.metric_label() }).inc();
                         if !entry.stale {
@@ -198,6 +231,28 @@ impl DashboardPoller {
             task.abort();
         }
     }
+}
+
+/// Drops what `cluster`'s dashboard said, evicted from the memory budget by a cluster
+/// within its fair share: it is unknown and stale until an answer fits again.
+fn drop_over_budget(current: &mut DashboardStates, cluster: &str, metrics: &Metrics) {
+    let Some(entry) = current.clusters.get_mut(cluster) else {
+        return;
+    };
+    let error = DashboardError::OverBudget(
+        "dropped to make room for a cluster within its fair share of the memory budget".into(),
+    );
+    metrics
+        .dashboard_errors
+        .get_or_create(&ErrorLabels {
+            reason: error.metric_label(),
+        })
+        .inc();
+    tracing::warn!(cluster, error = %error, "Ray dashboard's status dropped");
+    entry.status = None;
+    entry.applications.clear();
+    entry.last_error = Some(error.to_string());
+    entry.stale = true;
 }
 
 /// Envoy cluster name → dashboard URL, for every cluster that has a dashboard.

@@ -177,6 +177,7 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
                             address: p.address,
                             node_type: p.node_type,
                             draining: false,
+                            host_network: false,
                         })
                         .collect()
                 })
@@ -189,20 +190,27 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
         };
         candidates
             .into_iter()
-            .filter(|p| match policy.check(p.address, origin) {
-                Ok(()) => true,
-                Err(why) => {
-                    refused.push(RefusedProxy {
-                        cluster: envoy_cluster.to_string(),
-                        address: p.address,
-                        from: match origin {
-                            ProxyOrigin::Source => "source",
-                            ProxyOrigin::Dashboard(_) => "dashboard",
-                        },
-                        label: why.label(),
-                        reason: why.to_string(),
-                    });
-                    false
+            .filter(|p| {
+                // A hostNetwork pod's address is its node's: not trusted as the source's.
+                let origin = match origin {
+                    ProxyOrigin::Source if p.host_network => ProxyOrigin::HostNetwork,
+                    origin => origin,
+                };
+                match policy.check(p.address, origin) {
+                    Ok(()) => true,
+                    Err(why) => {
+                        refused.push(RefusedProxy {
+                            cluster: envoy_cluster.to_string(),
+                            address: p.address,
+                            from: match origin {
+                                ProxyOrigin::Source | ProxyOrigin::HostNetwork => "source",
+                                ProxyOrigin::Dashboard(_) => "dashboard",
+                            },
+                            label: why.label(),
+                            reason: why.to_string(),
+                        });
+                        false
+                    }
                 }
             })
             .collect()
@@ -336,10 +344,10 @@ mod tests {
 
     fn answered(proxies: Vec<HttpProxy>) -> ClusterDashboard {
         let mut d = ClusterDashboard::new(URL.into());
-        d.status = Some(ServeStatus {
+        d.status = Some(std::sync::Arc::new(ServeStatus {
             http_proxies: proxies,
             ..Default::default()
-        });
+        }));
         d
     }
 
@@ -441,12 +449,40 @@ mod tests {
         ))
         .unwrap();
         let mut d = ClusterDashboard::new(URL.into());
-        d.status = Some(parse(&body).unwrap());
+        d.status = Some(parse(&body).unwrap().into());
         let m = effective(&model(), &states(vec![(CLUSTER, d)]));
         assert_eq!(
             discovered(&m),
             [("192.0.2.2:8000".parse().unwrap(), NodeType::Head, false)]
         );
+    }
+
+    /// Issue 13: a proxy the source lists from a hostNetwork pod (its node's address) is
+    /// refused unless `proxies.networks` allows it; the pod's own addresses stay trusted.
+    #[test]
+    fn a_host_network_proxy_is_refused_without_networks() {
+        let mut b = service("b", "b1", &[9000, 9001]);
+        b.clusters[0].proxies[1].host_network = true;
+        let m = Model::new(vec![b]).unwrap();
+        let d = discover(&m, &DashboardStates::default(), &AddressPolicy::default());
+        let ports: Vec<u16> = d.model.proxies().map(|p| p.address.port()).collect();
+        assert_eq!(ports, [9000]);
+        assert_eq!(
+            d.refused,
+            [RefusedProxy {
+                cluster: "default/b/b1".into(),
+                address: "127.0.0.1:9001".parse().unwrap(),
+                from: "source",
+                label: "host_network",
+                reason: crate::model::AddressRefusal::HostNetwork.to_string(),
+            }]
+        );
+        let allowed = AddressPolicy {
+            networks: vec!["127.0.0.0/8".parse().unwrap()],
+        };
+        let d = discover(&m, &DashboardStates::default(), &allowed);
+        assert_eq!(d.model.proxies().count(), 2);
+        assert!(d.refused.is_empty());
     }
 }
 
@@ -595,7 +631,7 @@ mod task_tests {
 
     fn answer(ports: &[u16]) -> Arc<DashboardStates> {
         let mut d = ClusterDashboard::new(URL.into());
-        d.status = Some(ServeStatus {
+        d.status = Some(std::sync::Arc::new(ServeStatus {
             http_proxies: ports
                 .iter()
                 .map(|p| HttpProxy {
@@ -606,7 +642,7 @@ mod task_tests {
                 })
                 .collect(),
             ..Default::default()
-        });
+        }));
         Arc::new(DashboardStates {
             clusters: [(CLUSTER.to_string(), d)].into(),
         })

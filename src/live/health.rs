@@ -343,7 +343,7 @@ mod tests {
         for (port, state) in states {
             let mut p = ProxyProbe::new(SystemTime::UNIX_EPOCH);
             p.state = *state;
-            p.routes = Some(["/".to_string()].into());
+            p.routes = Some(std::sync::Arc::new(["/".to_string()].into()));
             out.proxies.insert(addr(*port), p);
         }
         out
@@ -431,7 +431,7 @@ mod tests {
         d.clusters.insert(
             CLUSTER.to_string(),
             ClusterDashboard {
-                status: Some(status),
+                status: Some(status.into()),
                 ..ClusterDashboard::new("http://x".into())
             },
         );
@@ -471,7 +471,8 @@ mod tests {
         assert_eq!(health(&m, 8001), Healthy);
         // One proxy serves it: the others, lagging behind, take no new traffic.
         let mut one = up.clone();
-        one.proxies.get_mut(&addr(8002)).unwrap().routes = Some(["/hello".to_string()].into());
+        one.proxies.get_mut(&addr(8002)).unwrap().routes =
+            Some(std::sync::Arc::new(["/hello".to_string()].into()));
         let m = assess(
             &model(HeadProxy::Include),
             &one,
@@ -496,7 +497,7 @@ mod tests {
         assert_eq!(health(&m, 8001), Healthy);
         let mut serving = up.clone();
         for p in serving.proxies.values_mut() {
-            p.routes = Some(["/hello".to_string()].into());
+            p.routes = Some(std::sync::Arc::new(["/hello".to_string()].into()));
         }
         let m = assess(
             &model(HeadProxy::Include),

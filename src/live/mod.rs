@@ -14,3 +14,4 @@ pub mod discovery;
 pub mod health;
 pub mod probe;
 pub mod prober;
+pub mod route_tables;

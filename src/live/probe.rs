@@ -9,6 +9,7 @@
 //!   `healthy_threshold` consecutive successes make an unhealthy or draining proxy healthy.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use serde::Serialize;
@@ -68,8 +69,33 @@ pub struct ProxyProbe {
     pub reason: String,
     pub consecutive_successes: u32,
     pub consecutive_failures: u32,
-    /// Route prefixes the proxy serves (`GET /-/routes`), once read.
-    pub routes: Option<BTreeSet<String>>,
+    /// Route prefixes the proxy serves (`GET /-/routes`), once read; shared with the
+    /// other proxies of its cluster that list the same (`live::route_tables`). Shown in
+    /// `/debug/state` up to [`ROUTES_SHOWN`], then how many more.
+    #[serde(serialize_with = "some_routes")]
+    pub routes: Option<Arc<BTreeSet<String>>>,
+}
+
+/// The most route prefixes `/debug/state` shows per proxy.
+pub const ROUTES_SHOWN: usize = 16;
+
+fn some_routes<S: serde::Serializer>(
+    routes: &Option<Arc<BTreeSet<String>>>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeSeq;
+    let Some(routes) = routes else {
+        return s.serialize_none();
+    };
+    let more = routes.len().saturating_sub(ROUTES_SHOWN);
+    let mut seq = s.serialize_seq(Some(routes.len().min(ROUTES_SHOWN) + usize::from(more > 0)))?;
+    for r in routes.iter().take(ROUTES_SHOWN) {
+        seq.serialize_element(r)?;
+    }
+    if more > 0 {
+        seq.serialize_element(&format!("... and {more} more"))?;
+    }
+    seq.end()
 }
 
 fn unix_seconds<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {

@@ -35,6 +35,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::probe::{Outcome, ProbeState, ProxyProbe};
+use super::route_tables::RouteTables;
 use crate::metrics::Metrics;
 use crate::model::Model;
 use crate::policy::probe::ProbePolicy;
@@ -127,6 +128,9 @@ impl Heartbeat {
 pub struct Prober {
     /// The global probe policy; each RayService overrides parts of it.
     pub policy: ProbePolicy,
+    /// What all route tables may hold (`route_tables::MEMORY_BUDGET_BYTES` outside
+    /// tests).
+    pub routes_budget: usize,
     pub metrics: Arc<Metrics>,
     /// Beaten every second by the running manager.
     pub heartbeat: Arc<Heartbeat>,
@@ -153,11 +157,30 @@ impl Prober {
             .collect();
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut routes = Routes {
+            tables: RouteTables::new(self.routes_budget),
+            owners: BTreeMap::new(),
+            refused: BTreeSet::new(),
+        };
+        // The tables the last prober's states refer to are kept (and counted) again.
+        routes.owners = owners(&models.borrow());
+        for (address, probe) in current.proxies.iter_mut() {
+            let owner = routes.owners.get(address);
+            probe.routes = match (probe.routes.take(), owner) {
+                (Some(table), Some(cluster)) => routes
+                    .tables
+                    .intern(cluster, (*table).clone())
+                    .ok()
+                    .map(|(shared, _)| shared),
+                _ => None,
+            };
+        }
         let mut models_changed = true;
         loop {
             if models_changed {
                 let model = models.borrow_and_update().clone();
                 let wanted = targets(&model, &self.policy);
+                routes.owners = owners(&model);
                 tasks.retain(|addr, (settings, task)| {
                     let keep = wanted.get(addr) == Some(settings);
                     if !keep {
@@ -189,6 +212,9 @@ impl Prober {
                         .or_insert_with(|| ProxyProbe::new(now));
                     fresh.entry(*addr).or_insert_with(Instant::now);
                 }
+                routes.collect();
+                self.metrics
+                    .set_held_bytes("routes", routes.tables.total_bytes());
                 let changed = before != current.proxies.len() || self.update_complete(&mut current);
                 if changed {
                     states.send_replace(Arc::new(current.clone()));
@@ -218,13 +244,15 @@ impl Prober {
                     let mut taken = 0;
                     while let Some(report) = next.take() {
                         fresh.insert(report.address, Instant::now());
-                        changed |= self.apply(&mut current, &tasks, report);
+                        changed |= self.apply(&mut current, &tasks, &mut routes, report);
                         taken += 1;
                         if taken < MAX_REPORTS_PER_PUBLICATION {
                             next = rx.try_recv().ok();
                         }
                     }
                     if changed {
+                        routes.collect();
+                        self.metrics.set_held_bytes("routes", routes.tables.total_bytes());
                         self.update_complete(&mut current);
                         states.send_replace(Arc::new(current.clone()));
                     }
@@ -312,21 +340,28 @@ impl Prober {
         &self,
         current: &mut ProbeStates,
         tasks: &BTreeMap<SocketAddr, (ProbePolicy, JoinHandle<()>)>,
+        routes: &mut Routes,
         report: Report,
     ) -> bool {
+        if !current.proxies.contains_key(&report.address) || !tasks.contains_key(&report.address) {
+            return false; // a proxy removed since
+        }
+        let mut changed = false;
+        let table = report
+            .routes
+            .map(|read| read.and_then(|t| self.keep_routes(current, routes, report.address, t)));
         let (Some(probe), Some((settings, _))) = (
             current.proxies.get_mut(&report.address),
             tasks.get(&report.address),
         ) else {
-            return false; // a proxy removed since
+            return false;
         };
         self.metrics
             .probe_seconds
             .observe(report.latency.as_secs_f64());
-        let mut changed = false;
-        if let Some(routes) = report.routes {
-            if probe.routes != routes {
-                probe.routes = routes;
+        if let Some(table) = table {
+            if probe.routes != table {
+                probe.routes = table;
                 changed = true;
             }
         }
@@ -346,6 +381,76 @@ impl Prober {
         }
         changed
     }
+
+    /// The shared table for `address`'s routes, if its cluster's share of the routes'
+    /// budget admits it (else its routes are unknown: `None`). Clusters evicted to make
+    /// room lose their proxies' tables here.
+    fn keep_routes(
+        &self,
+        current: &mut ProbeStates,
+        routes: &mut Routes,
+        address: SocketAddr,
+        table: BTreeSet<String>,
+    ) -> Option<Arc<BTreeSet<String>>> {
+        let cluster = routes.owners.get(&address)?.clone();
+        match routes.tables.intern(&cluster, table) {
+            Ok((shared, evicted)) => {
+                if routes.refused.remove(&cluster) {
+                    tracing::info!(cluster, "route tables within the memory budget again");
+                }
+                for hog in evicted {
+                    tracing::warn!(cluster = hog, "route tables dropped: over their cluster's fair share of the memory budget; its proxies' routes are unknown");
+                    self.metrics.routes_refused.inc();
+                    for (a, probe) in current.proxies.iter_mut() {
+                        if routes.owners.get(a) == Some(&hog) {
+                            probe.routes = None;
+                        }
+                    }
+                    routes.refused.insert(hog);
+                }
+                Some(shared)
+            }
+            Err(over) => {
+                self.metrics.routes_refused.inc();
+                if routes.refused.insert(cluster.clone()) {
+                    tracing::warn!(cluster, proxy = %address, why = %over, "route table refused; the proxy's routes are unknown");
+                }
+                None
+            }
+        }
+    }
+}
+
+/// The route tables and who owns each proxy's.
+struct Routes {
+    tables: RouteTables,
+    /// Proxy → its Envoy cluster name (the budget's owner).
+    owners: BTreeMap<SocketAddr, String>,
+    /// Clusters whose tables were refused or dropped last (logged once per episode).
+    refused: BTreeSet<String>,
+}
+
+impl Routes {
+    fn collect(&mut self) {
+        self.tables
+            .collect(self.owners.values().map(String::as_str));
+        self.refused
+            .retain(|c| self.owners.values().any(|o| o == c));
+    }
+}
+
+/// Every proxy of the model with its Envoy cluster's name (the first, when listed twice).
+fn owners(model: &Model) -> BTreeMap<SocketAddr, String> {
+    let mut out = BTreeMap::new();
+    for service in model.services() {
+        for cluster in &service.clusters {
+            let name = service.envoy_cluster_name(&cluster.name);
+            for proxy in &cluster.proxies {
+                out.entry(proxy.address).or_insert_with(|| name.clone());
+            }
+        }
+    }
+    out
 }
 
 /// Every proxy of the model with the probe settings of its RayService.
@@ -656,6 +761,7 @@ mod tests {
     fn prober() -> Prober {
         Prober {
             policy: ProbePolicy::default(),
+            routes_budget: crate::live::route_tables::MEMORY_BUDGET_BYTES,
             metrics: Arc::new(Metrics::new()),
             heartbeat: Default::default(),
         }
@@ -768,7 +874,7 @@ mod tests {
         let addr = SocketAddr::from(([127, 0, 0, 1], 1));
         let mut probe = ProxyProbe::new(SystemTime::now());
         probe.state = ProbeState::Healthy;
-        probe.routes = Some(["/".to_string()].into());
+        probe.routes = Some(std::sync::Arc::new(["/".to_string()].into()));
         let mut current = ProbeStates::default();
         current.proxies.insert(addr, probe);
         let tasks = BTreeMap::from([(addr, (p.policy.clone(), tokio::spawn(async {})))]);
@@ -778,9 +884,97 @@ mod tests {
             latency: Duration::ZERO,
             routes: Some(parse_routes(&routes_body(MAX_ROUTES + 1, 8))),
         };
-        assert!(p.apply(&mut current, &tasks, report));
+        let mut routes = routes_of([(addr, "c")], 1 << 20);
+        assert!(p.apply(&mut current, &tasks, &mut routes, report));
         assert_eq!(current.proxies[&addr].state, ProbeState::Healthy);
         assert_eq!(current.proxies[&addr].routes, None);
+    }
+
+    fn routes_of<const N: usize>(owners: [(SocketAddr, &str); N], budget: usize) -> Routes {
+        Routes {
+            tables: RouteTables::new(budget),
+            owners: owners.map(|(a, c)| (a, c.to_string())).into(),
+            refused: BTreeSet::new(),
+        }
+    }
+
+    /// Issue 13: proxies of one cluster listing the same routes share one table, and one
+    /// cluster's many distinct tables cannot take the routes' memory from another: the
+    /// hog's tables are dropped (its proxies' routes unknown) when a cluster within its
+    /// share needs room, and refused after.
+    #[tokio::test]
+    async fn route_tables_are_shared_and_one_cluster_cannot_crowd_out_another() {
+        let p = prober();
+        let addr = |port| SocketAddr::from(([127, 0, 0, 1], port));
+        let (hog1, hog2, mine1, mine2) = (addr(1), addr(2), addr(3), addr(4));
+        let big = |salt: &str| -> BTreeSet<String> {
+            (0..100).map(|i| format!("/{salt}/{i:04}")).collect()
+        };
+        let small: BTreeSet<String> = ["/hello".to_string()].into();
+        let bytes = crate::live::route_tables::table_bytes;
+        // Room for the hog's two big tables, not for those and the small one.
+        let budget = 2 * bytes(&big("a")) + bytes(&small) - 1;
+        let mut routes = routes_of(
+            [
+                (hog1, "hog"),
+                (hog2, "hog"),
+                (mine1, "mine"),
+                (mine2, "mine"),
+            ],
+            budget,
+        );
+        let mut current = ProbeStates::default();
+        let mut tasks = BTreeMap::new();
+        for a in [hog1, hog2, mine1, mine2] {
+            current
+                .proxies
+                .insert(a, ProxyProbe::new(SystemTime::now()));
+            tasks.insert(a, (p.policy.clone(), tokio::spawn(async {})));
+        }
+        let report = |address, table: BTreeSet<String>| Report {
+            address,
+            outcome: Outcome::Healthy,
+            latency: Duration::ZERO,
+            routes: Some(Some(table)),
+        };
+        assert!(p.apply(&mut current, &tasks, &mut routes, report(hog1, big("a"))));
+        assert!(p.apply(&mut current, &tasks, &mut routes, report(hog2, big("b"))));
+        routes.collect();
+        assert_eq!(routes.tables.total_bytes(), 2 * bytes(&big("a")));
+        // Mine is within its share: in, the hog's tables dropped.
+        assert!(p.apply(
+            &mut current,
+            &tasks,
+            &mut routes,
+            report(mine1, small.clone())
+        ));
+        assert!(p.apply(
+            &mut current,
+            &tasks,
+            &mut routes,
+            report(mine2, small.clone())
+        ));
+        routes.collect();
+        let table = |c: &ProbeStates, a| c.proxies[&a].routes.clone();
+        assert!(Arc::ptr_eq(
+            &table(&current, mine1).unwrap(),
+            &table(&current, mine2).unwrap()
+        ));
+        assert_eq!((table(&current, hog1), table(&current, hog2)), (None, None));
+        assert_eq!(routes.tables.total_bytes(), bytes(&small));
+        // The hog's next big table fits the budget alone, not beside mine: it gets one
+        // (the budget is not full), the second is refused.
+        p.apply(&mut current, &tasks, &mut routes, report(hog1, big("a")));
+        p.apply(&mut current, &tasks, &mut routes, report(hog2, big("b")));
+        routes.collect();
+        assert!(table(&current, hog1).is_some());
+        assert_eq!(table(&current, hog2), None);
+        assert!(table(&current, mine1).is_some());
+        assert!(routes.tables.total_bytes() <= budget);
+        assert!(p
+            .metrics
+            .render()
+            .contains("ray_xds_probe_routes_refused_total 2"));
     }
 
     #[test]
@@ -788,7 +982,7 @@ mod tests {
         let mut states = ProbeStates::default();
         let mut probe = ProxyProbe::new(SystemTime::UNIX_EPOCH);
         probe.state = ProbeState::Unhealthy;
-        probe.routes = Some(["/".to_string()].into());
+        probe.routes = Some(std::sync::Arc::new(["/".to_string()].into()));
         states
             .proxies
             .insert(SocketAddr::from(([127, 0, 0, 1], 1)), probe);

@@ -263,7 +263,7 @@ mod tests {
         fn probe(&mut self, port: u16, state: ProbeState, since: SystemTime) {
             let mut p = ProxyProbe::new(since);
             p.state = state;
-            p.routes = Some(["/hello".to_string()].into());
+            p.routes = Some(std::sync::Arc::new(["/hello".to_string()].into()));
             self.probes.proxies.insert(addr(port), p);
         }
 
@@ -276,7 +276,7 @@ mod tests {
             self.dashboards.clusters.insert(
                 cluster.into(),
                 ClusterDashboard {
-                    status: Some(status),
+                    status: Some(status.into()),
                     last_success_unix: Some(1e9),
                     ..ClusterDashboard::new("http://dashboard".into())
                 },

@@ -508,14 +508,14 @@ mod tests {
         fn proxy(&mut self, port: u16, state: ProbeState) {
             let mut p = ProxyProbe::new(SystemTime::UNIX_EPOCH);
             p.state = state;
-            p.routes = Some(
+            p.routes = Some(std::sync::Arc::new(
                 [
                     "/hello".to_string(),
                     "/slow".to_string(),
                     "/broken".to_string(),
                 ]
                 .into(),
-            );
+            ));
             self.probes.proxies.insert(addr(port), p);
         }
 
@@ -528,7 +528,7 @@ mod tests {
             self.dashboards.clusters.insert(
                 cluster.into(),
                 ClusterDashboard {
-                    status: Some(status),
+                    status: Some(status.into()),
                     // Answered "now" for every test time below.
                     last_success_unix: Some(1e9),
                     ..ClusterDashboard::new("http://x".into())
@@ -912,7 +912,7 @@ mod tests {
             .proxies
             .get_mut(&addr(9000))
             .unwrap()
-            .routes = Some(["/".to_string()].into());
+            .routes = Some(std::sync::Arc::new(["/".to_string()].into()));
         assert!(readiness(
             svc,
             B,

@@ -189,6 +189,8 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
                                     NodeTypeSpec::Worker => NodeType::Worker,
                                 },
                                 draining: p.draining,
+                                // The operator's own file: trusted as listed.
+                                host_network: false,
                             })
                             .collect(),
                     })

@@ -13,13 +13,17 @@
 //! [`PARTIAL_REQUEST_TIMEOUT`] of its first byte ends its stream: a client that
 //! declares large messages and trickles them cannot hold the server's memory.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http_body_util::BodyExt;
+use tokio_util::sync::CancellationToken;
 use tonic::Status;
+
+use crate::budget::FairBudget;
 
 /// A request buffer larger than this is dropped once it is empty.
 const KEEP_REQUEST_BUFFER_BYTES: usize = 1024;
@@ -45,10 +49,35 @@ pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The bytes held in requests not yet whole, across every stream of the server, and
 /// their bound: the larger of 64 MiB and two of the largest requests accepted.
+///
+/// The bound is shared fairly between peer addresses (`budget::FairBudget`): a peer's
+/// streams may hold more than its fair share (the bound divided by the peers holding
+/// anything) only while the bound is not reached; a peer within its share always gets
+/// its bytes, and the streams of peers over their share are ended to make room
+/// (`RESOURCE_EXHAUSTED`). So a client that holds the whole bound in trickled requests
+/// cannot make an Envoy's request (spread over a few HTTP/2 frames) fail: its own
+/// streams are the ones that end.
 #[derive(Clone, Debug)]
 pub struct PartialRequests {
-    held: Arc<AtomicUsize>,
+    shared: Arc<Mutex<Holdings>>,
     limit: usize,
+}
+
+#[derive(Debug)]
+struct Holdings {
+    budget: FairBudget<IpAddr>,
+    /// Stream id → its peer, what it holds, and how to end it when evicted.
+    streams: HashMap<u64, (IpAddr, usize, CancellationToken)>,
+    next_id: u64,
+}
+
+/// One stream's part of [`PartialRequests`].
+#[derive(Debug)]
+pub struct PartialShare {
+    requests: PartialRequests,
+    peer: IpAddr,
+    id: u64,
+    evicted: CancellationToken,
 }
 
 impl PartialRequests {
@@ -58,27 +87,76 @@ impl PartialRequests {
 
     pub fn with_limit(limit: usize) -> PartialRequests {
         PartialRequests {
-            held: Arc::default(),
+            shared: Arc::new(Mutex::new(Holdings {
+                budget: FairBudget::new(limit),
+                streams: HashMap::new(),
+                next_id: 0,
+            })),
             limit,
+        }
+    }
+
+    /// A new stream's share, for a client at `peer` (unknown peers share one address).
+    pub fn share(&self, peer: Option<IpAddr>) -> PartialShare {
+        let mut shared = self.shared.lock().expect("never poisoned");
+        shared.next_id += 1;
+        PartialShare {
+            requests: self.clone(),
+            peer: peer.unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
+            id: shared.next_id,
+            evicted: CancellationToken::new(),
         }
     }
 
     /// Bytes held now.
     pub fn held(&self) -> usize {
-        self.held.load(Ordering::Relaxed)
+        self.shared.lock().expect("never poisoned").budget.total()
     }
+}
 
-    fn try_take(&self, bytes: usize) -> bool {
-        self.held
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
-                held.checked_add(bytes).filter(|&n| n <= self.limit)
-            })
-            .is_ok()
+impl PartialShare {
+    /// Sets what this stream holds; `Err` (nothing changed) when the peer is over its
+    /// fair share of a full bound. Ends the streams of peers evicted to make room.
+    fn hold(&self, bytes: usize) -> Result<(), ()> {
+        let mut shared = self.requests.shared.lock().expect("never poisoned");
+        let Holdings {
+            budget, streams, ..
+        } = &mut *shared;
+        let old = streams.get(&self.id).map_or(0, |(_, held, _)| *held);
+        let peer_total = budget.held_by(&self.peer) - old + bytes;
+        let evicted = budget.admit(&self.peer, peer_total).map_err(|_| ())?;
+        for peer in evicted {
+            streams.retain(|_, (p, _, evict)| {
+                let hit = *p == peer;
+                if hit {
+                    evict.cancel();
+                }
+                !hit
+            });
+        }
+        if bytes == 0 {
+            streams.remove(&self.id);
+        } else {
+            streams.insert(self.id, (self.peer, bytes, self.evicted.clone()));
+        }
+        Ok(())
     }
+}
 
-    fn give_back(&self, bytes: usize) {
-        self.held.fetch_sub(bytes, Ordering::Relaxed);
+impl Drop for PartialShare {
+    fn drop(&mut self) {
+        // Giving back is always admitted (an evicted stream holds nothing any more).
+        if !self.evicted.is_cancelled() {
+            let _ = self.hold(0);
+        }
     }
+}
+
+/// The status of a stream ended to make room for a client within its share.
+fn evicted_status() -> Status {
+    Status::resource_exhausted(
+        "this client's requests not yet whole were over its share of a full bound; ended to make room for another client's",
+    )
 }
 
 /// The messages of a gRPC request body.
@@ -86,7 +164,7 @@ pub struct RequestStream<T> {
     body: tonic::body::Body,
     buf: BytesMut,
     max_message_bytes: usize,
-    partial: PartialRequests,
+    partial: PartialShare,
     /// Bytes of `buf` counted in `partial`.
     counted: usize,
     /// When the bytes now buffered began to arrive.
@@ -96,17 +174,11 @@ pub struct RequestStream<T> {
     _message: std::marker::PhantomData<fn() -> T>,
 }
 
-impl<T> Drop for RequestStream<T> {
-    fn drop(&mut self) {
-        self.partial.give_back(self.counted);
-    }
-}
-
 impl<T: prost::Message + Default> RequestStream<T> {
     pub fn new(
         body: tonic::body::Body,
         max_message_bytes: usize,
-        partial: PartialRequests,
+        partial: PartialShare,
     ) -> RequestStream<T> {
         RequestStream {
             body,
@@ -123,15 +195,14 @@ impl<T: prost::Message + Default> RequestStream<T> {
     /// Counts what `buf` holds now in the server's partial requests.
     fn count_buffered(&mut self) -> Result<(), Status> {
         let now = self.buf.len();
-        if now > self.counted {
-            if !self.partial.try_take(now - self.counted) {
-                return Err(Status::resource_exhausted(format!(
-                    "requests not yet whole hold over {} MiB across all streams",
-                    self.partial.limit >> 20
-                )));
-            }
-        } else {
-            self.partial.give_back(self.counted - now);
+        if self.partial.evicted.is_cancelled() {
+            return Err(evicted_status());
+        }
+        if now != self.counted && self.partial.hold(now).is_err() {
+            return Err(Status::resource_exhausted(format!(
+                "requests not yet whole hold over {} MiB across all streams, and this client is over its share",
+                self.partial.requests.limit >> 20
+            )));
         }
         self.counted = now;
         if now == 0 {
@@ -160,10 +231,17 @@ impl<T: prost::Message + Default> RequestStream<T> {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
+            let evicted = self.partial.evicted.clone();
+            let frame = async {
+                tokio::select! {
+                    next = self.body.frame() => Ok(next),
+                    _ = evicted.cancelled() => Err(evicted_status()),
+                }
+            };
             let next = match until {
-                None => self.body.frame().await,
-                Some(until) => match tokio::time::timeout_at(until, self.body.frame()).await {
-                    Ok(next) => next,
+                None => frame.await?,
+                Some(until) => match tokio::time::timeout_at(until, frame).await {
+                    Ok(next) => next?,
                     Err(_) if self.first_until.is_some_and(|t| t <= until) => {
                         return Err(Status::deadline_exceeded(format!(
                             "no whole request {}s after the stream opened",
@@ -233,7 +311,11 @@ mod tests {
             .into_iter()
             .map(|c| Ok::<_, Status>(Frame::data(Bytes::from(c))));
         let body = http_body_util::StreamBody::new(futures::stream::iter(frames));
-        RequestStream::new(tonic::body::Body::new(body), max, PartialRequests::new(max))
+        RequestStream::new(
+            tonic::body::Body::new(body),
+            max,
+            PartialRequests::new(max).share(None),
+        )
     }
 
     fn request(type_url: &str) -> DiscoveryRequest {
@@ -308,6 +390,15 @@ mod tests {
 
     /// A body that sends `chunks` and then nothing, without ending.
     fn stalled(chunks: Vec<Vec<u8>>, partial: PartialRequests) -> RequestStream<DiscoveryRequest> {
+        stalled_from(chunks, partial, [192, 0, 2, 1])
+    }
+
+    /// [`stalled`], for a client at `peer`.
+    fn stalled_from(
+        chunks: Vec<Vec<u8>>,
+        partial: PartialRequests,
+        peer: [u8; 4],
+    ) -> RequestStream<DiscoveryRequest> {
         use futures::StreamExt;
         let frames = futures::stream::iter(
             chunks
@@ -316,7 +407,11 @@ mod tests {
         )
         .chain(futures::stream::pending());
         let body = http_body_util::StreamBody::new(frames);
-        RequestStream::new(tonic::body::Body::new(body), 1 << 20, partial)
+        RequestStream::new(
+            tonic::body::Body::new(body),
+            1 << 20,
+            partial.share(Some(IpAddr::from(peer))),
+        )
     }
 
     /// A stream that never sends its first request ends; a request whose first bytes came
@@ -337,7 +432,7 @@ mod tests {
         let mut s = RequestStream::<DiscoveryRequest>::new(
             tonic::body::Body::new(body),
             1 << 20,
-            PartialRequests::new(1 << 20),
+            PartialRequests::new(1 << 20).share(None),
         );
         bytes.extend_from_slice(&b[..3]);
         tx.send(Ok(Frame::data(Bytes::from(bytes)))).await.unwrap();
@@ -394,5 +489,81 @@ mod tests {
             .is_err());
         assert_eq!(partial.held(), 5);
         assert!(s.buf.capacity() < 4096, "{}", s.buf.capacity());
+    }
+
+    /// Issue 13: one client holding the whole bound in trickled requests cannot make an
+    /// Envoy's request fail: the Envoy is within its share, so the hog's streams end to
+    /// make room, and the hog cannot take it back while the Envoy holds its part.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_within_its_share_gets_in_and_the_hog_is_ended() {
+        let partial = PartialRequests::with_limit(10_000);
+        let big = frame(&DiscoveryRequest {
+            resource_names: (0..400).map(|i| format!("resource-name-{i}")).collect(),
+            ..Default::default()
+        });
+        let hog = [198, 18, 0, 66];
+        let mut hogs: Vec<_> = (0..2)
+            .map(|_| stalled_from(vec![big[..4_900].to_vec()], partial.clone(), hog))
+            .collect();
+        for h in &mut hogs {
+            assert!(tokio::time::timeout(Duration::from_secs(1), h.message())
+                .await
+                .is_err());
+        }
+        assert_eq!(partial.held(), 9_800);
+
+        // An Envoy's request in two frames: its first 3,000 bytes are within its share
+        // (5,000 of 10,000 with two peers holding), so the hog's streams are ended.
+        let envoy = frame(&DiscoveryRequest {
+            resource_names: (0..200).map(|i| format!("envoy-resource-{i}")).collect(),
+            ..Default::default()
+        });
+        assert!(
+            envoy.len() > 3_000 && envoy.len() < 5_000,
+            "{}",
+            envoy.len()
+        );
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Status>>(4);
+        let body = http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let mut s = RequestStream::<DiscoveryRequest>::new(
+            tonic::body::Body::new(body),
+            1 << 20,
+            partial.share(Some(IpAddr::from([198, 18, 0, 1]))),
+        );
+        tx.send(Ok(Frame::data(envoy.slice(..3_000))))
+            .await
+            .unwrap();
+        assert!(tokio::time::timeout(Duration::from_secs(1), s.message())
+            .await
+            .is_err());
+        assert_eq!(partial.held(), 3_000);
+        for h in &mut hogs {
+            let err = h.message().await.unwrap_err();
+            assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
+        }
+        drop(hogs);
+        assert_eq!(partial.held(), 3_000);
+        // The hog comes back: within the bound it may hold (7,000 are free)...
+        let mut again = stalled_from(vec![big[..4_000].to_vec()], partial.clone(), hog);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), again.message())
+                .await
+                .is_err()
+        );
+        // ...but not past it, over its share: refused, the Envoy untouched.
+        let mut more = stalled_from(vec![big[..4_000].to_vec()], partial.clone(), hog);
+        let err = more.message().await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
+        drop(more);
+        assert_eq!(partial.held(), 7_000);
+        tx.send(Ok(Frame::data(envoy.slice(3_000..))))
+            .await
+            .unwrap();
+        assert_eq!(
+            s.message().await.unwrap().unwrap().resource_names.len(),
+            200
+        );
+        drop((again, s));
+        assert_eq!(partial.held(), 0);
     }
 }

@@ -44,8 +44,12 @@ impl AdsService {
         }
     }
 
-    fn decode<T: prost::Message + Default>(&self, body: tonic::body::Body) -> RequestStream<T> {
-        RequestStream::new(body, self.max_message_bytes, self.partial.clone())
+    fn decode<T: prost::Message + Default>(
+        &self,
+        body: tonic::body::Body,
+        peer: Option<std::net::IpAddr>,
+    ) -> RequestStream<T> {
+        RequestStream::new(body, self.max_message_bytes, self.partial.share(peer))
     }
 }
 
@@ -67,19 +71,20 @@ impl tower::Service<http::Request<tonic::body::Body>> for AdsService {
         let path = request.uri().path().to_owned();
         // The connection counts the stream while its response lives (an idle connection,
         // one without streams, is closed by the listener).
-        let open = request
+        let info = request
             .extensions()
-            .get::<super::listener::XdsConnectInfo>()
-            .map(|info| info.streams.open());
+            .get::<super::listener::XdsConnectInfo>();
+        let open = info.map(|info| info.streams.open());
+        let peer = info.and_then(|info| info.tcp.remote_addr()).map(|a| a.ip());
         let body = request.into_body();
         match path.as_str() {
             SOTW_PATH => {
-                let inbound = self.decode::<DiscoveryRequest>(body);
+                let inbound = self.decode::<DiscoveryRequest>(body, peer);
                 self.server
                     .spawn_stream::<SotwStream>(SotwStream::new(), inbound, tx);
             }
             DELTA_PATH => {
-                let inbound = self.decode::<DeltaDiscoveryRequest>(body);
+                let inbound = self.decode::<DeltaDiscoveryRequest>(body, peer);
                 self.server
                     .spawn_stream::<DeltaStream>(DeltaStream::new(), inbound, tx);
             }

@@ -194,7 +194,7 @@ pub fn dashboard_json(data: &[u8]) {
     let mut dashboards = DashboardStates::default();
     for cluster in ["a", "b"] {
         let mut d = ClusterDashboard::new(DASHBOARD_URL.into());
-        d.status = Some(status.clone());
+        d.status = Some(status.clone().into());
         dashboards
             .clusters
             .insert(format!("default/fuzz/{cluster}"), d);
@@ -260,11 +260,11 @@ pub fn routes(data: &[u8]) {
     ] {
         let mut probe = ProxyProbe::new(now());
         probe.state = ProbeState::Healthy;
-        probe.routes = routes;
+        probe.routes = routes.map(std::sync::Arc::new);
         probes.proxies.insert(address, probe);
     }
     let mut dashboard = ClusterDashboard::new("http://10.0.0.1:8265".into());
-    dashboard.status = Some(ServeStatus {
+    dashboard.status = Some(std::sync::Arc::new(ServeStatus {
         applications: BTreeMap::from([(
             "hello".to_string(),
             Application {
@@ -274,7 +274,7 @@ pub fn routes(data: &[u8]) {
             },
         )]),
         ..Default::default()
-    });
+    }));
     let dashboards = DashboardStates {
         clusters: BTreeMap::from([("default/fuzz/a".to_string(), dashboard)]),
     };
@@ -867,7 +867,7 @@ fn healthy(model: &Model) -> ProbeStates {
     for proxy in model.proxies() {
         let mut probe = ProxyProbe::new(now());
         probe.state = ProbeState::Healthy;
-        probe.routes = Some(BTreeSet::from(["/".to_string()]));
+        probe.routes = Some(std::sync::Arc::new(BTreeSet::from(["/".to_string()])));
         probes.proxies.insert(proxy.address, probe);
     }
     probes

@@ -5,8 +5,10 @@
 //!   that one is the active cluster; with neither, the RayService is not routed yet.
 //! - A cluster's proxies are its pods (label `ray.io/cluster`, same namespace) that are
 //!   Running and have an IP, at the container port named `serve` (8000 if none). A pod
-//!   with a deletion timestamp is a draining proxy. Its dashboard is at the head pod's IP
-//!   and the port named `dashboard` (8265 if none).
+//!   with a deletion timestamp is a draining proxy. A `hostNetwork` pod's proxy is marked
+//!   so ([`Proxy::host_network`]): its IP is its node's, and the address policy refuses it
+//!   unless `proxies.networks` allows it. Its dashboard is at the head pod's IP and the
+//!   port named `dashboard` (8265 if none).
 //! - `spec.excludeHeadPodFromServeSvc` forces `head_proxy: exclude`; `ray-xds.io/*`
 //!   annotations set hosts and policy overrides.
 //! - KubeRay's application statuses are hints only and do not reach the model: each
@@ -254,6 +256,7 @@ fn cluster(
                 NodeType::Worker
             },
             draining: pod.terminating,
+            host_network: pod.host_network,
         });
     }
     // The head that is not going away, else any running head.
@@ -305,6 +308,7 @@ mod tests {
             ip: Some(ip.parse().unwrap()),
             running: true,
             terminating: false,
+            host_network: false,
             serve_port: 8000,
             dashboard_port: 8265,
         }
@@ -317,9 +321,11 @@ mod tests {
         terminating.terminating = true;
         let mut pending_pod = pod("a-worker-3", "llm-a", "10.0.0.4", false);
         pending_pod.running = false;
+        let mut host_network = pod("a-worker-1", "llm-a", "10.0.0.2", false);
+        host_network.host_network = true;
         let pods = [
             pod("a-head", "llm-a", "10.0.0.1", true),
-            pod("a-worker-1", "llm-a", "10.0.0.2", false),
+            host_network,
             terminating,
             pending_pod,
             pod("b-head", "llm-b", "10.0.1.1", true),
@@ -334,19 +340,23 @@ mod tests {
         assert_eq!(s.pending_cluster.as_deref(), Some("llm-b"));
         let a = s.cluster("llm-a").unwrap();
         assert_eq!(a.dashboard.as_deref(), Some("http://10.0.0.1:8265"));
-        let proxies: Vec<(String, NodeType, bool)> = a
+        let proxies: Vec<(String, NodeType, bool, bool)> = a
             .proxies
             .iter()
-            .map(|p| (p.address.to_string(), p.node_type, p.draining))
+            .map(|p| {
+                let address = p.address.to_string();
+                (address, p.node_type, p.draining, p.host_network)
+            })
             .collect();
         assert_eq!(
             proxies,
             [
-                ("10.0.0.1:8000".to_string(), NodeType::Head, false),
-                ("10.0.0.2:8000".to_string(), NodeType::Worker, false),
-                ("10.0.0.3:8000".to_string(), NodeType::Worker, true),
+                ("10.0.0.1:8000".to_string(), NodeType::Head, false, false),
+                ("10.0.0.2:8000".to_string(), NodeType::Worker, false, true),
+                ("10.0.0.3:8000".to_string(), NodeType::Worker, true, false),
             ],
-            "the not-Running pod has no endpoint; the terminating one drains"
+            "the not-Running pod has no endpoint; the terminating one drains; the \
+             hostNetwork one is marked for the address policy"
         );
         assert_eq!(s.cluster("llm-b").unwrap().proxies.len(), 1);
     }

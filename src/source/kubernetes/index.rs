@@ -205,6 +205,7 @@ mod tests {
             ip: Some(std::net::IpAddr::from([10, 0, 0, last_octet])),
             running: true,
             terminating: false,
+            host_network: false,
             serve_port: 8000,
             dashboard_port: 8265,
         }

@@ -122,6 +122,9 @@ pub struct PodObject {
     pub running: bool,
     /// `metadata.deletionTimestamp` is set: the pod is terminating.
     pub terminating: bool,
+    /// `spec.hostNetwork`: the pod shares its node's network namespace, so its IP is
+    /// the node's (and any port on the node is reachable at it).
+    pub host_network: bool,
     /// The container port named `serve` (8000 if none).
     pub serve_port: u16,
     /// The container port named `dashboard` (8265 if none).
@@ -184,6 +187,11 @@ impl PodObject {
             ip,
             running: status.phase.as_deref() == Some("Running"),
             terminating: obj.metadata.deletion_timestamp.is_some(),
+            host_network: data
+                .spec
+                .as_ref()
+                .and_then(|s| s.host_network)
+                .unwrap_or(false),
             serve_port,
             dashboard_port,
         })
@@ -273,7 +281,7 @@ mod tests {
     fn decodes_a_kuberay_pod() {
         let p = PodObject::decode(&dynamic(pod())).unwrap();
         assert_eq!(p.cluster, "rs-raycluster-abcde");
-        assert!(p.head && p.running && !p.terminating);
+        assert!(p.head && p.running && !p.terminating && !p.host_network);
         assert_eq!(p.ip, Some("10.1.2.3".parse().unwrap()));
         assert_eq!((p.serve_port, p.dashboard_port), (8000, 8265));
 
@@ -285,6 +293,25 @@ mod tests {
         let p = PodObject::decode(&dynamic(v)).unwrap();
         assert_eq!(p.serve_port, 8123);
         assert!(!p.head && !p.running && p.terminating && p.ip.is_none());
+    }
+
+    /// Issue 13: a hostNetwork pod's podIP is its node's address; the flag travels with
+    /// the pod so that the address policy can refuse it.
+    #[test]
+    fn decodes_host_network() {
+        for (value, want) in [
+            (json!(true), true),
+            (json!(false), false),
+            (serde_json::Value::Null, false),
+        ] {
+            let mut v = pod();
+            v["spec"]["hostNetwork"] = value.clone();
+            let p = PodObject::decode(&dynamic(v)).unwrap();
+            assert_eq!(p.host_network, want, "{value}");
+        }
+        let mut v = pod();
+        v["spec"]["hostNetwork"] = json!("yes");
+        assert!(PodObject::decode(&dynamic(v)).is_err(), "a malformed flag");
     }
 
     #[test]
