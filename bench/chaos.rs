@@ -1,19 +1,50 @@
-//! The chaos benchmark: steady load through a real Envoy while Ray Serve proxies crash,
-//! hang and drain, clusters are upgraded or replaced, and the control plane restarts;
-//! each scenario run against ray-xds and against a baseline that routes the way KubeRay
-//! does today.
+//! The chaos benchmark: open-loop load through a real Envoy while Ray Serve proxies crash,
+//! hang and drain, clusters are upgraded or replaced, and the control plane stops; each
+//! scenario run against ray-xds and against baselines that route the way KubeRay does,
+//! every arm under the same load, the same simulated clusters and the same fault.
 //!
 //! `cargo bench --bench chaos -- --help`
 //!
 //! Every simulated proxy is its own `ray-serve-sim` process, so a crash is a real SIGKILL
-//! (connections reset) and a hang a real SIGSTOP. The baseline is an xDS server fed like
-//! KubeRay's Service: every 2 s a reconcile checks each proxy of the *active* cluster
-//! (`GET /-/healthz`, 2 s timeout) and the endpoints follow, 1 s later (EndpointSlices,
-//! kube-proxy); no retries, no outlier detection, no health in EDS, Envoy's default panic
-//! threshold; the switch happens when the source says so.
+//! (connections reset) and a hang a real SIGSTOP.
 //!
-//! The last line of each scenario is `chaos scenario=<name> requests=<n> failed=<f>
-//! baseline_failed=<b>`.
+//! Arms (`--arm` picks some):
+//!
+//! - `ray-xds`: ray-xds with its defaults (the head's proxy is a fallback only).
+//! - `ray-xds-head-include`: the same with `head_proxy: include`, as KubeRay's Service
+//!   includes the head: the arm to set beside the baselines.
+//! - `baseline-kuberay`: KubeRay 1.1 and later (checked against v1.7's sources), as xDS:
+//!   the `serve-svc` Service's endpoints are the active cluster's pods that are ready and
+//!   labelled `ray.io/serve=true`. The head's proxy is checked by the RayService
+//!   reconcile (every 2 s, `GET /-/healthz`, 2 s timeout); each worker's by its kubelet
+//!   readiness probe (every 5 s, 2 s timeout, failure threshold 1, as KubeRay injects for
+//!   RayService workers); endpoints follow 1 s later (EndpointSlices, the ingress). A
+//!   `NewCluster` upgrade switches once the reconcile sees the pending cluster's
+//!   applications RUNNING on its dashboard. No retries, no outlier detection, no health
+//!   in EDS. When "the control plane" stops, KubeRay's reconcile stops; kubelet and the
+//!   endpoints go on.
+//! - `baseline-kuberay-policy`: the same endpoints with ray-xds's traffic policy (retries
+//!   of what certainly did not run, outlier detection, circuit breakers): what the policy
+//!   buys, apart from live health and the gated switch.
+//! - `baseline-kuberay-1.0` (upgrade and cluster-replaced only): KubeRay up to 1.0,
+//!   which switched as soon as the new cluster's head was up (the seed report).
+//!
+//! ray-xds is given the harder input in the switchover scenarios: its source names the new
+//! cluster active at once (as KubeRay 1.0 did), and ray-xds gates the switch itself.
+//!
+//! Load is open-loop: requests start on schedule (`--rps`) whatever is in flight, at most
+//! `--max-in-flight` at once (one over that is counted failed and lost). A failed request
+//! is one that did not get a 2xx; it **may have run** when Envoy reports it reset or timed
+//! out on a proxy (`upstream request timeout`, `connection termination`, `remote reset`)
+//! or the client's timeout ended it while it waited on a proxy: the safety rule (a request
+//! that may have run is never sent again unless its RayService is idempotent) makes those
+//! the price of not replaying. Every other failure is **lost**: it never reached a proxy
+//! that could have run it while a healthy one existed (every scenario keeps one).
+//!
+//! The last lines of each scenario, one per arm:
+//! `chaos scenario=<name> arm=<arm> requests=<n> failed=<f> executed_twice=<k> p99_ms=<x>
+//! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> window_ms=<w>`. With `--assert`, the
+//! benchmark exits 1 when an arm running ray-xds lost a request or executed one twice.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -28,6 +59,9 @@ use clap::Parser;
 use envoy_types::pb::envoy::config::cluster::v3::cluster::CommonLbConfig;
 use ray_serve_sim::dashboard::SimDashboard;
 use ray_xds::config::GatewaySettings;
+use ray_xds::live::dashboard::DashboardClient;
+use ray_xds::live::probe::Outcome;
+use ray_xds::live::prober::{probe_client, probe_healthz};
 use ray_xds::metrics::Metrics;
 use ray_xds::model::{Model, NodeType};
 use ray_xds::xds::grpc::AdsService;
@@ -38,8 +72,9 @@ use support::*;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-const SCENARIOS: [&str; 7] = [
-    "proxy-crash",
+const SCENARIOS: [&str; 8] = [
+    "head-crash",
+    "worker-crash",
     "proxy-hang",
     "proxy-drain",
     "upgrade",
@@ -48,23 +83,41 @@ const SCENARIOS: [&str; 7] = [
     "control-plane-down-crash",
 ];
 
+/// Every arm, in the order they run.
+const ARMS: [&str; 5] = [
+    "ray-xds",
+    "ray-xds-head-include",
+    "baseline-kuberay",
+    "baseline-kuberay-policy",
+    "baseline-kuberay-1.0",
+];
+
 #[derive(Parser, Clone)]
 struct Args {
     /// Scenarios to run (all by default).
     #[arg(long = "scenario")]
     scenarios: Vec<String>,
+    /// Arms to run (all that apply to each scenario by default).
+    #[arg(long = "arm")]
+    arms: Vec<String>,
     /// Seconds of load per scenario (proxy-drain runs 20 s longer: the drain lasts 30 s).
     #[arg(long, default_value_t = 20)]
     duration: u64,
-    /// Requests per second, all connections together.
+    /// Requests started per second (open loop).
     #[arg(long, default_value_t = 200)]
     rps: u64,
-    /// Keep-alive connections to Envoy.
-    #[arg(long, default_value_t = 8)]
-    connections: u64,
+    /// Requests in flight at most; one more is counted failed (lost).
+    #[arg(long, default_value_t = 512)]
+    max_in_flight: usize,
+    /// Seconds a request may take before the client gives up.
+    #[arg(long, default_value_t = 10)]
+    client_timeout: u64,
     /// Second at which the fault strikes.
     #[arg(long, default_value_t = 5)]
     fault_at: u64,
+    /// Exit 1 when an arm running ray-xds lost a request or executed one twice.
+    #[arg(long)]
+    assert: bool,
     #[arg(long, hide = true)]
     bench: bool,
 }
@@ -201,8 +254,12 @@ struct SourceView {
 }
 
 impl SourceView {
-    fn yaml(&self) -> String {
-        let mut s = format!("rayservices:\n  - name: demo\n    hosts: ['*']\n    active_cluster: {}\n    clusters:\n", self.active);
+    /// As services.yaml, with `extra` lines for the RayService (e.g. its head policy).
+    fn yaml(&self, extra: &str) -> String {
+        let mut s = format!(
+            "rayservices:\n  - name: demo\n    hosts: ['*']\n    active_cluster: {}\n{extra}    clusters:\n",
+            self.active
+        );
         for (name, proxies, url) in &self.clusters {
             s += &format!("      - name: {name}\n        dashboard: {url}\n        proxies:\n");
             for (addr, t) in proxies {
@@ -229,29 +286,53 @@ fn view(active: &str, clusters: &[&SimRayCluster]) -> SourceView {
     }
 }
 
-/// A control plane under test: ray-xds, or the KubeRay-like baseline.
+/// How a baseline moves traffic to a new cluster.
+#[derive(Clone, Copy, PartialEq)]
+enum Switch {
+    /// KubeRay up to 1.0: when the source says so (the new head is up).
+    AtOnce,
+    /// KubeRay 1.1 and later: when the reconcile sees the new cluster's apps RUNNING.
+    WhenRunning,
+}
+
+/// A control plane under test: ray-xds, or a KubeRay-like baseline.
 enum ControlPlane {
     RayXds {
         services: PathBuf,
+        extra: &'static str,
         config: Box<ray_xds::config::Config>,
         running: Option<ray_xds::runtime::Running>,
     },
     Baseline {
-        xds_port: u16,
+        /// What the RayService says (the cluster to switch to, once ready).
         source: Arc<Mutex<SourceView>>,
-        gateway: GatewaySettings,
-        stop: Option<CancellationToken>,
+        /// KubeRay's reconcile runs while this is `Some`.
+        reconcile: Option<CancellationToken>,
+        plumbing: Arc<BaselinePlumbing>,
+        /// The endpoints' side (xDS server, kubelet): up for the whole run.
+        stop: CancellationToken,
     },
 }
 
 impl ControlPlane {
-    async fn ray_xds(dir: &Path, source: &SourceView, gateway_port: u16) -> ControlPlane {
+    async fn ray_xds(
+        dir: &Path,
+        source: &SourceView,
+        head_include: bool,
+        gateway_port: u16,
+    ) -> ControlPlane {
         let services = dir.join("services.yaml");
-        std::fs::write(&services, source.yaml()).unwrap();
+        let extra = if head_include {
+            "    head_proxy: include\n"
+        } else {
+            ""
+        };
+        std::fs::write(&services, source.yaml(extra)).unwrap();
         let mut config = test_config(&services, gateway_port);
         config.xds_listen = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let mut cp = ControlPlane::RayXds {
             services,
+            extra,
             config: Box::new(config),
             running: None,
         };
@@ -259,17 +340,24 @@ impl ControlPlane {
         cp
     }
 
-    async fn baseline(source: &SourceView, gateway_port: u16) -> ControlPlane {
+    async fn baseline(
+        source: &SourceView,
+        switch: Switch,
+        policy: bool,
+        gateway_port: u16,
+    ) -> ControlPlane {
         let gateway = GatewaySettings {
             listener_address: "127.0.0.1".parse().unwrap(),
             listener_port: gateway_port,
             ..Default::default()
         };
+        let stop = CancellationToken::new();
+        let plumbing = BaselinePlumbing::start(source, switch, policy, gateway, &stop).await;
         let mut cp = ControlPlane::Baseline {
-            xds_port: free_port(),
             source: Arc::new(Mutex::new(source.clone())),
-            gateway,
-            stop: None,
+            reconcile: None,
+            plumbing,
+            stop,
         };
         cp.start().await;
         cp
@@ -278,13 +366,15 @@ impl ControlPlane {
     fn xds_port(&self) -> u16 {
         match self {
             ControlPlane::RayXds { config, .. } => config.xds_listen.port(),
-            ControlPlane::Baseline { xds_port, .. } => *xds_port,
+            ControlPlane::Baseline { plumbing, .. } => plumbing.xds_port,
         }
     }
 
     async fn set_source(&mut self, view: &SourceView) {
         match self {
-            ControlPlane::RayXds { services, .. } => write_atomic(services, &view.yaml()),
+            ControlPlane::RayXds {
+                services, extra, ..
+            } => write_atomic(services, &view.yaml(extra)),
             ControlPlane::Baseline { source, .. } => *source.lock().unwrap() = view.clone(),
         }
     }
@@ -301,23 +391,24 @@ impl ControlPlane {
                 );
             }
             ControlPlane::Baseline {
-                xds_port,
                 source,
-                gateway,
-                stop,
+                reconcile,
+                plumbing,
+                ..
             } => {
                 let token = CancellationToken::new();
-                tokio::spawn(run_baseline(
-                    *xds_port,
+                tokio::spawn(kuberay_reconcile(
                     source.clone(),
-                    gateway.clone(),
+                    plumbing.clone(),
                     token.clone(),
                 ));
-                *stop = Some(token);
+                *reconcile = Some(token);
             }
         }
     }
 
+    /// Stops the control plane: ray-xds whole; for a baseline, KubeRay's reconcile
+    /// (kubelet and the endpoints' plumbing go on, as in a cluster).
     async fn stop(&mut self) {
         match self {
             ControlPlane::RayXds { running, .. } => {
@@ -325,69 +416,106 @@ impl ControlPlane {
                     r.stop().await.unwrap();
                 }
             }
-            ControlPlane::Baseline { stop, .. } => {
-                if let Some(t) = stop.take() {
+            ControlPlane::Baseline { reconcile, .. } => {
+                if let Some(t) = reconcile.take() {
                     t.cancel();
                 }
             }
         }
     }
+
+    /// Ends everything the arm started.
+    async fn end(mut self) {
+        self.stop().await;
+        if let ControlPlane::Baseline { stop, .. } = self {
+            stop.cancel();
+        }
+    }
 }
 
-/// The baseline: KubeRay's label-following Service, as xDS.
-async fn run_baseline(
-    port: u16,
-    source: Arc<Mutex<SourceView>>,
+/// What the baseline's Service is made of, shared by KubeRay's reconcile and kubelet.
+struct BaselinePlumbing {
+    xds_port: u16,
+    switch: Switch,
+    policy: bool,
     gateway: GatewaySettings,
-    stop: CancellationToken,
-) {
-    let initial = baseline_snapshot(&source.lock().unwrap().clone(), &[], &gateway);
-    let (tx, rx) = watch::channel(Arc::new(initial));
-    let server = AdsServer::new(
-        rx,
-        Arc::new(Metrics::new()),
-        Arc::new(Clients::default()),
-        stop.clone(),
-    );
-    let listener = loop {
-        match tokio::net::TcpListener::bind(("127.0.0.1", port)).await {
-            Ok(l) => break l,
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    };
-    let service = AdsService::new(server, 4 << 20);
-    let token = stop.clone();
-    tokio::spawn(async move {
-        let _ = tonic::transport::Server::builder()
-            .add_service(service)
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
-                token.cancelled_owned(),
-            )
-            .await;
-    });
-    let client = ray_xds::live::prober::probe_client(Duration::from_secs(2));
-    loop {
-        // KubeRay's reconcile: every 2 s, GET /-/healthz with a 2 s timeout.
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
-        }
-        let view = source.lock().unwrap().clone();
-        let mut failing = Vec::new();
-        if let Some((_, proxies, _)) = view.clusters.iter().find(|(n, _, _)| *n == view.active) {
-            for (addr, _) in proxies {
-                let outcome =
-                    ray_xds::live::prober::probe_healthz(&client, *addr, Duration::from_secs(2))
-                        .await;
-                if outcome != ray_xds::live::probe::Outcome::Healthy {
-                    failing.push(*addr);
-                }
-            }
-        }
-        let snapshot = baseline_snapshot(&view, &failing, &gateway);
-        let tx = tx.clone();
-        // EndpointSlices, kube-proxy and the ingress follow a moment later.
+    state: Mutex<ServiceState>,
+    snapshots: watch::Sender<Arc<Snapshot>>,
+}
+
+/// The `serve-svc` Service as the data plane sees it.
+#[derive(Clone)]
+struct ServiceState {
+    /// The cluster the Service selects (KubeRay's active cluster), as KubeRay last saw it.
+    active: ClusterView,
+    /// The head's `ray.io/serve` label (set by the reconcile).
+    head_serving: bool,
+    /// Workers whose readiness probe failed last (kubelet).
+    workers_not_ready: Vec<SocketAddr>,
+}
+
+impl BaselinePlumbing {
+    async fn start(
+        source: &SourceView,
+        switch: Switch,
+        policy: bool,
+        gateway: GatewaySettings,
+        stop: &CancellationToken,
+    ) -> Arc<BaselinePlumbing> {
+        let active = source
+            .clusters
+            .iter()
+            .find(|(n, _, _)| *n == source.active)
+            .expect("the active cluster is listed")
+            .clone();
+        let state = ServiceState {
+            active,
+            head_serving: true,
+            workers_not_ready: Vec::new(),
+        };
+        let initial = baseline_snapshot(&state, policy, &gateway);
+        let (snapshots, rx) = watch::channel(Arc::new(initial));
+        let server = AdsServer::new(
+            rx,
+            Arc::new(Metrics::new()),
+            Arc::new(Clients::default()),
+            stop.clone(),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let xds_port = listener.local_addr().unwrap().port();
+        let service = AdsService::new(server, 4 << 20);
+        let token = stop.clone();
+        tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    token.cancelled_owned(),
+                )
+                .await;
+        });
+        let plumbing = Arc::new(BaselinePlumbing {
+            xds_port,
+            switch,
+            policy,
+            gateway,
+            state: Mutex::new(state),
+            snapshots,
+        });
+        tokio::spawn(kubelet(plumbing.clone(), stop.clone()));
+        plumbing
+    }
+
+    /// Changes the Service; the data plane sees it 1 s later (EndpointSlices, the
+    /// ingress).
+    fn update(self: &Arc<Self>, change: impl FnOnce(&mut ServiceState)) {
+        let state = {
+            let mut state = self.state.lock().unwrap();
+            change(&mut state);
+            state.clone()
+        };
+        let snapshot = baseline_snapshot(&state, self.policy, &self.gateway);
+        let tx = self.snapshots.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_secs(1)).await;
             tx.send_if_modified(|s| {
@@ -401,21 +529,118 @@ async fn run_baseline(
     }
 }
 
-fn baseline_snapshot(
-    view: &SourceView,
-    failing: &[SocketAddr],
-    gateway: &GatewaySettings,
-) -> Snapshot {
-    let mut yaml_view = view.clone();
-    // The Service selects the active cluster's pods whose serve label is true.
-    yaml_view.clusters.retain(|(n, _, _)| *n == view.active);
-    for (_, proxies, _) in &mut yaml_view.clusters {
-        proxies.retain(|(a, _)| !failing.contains(a));
+/// kubelet's readiness probes of the active cluster's workers: every 5 s, 2 s timeout,
+/// failure threshold 1 (KubeRay's injection for RayService workers).
+async fn kubelet(plumbing: Arc<BaselinePlumbing>, stop: CancellationToken) {
+    let client = probe_client(Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+        }
+        let workers: Vec<SocketAddr> = {
+            let state = plumbing.state.lock().unwrap();
+            state
+                .active
+                .1
+                .iter()
+                .filter(|(_, t)| *t == NodeType::Worker)
+                .map(|(a, _)| *a)
+                .collect()
+        };
+        let mut not_ready = Vec::new();
+        for w in workers {
+            if probe_healthz(&client, w, Duration::from_secs(2)).await != Outcome::Healthy {
+                not_ready.push(w);
+            }
+        }
+        plumbing.update(|s| s.workers_not_ready = not_ready);
     }
-    let text = yaml_view.yaml().replace(
-        "    clusters:\n",
-        "    head_proxy: include\n    clusters:\n",
-    );
+}
+
+/// KubeRay's RayService reconcile: every 2 s, the head's proxy (`GET /-/healthz`, 2 s
+/// timeout) sets its serve label; a pending cluster becomes active when the switch rule
+/// says so.
+async fn kuberay_reconcile(
+    source: Arc<Mutex<SourceView>>,
+    plumbing: Arc<BaselinePlumbing>,
+    stop: CancellationToken,
+) {
+    let client = probe_client(Duration::from_secs(2));
+    let dashboards = DashboardClient::new(Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+        let view = source.lock().unwrap().clone();
+        let current = plumbing.state.lock().unwrap().active.0.clone();
+        let mut next = None;
+        if view.active != current {
+            let wanted = view
+                .clusters
+                .iter()
+                .find(|(n, _, _)| *n == view.active)
+                .cloned();
+            if let Some(wanted) = wanted {
+                let ready = match plumbing.switch {
+                    Switch::AtOnce => true,
+                    Switch::WhenRunning => dashboards
+                        .fetch(&wanted.2)
+                        .await
+                        .is_ok_and(|s| s.all_running()),
+                };
+                if ready {
+                    next = Some(wanted);
+                }
+            }
+        }
+        let active = next
+            .clone()
+            .unwrap_or_else(|| plumbing.state.lock().unwrap().active.clone());
+        let head = active
+            .1
+            .iter()
+            .find(|(_, t)| *t == NodeType::Head)
+            .map(|(a, _)| *a);
+        let head_serving = match head {
+            Some(h) => probe_healthz(&client, h, Duration::from_secs(2)).await == Outcome::Healthy,
+            None => false,
+        };
+        plumbing.update(|s| {
+            if let Some(next) = next {
+                s.active = next;
+                s.workers_not_ready.clear();
+            }
+            s.head_serving = head_serving;
+        });
+    }
+}
+
+/// The Service's endpoints as xDS: the active cluster's serving head and ready workers.
+fn baseline_snapshot(state: &ServiceState, policy: bool, gateway: &GatewaySettings) -> Snapshot {
+    let (name, proxies, url) = &state.active;
+    let serving: Vec<(SocketAddr, NodeType)> = proxies
+        .iter()
+        .filter(|(a, t)| match t {
+            NodeType::Head => state.head_serving,
+            NodeType::Worker => !state.workers_not_ready.contains(a),
+        })
+        .copied()
+        .collect();
+    let yaml_view = SourceView {
+        active: name.clone(),
+        clusters: vec![(name.clone(), serving, url.clone())],
+    };
+    // A Service keeps no endpoint when none is ready; the model wants one proxy at
+    // least, so an empty list is modelled by a port nothing listens on.
+    let mut text = yaml_view.yaml("    head_proxy: include\n");
+    if !text.contains("address:") {
+        text = text.replace(
+            "        proxies:\n",
+            "        proxies:\n          - { address: 127.0.0.1:9, node_type: worker }\n",
+        );
+    }
     let model: Model = ray_xds::source::file::parse(Path::new("baseline.yaml"), &text).unwrap();
     let mut resources = ray_xds::translate::translate(
         &model,
@@ -424,32 +649,26 @@ fn baseline_snapshot(
         gateway,
         &Default::default(),
     );
-    for c in &mut resources.clusters {
-        c.outlier_detection = None;
-        c.circuit_breakers = None;
-        c.common_lb_config = Some(CommonLbConfig::default());
-    }
-    for r in &mut resources.routes {
-        for vh in &mut r.virtual_hosts {
-            for route in &mut vh.routes {
-                if let Some(envoy_types::pb::envoy::config::route::v3::route::Action::Route(a)) =
-                    &mut route.action
-                {
-                    a.retry_policy = None;
+    if !policy {
+        for c in &mut resources.clusters {
+            c.outlier_detection = None;
+            c.circuit_breakers = None;
+            c.common_lb_config = Some(CommonLbConfig::default());
+        }
+        for r in &mut resources.routes {
+            for vh in &mut r.virtual_hosts {
+                for route in &mut vh.routes {
+                    if let Some(envoy_types::pb::envoy::config::route::v3::route::Action::Route(
+                        a,
+                    )) = &mut route.action
+                    {
+                        a.retry_policy = None;
+                    }
                 }
             }
         }
     }
     Snapshot::from_resources(&resources)
-}
-
-struct LoadResult {
-    requests: u64,
-    failed: u64,
-    latencies: Vec<Duration>,
-    last_failure: Option<Duration>,
-    /// Requests that ran on more than one proxy (from the proxies' execution logs).
-    executed_twice: u64,
 }
 
 /// Requests the execution logs in `dir` show running more than once.
@@ -468,104 +687,143 @@ fn executed_twice(dir: &Path) -> u64 {
     runs.values().filter(|n| **n > 1).count() as u64
 }
 
-/// Steady keep-alive POST load through Envoy until `stop`.
-async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken) -> LoadResult {
-    let per_connection = Duration::from_secs_f64(args.connections as f64 / args.rps as f64);
-    let mut tasks = Vec::new();
-    for connection in 0..args.connections {
-        let stop = stop.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut out = (0u64, 0u64, Vec::new(), None::<Duration>);
-            let mut sender: Option<
-                hyper::client::conn::http1::SendRequest<http_body_util::Full<hyper::body::Bytes>>,
-            > = None;
-            let mut tick = tokio::time::interval(per_connection);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            while !stop.is_cancelled() {
-                tick.tick().await;
-                let t = Instant::now();
-                let id = format!("chaos-{connection}-{}", out.0);
-                let ok = send(port, &mut sender, &id).await;
-                out.0 += 1;
-                if ok {
-                    out.2.push(t.elapsed());
-                } else {
-                    out.1 += 1;
-                    out.3 = Some(started.elapsed());
-                }
-            }
-            out
-        }));
-    }
-    let mut r = LoadResult {
-        requests: 0,
-        failed: 0,
-        latencies: Vec::new(),
-        last_failure: None,
-        executed_twice: 0,
-    };
-    for t in tasks {
-        let (n, f, l, last) = t.await.unwrap();
-        r.requests += n;
-        r.failed += f;
-        r.latencies.extend(l);
-        r.last_failure = r.last_failure.max(last);
-    }
-    r
+/// How one request ended.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Ending {
+    Ok,
+    /// Reset or timed out on a proxy: it may have run (see the module doc).
+    MayHaveRun,
+    /// Failed without reaching a proxy that could run it.
+    Lost,
 }
 
-/// One POST with request id `id` on a kept-alive connection (opened again when it
-/// broke).
-async fn send(
-    port: u16,
-    sender: &mut Option<
-        hyper::client::conn::http1::SendRequest<http_body_util::Full<hyper::body::Bytes>>,
-    >,
-    id: &str,
-) -> bool {
+struct LoadResult {
+    requests: u64,
+    /// (start, how it ended, latency) of every request, in start order per task.
+    outcomes: Vec<(Duration, Ending, Duration)>,
+    /// Requests that ran on more than one proxy (from the proxies' execution logs).
+    executed_twice: u64,
+}
+
+impl LoadResult {
+    fn count(&self, ending: Ending) -> u64 {
+        self.outcomes
+            .iter()
+            .filter(|(_, e, _)| *e == ending)
+            .count() as u64
+    }
+
+    fn failed(&self) -> u64 {
+        self.requests - self.count(Ending::Ok)
+    }
+}
+
+type LoadClient = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Full<hyper::body::Bytes>,
+>;
+
+/// Open-loop POST load through Envoy until `stop`: a request starts every 1/rps
+/// whatever is in flight, at most `max_in_flight` at once; returns once every request
+/// has ended.
+async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken) -> LoadResult {
+    let client: LoadClient =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build_http();
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(args.max_in_flight));
+    let timeout = Duration::from_secs(args.client_timeout);
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / args.rps as f64));
+    // On schedule: ticks missed while the runtime was busy are caught up at once.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut outcomes = Vec::new();
+    let mut requests = 0u64;
+    while !stop.is_cancelled() {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        let id = format!("chaos-{requests}");
+        requests += 1;
+        let at = started.elapsed();
+        let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+            outcomes.push((at, Ending::Lost, Duration::ZERO));
+            continue;
+        };
+        let client = client.clone();
+        tasks.spawn(async move {
+            let t = Instant::now();
+            let ending = send(&client, port, &id, timeout).await;
+            drop(permit);
+            (at, ending, t.elapsed())
+        });
+        while let Some(done) = tasks.try_join_next() {
+            outcomes.push(done.expect("a request task"));
+        }
+    }
+    while let Some(done) = tasks.join_next().await {
+        outcomes.push(done.expect("a request task"));
+    }
+    outcomes.sort_by_key(|(at, _, _)| *at);
+    LoadResult {
+        requests,
+        outcomes,
+        executed_twice: 0,
+    }
+}
+
+/// One POST with request id `id`; how it ended.
+async fn send(client: &LoadClient, port: u16, id: &str, timeout: Duration) -> Ending {
     use http_body_util::BodyExt;
-    if sender.as_ref().is_none_or(|s| s.is_closed()) {
-        let Ok(stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-            return false;
-        };
-        let Ok((s, conn)) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await
-        else {
-            return false;
-        };
-        tokio::spawn(conn);
-        *sender = Some(s);
-    }
-    let s = sender.as_mut().unwrap();
-    if s.ready().await.is_err() {
-        *sender = None;
-        return false;
-    }
-    let request = hyper::Request::post("/hello")
+    let request = hyper::Request::post(format!("http://127.0.0.1:{port}/hello"))
         .header("host", "demo")
         .header("x-request-id", id)
         .body(http_body_util::Full::new(hyper::body::Bytes::from_static(
             b"{\"prompt\":\"hi\"}",
         )))
         .unwrap();
-    let result = tokio::time::timeout(Duration::from_secs(30), async {
-        let response = s.send_request(request).await.ok()?;
-        let ok = response.status().is_success();
-        response.into_body().collect().await.ok()?;
-        Some(ok)
+    let result = tokio::time::timeout(timeout, async {
+        let response = client.request(request).await.map_err(|_| ())?;
+        let status = response.status();
+        let body = response.into_body().collect().await.map_err(|_| ())?;
+        Ok::<_, ()>((status, body.to_bytes()))
     })
     .await;
     match result {
-        Ok(Some(ok)) => ok,
-        _ => {
-            *sender = None;
-            false
+        Ok(Ok((status, _))) if status.is_success() => Ending::Ok,
+        Ok(Ok((_, body))) => {
+            let body = String::from_utf8_lossy(&body);
+            let on_a_proxy = [
+                "upstream request timeout",
+                "connection termination",
+                "remote reset",
+            ];
+            if on_a_proxy.iter().any(|m| body.contains(m)) {
+                Ending::MayHaveRun
+            } else {
+                Ending::Lost
+            }
         }
+        // The client gave up while Envoy held the request on a proxy.
+        Err(_) => Ending::MayHaveRun,
+        // Envoy itself did not answer.
+        Ok(Err(())) => Ending::Lost,
     }
 }
 
-/// Runs one scenario against one control plane; returns the load's outcome.
-async fn run(scenario: &str, baseline: bool, args: &Args) -> LoadResult {
+/// Which arms run in `scenario` (before `--arm` filters them).
+fn arms_of(scenario: &str) -> Vec<&'static str> {
+    ARMS.iter()
+        .copied()
+        .filter(|a| {
+            *a != "baseline-kuberay-1.0" || matches!(scenario, "upgrade" | "cluster-replaced")
+        })
+        .collect()
+}
+
+/// Runs one scenario against one arm; returns the load's outcome.
+async fn run(scenario: &str, arm: &str, args: &Args) -> LoadResult {
     let shutdown = CancellationToken::new();
     let dir = tempfile::tempdir().unwrap();
     let logs = tempfile::tempdir().unwrap();
@@ -573,14 +831,22 @@ async fn run(scenario: &str, baseline: bool, args: &Args) -> LoadResult {
     let b = SimRayCluster::start("b", 2, logs.path(), &shutdown).await;
     // Envoy binds its listener on a port of its own choosing; read it back below.
     let gateway_port = 0;
-    let initial = match scenario {
-        "upgrade" => view("a", &[&a, &b]),
-        _ => view("a", &[&a]),
-    };
-    let mut cp = if baseline {
-        ControlPlane::baseline(&initial, gateway_port).await
-    } else {
-        ControlPlane::ray_xds(dir.path(), &initial, gateway_port).await
+    let initial = view("a", &[&a]);
+    let mut cp = match arm {
+        "ray-xds" => ControlPlane::ray_xds(dir.path(), &initial, false, gateway_port).await,
+        "ray-xds-head-include" => {
+            ControlPlane::ray_xds(dir.path(), &initial, true, gateway_port).await
+        }
+        "baseline-kuberay" => {
+            ControlPlane::baseline(&initial, Switch::WhenRunning, false, gateway_port).await
+        }
+        "baseline-kuberay-policy" => {
+            ControlPlane::baseline(&initial, Switch::WhenRunning, true, gateway_port).await
+        }
+        "baseline-kuberay-1.0" => {
+            ControlPlane::baseline(&initial, Switch::AtOnce, false, gateway_port).await
+        }
+        other => panic!("unknown arm {other}"),
     };
     let envoy = Envoy::start(Bootstrap::Sotw, cp.xds_port());
     let gateway_port = envoy.gateway_port().await;
@@ -601,7 +867,8 @@ async fn run(scenario: &str, baseline: bool, args: &Args) -> LoadResult {
     tokio::time::sleep(Duration::from_secs(args.fault_at)).await;
 
     match scenario {
-        "proxy-crash" => a.proxies[0].process.signal(libc::SIGKILL),
+        "head-crash" => a.proxies[0].process.signal(libc::SIGKILL),
+        "worker-crash" => a.proxies[1].process.signal(libc::SIGKILL),
         "proxy-hang" => a.proxies[1].process.signal(libc::SIGSTOP),
         "proxy-drain" => {
             a.proxies[1].mode("draining").await;
@@ -609,8 +876,8 @@ async fn run(scenario: &str, baseline: bool, args: &Args) -> LoadResult {
             a.proxies[1].process.signal(libc::SIGKILL);
         }
         "upgrade" => {
+            // The new cluster's applications deploy for 10 s (its proxies answer 503).
             b.deploy(Duration::from_secs(10)).await;
-            // KubeRay flips early: b is active while its applications still deploy.
             cp.set_source(&view("b", &[&a, &b])).await;
         }
         "cluster-replaced" => {
@@ -635,10 +902,7 @@ async fn run(scenario: &str, baseline: bool, args: &Args) -> LoadResult {
     if std::env::var_os("CHAOS_DEBUG").is_some() {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let served = through_envoy(gateway_port).await.map(|s| s.cluster);
-        eprintln!(
-            "debug: {} served by {served:?}",
-            if baseline { "baseline" } else { "ray-xds" }
-        );
+        eprintln!("debug: {arm} served by {served:?}");
         if let ControlPlane::RayXds {
             running: Some(r), ..
         } = &cp
@@ -651,41 +915,55 @@ async fn run(scenario: &str, baseline: bool, args: &Args) -> LoadResult {
         tokio::time::sleep(duration - elapsed).await;
     }
     stop.cancel();
-    let mut result = load_task.await.unwrap();
-    result.executed_twice = executed_twice(logs.path());
     if scenario == "proxy-hang" {
+        // Requests stuck on the stopped proxy end at the client's timeout.
+        tokio::time::sleep(Duration::from_secs(args.client_timeout + 1)).await;
         a.proxies[1].process.signal(libc::SIGCONT);
     }
-    cp.stop().await;
+    let mut result = load_task.await.unwrap();
+    result.executed_twice = executed_twice(logs.path());
+    cp.end().await;
     drop(envoy);
     shutdown.cancel();
     result
 }
 
-fn describe(r: &LoadResult, fault_at: u64) -> String {
-    let mut l = r.latencies.clone();
+/// The line scripts read (see the module doc).
+fn line(scenario: &str, arm: &str, r: &LoadResult) -> String {
+    let mut l: Vec<Duration> = r
+        .outcomes
+        .iter()
+        .filter(|(_, e, _)| *e == Ending::Ok)
+        .map(|(_, _, t)| *t)
+        .collect();
     l.sort();
     let p = |q: f64| {
-        l.get(((l.len().max(1) - 1) as f64 * q) as usize)
+        l.get(((l.len().max(1) - 1) as f64 * q).round() as usize)
             .copied()
             .unwrap_or_default()
+            .as_secs_f64()
+            * 1000.0
     };
-    let back = match r.last_failure {
-        Some(t) => format!(
-            "{:.1}s after the fault",
-            (t.as_secs_f64() - fault_at as f64).max(0.0)
-        ),
-        None => "no failure".into(),
+    let failures: Vec<Duration> = r
+        .outcomes
+        .iter()
+        .filter(|(_, e, _)| *e != Ending::Ok)
+        .map(|(at, _, _)| *at)
+        .collect();
+    let window = match (failures.first(), failures.last()) {
+        (Some(first), Some(last)) => (*last - *first).as_millis(),
+        _ => 0,
     };
     format!(
-        "requests={} failed={} executed_twice={} p50={}ms p99={}ms max={}ms steady_again={}",
+        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} window_ms={window}",
         r.requests,
-        r.failed,
+        r.failed(),
         r.executed_twice,
-        p(0.5).as_millis(),
-        p(0.99).as_millis(),
-        l.last().copied().unwrap_or_default().as_millis(),
-        back
+        p(0.99),
+        p(0.5),
+        l.last().copied().unwrap_or_default().as_secs_f64() * 1000.0,
+        r.count(Ending::MayHaveRun),
+        r.count(Ending::Lost),
     )
 }
 
@@ -721,20 +999,38 @@ async fn bench_main() {
     } else {
         args.scenarios.clone()
     };
+    for s in &scenarios {
+        assert!(SCENARIOS.contains(&s.as_str()), "unknown scenario {s}");
+    }
+    for a in &args.arms {
+        assert!(ARMS.contains(&a.as_str()), "unknown arm {a}");
+    }
+    let mut broken = Vec::new();
     for scenario in &scenarios {
-        let ours = run(scenario, false, &args).await;
-        println!(
-            "chaos {scenario} ray-xds:  {}",
-            describe(&ours, args.fault_at)
-        );
-        let base = run(scenario, true, &args).await;
-        println!(
-            "chaos {scenario} baseline: {}",
-            describe(&base, args.fault_at)
-        );
-        println!(
-            "chaos scenario={scenario} requests={} failed={} executed_twice={} baseline_failed={} baseline_executed_twice={}",
-            ours.requests, ours.failed, ours.executed_twice, base.failed, base.executed_twice
-        );
+        let mut lines = Vec::new();
+        for arm in arms_of(scenario) {
+            if !args.arms.is_empty() && !args.arms.iter().any(|a| a == arm) {
+                continue;
+            }
+            let result = run(scenario, arm, &args).await;
+            let line = line(scenario, arm, &result);
+            eprintln!("{line}");
+            if arm.starts_with("ray-xds")
+                && (result.count(Ending::Lost) > 0 || result.executed_twice > 0)
+            {
+                broken.push(line.clone());
+            }
+            lines.push(line);
+        }
+        for line in lines {
+            println!("{line}");
+        }
+    }
+    if args.assert && !broken.is_empty() {
+        eprintln!("ray-xds lost requests or executed them twice:");
+        for line in broken {
+            eprintln!("  {line}");
+        }
+        std::process::exit(1);
     }
 }
