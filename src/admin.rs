@@ -57,6 +57,8 @@ pub struct LiveViews {
     pub models: watch::Receiver<Arc<Model>>,
     pub probes: watch::Receiver<Arc<ProbeStates>>,
     pub dashboards: watch::Receiver<Arc<DashboardStates>>,
+    /// When each dashboard last answered (every answer, published or not).
+    pub dashboards_answered: Arc<crate::live::dashboards::AnsweredAt>,
     pub health: watch::Receiver<Arc<HealthMap>>,
     pub switchover: watch::Receiver<Arc<Switchover>>,
     pub source: watch::Receiver<Arc<SourceStatus>>,
@@ -278,7 +280,15 @@ async fn live_state(State(state): State<AdminState>) -> Response {
                 "ready_proxies": health.cluster(&name).ready,
                 "proxies_from": if cluster.discover { "dashboard" } else { "source" },
                 "proxies": proxies,
-                "dashboard": dashboards.clusters.get(&name),
+                "dashboard": dashboards.clusters.get(&name).map(|d| {
+                    let mut d = json!(d);
+                    // Polls that change nothing are not published: the time of the last
+                    // answer comes from the poller itself.
+                    if let Some(at) = live.dashboards_answered.get(&name) {
+                        d["last_success_unix"] = json!(at);
+                    }
+                    d
+                }),
             }));
         }
         services.push(json!({

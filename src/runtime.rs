@@ -185,7 +185,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     // Dashboards: read the source's model (only the dashboards matter to them).
     let (dashboards_tx, dashboards_rx) = watch::channel(Arc::new(DashboardStates::default()));
     let (refresh_tx, refresh_rx) = tokio::sync::mpsc::unbounded_channel();
+    let dashboards_answered = Arc::new(crate::live::dashboards::AnsweredAt::default());
     let poller = DashboardPoller {
+        answered: dashboards_answered.clone(),
         interval: policies.dashboard.poll_interval,
         timeout: policies.dashboard.timeout,
         metrics: metrics.clone(),
@@ -345,6 +347,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             models: effective_rx,
             probes: probes_rx,
             dashboards: dashboards_rx,
+            dashboards_answered,
             health: health_rx,
             switchover: switch_rx,
             source: status_rx,

@@ -261,7 +261,9 @@ async fn the_dashboard_poller_keeps_the_last_known_state() {
     let (_models_tx, models_rx) = watch::channel(Arc::new(model));
     let (tx, mut rx) = watch::channel(Arc::new(DashboardStates::default()));
     let metrics = Arc::new(Metrics::new());
+    let answered = Arc::new(ray_xds::live::dashboards::AnsweredAt::default());
     let poller = DashboardPoller {
+        answered: answered.clone(),
         interval: Duration::from_millis(100),
         timeout: Duration::from_millis(300),
         metrics: metrics.clone(),
@@ -294,6 +296,21 @@ async fn the_dashboard_poller_keeps_the_last_known_state() {
     })
     .await;
     assert!(!d.stale);
+    // Answers that change nothing are not published, but each one is recorded (for
+    // `/debug/state`'s `last_success_unix`): the record moves on while the states stay.
+    let first = answered.get(cluster).expect("an answer is recorded");
+    let published = rx.borrow().clone();
+    eventually(
+        "another answer is recorded",
+        Duration::from_secs(20),
+        || async { answered.get(cluster).filter(|t| *t > first) },
+    )
+    .await;
+    assert_eq!(
+        rx.borrow().clusters[cluster].last_success_unix,
+        published.clusters[cluster].last_success_unix,
+        "an unchanged answer is not published"
+    );
 
     for mode in [
         DashboardMode::Unavailable,
@@ -383,6 +400,7 @@ async fn one_clusters_big_dashboard_answer_cannot_crowd_out_another() {
     let (tx, mut rx) = watch::channel(Arc::new(DashboardStates::default()));
     let metrics = Arc::new(Metrics::new());
     let poller = DashboardPoller {
+        answered: Default::default(),
         interval: Duration::from_millis(100),
         timeout: Duration::from_secs(5),
         metrics: metrics.clone(),

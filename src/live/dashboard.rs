@@ -84,10 +84,12 @@ pub const MAX_PROXIES: usize = 5_000;
 /// (see [`MAX_PROXIES`]).
 pub const MAX_TARGETS: usize = 5_000;
 
-/// The most dashboard answers read at once, over all clusters: each buffers up to
-/// [`MAX_BODY_BYTES`], so bodies in flight stay under 8 × 8 MiB however many clusters
-/// there are. Waiting is first come, first served (tokio's semaphore is fair), and a
-/// read holds its permit for at most the dashboard timeout.
+/// The most dashboard answers read (and waiting to be parsed) at once, over all
+/// clusters: each buffers up to [`MAX_BODY_BYTES`], so bodies in memory stay under
+/// 8 × 8 MiB however many clusters there are. Waiting is first come, first served
+/// (tokio's semaphore is fair); a read holds its turn for at most the dashboard timeout
+/// and then one parse, which builds only the fields read (see `Shape`) and so costs
+/// about a scan of the body.
 pub const MAX_READS_AT_ONCE: usize = 8;
 
 static READS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MAX_READS_AT_ONCE);
@@ -243,15 +245,15 @@ impl ServeStatus {
     pub fn estimated_bytes(&self) -> usize {
         // String headers (24 bytes each), enum tags and the map's nodes.
         const ENTRY: usize = 128;
+        // Each application's name and status are kept twice: here, and in the poller's
+        // per-cluster view of statuses and since when.
         let apps: usize = self
             .applications
             .iter()
             .map(|(name, a)| {
-                ENTRY
-                    + name.len()
+                2 * (ENTRY + name.len() + a.status.as_str().len())
                     + a.message.len()
                     + a.route_prefix.as_ref().map_or(0, String::len)
-                    + a.status.as_str().len()
             })
             .sum();
         let proxies: usize = self
@@ -386,14 +388,28 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
             "over {MAX_JSON_VALUES} JSON values"
         )));
     }
-    let root: Value = serde_json::from_slice(body)
-        .map_err(|e| DashboardError::Malformed(format!("not JSON: {e}")))?;
+    // Only the fields read below are built (see `ROOT`); the rest is skipped unbuilt.
+    let root: Value = serde::de::DeserializeSeed::deserialize(
+        Pruned(&ROOT),
+        &mut serde_json::Deserializer::from_slice(body),
+    )
+    .map_err(|e| DashboardError::Malformed(format!("not JSON: {e}")))?;
     let Value::Object(root) = root else {
         return Err(malformed("top level is not an object"));
     };
 
     let mut status = ServeStatus::default();
 
+    if let Some(listed) = root
+        .get("applications")
+        .and_then(Value::as_object)
+        .map(Map::len)
+        .filter(|n| *n > MAX_APPLICATIONS)
+    {
+        return Err(DashboardError::Malformed(format!(
+            "{listed} applications listed, over the cap of {MAX_APPLICATIONS}"
+        )));
+    }
     for (name, app) in object_field(&root, "applications")? {
         let Value::Object(app) = app else {
             return Err(DashboardError::Malformed(format!(
@@ -456,6 +472,165 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
     // Addresses are outside input: `live::discovery` publishes only those the address
     // policy allows (never the metadata service, broadcast, multicast...).
     Ok(status)
+}
+
+/// The most applications one answer may list (Ray Serve instances run tens).
+pub const MAX_APPLICATIONS: usize = 1_000;
+
+/// The longest string kept from an answer (names, statuses, messages, addresses): a
+/// longer one is cut (at a character boundary), a longer key drops its entry. Ray's are
+/// short; an application's message is a sentence or a traceback's last lines.
+pub const MAX_STRING_BYTES: usize = 1024;
+
+/// Which parts of an answer are built into the tree `parse` reads; everything else is
+/// skipped unbuilt (`serde::de::IgnoredAny`), so a hostile answer's bulk in fields ray-xds
+/// never reads (`deployments`, replicas, unknown keys) costs a scan, not a tree.
+enum Shape {
+    /// Any value, as is (strings cut to [`MAX_STRING_BYTES`]).
+    Any,
+    /// An object: only these keys, each of its shape.
+    Fields(&'static [(&'static str, Shape)]),
+    /// An object: every key, each value of this shape.
+    MapOf(&'static Shape),
+    /// An array: every element of this shape.
+    ArrayOf(&'static Shape),
+}
+
+static ROOT: Shape = Shape::Fields(&[
+    (
+        "applications",
+        Shape::MapOf(&Shape::Fields(&[
+            ("status", Shape::Any),
+            ("route_prefix", Shape::Any),
+            ("message", Shape::Any),
+        ])),
+    ),
+    (
+        "proxies",
+        Shape::MapOf(&Shape::Fields(&[
+            ("node_id", Shape::Any),
+            ("node_ip", Shape::Any),
+            ("status", Shape::Any),
+            ("actor_name", Shape::Any),
+        ])),
+    ),
+    (
+        "target_groups",
+        Shape::ArrayOf(&Shape::Fields(&[
+            ("protocol", Shape::Any),
+            (
+                "targets",
+                Shape::ArrayOf(&Shape::Fields(&[
+                    ("ip", Shape::Any),
+                    ("port", Shape::Any),
+                    ("name", Shape::Any),
+                ])),
+            ),
+        ])),
+    ),
+    (
+        "controller_info",
+        Shape::Fields(&[("node_id", Shape::Any), ("node_ip", Shape::Any)]),
+    ),
+    (
+        "http_options",
+        Shape::Fields(&[("port", Shape::Any), ("keep_alive_timeout_s", Shape::Any)]),
+    ),
+    ("target_capacity", Shape::Any),
+]);
+
+/// Deserializes a value of a [`Shape`] into a `Value`. A value of another JSON type than
+/// its shape expects is kept as it is (small: its containers are skipped), so `parse`
+/// judges it as before.
+struct Pruned(&'static Shape);
+
+impl<'de> serde::de::DeserializeSeed<'de> for Pruned {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(PrunedVisitor(self.0))
+    }
+}
+
+struct PrunedVisitor(&'static Shape);
+
+/// `text` cut to [`MAX_STRING_BYTES`] at a character boundary.
+fn cut(text: &str) -> String {
+    let mut end = text.len().min(MAX_STRING_BYTES);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_string()
+}
+
+impl<'de> serde::de::Visitor<'de> for PrunedVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(cut(v)))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let element = match self.0 {
+            Shape::ArrayOf(element) => element,
+            Shape::Any => &Shape::Any,
+            // Not the array its shape wants: kept as an empty one (judged by `parse`).
+            Shape::Fields(_) | Shape::MapOf(_) => {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                return Ok(Value::Array(Vec::new()));
+            }
+        };
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(Pruned(element))? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            let shape = match self.0 {
+                Shape::Any => Some(&Shape::Any),
+                Shape::MapOf(value) => Some(*value),
+                Shape::Fields(fields) => fields.iter().find(|(k, _)| *k == key).map(|(_, s)| s),
+                // Not the object its shape wants: kept as an empty one.
+                Shape::ArrayOf(_) => None,
+            };
+            match shape {
+                Some(shape) if key.len() <= MAX_STRING_BYTES => {
+                    let value = map.next_value_seed(Pruned(shape))?;
+                    out.insert(key.into_owned(), value);
+                }
+                _ => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(Value::Object(out))
+    }
 }
 
 /// Every entry of the `targets` of the HTTP `target_groups` (gRPC groups are skipped),
@@ -722,12 +897,13 @@ impl DashboardClient {
         .await
         .map_err(|_| DashboardError::Timeout)??;
 
-        drop(reading);
         let (body, peer) = body;
         // Off the runtime's workers: parsing an answer near the body cap takes a while.
+        // The read's turn is held until the body is parsed and freed: bodies waiting for
+        // the parse count among the reads at once, so they stay bounded too.
         let parsing = PARSES.acquire().await.expect("never closed");
         let parsed = tokio::task::spawn_blocking(move || parse(&body)).await;
-        drop(parsing);
+        drop((parsing, reading));
         let mut status = match parsed {
             Ok(parsed) => parsed?,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
@@ -1406,6 +1582,63 @@ mod tests {
         let ok = format!(r#"{{"applications":{{}},"x":"{commas}\\\",[{{"}}"#);
         assert!(parse(ok.as_bytes()).is_ok());
         assert_eq!(json_values_at_most(br#"[1,{"a":[2,"x,y"]}]"#, 100), 6);
+    }
+
+    /// Issue 13 (re-check): bulk in fields ray-xds never reads is skipped unbuilt (an
+    /// answer of 390,000 ignored keys parsed for seconds and queued every other
+    /// cluster's); strings are cut, overlong keys and too many applications refused.
+    #[test]
+    fn only_the_fields_read_are_built_and_strings_are_bounded() {
+        let running = fixture!("02-running.json").to_vec();
+        let mut v: Value = serde_json::from_slice(&running).unwrap();
+        let junk: Map<String, Value> = (0..100_000)
+            .map(|i| (format!("k{i}"), Value::from(i)))
+            .collect();
+        v["x"] = Value::Object(junk.clone());
+        for app in v["applications"].as_object_mut().unwrap().values_mut() {
+            app["deployments"] = Value::Object(junk.clone());
+        }
+        assert_eq!(
+            parse(v.to_string().as_bytes()).unwrap(),
+            parse(&running).unwrap()
+        );
+
+        let mut v: Value = serde_json::from_slice(&running).unwrap();
+        let app = v["applications"]
+            .as_object_mut()
+            .unwrap()
+            .values_mut()
+            .next()
+            .unwrap();
+        app["message"] = Value::from("é".repeat(MAX_STRING_BYTES));
+        v["applications"]["x".repeat(MAX_STRING_BYTES + 1)] = v["applications"]
+            .as_object()
+            .unwrap()
+            .values()
+            .next()
+            .unwrap()
+            .clone();
+        let s = parse(v.to_string().as_bytes()).unwrap();
+        assert_eq!(s.applications.len(), 1, "the overlong name is left out");
+        let message = &s.applications.values().next().unwrap().message;
+        assert_eq!(
+            message.len(),
+            MAX_STRING_BYTES,
+            "cut at a character boundary"
+        );
+
+        let apps: Map<String, Value> = (0..=MAX_APPLICATIONS)
+            .map(|i| (format!("app{i}"), serde_json::json!({"status": "RUNNING"})))
+            .collect();
+        let why = assert_malformed(
+            serde_json::json!({ "applications": apps })
+                .to_string()
+                .as_bytes(),
+        );
+        assert!(why.contains("applications listed"), "{why}");
+        // Containers of the wrong type are judged as before.
+        assert_malformed(br#"{"applications": [1, 2]}"#);
+        assert!(parse(br#"{"applications": {}, "target_groups": {"a": 1}}"#).is_ok());
     }
 
     #[test]

@@ -43,12 +43,57 @@ pub struct ClusterDashboard {
     /// The last status it answered with; `None` until it first answers.
     #[serde(skip)]
     pub status: Option<Arc<ServeStatus>>,
-    /// Each application's status and since when (unix seconds) it has had it.
+    /// Each application's status and since when (unix seconds) it has had it. Shown in
+    /// `/debug/state` up to [`APPLICATIONS_SHOWN`] (by name), with how many there are.
+    #[serde(serialize_with = "some_applications")]
     pub applications: BTreeMap<String, (String, f64)>,
     pub last_success_unix: Option<f64>,
     pub last_error: Option<String>,
     /// The last poll failed: `status` is what it said before.
     pub stale: bool,
+}
+
+/// When each cluster's dashboard last answered well, by Envoy cluster name.
+#[derive(Debug, Default)]
+pub struct AnsweredAt(std::sync::Mutex<BTreeMap<String, f64>>);
+
+impl AnsweredAt {
+    pub fn get(&self, cluster: &str) -> Option<f64> {
+        self.0.lock().expect("never poisoned").get(cluster).copied()
+    }
+
+    fn set(&self, cluster: &str, at: f64) {
+        self.0
+            .lock()
+            .expect("never poisoned")
+            .insert(cluster.to_string(), at);
+    }
+
+    fn retain(&self, keep: impl Fn(&str) -> bool) {
+        self.0
+            .lock()
+            .expect("never poisoned")
+            .retain(|c, _| keep(c));
+    }
+}
+
+/// The most applications `/debug/state` shows per cluster.
+pub const APPLICATIONS_SHOWN: usize = 50;
+
+fn some_applications<S: serde::Serializer>(
+    applications: &BTreeMap<String, (String, f64)>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let more = applications.len().saturating_sub(APPLICATIONS_SHOWN);
+    let mut map = s.serialize_map(None)?;
+    for (name, status) in applications.iter().take(APPLICATIONS_SHOWN) {
+        map.serialize_entry(name, status)?;
+    }
+    if more > 0 {
+        map.serialize_entry("...", &format!("and {more} more"))?;
+    }
+    map.end()
 }
 
 impl ClusterDashboard {
@@ -98,6 +143,9 @@ fn unix(t: SystemTime) -> f64 {
 
 #[derive(Clone)]
 pub struct DashboardPoller {
+    /// When each cluster's dashboard last answered (unix seconds), every answer: the
+    /// published states change only when what they say changes.
+    pub answered: Arc<AnsweredAt>,
     pub interval: Duration,
     pub timeout: Duration,
     pub metrics: Arc<Metrics>,
@@ -160,6 +208,7 @@ impl DashboardPoller {
                     .clusters
                     .retain(|c, d| wanted.get(c) == Some(&d.url));
                 budget.retain(|c| current.clusters.contains_key(c));
+                self.answered.retain(|c| current.clusters.contains_key(c));
                 self.metrics.set_held_bytes("dashboards", budget.total());
                 for (cluster, url) in &wanted {
                     current
@@ -193,6 +242,9 @@ impl DashboardPoller {
                     let forced = wanted_fresh.remove(&cluster) || forced;
                     if current.clusters.get(&cluster).is_none_or(|d| d.url != url) {
                         continue;
+                    }
+                    if result.is_ok() {
+                        self.answered.set(&cluster, unix(SystemTime::now()));
                     }
                     let result = match result {
                         Ok(status) => match budget.admit(&cluster, status.estimated_bytes()) {
@@ -266,4 +318,25 @@ fn dashboards(model: &Model) -> BTreeMap<String, String> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 13 (re-check): `/debug/state` shows a bounded part of a cluster's
+    /// applications (45 clusters of big statuses made 360 MB pages).
+    #[test]
+    fn the_debug_view_shows_a_bounded_number_of_applications() {
+        let mut d = ClusterDashboard::new("http://192.0.2.1:8265".into());
+        for i in 0..APPLICATIONS_SHOWN + 10 {
+            d.applications
+                .insert(format!("app{i:03}"), ("RUNNING".into(), 1.0));
+        }
+        let shown = serde_json::to_value(&d).unwrap();
+        let apps = shown["applications"].as_object().unwrap();
+        assert_eq!(apps.len(), APPLICATIONS_SHOWN + 1);
+        assert_eq!(apps["..."], "and 10 more");
+        assert!(apps.contains_key("app000") && !apps.contains_key("app059"));
+    }
 }
