@@ -115,6 +115,9 @@ struct Args {
     /// Second at which the fault strikes.
     #[arg(long, default_value_t = 5)]
     fault_at: u64,
+    /// Seconds a new cluster's applications deploy in the switchover scenarios.
+    #[arg(long, default_value_t = 10)]
+    deploy: u64,
     /// Exit 1 when an arm running ray-xds lost a request or executed one twice.
     #[arg(long)]
     assert: bool,
@@ -672,7 +675,7 @@ fn baseline_snapshot(state: &ServiceState, policy: bool, gateway: &GatewaySettin
 }
 
 /// Requests the execution logs in `dir` show running more than once.
-fn executed_twice(dir: &Path) -> u64 {
+fn executions(dir: &Path) -> std::collections::HashMap<String, u32> {
     let mut runs: std::collections::HashMap<String, u32> = Default::default();
     for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         if entry.path().extension().is_some_and(|e| e == "executions") {
@@ -684,7 +687,7 @@ fn executed_twice(dir: &Path) -> u64 {
             }
         }
     }
-    runs.values().filter(|n| **n > 1).count() as u64
+    runs
 }
 
 /// How one request ended.
@@ -699,17 +702,20 @@ enum Ending {
 
 struct LoadResult {
     requests: u64,
-    /// (start, how it ended, latency) of every request, in start order per task.
-    outcomes: Vec<(Duration, Ending, Duration)>,
+    /// (start, how it ended, latency, request number) of every request, by start.
+    outcomes: Vec<(Duration, Ending, Duration, u64)>,
     /// Requests that ran on more than one proxy (from the proxies' execution logs).
     executed_twice: u64,
+    /// Failed requests that ran on a proxy all the same (from the execution logs): the
+    /// truth behind Envoy's "may have run".
+    failed_ran: u64,
 }
 
 impl LoadResult {
     fn count(&self, ending: Ending) -> u64 {
         self.outcomes
             .iter()
-            .filter(|(_, e, _)| *e == ending)
+            .filter(|(_, e, _, _)| *e == ending)
             .count() as u64
     }
 
@@ -744,11 +750,12 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
             _ = stop.cancelled() => break,
             _ = tick.tick() => {}
         }
-        let id = format!("chaos-{requests}");
+        let n = requests;
+        let id = format!("chaos-{n}");
         requests += 1;
         let at = started.elapsed();
         let Ok(permit) = in_flight.clone().try_acquire_owned() else {
-            outcomes.push((at, Ending::Lost, Duration::ZERO));
+            outcomes.push((at, Ending::Lost, Duration::ZERO, n));
             continue;
         };
         let client = client.clone();
@@ -756,7 +763,7 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
             let t = Instant::now();
             let ending = send(&client, port, &id, timeout).await;
             drop(permit);
-            (at, ending, t.elapsed())
+            (at, ending, t.elapsed(), n)
         });
         while let Some(done) = tasks.try_join_next() {
             outcomes.push(done.expect("a request task"));
@@ -765,11 +772,12 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
     while let Some(done) = tasks.join_next().await {
         outcomes.push(done.expect("a request task"));
     }
-    outcomes.sort_by_key(|(at, _, _)| *at);
+    outcomes.sort_by_key(|(at, _, _, _)| *at);
     LoadResult {
         requests,
         outcomes,
         executed_twice: 0,
+        failed_ran: 0,
     }
 }
 
@@ -877,12 +885,12 @@ async fn run(scenario: &str, arm: &str, args: &Args) -> LoadResult {
         }
         "upgrade" => {
             // The new cluster's applications deploy for 10 s (its proxies answer 503).
-            b.deploy(Duration::from_secs(10)).await;
+            b.deploy(Duration::from_secs(args.deploy)).await;
             cp.set_source(&view("b", &[&a, &b])).await;
         }
         "cluster-replaced" => {
             a.proxies[0].process.signal(libc::SIGKILL);
-            b.deploy(Duration::from_secs(10)).await;
+            b.deploy(Duration::from_secs(args.deploy)).await;
             cp.set_source(&view("b", &[&a, &b])).await;
         }
         "control-plane-restart" => {
@@ -921,7 +929,13 @@ async fn run(scenario: &str, arm: &str, args: &Args) -> LoadResult {
         a.proxies[1].process.signal(libc::SIGCONT);
     }
     let mut result = load_task.await.unwrap();
-    result.executed_twice = executed_twice(logs.path());
+    let runs = executions(logs.path());
+    result.executed_twice = runs.values().filter(|n| **n > 1).count() as u64;
+    result.failed_ran = result
+        .outcomes
+        .iter()
+        .filter(|(_, e, _, n)| *e != Ending::Ok && runs.contains_key(&format!("chaos-{n}")))
+        .count() as u64;
     cp.end().await;
     drop(envoy);
     shutdown.cancel();
@@ -933,8 +947,8 @@ fn line(scenario: &str, arm: &str, r: &LoadResult) -> String {
     let mut l: Vec<Duration> = r
         .outcomes
         .iter()
-        .filter(|(_, e, _)| *e == Ending::Ok)
-        .map(|(_, _, t)| *t)
+        .filter(|(_, e, _, _)| *e == Ending::Ok)
+        .map(|(_, _, t, _)| *t)
         .collect();
     l.sort();
     let p = |q: f64| {
@@ -947,15 +961,15 @@ fn line(scenario: &str, arm: &str, r: &LoadResult) -> String {
     let failures: Vec<Duration> = r
         .outcomes
         .iter()
-        .filter(|(_, e, _)| *e != Ending::Ok)
-        .map(|(at, _, _)| *at)
+        .filter(|(_, e, _, _)| *e != Ending::Ok)
+        .map(|(at, _, _, _)| *at)
         .collect();
     let window = match (failures.first(), failures.last()) {
         (Some(first), Some(last)) => (*last - *first).as_millis(),
         _ => 0,
     };
     format!(
-        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} window_ms={window}",
+        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} failed_ran={} window_ms={window}",
         r.requests,
         r.failed(),
         r.executed_twice,
@@ -964,6 +978,7 @@ fn line(scenario: &str, arm: &str, r: &LoadResult) -> String {
         l.last().copied().unwrap_or_default().as_secs_f64() * 1000.0,
         r.count(Ending::MayHaveRun),
         r.count(Ending::Lost),
+        r.failed_ran,
     )
 }
 
@@ -992,8 +1007,38 @@ fn main() {
         .block_on(bench_main());
 }
 
+/// Why a ray-xds arm's run fails `--assert`, if it does: a lost request, one run twice,
+/// or more requests that may have run than the fault explains. A crash, drain or
+/// switchover leaves at most those in flight on the proxy when it died (a handful at
+/// these rates); a hang, those sent to the stopped proxy before it is found: a bound of
+/// half the load for 2 s, which detection within about a second stays well under.
+fn broken_by(scenario: &str, r: &LoadResult, args: &Args) -> Option<&'static str> {
+    let may_have_run = r.count(Ending::MayHaveRun);
+    if r.count(Ending::Lost) > 0 {
+        Some("lost requests")
+    } else if r.executed_twice > 0 {
+        Some("requests run twice")
+    } else if scenario == "proxy-hang" && may_have_run > args.rps {
+        Some("too many requests sent to the hung proxy")
+    } else if scenario != "proxy-hang" && may_have_run > 3 {
+        Some("more requests failed on the faulted proxy than were in flight")
+    } else {
+        None
+    }
+}
+
 async fn bench_main() {
     let args = Args::parse();
+    // What produced these numbers: the commit, whether the tree had changes, the args.
+    let commit = Command::new("git")
+        .args(["describe", "--always", "--dirty"])
+        .current_dir(project_root())
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    println!("chaos run commit={commit} args={argv:?}");
     let scenarios: Vec<String> = if args.scenarios.is_empty() {
         SCENARIOS.iter().map(|s| s.to_string()).collect()
     } else {
@@ -1015,10 +1060,10 @@ async fn bench_main() {
             let result = run(scenario, arm, &args).await;
             let line = line(scenario, arm, &result);
             eprintln!("{line}");
-            if arm.starts_with("ray-xds")
-                && (result.count(Ending::Lost) > 0 || result.executed_twice > 0)
-            {
-                broken.push(line.clone());
+            if arm.starts_with("ray-xds") {
+                if let Some(why) = broken_by(scenario, &result, &args) {
+                    broken.push(format!("{why}: {line}"));
+                }
             }
             lines.push(line);
         }

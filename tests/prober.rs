@@ -79,10 +79,10 @@ async fn probe_outcomes_on_real_sockets() {
     refused.await;
 }
 
-#[tokio::test]
-async fn an_endless_body_is_a_failure_read_no_further_than_the_cap() {
+/// A "proxy" answering 200 with a body that never ends (chunked, 64 KiB a chunk), and
+/// how many body bytes it managed to send.
+async fn endless_body_proxy() -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
     use tokio::io::AsyncWriteExt;
-    // A "proxy" answering 200 with a body that never ends (chunked, 64 KiB a chunk).
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -106,13 +106,30 @@ async fn an_endless_body_is_a_failure_read_no_further_than_the_cap() {
             counter.fetch_add(chunk.len(), std::sync::atomic::Ordering::Relaxed);
         }
     });
+    (addr, sent)
+}
+
+/// Issue 13: probe bodies are read no further than their caps (64 KiB for `/-/healthz`,
+/// 256 KiB for `/-/routes`: up to 256 probes and 16 route reads run at once).
+#[tokio::test]
+async fn an_endless_body_is_a_failure_read_no_further_than_the_cap() {
+    let (addr, sent) = endless_body_proxy().await;
     let client = probe_client(Duration::from_secs(5));
     let outcome = probe_healthz(&client, addr, Duration::from_secs(5)).await;
     let Outcome::Failed(why) = outcome else {
         panic!("{outcome:?}")
     };
-    assert!(why.contains("over 1024 KiB"), "{why}");
+    assert!(why.contains("over 64 KiB"), "{why}");
     // It stopped reading at the cap (plus what the socket buffers hold).
+    let read = sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(read < 32 * 1024 * 1024, "read {read} bytes");
+
+    let (addr, sent) = endless_body_proxy().await;
+    let client = probe_client(Duration::from_secs(5));
+    assert_eq!(
+        read_routes(&client, addr, Duration::from_secs(5)).await,
+        None
+    );
     let read = sent.load(std::sync::atomic::Ordering::Relaxed);
     assert!(read < 32 * 1024 * 1024, "read {read} bytes");
 }

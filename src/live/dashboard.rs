@@ -393,7 +393,13 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
         Pruned(&ROOT),
         &mut serde_json::Deserializer::from_slice(body),
     )
-    .map_err(|e| DashboardError::Malformed(format!("not JSON: {e}")))?;
+    .map_err(|e| {
+        DashboardError::Malformed(if e.is_data() {
+            e.to_string()
+        } else {
+            format!("not JSON: {e}")
+        })
+    })?;
     let Value::Object(root) = root else {
         return Err(malformed("top level is not an object"));
     };
@@ -486,57 +492,81 @@ pub const MAX_STRING_BYTES: usize = 1024;
 /// skipped unbuilt (`serde::de::IgnoredAny`), so a hostile answer's bulk in fields ray-xds
 /// never reads (`deployments`, replicas, unknown keys) costs a scan, not a tree.
 enum Shape {
-    /// Any value, as is (strings cut to [`MAX_STRING_BYTES`]).
-    Any,
+    /// A scalar (string cut to [`MAX_STRING_BYTES`], number, bool, null); an object or
+    /// array here is skipped unbuilt and read as null.
+    Scalar,
     /// An object: only these keys, each of its shape.
     Fields(&'static [(&'static str, Shape)]),
-    /// An object: every key, each value of this shape.
-    MapOf(&'static Shape),
-    /// An array: every element of this shape.
-    ArrayOf(&'static Shape),
+    /// An object: every key, each value of this shape; more than `max` entries refuse the
+    /// answer as soon as they are read (`what` names them).
+    MapOf(&'static Shape, usize, &'static str),
+    /// An array: every element of this shape, at most `max` (see `MapOf`).
+    ArrayOf(&'static Shape, usize, &'static str),
 }
+
+/// The most target groups one answer may list (Ray lists one per protocol).
+const MAX_TARGET_GROUPS: usize = 64;
 
 static ROOT: Shape = Shape::Fields(&[
     (
         "applications",
-        Shape::MapOf(&Shape::Fields(&[
-            ("status", Shape::Any),
-            ("route_prefix", Shape::Any),
-            ("message", Shape::Any),
-        ])),
+        Shape::MapOf(
+            &Shape::Fields(&[
+                ("status", Shape::Scalar),
+                ("route_prefix", Shape::Scalar),
+                ("message", Shape::Scalar),
+            ]),
+            MAX_APPLICATIONS,
+            "applications listed",
+        ),
     ),
     (
         "proxies",
-        Shape::MapOf(&Shape::Fields(&[
-            ("node_id", Shape::Any),
-            ("node_ip", Shape::Any),
-            ("status", Shape::Any),
-            ("actor_name", Shape::Any),
-        ])),
+        Shape::MapOf(
+            &Shape::Fields(&[
+                ("node_id", Shape::Scalar),
+                ("node_ip", Shape::Scalar),
+                ("status", Shape::Scalar),
+                ("actor_name", Shape::Scalar),
+            ]),
+            MAX_PROXIES,
+            "proxies listed",
+        ),
     ),
     (
         "target_groups",
-        Shape::ArrayOf(&Shape::Fields(&[
-            ("protocol", Shape::Any),
-            (
-                "targets",
-                Shape::ArrayOf(&Shape::Fields(&[
-                    ("ip", Shape::Any),
-                    ("port", Shape::Any),
-                    ("name", Shape::Any),
-                ])),
-            ),
-        ])),
+        Shape::ArrayOf(
+            &Shape::Fields(&[
+                ("protocol", Shape::Scalar),
+                (
+                    "targets",
+                    Shape::ArrayOf(
+                        &Shape::Fields(&[
+                            ("ip", Shape::Scalar),
+                            ("port", Shape::Scalar),
+                            ("name", Shape::Scalar),
+                        ]),
+                        MAX_TARGETS,
+                        "targets in one target group",
+                    ),
+                ),
+            ]),
+            MAX_TARGET_GROUPS,
+            "target groups",
+        ),
     ),
     (
         "controller_info",
-        Shape::Fields(&[("node_id", Shape::Any), ("node_ip", Shape::Any)]),
+        Shape::Fields(&[("node_id", Shape::Scalar), ("node_ip", Shape::Scalar)]),
     ),
     (
         "http_options",
-        Shape::Fields(&[("port", Shape::Any), ("keep_alive_timeout_s", Shape::Any)]),
+        Shape::Fields(&[
+            ("port", Shape::Scalar),
+            ("keep_alive_timeout_s", Shape::Scalar),
+        ]),
     ),
-    ("target_capacity", Shape::Any),
+    ("target_capacity", Shape::Scalar),
 ]);
 
 /// Deserializes a value of a [`Shape`] into a `Value`. A value of another JSON type than
@@ -553,6 +583,11 @@ impl<'de> serde::de::DeserializeSeed<'de> for Pruned {
 }
 
 struct PrunedVisitor(&'static Shape);
+
+/// The error that refuses an answer listing more than `max` of `what`.
+fn over_cap<E: serde::de::Error>(max: usize, what: &str) -> E {
+    E::custom(format!("more than {max} {what}, over the cap of {max}"))
+}
 
 /// `text` cut to [`MAX_STRING_BYTES`] at a character boundary.
 fn cut(text: &str) -> String {
@@ -593,31 +628,49 @@ impl<'de> serde::de::Visitor<'de> for PrunedVisitor {
     }
 
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
-        let element = match self.0 {
-            Shape::ArrayOf(element) => element,
-            Shape::Any => &Shape::Any,
-            // Not the array its shape wants: kept as an empty one (judged by `parse`).
-            Shape::Fields(_) | Shape::MapOf(_) => {
+        let (element, max, what) = match self.0 {
+            Shape::ArrayOf(element, max, what) => (element, *max, *what),
+            // Not what its shape wants: skipped, kept as null (a scalar's place) or an
+            // empty array (judged by `parse`).
+            Shape::Scalar => {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                return Ok(Value::Null);
+            }
+            Shape::Fields(_) | Shape::MapOf(..) => {
                 while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
                 return Ok(Value::Array(Vec::new()));
             }
         };
         let mut out = Vec::new();
         while let Some(v) = seq.next_element_seed(Pruned(element))? {
+            if out.len() == max {
+                return Err(over_cap(max, what));
+            }
             out.push(v);
         }
         Ok(Value::Array(out))
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        if matches!(self.0, Shape::Scalar) {
+            while map
+                .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                .is_some()
+            {}
+            return Ok(Value::Null);
+        }
         let mut out = Map::new();
         while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
             let shape = match self.0 {
-                Shape::Any => Some(&Shape::Any),
-                Shape::MapOf(value) => Some(*value),
+                Shape::MapOf(value, max, what) => {
+                    if out.len() == *max {
+                        return Err(over_cap(*max, what));
+                    }
+                    Some(*value)
+                }
                 Shape::Fields(fields) => fields.iter().find(|(k, _)| *k == key).map(|(_, s)| s),
                 // Not the object its shape wants: kept as an empty one.
-                Shape::ArrayOf(_) => None,
+                Shape::ArrayOf(..) | Shape::Scalar => None,
             };
             match shape {
                 Some(shape) if key.len() <= MAX_STRING_BYTES => {
@@ -1555,16 +1608,26 @@ mod tests {
     /// malformed one). gRPC targets do not count.
     #[test]
     fn an_answer_over_a_cap_is_malformed_naming_it() {
+        // Refused as soon as the entry over the cap is read, not after the whole tree.
         let why = assert_malformed(&big_answer(MAX_PROXIES + 1, 1));
         assert!(
-            why.contains(&format!("{} proxies", MAX_PROXIES + 1))
+            why.contains(&format!("more than {MAX_PROXIES} proxies"))
                 && why.contains(&format!("cap of {MAX_PROXIES}")),
             "{why}"
         );
         let why = assert_malformed(&big_answer(1, MAX_TARGETS + 1));
         assert!(
-            why.contains(&format!("{} HTTP targets", MAX_TARGETS + 1))
+            why.contains(&format!("more than {MAX_TARGETS} targets"))
                 && why.contains(&format!("cap of {MAX_TARGETS}")),
+            "{why}"
+        );
+        // Over the cap in all, across groups.
+        let mut v: Value = serde_json::from_slice(&big_answer(1, MAX_TARGETS)).unwrap();
+        let group = v["target_groups"][0].clone();
+        v["target_groups"].as_array_mut().unwrap().push(group);
+        let why = assert_malformed(v.to_string().as_bytes());
+        assert!(
+            why.contains(&format!("{} HTTP targets", 2 * MAX_TARGETS)),
             "{why}"
         );
         let mut v: Value = serde_json::from_slice(&big_answer(1, MAX_TARGETS)).unwrap();
@@ -1618,7 +1681,17 @@ mod tests {
             .next()
             .unwrap()
             .clone();
+        // Bulk in a field read as a scalar is skipped unbuilt, read as null.
+        let (name, _) = v["applications"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .next()
+            .unwrap();
+        let name = name.clone();
+        v["applications"][&name]["route_prefix"] = Value::Object(junk.clone());
         let s = parse(v.to_string().as_bytes()).unwrap();
+        assert_eq!(s.applications[&name].route_prefix, None);
         assert_eq!(s.applications.len(), 1, "the overlong name is left out");
         let message = &s.applications.values().next().unwrap().message;
         assert_eq!(

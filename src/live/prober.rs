@@ -9,8 +9,10 @@
 //! outcome goes to the manager, the single writer of the [`ProbeStates`] channel, which
 //! feeds each proxy's [`ProxyProbe`] and publishes only when a state (or a proxy's route
 //! list) changes. A proxy's `/-/routes` is read when it answers healthy after not doing so,
-//! and every `routes_interval` while healthy. At most [`MAX_ROUTES`] route prefixes of at
-//! most [`MAX_ROUTE_PREFIX_BYTES`] each are kept per proxy; an answer over either is read
+//! and every `routes_interval` while healthy, at most [`ROUTE_READS_AT_ONCE`] at a time
+//! over all proxies, each body at most [`MAX_ROUTES_BODY_BYTES`]. At most [`MAX_ROUTES`]
+//! route prefixes of at most [`MAX_ROUTE_PREFIX_BYTES`] each are kept per proxy; an
+//! answer over either is read
 //! as a malformed one (routes unknown), which never touches the probe state.
 //!
 //! Freshness: a proxy whose last probe result is older than [`stale_after`] (a probe task
@@ -160,7 +162,7 @@ impl Prober {
         let mut routes = Routes {
             tables: RouteTables::new(self.routes_budget),
             owners: BTreeMap::new(),
-            refused: BTreeSet::new(),
+            warned: BTreeMap::new(),
         };
         // The tables the last prober's states refer to are kept (and counted) again.
         routes.owners = owners(&models.borrow());
@@ -395,25 +397,23 @@ impl Prober {
         let cluster = routes.owners.get(&address)?.clone();
         match routes.tables.intern(&cluster, table) {
             Ok((shared, evicted)) => {
-                if routes.refused.remove(&cluster) {
-                    tracing::info!(cluster, "route tables within the memory budget again");
-                }
                 for hog in evicted {
-                    tracing::warn!(cluster = hog, "route tables dropped: over their cluster's fair share of the memory budget; its proxies' routes are unknown");
                     self.metrics.routes_refused.inc();
+                    if routes.warn_now(&hog) {
+                        tracing::warn!(cluster = hog, "route tables dropped: over their cluster's fair share of the memory budget; its proxies' routes are unknown (logged once a minute per cluster; ray_xds_probe_routes_refused_total counts each)");
+                    }
                     for (a, probe) in current.proxies.iter_mut() {
                         if routes.owners.get(a) == Some(&hog) {
                             probe.routes = None;
                         }
                     }
-                    routes.refused.insert(hog);
                 }
                 Some(shared)
             }
             Err(over) => {
                 self.metrics.routes_refused.inc();
-                if routes.refused.insert(cluster.clone()) {
-                    tracing::warn!(cluster, proxy = %address, why = %over, "route table refused; the proxy's routes are unknown");
+                if routes.warn_now(&cluster) {
+                    tracing::warn!(cluster, proxy = %address, why = %over, "route table refused; the proxy's routes are unknown (logged once a minute per cluster; ray_xds_probe_routes_refused_total counts each)");
                 }
                 None
             }
@@ -426,16 +426,29 @@ struct Routes {
     tables: RouteTables,
     /// Proxy → its Envoy cluster name (the budget's owner).
     owners: BTreeMap<SocketAddr, String>,
-    /// Clusters whose tables were refused or dropped last (logged once per episode).
-    refused: BTreeSet<String>,
+    /// When each cluster's refusals were last logged (at most once a minute: a hog's
+    /// tables come and go with the budget, and each refusal is counted anyway).
+    warned: BTreeMap<String, Instant>,
 }
 
 impl Routes {
     fn collect(&mut self) {
         self.tables
             .collect(self.owners.values().map(String::as_str));
-        self.refused
-            .retain(|c| self.owners.values().any(|o| o == c));
+        let owners: BTreeSet<&String> = self.owners.values().collect();
+        self.warned.retain(|c, _| owners.contains(c));
+    }
+
+    /// Whether a refusal for `cluster` is logged now (not within the last minute).
+    fn warn_now(&mut self, cluster: &str) -> bool {
+        let due = self
+            .warned
+            .get(cluster)
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(60));
+        if due {
+            self.warned.insert(cluster.to_string(), Instant::now());
+        }
+        due
     }
 }
 
@@ -529,8 +542,14 @@ impl ProbeTask {
                 && (!last_healthy
                     || routes_read.is_none_or(|t| t.elapsed() >= self.routes_interval))
             {
-                routes_read = Some(Instant::now());
-                Some(read_routes(&self.client, self.address, self.settings.timeout).await)
+                match tokio::time::timeout(self.settings.timeout, ROUTE_READS.acquire()).await {
+                    Ok(Ok(_turn)) => {
+                        routes_read = Some(Instant::now());
+                        Some(read_routes(&self.client, self.address, self.settings.timeout).await)
+                    }
+                    // No turn: not read this time (its last table stays).
+                    _ => None,
+                }
             } else {
                 None
             };
@@ -564,6 +583,7 @@ async fn get(
     address: SocketAddr,
     path: &str,
     timeout: Duration,
+    max_body: usize,
 ) -> Result<(u16, Bytes), Outcome> {
     let uri: hyper::Uri = match format!("http://{address}{path}").parse() {
         Ok(u) => u,
@@ -574,15 +594,12 @@ async fn get(
         let status = response.status().as_u16();
         // A proxy that answers an endless or huge body is not healthy, and must not
         // take ray-xds's memory with it.
-        let body = Limited::new(response.into_body(), MAX_PROBE_BODY_BYTES)
+        let body = Limited::new(response.into_body(), max_body)
             .collect()
             .await
             .map_err(|e| {
                 if e.is::<http_body_util::LengthLimitError>() {
-                    Outcome::Failed(format!(
-                        "answered a body over {} KiB",
-                        MAX_PROBE_BODY_BYTES >> 10
-                    ))
+                    Outcome::Failed(format!("answered a body over {} KiB", max_body >> 10))
                 } else {
                     Outcome::Failed(format!("reading the body: {e}"))
                 }
@@ -614,13 +631,25 @@ fn classify(error: hyper_util::client::legacy::Error) -> Outcome {
     ))
 }
 
-/// The largest body a probe reads (`/-/healthz` answers "success"; `/-/routes` lists
-/// the applications): 1 MiB.
-pub const MAX_PROBE_BODY_BYTES: usize = 1024 * 1024;
+/// The largest `/-/healthz` body a probe reads (64 KiB; Ray answers "success" or a
+/// sentence): up to 256 probes read at once, so this bounds what they hold in flight.
+pub const MAX_PROBE_BODY_BYTES: usize = 64 * 1024;
+
+/// The largest `/-/routes` body read (256 KiB: hundreds of routes); a bigger one is read
+/// as a malformed one (routes unknown).
+pub const MAX_ROUTES_BODY_BYTES: usize = 256 * 1024;
+
+/// The most `/-/routes` reads at once, over all proxies: each holds its body and the
+/// table parsed from it until the table is kept or refused, so what reads cost in flight
+/// stays under 16 × (256 KiB and its table) however many proxies answer big tables. A
+/// read that does not get its turn within the probe timeout is tried at the next probe.
+pub const ROUTE_READS_AT_ONCE: usize = 16;
+
+static ROUTE_READS: Semaphore = Semaphore::const_new(ROUTE_READS_AT_ONCE);
 
 /// One `GET /-/healthz`, classified.
 pub async fn probe_healthz(client: &HttpClient, address: SocketAddr, timeout: Duration) -> Outcome {
-    match get(client, address, "/-/healthz", timeout).await {
+    match get(client, address, "/-/healthz", timeout, MAX_PROBE_BODY_BYTES).await {
         Ok((200, body)) if &body[..] == b"success" => Outcome::Healthy,
         Ok((503, body)) if String::from_utf8_lossy(&body).contains("being drained") => {
             Outcome::Draining
@@ -639,7 +668,9 @@ pub async fn read_routes(
     address: SocketAddr,
     timeout: Duration,
 ) -> Option<BTreeSet<String>> {
-    let (status, body) = get(client, address, "/-/routes", timeout).await.ok()?;
+    let (status, body) = get(client, address, "/-/routes", timeout, MAX_ROUTES_BODY_BYTES)
+        .await
+        .ok()?;
     if status != 200 {
         return None;
     }
@@ -647,16 +678,16 @@ pub async fn read_routes(
 }
 
 /// The most route prefixes kept from one proxy's `/-/routes` (Ray lists one per
-/// application with a route; real clusters have tens). A body just under
-/// [`MAX_PROBE_BODY_BYTES`] lists ~87,000 keys, ~12 MB held per proxy, so 40 such proxies
-/// ran the process out of memory. An answer over the cap is malformed, as one that is
+/// application with a route; real clusters have tens). A 1 MiB body listed ~87,000
+/// keys, ~12 MB held per proxy, so 40 such proxies ran the process out of memory (the
+/// body is now capped at [`MAX_ROUTES_BODY_BYTES`] too). An answer over the cap is malformed, as one that is
 /// not JSON: the proxy's routes are unknown (`live::health` then drains it where routes
 /// are enforced, as for any unreadable answer); its probe state is untouched.
 pub const MAX_ROUTES: usize = 1_000;
 
-/// The longest route prefix kept, in bytes (1 KiB; Serve's are short paths). A longer
+/// The longest route prefix kept, in bytes (256; Serve's are short paths). A longer
 /// one makes the whole answer malformed, as for [`MAX_ROUTES`].
-pub const MAX_ROUTE_PREFIX_BYTES: usize = 1024;
+pub const MAX_ROUTE_PREFIX_BYTES: usize = 256;
 
 /// The route prefixes of a `/-/routes` body (a JSON object keyed by route prefix); `None`
 /// when it is not one, or is over [`MAX_ROUTES`] or [`MAX_ROUTE_PREFIX_BYTES`].
@@ -855,9 +886,8 @@ mod tests {
             parse_routes(&routes_body(1, MAX_ROUTE_PREFIX_BYTES + 1)),
             None
         );
-        // Below the body cap, as in the report: ~87,000 short keys.
+        // As in the report: ~87,000 short keys (over the body cap too, when read).
         let huge = routes_body(87_000, 5);
-        assert!(huge.len() < MAX_PROBE_BODY_BYTES);
         assert_eq!(parse_routes(&huge), None);
         // A key repeated counts once, as before.
         let mut repeated = routes_body(MAX_ROUTES, 8);
@@ -894,7 +924,7 @@ mod tests {
         Routes {
             tables: RouteTables::new(budget),
             owners: owners.map(|(a, c)| (a, c.to_string())).into(),
-            refused: BTreeSet::new(),
+            warned: BTreeMap::new(),
         }
     }
 

@@ -18,8 +18,7 @@ use std::sync::Arc;
 use crate::budget::{FairBudget, OverBudget};
 
 /// What the route tables of all clusters may hold in all (estimated by [`table_bytes`]):
-/// 32 MiB, over 150 tables at the caps (`prober::MAX_ROUTES` prefixes of
-/// `MAX_ROUTE_PREFIX_BYTES`).
+/// 32 MiB, over 100 tables at the caps (`prober::MAX_ROUTES_BODY_BYTES` of routes).
 pub const MEMORY_BUDGET_BYTES: usize = 32 * 1024 * 1024;
 
 /// One proxy's route prefixes.
