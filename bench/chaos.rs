@@ -709,6 +709,8 @@ struct LoadResult {
     /// Failed requests that ran on a proxy all the same (from the execution logs): the
     /// truth behind Envoy's "may have run".
     failed_ran: u64,
+    /// The cluster serving when the load stopped.
+    served_by: Option<String>,
 }
 
 impl LoadResult {
@@ -778,6 +780,7 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
         outcomes,
         executed_twice: 0,
         failed_ran: 0,
+        served_by: None,
     }
 }
 
@@ -922,6 +925,7 @@ async fn run(scenario: &str, arm: &str, args: &Args) -> LoadResult {
     if elapsed < duration {
         tokio::time::sleep(duration - elapsed).await;
     }
+    let served_by = through_envoy(gateway_port).await.map(|s| s.cluster);
     stop.cancel();
     if scenario == "proxy-hang" {
         // Requests stuck on the stopped proxy end at the client's timeout.
@@ -929,6 +933,7 @@ async fn run(scenario: &str, arm: &str, args: &Args) -> LoadResult {
         a.proxies[1].process.signal(libc::SIGCONT);
     }
     let mut result = load_task.await.unwrap();
+    result.served_by = served_by;
     let runs = executions(logs.path());
     result.executed_twice = runs.values().filter(|n| **n > 1).count() as u64;
     result.failed_ran = result
@@ -969,7 +974,7 @@ fn line(scenario: &str, arm: &str, r: &LoadResult) -> String {
         _ => 0,
     };
     format!(
-        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} failed_ran={} window_ms={window}",
+        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} failed_ran={} window_ms={window} served_by={}",
         r.requests,
         r.failed(),
         r.executed_twice,
@@ -979,6 +984,7 @@ fn line(scenario: &str, arm: &str, r: &LoadResult) -> String {
         r.count(Ending::MayHaveRun),
         r.count(Ending::Lost),
         r.failed_ran,
+        r.served_by.as_deref().unwrap_or("none"),
     )
 }
 
@@ -1018,6 +1024,10 @@ fn broken_by(scenario: &str, r: &LoadResult, args: &Args) -> Option<&'static str
         Some("lost requests")
     } else if r.executed_twice > 0 {
         Some("requests run twice")
+    } else if matches!(scenario, "upgrade" | "cluster-replaced")
+        && r.served_by.as_deref() != Some("b")
+    {
+        Some("traffic not on the new cluster when the load stopped")
     } else if scenario == "proxy-hang" && may_have_run > args.rps {
         Some("too many requests sent to the hung proxy")
     } else if scenario != "proxy-hang" && may_have_run > 3 {

@@ -30,8 +30,8 @@ step 8m cargo test --bench scale -- --proxies 300 --steady 4 --edits 2
 # request or runs one twice; the baseline's count is printed, not asserted.
 step 15m cargo test --bench chaos -- --scenario head-crash --scenario proxy-hang \
     --scenario upgrade --scenario control-plane-down-crash \
-    --arm ray-xds-head-include --arm baseline-kuberay \
-    --duration 8 --fault-at 2 --rps 50 --client-timeout 5 --assert
+    --arm ray-xds --arm ray-xds-head-include --arm baseline-kuberay \
+    --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert
 step 35m cargo test --lib --bins --tests -- --skip real_ray_
 # Real Ray Serve clusters (about 1 GB and 15 s per node): one test at a time.
 step 20m cargo test --test real_ray -- --test-threads=1
