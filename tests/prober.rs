@@ -134,6 +134,36 @@ async fn an_endless_body_is_a_failure_read_no_further_than_the_cap() {
     assert!(read < 32 * 1024 * 1024, "read {read} bytes");
 }
 
+/// A `/-/routes` body near its cap still reads whole through a probe connection whose
+/// read buffer is capped (16 KiB: a kept-alive connection keeps its buffer, and big
+/// bodies grew it to ~400 KiB each).
+#[tokio::test]
+async fn a_big_routes_body_streams_through_the_small_read_buffer() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let routes: serde_json::Map<String, serde_json::Value> = (0..900)
+        .map(|i| (format!("/{i:0>200}"), serde_json::Value::from("app")))
+        .collect();
+    let body = serde_json::Value::Object(routes).to_string();
+    assert!(
+        body.len() > 10 * ray_xds::live::prober::PROBE_READ_BUFFER_BYTES
+            && body.len() < ray_xds::live::prober::MAX_ROUTES_BODY_BYTES
+    );
+    let app = axum::Router::new().route(
+        "/-/routes",
+        axum::routing::get(move || {
+            let body = body.clone();
+            async move { body }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let client = probe_client(Duration::from_secs(5));
+    for _ in 0..2 {
+        let read = read_routes(&client, addr, Duration::from_secs(5)).await;
+        assert_eq!(read.map(|r| r.len()), Some(900));
+    }
+}
+
 #[tokio::test]
 async fn a_wrong_body_is_a_failure() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

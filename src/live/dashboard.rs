@@ -889,6 +889,9 @@ impl DashboardClient {
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .pool_max_idle_per_host(2)
+            // A pooled connection keeps its read buffer (up to ~400 KiB by default, grown
+            // by big answers): bodies stream through 64 KiB at most.
+            .http1_max_buf_size(64 * 1024)
             .build(connector);
         DashboardClient { client, timeout }
     }

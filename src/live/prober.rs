@@ -752,8 +752,15 @@ pub fn probe_client(timeout: Duration) -> HttpClient {
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(Duration::from_secs(30))
         .pool_max_idle_per_host(1)
+        // A kept-alive connection keeps its read buffer, which grows with the bodies read
+        // (to ~400 KiB by default): 300 proxies answering big `/-/routes` held 0.6 MB
+        // each. Bodies are read in chunks of at most this.
+        .http1_max_buf_size(PROBE_READ_BUFFER_BYTES)
         .build(connector)
 }
+
+/// The most a probe connection buffers at once (bodies stream through it in chunks).
+pub const PROBE_READ_BUFFER_BYTES: usize = 16 * 1024;
 
 #[cfg(test)]
 mod tests {
