@@ -94,6 +94,20 @@ async fn a_dead_proxy_is_retried_elsewhere_and_ejected() {
     let s = start("{ retries: 3 }").await;
     let dead = s.sim.proxies[2].0;
     s.sim.kill(2);
+    // The sim's proxy closes its idle keep-alive connections as it dies; a request Envoy
+    // writes on one at that very moment may have run and is not replayed (the safety
+    // rule; tests/envoy_safety.rs). This test is about requests sent after the death:
+    // they start once Envoy holds no connection to the dead proxy.
+    eventually(
+        "Envoy drops its connections to the dead proxy",
+        DEADLINE,
+        || async {
+            let text = s.envoy().admin("/clusters").await;
+            let line = format!("default/demo/demo-a::{dead}::cx_active::0");
+            text.lines().any(|l| l == line).then_some(())
+        },
+    )
+    .await;
     let (failed, by) = load(s.gateway_port, 60).await;
     assert_eq!(failed, 0, "{by:?}");
     assert!(!by.contains_key(&dead.to_string()), "{by:?}");
