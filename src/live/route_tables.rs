@@ -58,7 +58,9 @@ impl RouteTables {
             return Ok((shared.clone(), Vec::new()));
         }
         let size = table_bytes(&table);
-        let held: usize = kept.iter().map(|t| table_bytes(t)).sum();
+        // What the budget records for the cluster is the sum of its kept tables (set
+        // here on admission, recounted by `collect`): no need to re-measure them.
+        let held = self.budget.held_by(&cluster.to_string());
         let evicted = self.budget.admit(&cluster.to_string(), held + size)?;
         for hog in &evicted {
             self.tables.remove(hog);
