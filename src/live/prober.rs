@@ -32,7 +32,7 @@ use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -58,6 +58,10 @@ struct Report {
     latency: Duration,
     /// `Some` when this probe also read `/-/routes` (`Some(None)`: the read failed).
     routes: Option<Option<BTreeSet<String>>>,
+    /// The route read's turn, held with the table until the manager has kept or refused
+    /// it, so that tables waiting in the report queue count against
+    /// [`ROUTE_READS_AT_ONCE`] too.
+    route_read_turn: Option<OwnedSemaphorePermit>,
 }
 
 impl ProbeStates {
@@ -498,6 +502,8 @@ struct ProbeTask {
 struct ProbePermits {
     routine: Arc<Semaphore>,
     urgent: Arc<Semaphore>,
+    /// Turns to read `/-/routes` ([`ROUTE_READS_AT_ONCE`]).
+    route_reads: Arc<Semaphore>,
 }
 
 impl ProbePermits {
@@ -507,6 +513,7 @@ impl ProbePermits {
         ProbePermits {
             routine: Arc::new(Semaphore::new(total - urgent)),
             urgent: Arc::new(Semaphore::new(urgent)),
+            route_reads: Arc::new(Semaphore::new(ROUTE_READS_AT_ONCE)),
         }
     }
 
@@ -538,20 +545,23 @@ impl ProbeTask {
             let outcome = probe_healthz(&self.client, self.address, self.settings.timeout).await;
             let latency = started.elapsed();
             let healthy = outcome == Outcome::Healthy;
-            let routes = if healthy
+            let (routes, route_read_turn) = if healthy
                 && (!last_healthy
                     || routes_read.is_none_or(|t| t.elapsed() >= self.routes_interval))
             {
-                match tokio::time::timeout(self.settings.timeout, ROUTE_READS.acquire()).await {
-                    Ok(Ok(_turn)) => {
+                let turn = self.permits.route_reads.clone().acquire_owned();
+                match tokio::time::timeout(self.settings.timeout, turn).await {
+                    Ok(Ok(turn)) => {
                         routes_read = Some(Instant::now());
-                        Some(read_routes(&self.client, self.address, self.settings.timeout).await)
+                        let table =
+                            read_routes(&self.client, self.address, self.settings.timeout).await;
+                        (Some(table), Some(turn))
                     }
                     // No turn: not read this time (its last table stays).
-                    _ => None,
+                    _ => (None, None),
                 }
             } else {
-                None
+                (None, None)
             };
             drop(permit);
             // ±20% jitter so that proxies added together do not probe in lockstep; a
@@ -570,6 +580,7 @@ impl ProbeTask {
                 outcome,
                 latency,
                 routes,
+                route_read_turn,
             };
             if self.reports.send(report).await.is_err() {
                 return;
@@ -639,13 +650,12 @@ pub const MAX_PROBE_BODY_BYTES: usize = 64 * 1024;
 /// as a malformed one (routes unknown).
 pub const MAX_ROUTES_BODY_BYTES: usize = 256 * 1024;
 
-/// The most `/-/routes` reads at once, over all proxies: each holds its body and the
-/// table parsed from it until the table is kept or refused, so what reads cost in flight
-/// stays under 16 × (256 KiB and its table) however many proxies answer big tables. A
-/// read that does not get its turn within the probe timeout is tried at the next probe.
+/// The most `/-/routes` reads at once, over all proxies: each turn is held through the
+/// read, the parse and the report queue until the manager has kept or refused the table,
+/// so what reads cost in flight stays under 16 × (256 KiB and its table) however many
+/// proxies answer big tables and however far the manager lags. A read that does not get
+/// its turn within the probe timeout is tried at the next probe.
 pub const ROUTE_READS_AT_ONCE: usize = 16;
-
-static ROUTE_READS: Semaphore = Semaphore::const_new(ROUTE_READS_AT_ONCE);
 
 /// One `GET /-/healthz`, classified.
 pub async fn probe_healthz(client: &HttpClient, address: SocketAddr, timeout: Duration) -> Outcome {
@@ -920,6 +930,7 @@ mod tests {
             outcome: Outcome::Healthy,
             latency: Duration::ZERO,
             routes: Some(parse_routes(&routes_body(MAX_ROUTES + 1, 8))),
+            route_read_turn: None,
         };
         let mut routes = routes_of([(addr, "c")], 1 << 20);
         assert!(p.apply(&mut current, &tasks, &mut routes, report));
@@ -973,6 +984,7 @@ mod tests {
             outcome: Outcome::Healthy,
             latency: Duration::ZERO,
             routes: Some(Some(table)),
+            route_read_turn: None,
         };
         assert!(p.apply(&mut current, &tasks, &mut routes, report(hog1, big("a"))));
         assert!(p.apply(&mut current, &tasks, &mut routes, report(hog2, big("b"))));
@@ -1012,6 +1024,108 @@ mod tests {
             .metrics
             .render()
             .contains("ray_xds_probe_routes_refused_total 2"));
+    }
+
+    /// A fake proxy: answers `/-/healthz` with `success` and `/-/routes` with a table
+    /// of its own, over kept-alive HTTP/1.1.
+    async fn fake_proxy() -> SocketAddr {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut stream = BufReader::new(stream);
+                    loop {
+                        let mut line = String::new();
+                        if stream.read_line(&mut line).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let mut header = String::new();
+                        while stream.read_line(&mut header).await.unwrap_or(0) > 2 {
+                            header.clear();
+                        }
+                        let body = if line.contains("/-/routes") {
+                            format!(r#"{{"/{}":"app"}}"#, address.port())
+                        } else {
+                            "success".to_string()
+                        };
+                        let answer = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                            body.len()
+                        );
+                        if stream.get_mut().write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        address
+    }
+
+    /// Issue 13: a route read's turn is held until the manager has taken its report, so
+    /// tables waiting in the report queue count against `ROUTE_READS_AT_ONCE`: with the
+    /// manager stalled, more healthy proxies than turns leave at most that many tables
+    /// queued (the rest report their health without a table), and taking the reports
+    /// gives the turns back.
+    #[tokio::test]
+    async fn route_tables_waiting_for_the_manager_hold_their_read_turns() {
+        let p = prober();
+        let proxies = ROUTE_READS_AT_ONCE + 4;
+        let (tx, mut rx) = mpsc::channel(4096);
+        let client = probe_client(Duration::from_secs(2));
+        let permits = ProbePermits::new(256);
+        let mut settings = p.policy.clone();
+        settings.timeout = Duration::from_millis(500);
+        let mut handles = Vec::new();
+        for _ in 0..proxies {
+            let task = ProbeTask {
+                address: fake_proxy().await,
+                settings: settings.clone(),
+                routes_interval: Duration::from_secs(3600),
+                client: client.clone(),
+                permits: permits.clone(),
+                reports: tx.clone(),
+            };
+            handles.push(tokio::spawn(task.run()));
+        }
+        // Every proxy has reported at least twice: each has tried for a turn.
+        let mut reports = Vec::new();
+        let mut seen = BTreeMap::<SocketAddr, usize>::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while seen.len() < proxies || seen.values().any(|n| *n < 2) {
+            let report = tokio::time::timeout_at(deadline.into(), rx.recv())
+                .await
+                .expect("every proxy reports twice within a minute")
+                .unwrap();
+            assert_eq!(report.outcome, Outcome::Healthy);
+            *seen.entry(report.address).or_default() += 1;
+            reports.push(report); // held, as by a stalled manager
+        }
+        let with_tables = reports.iter().filter(|r| r.routes.is_some()).count();
+        assert_eq!(with_tables, ROUTE_READS_AT_ONCE, "tables queued at once");
+        assert_eq!(permits.route_reads.available_permits(), 0);
+        // The manager takes them: the turns come back and the rest read their tables.
+        let mut read: BTreeSet<SocketAddr> = reports
+            .iter()
+            .filter(|r| r.routes.is_some())
+            .map(|r| r.address)
+            .collect();
+        reports.clear();
+        while read.len() < proxies {
+            let report = tokio::time::timeout_at(deadline.into(), rx.recv())
+                .await
+                .expect("the other proxies read their routes once turns are free")
+                .unwrap();
+            if let Some(table) = &report.routes {
+                assert_eq!(table.as_ref().map(|t| t.len()), Some(1));
+                read.insert(report.address);
+            }
+        }
+        for h in handles {
+            h.abort();
+        }
     }
 
     #[test]
