@@ -356,6 +356,8 @@ impl Prober {
         let table = report
             .routes
             .map(|read| read.and_then(|t| self.keep_routes(current, routes, report.address, t)));
+        // The table is kept or refused: its read turn goes back.
+        drop(report.route_read_turn);
         let (Some(probe), Some((settings, _))) = (
             current.proxies.get_mut(&report.address),
             tasks.get(&report.address),
