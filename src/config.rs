@@ -105,6 +105,23 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_PROXY_NETWORKS", value_delimiter = ',')]
     pub proxy_networks: Option<Vec<ipnet::IpNet>>,
 
+    /// Memory (estimated) the Ray dashboards' statuses may hold in all, shared fairly
+    /// between clusters; bytes, or with a Ki/Mi/Gi suffix [config: memory.dashboards;
+    /// default 64Mi; 1Mi..=16Gi].
+    #[arg(long, env = "RAY_XDS_MEMORY_DASHBOARDS", value_parser = parse_bytes)]
+    pub memory_dashboards: Option<usize>,
+
+    /// Memory (estimated) the proxies' route tables may hold in all, shared fairly
+    /// between clusters [config: memory.route_tables; default 32Mi; 1Mi..=16Gi].
+    #[arg(long, env = "RAY_XDS_MEMORY_ROUTE_TABLES", value_parser = parse_bytes)]
+    pub memory_route_tables: Option<usize>,
+
+    /// Memory xDS requests still arriving may hold in all, shared fairly between client
+    /// addresses; at least twice xds.max_message_bytes [config:
+    /// memory.partial_xds_requests; default 64Mi; 1Mi..=16Gi].
+    #[arg(long, env = "RAY_XDS_MEMORY_PARTIAL_XDS_REQUESTS", value_parser = parse_bytes)]
+    pub memory_partial_xds_requests: Option<usize>,
+
     /// Every policy setting (probe, dashboard, traffic, switchover), each with its own
     /// flag and environment variable, declared in `policy`.
     #[command(flatten)]
@@ -197,6 +214,84 @@ pub struct Config {
     /// The global probe, dashboard, traffic and switchover policies; RayServices
     /// override parts of them.
     pub policies: Policies,
+    /// What the bounded holdings may take in memory.
+    pub memory: MemoryBudgets,
+}
+
+/// What each bounded holding may take, in (estimated) bytes: each is shared fairly
+/// between its owners (`budget::FairBudget`). Real RSS runs at 2-4 times the estimate for
+/// many small values; `runtime` warns at start when their sum cannot fit the container's
+/// memory limit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MemoryBudgets {
+    /// The Ray dashboards' statuses, shared between clusters.
+    pub dashboards: usize,
+    /// The proxies' route tables, shared between clusters.
+    pub route_tables: usize,
+    /// xDS requests still arriving, shared between client addresses.
+    pub partial_xds_requests: usize,
+}
+
+impl Default for MemoryBudgets {
+    fn default() -> Self {
+        MemoryBudgets {
+            dashboards: crate::live::dashboards::MEMORY_BUDGET_BYTES,
+            route_tables: crate::live::route_tables::MEMORY_BUDGET_BYTES,
+            partial_xds_requests: crate::xds::codec::PARTIAL_REQUESTS_BUDGET_BYTES,
+        }
+    }
+}
+
+/// The range of every memory budget: 1 MiB to 16 GiB.
+pub const MEMORY_BUDGET_RANGE: std::ops::RangeInclusive<usize> = (1 << 20)..=(16 << 30);
+
+/// A byte count: digits, optionally followed by a Kubernetes binary suffix (`Ki`, `Mi`,
+/// `Gi`), e.g. `65536`, `64Mi`, `1Gi`.
+pub fn parse_bytes(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => text.split_at(at),
+        None => (text, ""),
+    };
+    let shift = match unit {
+        "" => 0,
+        "Ki" => 10,
+        "Mi" => 20,
+        "Gi" => 30,
+        _ => {
+            return Err(format!(
+                "{text:?} is not a byte count: digits, then optionally Ki, Mi or Gi (e.g. 64Mi)"
+            ))
+        }
+    };
+    let n: usize = digits
+        .parse()
+        .map_err(|_| format!("{text:?} is not a byte count (e.g. 64Mi)"))?;
+    n.checked_mul(1usize << shift)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// A byte count in the config file: a number of bytes or a string [`parse_bytes`] reads.
+#[derive(Debug, Clone, Copy)]
+struct ByteCount(usize);
+
+impl<'de> Deserialize<'de> for ByteCount {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Number(n) => usize::try_from(n)
+                .map(ByteCount)
+                .map_err(|_| serde::de::Error::custom(format!("{n} is too large"))),
+            Raw::Text(t) => parse_bytes(&t)
+                .map(ByteCount)
+                .map_err(serde::de::Error::custom),
+        }
+    }
 }
 
 /// What `translate` needs to know about the Envoy it configures.
@@ -301,6 +396,16 @@ struct FileConfig {
     traffic: traffic::GlobalTraffic,
     #[serde(default)]
     switchover: switchover::GlobalSwitchover,
+    #[serde(default)]
+    memory: MemorySection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MemorySection {
+    dashboards: Option<ByteCount>,
+    route_tables: Option<ByteCount>,
+    partial_xds_requests: Option<ByteCount>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -562,6 +667,46 @@ impl Config {
             crate::xds::server::DEFAULT_MAX_STREAMS,
             1..=1_000_000,
         )?;
+        let defaults = MemoryBudgets::default();
+        let budget = |field: &str, flag: &str, value: Option<usize>, default: usize| {
+            let v = value.unwrap_or(default);
+            if MEMORY_BUDGET_RANGE.contains(&v) {
+                Ok(v)
+            } else {
+                Err(ConfigError::Invalid(format!(
+                    "{field} (--{flag}) is {v} bytes: it must be in 1Mi..=16Gi"
+                )))
+            }
+        };
+        let memory = MemoryBudgets {
+            dashboards: budget(
+                "memory.dashboards",
+                "memory-dashboards",
+                args.memory_dashboards
+                    .or(file.memory.dashboards.map(|b| b.0)),
+                defaults.dashboards,
+            )?,
+            route_tables: budget(
+                "memory.route_tables",
+                "memory-route-tables",
+                args.memory_route_tables
+                    .or(file.memory.route_tables.map(|b| b.0)),
+                defaults.route_tables,
+            )?,
+            partial_xds_requests: budget(
+                "memory.partial_xds_requests",
+                "memory-partial-xds-requests",
+                args.memory_partial_xds_requests
+                    .or(file.memory.partial_xds_requests.map(|b| b.0)),
+                defaults.partial_xds_requests,
+            )?,
+        };
+        if memory.partial_xds_requests < max_message.saturating_mul(2) {
+            return Err(ConfigError::Invalid(format!(
+                "memory.partial_xds_requests (--memory-partial-xds-requests) is {} bytes: it must be at least twice xds.max_message_bytes ({max_message}), or no request of that size could arrive beside another",
+                memory.partial_xds_requests
+            )));
+        }
         let (file_source, kubernetes) = match file.source {
             Some(s) => (s.file, s.kubernetes),
             None => (None, None),
@@ -639,6 +784,7 @@ impl Config {
                 .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 19000))),
             gateway,
             source,
+            memory,
         })
     }
 }
@@ -964,6 +1110,71 @@ mod tests {
                 "{field}={bad}: {err}"
             );
         }
+    }
+
+    /// Issue 13: the memory budgets are settings (file, flag, environment), bounded, in
+    /// bytes or with a Kubernetes binary suffix.
+    #[test]
+    fn memory_budgets_are_bounded_settings() {
+        use clap::Parser;
+        assert_eq!(parse_bytes("65536"), Ok(65_536));
+        assert_eq!(parse_bytes("64Ki"), Ok(64 << 10));
+        assert_eq!(parse_bytes(" 64Mi "), Ok(64 << 20));
+        assert_eq!(parse_bytes("2Gi"), Ok(2 << 30));
+        for bad in [
+            "",
+            "Mi",
+            "64MB",
+            "64 Mi",
+            "-1",
+            "1.5Gi",
+            "18446744073709551615Gi",
+        ] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?}");
+        }
+        let c = load("source: { file: { path: a.yaml } }\n").unwrap();
+        assert_eq!(c.memory, MemoryBudgets::default());
+        assert_eq!(c.memory.dashboards, 64 << 20);
+        let c = load("memory: { dashboards: 128Mi, route_tables: 8388608, partial_xds_requests: 1Gi }\nsource: { file: { path: a.yaml } }\n").unwrap();
+        assert_eq!(
+            c.memory,
+            MemoryBudgets {
+                dashboards: 128 << 20,
+                route_tables: 8 << 20,
+                partial_xds_requests: 1 << 30,
+            }
+        );
+        for (field, bad) in [
+            ("dashboards", "0"),
+            ("dashboards", "1023Ki"),
+            ("route_tables", "17Gi"),
+            ("route_tables", "18446744073709551615"),
+            ("partial_xds_requests", "1Mi"), // under twice the 4 MiB message
+            ("dashboards", "lots"),
+        ] {
+            let err = load(&format!(
+                "memory: {{ {field}: {bad} }}\nsource: {{ file: {{ path: a.yaml }} }}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains(field), "{field}={bad}: {err}");
+        }
+        // A flag beats the file, and is read by the same rule.
+        let f = write("memory: { route_tables: 8Mi }\nsource: { file: { path: a.yaml } }\n");
+        let cli = Cli::try_parse_from([
+            "ray-xds",
+            "serve",
+            "-c",
+            f.path().to_str().unwrap(),
+            "--memory-route-tables",
+            "16Mi",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command;
+        assert_eq!(Config::load(&args).unwrap().memory.route_tables, 16 << 20);
+        let err =
+            Cli::try_parse_from(["ray-xds", "serve", "--memory-dashboards", "64MB"]).unwrap_err();
+        assert!(err.to_string().contains("--memory-dashboards"), "{err}");
     }
 
     #[test]

@@ -46,6 +46,17 @@ async fn main() -> std::process::ExitCode {
             );
         }
     }
+    if let Some(limit) = ray_xds::runtime::cgroup_memory_limit() {
+        if let Some(needed) = ray_xds::runtime::memory_shortfall(limit, &config) {
+            tracing::warn!(
+                limit,
+                needed,
+                "the container's memory limit is below what the memory budgets may need \
+                 (about twice their sum, plus 64 MiB): lower memory.dashboards, \
+                 memory.route_tables or memory.partial_xds_requests, or raise the limit"
+            );
+        }
+    }
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
     let result = match ray_xds::runtime::start(config, shutdown).await {

@@ -126,6 +126,41 @@ pub fn open_files_shortfall(limit: u64, config: &Config) -> Option<u64> {
     (limit < needed).then_some(needed)
 }
 
+/// What ray-xds may need in memory at most, roughly: twice the sum of the memory budgets
+/// (what they count is an estimate; real RSS runs above it, most for many small values)
+/// and [`MEMORY_BASE_BYTES`] for the rest (streams, probes, snapshots of a large fleet).
+pub fn memory_needed(config: &Config) -> u64 {
+    let m = config.memory;
+    let budgets = (m.dashboards as u64)
+        .saturating_add(m.route_tables as u64)
+        .saturating_add(m.partial_xds_requests as u64);
+    budgets.saturating_mul(2).saturating_add(MEMORY_BASE_BYTES)
+}
+
+/// What ray-xds holds beside its budgets, roughly: 64 MiB.
+pub const MEMORY_BASE_BYTES: u64 = 64 << 20;
+
+/// What to warn of at start when the container's memory `limit` is below
+/// [`memory_needed`]: the need, or `None` when the limit is enough. Past the limit the
+/// kernel kills the process; lower the `memory.*` budgets or raise the limit.
+pub fn memory_shortfall(limit: u64, config: &Config) -> Option<u64> {
+    let needed = memory_needed(config);
+    (limit < needed).then_some(needed)
+}
+
+/// The memory limit of this process's cgroup (v2 `memory.max`, else v1's), if it has one.
+pub fn cgroup_memory_limit() -> Option<u64> {
+    [
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ]
+    .iter()
+    .find_map(|path| std::fs::read_to_string(path).ok())
+    .and_then(|text| text.trim().parse::<u64>().ok())
+    // cgroup v1 writes a huge number for "no limit".
+    .filter(|limit| *limit < (1 << 60))
+}
+
 /// Starts ray-xds. A bad source file at start is an error; later bad edits are not.
 pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Result<Running> {
     let metrics = Arc::new(Metrics::new());
@@ -191,7 +226,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         interval: policies.dashboard.poll_interval,
         timeout: policies.dashboard.timeout,
         metrics: metrics.clone(),
-        memory_budget: crate::live::dashboards::MEMORY_BUDGET_BYTES,
+        memory_budget: config.memory.dashboards,
     };
     let (models, token) = (source_rx.clone(), shutdown.clone());
     // The refresh requests outlive a poller that fails: the next one takes them over.
@@ -245,7 +280,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let heartbeat = Arc::new(crate::live::prober::Heartbeat::default());
     let prober = Prober {
         policy: policies.probe.clone(),
-        routes_budget: crate::live::route_tables::MEMORY_BUDGET_BYTES,
+        routes_budget: config.memory.route_tables,
         metrics: metrics.clone(),
         heartbeat: heartbeat.clone(),
     };
@@ -310,7 +345,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     )
     .with_max_streams(config.xds_max_streams);
     let limits = config.xds_limits;
-    let service = AdsService::new(ads, config.xds_max_message_bytes);
+    let service = AdsService::new(ads, config.xds_max_message_bytes).with_partial_requests(
+        crate::xds::codec::PartialRequests::with_limit(config.memory.partial_xds_requests),
+    );
     let (mut published, token) = (published_rx.clone(), shutdown.clone());
     let xds_observer: Arc<dyn crate::xds::Observer> = metrics.clone();
     tasks.spawn(async move {
@@ -424,5 +461,21 @@ mod tests {
         assert_eq!(open_files_needed(&small), 100 + 256 + 1_024 + 64);
         assert_eq!(open_files_shortfall(1_024, &small), Some(1_444));
         assert_eq!(open_files_shortfall(4_096, &small), None);
+    }
+
+    /// Issue 13: the container's memory limit is checked against the memory budgets:
+    /// the defaults (64 + 32 + 64 MiB) fit the Deployment's 512 MiB, larger ones warn.
+    #[test]
+    fn the_memory_needed_follows_the_budgets() {
+        let mut c = config(None);
+        let mib = 1u64 << 20;
+        assert_eq!(memory_needed(&c), (2 * 160 + 64) * mib);
+        assert_eq!(memory_shortfall(512 * mib, &c), None);
+        assert_eq!(memory_shortfall(256 * mib, &c), Some(384 * mib));
+        c.memory.dashboards = 1 << 30;
+        assert_eq!(memory_needed(&c), (2 * (1024 + 96) + 64) * mib);
+        assert!(memory_shortfall(512 * mib, &c).is_some());
+        c.memory.route_tables = usize::MAX;
+        assert_eq!(memory_needed(&c), u64::MAX);
     }
 }

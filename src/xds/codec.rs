@@ -43,6 +43,9 @@ pub fn frame<M: prost::Message>(message: &M) -> Bytes {
 /// previous request's end, when its first bytes came with it).
 pub const PARTIAL_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// What requests still arriving may hold in all by default (`memory.partial_xds_requests`).
+pub const PARTIAL_REQUESTS_BUDGET_BYTES: usize = 64 << 20;
+
 /// How long a stream may go without its first request: an Envoy sends it at once, and a
 /// stream that sends none would hold a slot of the listener for ever.
 pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -81,8 +84,12 @@ pub struct PartialShare {
 }
 
 impl PartialRequests {
+    /// The default bound: [`PARTIAL_REQUESTS_BUDGET_BYTES`], or room for two of the
+    /// largest messages if that is more.
     pub fn new(max_message_bytes: usize) -> PartialRequests {
-        PartialRequests::with_limit((64 << 20).max(max_message_bytes.saturating_mul(2)))
+        PartialRequests::with_limit(
+            PARTIAL_REQUESTS_BUDGET_BYTES.max(max_message_bytes.saturating_mul(2)),
+        )
     }
 
     pub fn with_limit(limit: usize) -> PartialRequests {

@@ -44,6 +44,12 @@ impl AdsService {
         }
     }
 
+    /// Requests still arriving share `partial` (see `xds::codec`).
+    pub fn with_partial_requests(mut self, partial: PartialRequests) -> AdsService {
+        self.partial = partial;
+        self
+    }
+
     fn decode<T: prost::Message + Default>(
         &self,
         body: tonic::body::Body,

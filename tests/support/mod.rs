@@ -397,6 +397,7 @@ pub fn test_config(services: &Path, gateway_port: u16) -> Config {
             poll_interval: Duration::from_millis(500),
         },
         addresses: Default::default(),
+        memory: Default::default(),
         policies: Default::default(),
     }
 }
