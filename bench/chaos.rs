@@ -41,10 +41,18 @@
 //! the price of not replaying. Every other failure is **lost**: it never reached a proxy
 //! that could have run it while a healthy one existed (every scenario keeps one).
 //!
-//! The last lines of each scenario, one per arm:
+//! Each trial strikes its fault at `--fault-at` plus a random phase within
+//! `--fault-jitter-ms`, so trials meet the probe, reconcile and load timers at different
+//! points; with `--trials N` the arms take turns within each trial (noise on the machine
+//! falls on every arm alike). Every trial's line goes to stderr, prefixed `trial=<i>
+//! fault_ms=<t>`. The last lines of each scenario, one per arm, on stdout:
 //! `chaos scenario=<name> arm=<arm> requests=<n> failed=<f> executed_twice=<k> p99_ms=<x>
-//! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> window_ms=<w>`. With `--assert`, the
-//! benchmark exits 1 when an arm running ray-xds lost a request or executed one twice.
+//! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> failed_ran=<r> window_ms=<w>
+//! served_by=<clusters> trials=<N> failed_median=<a> failed_max=<b>
+//! may_have_run_median=<c> may_have_run_max=<d>`: counts summed over the trials, latency
+//! percentiles over every request that succeeded in any trial, the window the longest of
+//! any trial. With `--assert`, the benchmark exits 1 when a trial of an arm running
+//! ray-xds lost a request, executed one twice, or broke the other rules of `broken_by`.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -112,9 +120,18 @@ struct Args {
     /// Seconds a request may take before the client gives up.
     #[arg(long, default_value_t = 10)]
     client_timeout: u64,
-    /// Second at which the fault strikes.
+    /// Second at which the fault strikes (plus a random phase, `--fault-jitter-ms`).
     #[arg(long, default_value_t = 5)]
     fault_at: u64,
+    /// The fault strikes at a random point within this many milliseconds after
+    /// `--fault-at`, so that trials meet the probe and reconcile timers at every phase.
+    #[arg(long, default_value_t = 1000)]
+    fault_jitter_ms: u64,
+    /// Runs of each scenario and arm; the arms take turns within each trial, and each
+    /// arm's line sums its trials (latency percentiles over all their requests) and gives
+    /// the median and maximum of its per-trial failures.
+    #[arg(long, default_value_t = 1)]
+    trials: usize,
     /// Seconds a new cluster's applications deploy in the switchover scenarios.
     #[arg(long, default_value_t = 10)]
     deploy: u64,
@@ -833,8 +850,9 @@ fn arms_of(scenario: &str) -> Vec<&'static str> {
         .collect()
 }
 
-/// Runs one scenario against one arm; returns the load's outcome.
-async fn run(scenario: &str, arm: &str, args: &Args) -> LoadResult {
+/// Runs one scenario against one arm, the fault striking `jitter` after `--fault-at`;
+/// returns the load's outcome.
+async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadResult {
     let shutdown = CancellationToken::new();
     let dir = tempfile::tempdir().unwrap();
     let logs = tempfile::tempdir().unwrap();
@@ -875,7 +893,7 @@ async fn run(scenario: &str, arm: &str, args: &Args) -> LoadResult {
         let (stop, args) = (stop.clone(), args.clone());
         tokio::spawn(async move { load(gateway_port, &args, started, stop).await })
     };
-    tokio::time::sleep(Duration::from_secs(args.fault_at)).await;
+    tokio::time::sleep(Duration::from_secs(args.fault_at) + jitter).await;
 
     match scenario {
         "head-crash" => a.proxies[0].process.signal(libc::SIGKILL),
@@ -947,44 +965,104 @@ async fn run(scenario: &str, arm: &str, args: &Args) -> LoadResult {
     result
 }
 
-/// The line scripts read (see the module doc).
-fn line(scenario: &str, arm: &str, r: &LoadResult) -> String {
-    let mut l: Vec<Duration> = r
-        .outcomes
+/// One trial's figures.
+struct TrialStats {
+    requests: u64,
+    failed: u64,
+    executed_twice: u64,
+    may_have_run: u64,
+    lost: u64,
+    failed_ran: u64,
+    /// From the first failure's start to the last's.
+    window: Duration,
+    /// Latencies of the requests that succeeded.
+    latencies: Vec<Duration>,
+    served_by: String,
+}
+
+impl TrialStats {
+    fn of(r: &LoadResult) -> TrialStats {
+        let latencies = r
+            .outcomes
+            .iter()
+            .filter(|(_, e, _, _)| *e == Ending::Ok)
+            .map(|(_, _, t, _)| *t)
+            .collect();
+        let failures: Vec<Duration> = r
+            .outcomes
+            .iter()
+            .filter(|(_, e, _, _)| *e != Ending::Ok)
+            .map(|(at, _, _, _)| *at)
+            .collect();
+        let window = match (failures.first(), failures.last()) {
+            (Some(first), Some(last)) => *last - *first,
+            _ => Duration::ZERO,
+        };
+        TrialStats {
+            requests: r.requests,
+            failed: r.failed(),
+            executed_twice: r.executed_twice,
+            may_have_run: r.count(Ending::MayHaveRun),
+            lost: r.count(Ending::Lost),
+            failed_ran: r.failed_ran,
+            window,
+            latencies,
+            served_by: r.served_by.clone().unwrap_or_else(|| "none".into()),
+        }
+    }
+}
+
+/// The `q` quantile of sorted `values` (nearest rank), in milliseconds.
+fn quantile_ms(sorted: &[Duration], q: f64) -> f64 {
+    sorted
+        .get(((sorted.len().max(1) - 1) as f64 * q).round() as usize)
+        .copied()
+        .unwrap_or_default()
+        .as_secs_f64()
+        * 1000.0
+}
+
+/// The median of `values` (the lower middle one for an even count).
+fn median(values: &[u64]) -> u64 {
+    let mut v = values.to_vec();
+    v.sort_unstable();
+    v.get((v.len().max(1) - 1) / 2).copied().unwrap_or(0)
+}
+
+/// The line scripts read (see the module doc): an arm's trials summed, latency
+/// percentiles over every request that succeeded in any of them, and the median and
+/// maximum of the per-trial failures.
+fn line(scenario: &str, arm: &str, trials: &[TrialStats]) -> String {
+    let sum = |f: fn(&TrialStats) -> u64| trials.iter().map(f).sum::<u64>();
+    let per_trial = |f: fn(&TrialStats) -> u64| trials.iter().map(f).collect::<Vec<u64>>();
+    let mut latencies: Vec<Duration> = trials
         .iter()
-        .filter(|(_, e, _, _)| *e == Ending::Ok)
-        .map(|(_, _, t, _)| *t)
+        .flat_map(|t| t.latencies.iter().copied())
         .collect();
-    l.sort();
-    let p = |q: f64| {
-        l.get(((l.len().max(1) - 1) as f64 * q).round() as usize)
-            .copied()
-            .unwrap_or_default()
-            .as_secs_f64()
-            * 1000.0
-    };
-    let failures: Vec<Duration> = r
-        .outcomes
-        .iter()
-        .filter(|(_, e, _, _)| *e != Ending::Ok)
-        .map(|(at, _, _, _)| *at)
-        .collect();
-    let window = match (failures.first(), failures.last()) {
-        (Some(first), Some(last)) => (*last - *first).as_millis(),
-        _ => 0,
-    };
+    latencies.sort_unstable();
+    let mut served_by: Vec<&str> = trials.iter().map(|t| t.served_by.as_str()).collect();
+    served_by.sort_unstable();
+    served_by.dedup();
+    let failed = per_trial(|t| t.failed);
+    let may_have_run = per_trial(|t| t.may_have_run);
     format!(
-        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} failed_ran={} window_ms={window} served_by={}",
-        r.requests,
-        r.failed(),
-        r.executed_twice,
-        p(0.99),
-        p(0.5),
-        l.last().copied().unwrap_or_default().as_secs_f64() * 1000.0,
-        r.count(Ending::MayHaveRun),
-        r.count(Ending::Lost),
-        r.failed_ran,
-        r.served_by.as_deref().unwrap_or("none"),
+        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} failed_ran={} window_ms={} served_by={} trials={} failed_median={} failed_max={} may_have_run_median={} may_have_run_max={}",
+        sum(|t| t.requests),
+        sum(|t| t.failed),
+        sum(|t| t.executed_twice),
+        quantile_ms(&latencies, 0.99),
+        quantile_ms(&latencies, 0.5),
+        latencies.last().copied().unwrap_or_default().as_secs_f64() * 1000.0,
+        sum(|t| t.may_have_run),
+        sum(|t| t.lost),
+        sum(|t| t.failed_ran),
+        trials.iter().map(|t| t.window.as_millis()).max().unwrap_or(0),
+        served_by.join(","),
+        trials.len(),
+        median(&failed),
+        failed.iter().max().copied().unwrap_or(0),
+        median(&may_have_run),
+        may_have_run.iter().max().copied().unwrap_or(0),
     )
 }
 
@@ -1062,23 +1140,32 @@ async fn bench_main() {
     }
     let mut broken = Vec::new();
     for scenario in &scenarios {
-        let mut lines = Vec::new();
-        for arm in arms_of(scenario) {
-            if !args.arms.is_empty() && !args.arms.iter().any(|a| a == arm) {
-                continue;
-            }
-            let result = run(scenario, arm, &args).await;
-            let line = line(scenario, arm, &result);
-            eprintln!("{line}");
-            if arm.starts_with("ray-xds") {
-                if let Some(why) = broken_by(scenario, &result, &args) {
-                    broken.push(format!("{why}: {line}"));
+        let arms: Vec<&str> = arms_of(scenario)
+            .into_iter()
+            .filter(|arm| args.arms.is_empty() || args.arms.iter().any(|a| a == arm))
+            .collect();
+        let mut trials: Vec<Vec<TrialStats>> = arms.iter().map(|_| Vec::new()).collect();
+        for trial in 0..args.trials.max(1) {
+            for (arm, stats) in arms.iter().zip(trials.iter_mut()) {
+                let jitter =
+                    Duration::from_millis(fastrand::u64(0..args.fault_jitter_ms.max(1)));
+                let result = run(scenario, arm, &args, jitter).await;
+                let one = TrialStats::of(&result);
+                let trial_line = line(scenario, arm, std::slice::from_ref(&one));
+                eprintln!(
+                    "trial={trial} fault_ms={} {trial_line}",
+                    args.fault_at * 1000 + jitter.as_millis() as u64
+                );
+                if arm.starts_with("ray-xds") {
+                    if let Some(why) = broken_by(scenario, &result, &args) {
+                        broken.push(format!("{why}: trial={trial} {trial_line}"));
+                    }
                 }
+                stats.push(one);
             }
-            lines.push(line);
         }
-        for line in lines {
-            println!("{line}");
+        for (arm, stats) in arms.iter().zip(&trials) {
+            println!("{}", line(scenario, arm, stats));
         }
     }
     if args.assert && !broken.is_empty() {
