@@ -883,6 +883,25 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
         through_envoy(gateway_port).await
     })
     .await;
+    // Every arm starts whole: each proxy it routes to is in Envoy, healthy (ray-xds's
+    // default holds the head back as a fallback, so only the workers count there).
+    let serving = if arm == "ray-xds" {
+        &a.proxies[1..]
+    } else {
+        &a.proxies[..]
+    };
+    eventually(
+        "every serving proxy healthy in Envoy",
+        Duration::from_secs(30),
+        || async {
+            let clusters = envoy.admin("/clusters").await;
+            serving
+                .iter()
+                .all(|p| clusters.contains(&format!("::{}::health_flags::healthy", p.address)))
+                .then_some(())
+        },
+    )
+    .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     let duration =
