@@ -205,6 +205,8 @@ struct SimRayCluster {
     name: String,
     proxies: Vec<SimProxy>,
     dashboard: SimDashboard,
+    /// Stops the dashboard (the head pod died).
+    dashboard_stop: CancellationToken,
     url: String,
 }
 
@@ -229,11 +231,13 @@ impl SimRayCluster {
         }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(dashboard.clone().serve(listener, shutdown.clone()));
+        let dashboard_stop = shutdown.child_token();
+        tokio::spawn(dashboard.clone().serve(listener, dashboard_stop.clone()));
         SimRayCluster {
             name: name.into(),
             proxies,
             dashboard,
+            dashboard_stop,
             url,
         }
     }
@@ -929,7 +933,9 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
             cp.set_source(&view("b", &[&a, &b])).await;
         }
         "cluster-replaced" => {
+            // The head pod dies: its proxy and its dashboard.
             a.proxies[0].process.signal(libc::SIGKILL);
+            a.dashboard_stop.cancel();
             b.deploy(Duration::from_secs(args.deploy)).await;
             cp.set_source(&view("b", &[&a, &b])).await;
         }
