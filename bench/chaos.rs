@@ -43,8 +43,8 @@
 //!
 //! Each trial strikes its fault at `--fault-at` plus a random phase within
 //! `--fault-jitter-ms`, so trials meet the probe, reconcile and load timers at different
-//! points; with `--trials N` the arms take turns within each trial (noise on the machine
-//! falls on every arm alike). Every trial's line goes to stderr, prefixed `trial=<i>
+//! points; with `--trials N` each trial runs every scenario, the arms taking turns
+//! within it (noise on the machine falls on every arm alike). Every trial's line goes to stderr, prefixed `trial=<i>
 //! fault_ms=<t>`. The last lines of each scenario, one per arm, on stdout:
 //! `chaos scenario=<name> arm=<arm> requests=<n> failed=<f> executed_twice=<k> p99_ms=<x>
 //! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> failed_ran=<r> window_ms=<w>
@@ -127,7 +127,8 @@ struct Args {
     /// `--fault-at`, so that trials meet the probe and reconcile timers at every phase.
     #[arg(long, default_value_t = 1000)]
     fault_jitter_ms: u64,
-    /// Runs of each scenario and arm; the arms take turns within each trial, and each
+    /// Runs of each scenario and arm; each trial runs every scenario, the arms taking
+    /// turns, and each
     /// arm's line sums its trials (latency percentiles over all their requests) and gives
     /// the median and maximum of its per-trial failures.
     #[arg(long, default_value_t = 1)]
@@ -1164,16 +1165,25 @@ async fn bench_main() {
         assert!(ARMS.contains(&a.as_str()), "unknown arm {a}");
     }
     let mut broken = Vec::new();
-    for scenario in &scenarios {
-        let arms: Vec<&str> = arms_of(scenario)
-            .into_iter()
-            .filter(|arm| args.arms.is_empty() || args.arms.iter().any(|a| a == arm))
-            .collect();
-        let mut trials: Vec<Vec<TrialStats>> = arms.iter().map(|_| Vec::new()).collect();
-        for trial in 0..args.trials.max(1) {
-            for (arm, stats) in arms.iter().zip(trials.iter_mut()) {
-                let jitter =
-                    Duration::from_millis(fastrand::u64(0..args.fault_jitter_ms.max(1)));
+    // Each trial runs every scenario (so a run cut short still has whole trials), and
+    // within a scenario the arms take turns.
+    let arms: Vec<Vec<&str>> = scenarios
+        .iter()
+        .map(|scenario| {
+            arms_of(scenario)
+                .into_iter()
+                .filter(|arm| args.arms.is_empty() || args.arms.iter().any(|a| a == arm))
+                .collect()
+        })
+        .collect();
+    let mut trials: Vec<Vec<Vec<TrialStats>>> = arms
+        .iter()
+        .map(|of| of.iter().map(|_| Vec::new()).collect())
+        .collect();
+    for trial in 0..args.trials.max(1) {
+        for (i, scenario) in scenarios.iter().enumerate() {
+            for (arm, stats) in arms[i].iter().zip(trials[i].iter_mut()) {
+                let jitter = Duration::from_millis(fastrand::u64(0..args.fault_jitter_ms.max(1)));
                 let result = run(scenario, arm, &args, jitter).await;
                 let one = TrialStats::of(&result);
                 let trial_line = line(scenario, arm, std::slice::from_ref(&one));
@@ -1189,7 +1199,9 @@ async fn bench_main() {
                 stats.push(one);
             }
         }
-        for (arm, stats) in arms.iter().zip(&trials) {
+    }
+    for (i, scenario) in scenarios.iter().enumerate() {
+        for (arm, stats) in arms[i].iter().zip(&trials[i]) {
             println!("{}", line(scenario, arm, stats));
         }
     }
