@@ -1,7 +1,8 @@
 //! Live state: what ray-xds learns from the running Ray clusters themselves, as opposed
 //! to what a source says should exist.
 //!
-//! - [`probe`] and [`prober`]: every Ray Serve proxy probed directly;
+//! - [`probe`] and [`prober`]: every Ray Serve proxy probed directly, its route table
+//!   kept in [`route_tables`] and read in turns from [`route_turns`];
 //! - [`dashboard`] and [`dashboards`]: each cluster's Ray dashboard, the authority on
 //!   application status, polled;
 //! - [`discovery`]: the pure step that gives a cluster known only by its dashboard the
@@ -15,3 +16,4 @@ pub mod health;
 pub mod probe;
 pub mod prober;
 pub mod route_tables;
+pub mod route_turns;

@@ -32,12 +32,13 @@ use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::probe::{Outcome, ProbeState, ProxyProbe};
 use super::route_tables::RouteTables;
+use super::route_turns::{RouteTurn, RouteTurns};
 use crate::metrics::Metrics;
 use crate::model::Model;
 use crate::policy::probe::ProbePolicy;
@@ -61,7 +62,7 @@ struct Report {
     /// The route read's turn, held with the table until the manager has kept or refused
     /// it, so that tables waiting in the report queue count against
     /// [`ROUTE_READS_AT_ONCE`] too.
-    route_read_turn: Option<OwnedSemaphorePermit>,
+    route_read_turn: Option<RouteTurn>,
 }
 
 impl ProbeStates {
@@ -187,6 +188,7 @@ impl Prober {
                 let model = models.borrow_and_update().clone();
                 let wanted = targets(&model, &self.policy);
                 routes.owners = owners(&model);
+                permits.route_reads.set_owners(&routes.owners);
                 tasks.retain(|addr, (settings, task)| {
                     let keep = wanted.get(addr) == Some(settings);
                     if !keep {
@@ -504,8 +506,8 @@ struct ProbeTask {
 struct ProbePermits {
     routine: Arc<Semaphore>,
     urgent: Arc<Semaphore>,
-    /// Turns to read `/-/routes` ([`ROUTE_READS_AT_ONCE`]).
-    route_reads: Arc<Semaphore>,
+    /// Turns to read `/-/routes` ([`ROUTE_READS_AT_ONCE`], shared between clusters).
+    route_reads: Arc<RouteTurns>,
 }
 
 impl ProbePermits {
@@ -515,7 +517,7 @@ impl ProbePermits {
         ProbePermits {
             routine: Arc::new(Semaphore::new(total - urgent)),
             urgent: Arc::new(Semaphore::new(urgent)),
-            route_reads: Arc::new(Semaphore::new(ROUTE_READS_AT_ONCE)),
+            route_reads: RouteTurns::new(ROUTE_READS_AT_ONCE),
         }
     }
 
@@ -547,25 +549,28 @@ impl ProbeTask {
             let outcome = probe_healthz(&self.client, self.address, self.settings.timeout).await;
             let latency = started.elapsed();
             let healthy = outcome == Outcome::Healthy;
+            // The probe is done: its permit goes back before any route read, so that
+            // reads waiting for a turn never hold up other proxies' probes.
+            drop(permit);
             let (routes, route_read_turn) = if healthy
                 && (!last_healthy
                     || routes_read.is_none_or(|t| t.elapsed() >= self.routes_interval))
             {
-                let turn = self.permits.route_reads.clone().acquire_owned();
-                match tokio::time::timeout(self.settings.timeout, turn).await {
-                    Ok(Ok(turn)) => {
+                let turns = &self.permits.route_reads;
+                match turns.take(self.address, self.settings.timeout).await {
+                    Some(turn) => {
                         routes_read = Some(Instant::now());
                         let table =
                             read_routes(&self.client, self.address, self.settings.timeout).await;
                         (Some(table), Some(turn))
                     }
-                    // No turn: not read this time (its last table stays).
-                    _ => (None, None),
+                    // No turn (its cluster holds its share, or none freed in time): not
+                    // read this time (its last table stays).
+                    None => (None, None),
                 }
             } else {
                 (None, None)
             };
-            drop(permit);
             // ±20% jitter so that proxies added together do not probe in lockstep; a
             // healthy proxy that just failed is probed again soon, so that a hung proxy
             // reaches the failure threshold in a fraction of the interval.
@@ -655,8 +660,10 @@ pub const MAX_ROUTES_BODY_BYTES: usize = 256 * 1024;
 /// The most `/-/routes` reads at once, over all proxies: each turn is held through the
 /// read, the parse and the report queue until the manager has kept or refused the table,
 /// so what reads cost in flight stays under 16 × (256 KiB and its table) however many
-/// proxies answer big tables and however far the manager lags. A read that does not get
-/// its turn within the probe timeout is tried at the next probe.
+/// proxies answer big tables and however far the manager lags. Each cluster holds at most
+/// its share of the turns (`live::route_turns`), so one cluster's slow reads never starve
+/// another's. A read that does not get its turn within the probe timeout (or whose
+/// cluster holds its share) is tried at the next probe.
 pub const ROUTE_READS_AT_ONCE: usize = 16;
 
 /// One `GET /-/healthz`, classified.
@@ -1031,11 +1038,18 @@ mod tests {
     /// A fake proxy: answers `/-/healthz` with `success` and `/-/routes` with a table
     /// of its own, over kept-alive HTTP/1.1.
     async fn fake_proxy() -> SocketAddr {
+        fake_proxy_with(None).await
+    }
+
+    /// A fake proxy whose `/-/routes` never answers when `stalled` is given (it is sent
+    /// a message when the read arrives).
+    async fn fake_proxy_with(stalled: Option<mpsc::Sender<()>>) -> SocketAddr {
         use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
+                let stalled = stalled.clone();
                 tokio::spawn(async move {
                     let mut stream = BufReader::new(stream);
                     loop {
@@ -1046,6 +1060,10 @@ mod tests {
                         let mut header = String::new();
                         while stream.read_line(&mut header).await.unwrap_or(0) > 2 {
                             header.clear();
+                        }
+                        if let (true, Some(stalled)) = (line.contains("/-/routes"), &stalled) {
+                            let _ = stalled.send(()).await;
+                            std::future::pending::<()>().await;
                         }
                         let body = if line.contains("/-/routes") {
                             format!(r#"{{"/{}":"app"}}"#, address.port())
@@ -1081,9 +1099,16 @@ mod tests {
         let mut settings = p.policy.clone();
         settings.timeout = Duration::from_millis(500);
         let mut handles = Vec::new();
+        let mut addresses = Vec::new();
         for _ in 0..proxies {
+            addresses.push(fake_proxy().await);
+        }
+        permits
+            .route_reads
+            .set_owners(&addresses.iter().map(|a| (*a, "c".to_string())).collect());
+        for address in addresses {
             let task = ProbeTask {
-                address: fake_proxy().await,
+                address,
                 settings: settings.clone(),
                 routes_interval: Duration::from_secs(3600),
                 client: client.clone(),
@@ -1107,7 +1132,7 @@ mod tests {
         }
         let with_tables = reports.iter().filter(|r| r.routes.is_some()).count();
         assert_eq!(with_tables, ROUTE_READS_AT_ONCE, "tables queued at once");
-        assert_eq!(permits.route_reads.available_permits(), 0);
+        assert_eq!(permits.route_reads.available(), 0);
         // The manager takes them: the turns come back and the rest read their tables.
         let mut read: BTreeSet<SocketAddr> = reports
             .iter()
@@ -1128,6 +1153,47 @@ mod tests {
         for h in handles {
             h.abort();
         }
+    }
+
+    /// Issue 13 (fourth re-check): a route read that stalls holds its turn, never the
+    /// probe permit: with one probe in flight at most, another proxy is probed (and
+    /// reports) while the first proxy's `/-/routes` hangs.
+    #[tokio::test]
+    async fn a_stalled_route_read_does_not_hold_up_other_probes() {
+        let p = prober();
+        let (tx, mut rx) = mpsc::channel(64);
+        let client = probe_client(Duration::from_secs(30));
+        let permits = ProbePermits::new(1);
+        let mut settings = p.policy.clone();
+        settings.timeout = Duration::from_secs(30);
+        let (stalled_tx, mut stalled_rx) = mpsc::channel(1);
+        let slow = fake_proxy_with(Some(stalled_tx)).await;
+        let quick = fake_proxy().await;
+        permits.route_reads.set_owners(&BTreeMap::from([
+            (slow, "c".to_string()),
+            (quick, "c".to_string()),
+        ]));
+        let task = |address| ProbeTask {
+            address,
+            settings: settings.clone(),
+            routes_interval: Duration::from_secs(3600),
+            client: client.clone(),
+            permits: permits.clone(),
+            reports: tx.clone(),
+        };
+        let slow_task = tokio::spawn(task(slow).run());
+        tokio::time::timeout(Duration::from_secs(60), stalled_rx.recv())
+            .await
+            .expect("the slow proxy's routes are read");
+        let quick_task = tokio::spawn(task(quick).run());
+        let first = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+            .await
+            .expect("the quick proxy reports while the slow one's read hangs")
+            .unwrap();
+        assert_eq!(first.address, quick);
+        assert_eq!(first.outcome, Outcome::Healthy);
+        slow_task.abort();
+        quick_task.abort();
     }
 
     #[test]
