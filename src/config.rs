@@ -78,9 +78,9 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_SOURCE_FILE_POLL_INTERVAL", value_parser = humantime::parse_duration)]
     pub source_file_poll_interval: Option<Duration>,
 
-    /// Largest gRPC message accepted from an xDS client [config: xds.max_message_bytes;
-    /// default 4194304].
-    #[arg(long, env = "RAY_XDS_XDS_MAX_MESSAGE_BYTES")]
+    /// Largest gRPC message accepted from an xDS client; bytes, or with a Ki/Mi suffix
+    /// [config: xds.max_message_bytes; default 4Mi; 64Ki..=64Mi].
+    #[arg(long, env = "RAY_XDS_XDS_MAX_MESSAGE_BYTES", value_parser = parse_bytes)]
     pub xds_max_message_bytes: Option<usize>,
 
     /// Connections the xDS listener holds at once [config: xds.max_connections;
@@ -277,20 +277,40 @@ struct ByteCount(usize);
 
 impl<'de> Deserialize<'de> for ByteCount {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Number(u64),
-            Text(String),
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = ByteCount;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(
+                    "a byte count: a whole number of bytes, or digits then Ki, Mi or Gi (e.g. 64Mi)",
+                )
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<ByteCount, E> {
+                usize::try_from(n)
+                    .map(ByteCount)
+                    .map_err(|_| E::custom(format!("{n} is too large")))
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<ByteCount, E> {
+                u64::try_from(n)
+                    .map_err(|_| E::custom(format!("{n} is not a byte count: it is negative")))
+                    .and_then(|n| self.visit_u64(n))
+            }
+            fn visit_u128<E: serde::de::Error>(self, n: u128) -> Result<ByteCount, E> {
+                Err(E::custom(format!("{n} is too large")))
+            }
+            fn visit_i128<E: serde::de::Error>(self, n: i128) -> Result<ByteCount, E> {
+                Err(E::custom(format!("{n} is not a byte count")))
+            }
+            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<ByteCount, E> {
+                Err(E::custom(format!(
+                    "{n} is not a byte count: use a whole number (e.g. 1572864 or 1536Ki)"
+                )))
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<ByteCount, E> {
+                parse_bytes(text).map(ByteCount).map_err(E::custom)
+            }
         }
-        match Raw::deserialize(d)? {
-            Raw::Number(n) => usize::try_from(n)
-                .map(ByteCount)
-                .map_err(|_| serde::de::Error::custom(format!("{n} is too large"))),
-            Raw::Text(t) => parse_bytes(&t)
-                .map(ByteCount)
-                .map_err(serde::de::Error::custom),
-        }
+        d.deserialize_any(Visitor)
     }
 }
 
@@ -412,7 +432,7 @@ struct MemorySection {
 #[serde(deny_unknown_fields)]
 struct XdsSection {
     listen: Option<SocketAddr>,
-    max_message_bytes: Option<usize>,
+    max_message_bytes: Option<ByteCount>,
     max_connections: Option<usize>,
     max_connections_per_peer: Option<usize>,
     max_streams: Option<usize>,
@@ -614,7 +634,7 @@ impl Config {
         }
         let max_message = args
             .xds_max_message_bytes
-            .or(file.xds.max_message_bytes)
+            .or(file.xds.max_message_bytes.map(|b| b.0))
             .unwrap_or(DEFAULT_XDS_MAX_MESSAGE_BYTES);
         if !XDS_MAX_MESSAGE_BYTES_RANGE.contains(&max_message) {
             return Err(ConfigError::Invalid(format!(
@@ -698,7 +718,10 @@ impl Config {
                 "memory-partial-xds-requests",
                 args.memory_partial_xds_requests
                     .or(file.memory.partial_xds_requests.map(|b| b.0)),
-                defaults.partial_xds_requests,
+                // Unset: room for two of the largest messages at least.
+                defaults
+                    .partial_xds_requests
+                    .max(max_message.saturating_mul(2)),
             )?,
         };
         if memory.partial_xds_requests < max_message.saturating_mul(2) {
@@ -1151,6 +1174,11 @@ mod tests {
             ("route_tables", "18446744073709551615"),
             ("partial_xds_requests", "1Mi"), // under twice the 4 MiB message
             ("dashboards", "lots"),
+            ("dashboards", "1.5"),
+            ("dashboards", "-1"),
+            ("dashboards", "true"),
+            ("dashboards", "[1Mi]"),
+            ("dashboards", "18446744073709551616"),
         ] {
             let err = load(&format!(
                 "memory: {{ {field}: {bad} }}\nsource: {{ file: {{ path: a.yaml }} }}\n"
@@ -1158,6 +1186,7 @@ mod tests {
             .unwrap_err()
             .to_string();
             assert!(err.contains(field), "{field}={bad}: {err}");
+            assert!(!err.contains("untagged"), "{field}={bad}: {err}");
         }
         // A flag beats the file, and is read by the same rule.
         let f = write("memory: { route_tables: 8Mi }\nsource: { file: { path: a.yaml } }\n");
@@ -1190,6 +1219,16 @@ mod tests {
         assert!(
             load("xds: { max_message_bytes: 65536 }\nsource: { file: { path: a.yaml } }\n").is_ok()
         );
+        // With a suffix too; past 32 MiB the partial requests' default budget grows to
+        // hold two of them, and an explicit one too small is refused.
+        let c =
+            load("xds: { max_message_bytes: 64Mi }\nsource: { file: { path: a.yaml } }\n").unwrap();
+        assert_eq!(c.xds_max_message_bytes, 64 << 20);
+        assert_eq!(c.memory.partial_xds_requests, 128 << 20);
+        let err = load("xds: { max_message_bytes: 64Mi }\nmemory: { partial_xds_requests: 64Mi }\nsource: { file: { path: a.yaml } }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("at least twice"), "{err}");
     }
 
     #[test]

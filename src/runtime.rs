@@ -150,15 +150,40 @@ pub fn memory_shortfall(limit: u64, config: &Config) -> Option<u64> {
 
 /// The memory limit of this process's cgroup (v2 `memory.max`, else v1's), if it has one.
 pub fn cgroup_memory_limit() -> Option<u64> {
-    [
-        "/sys/fs/cgroup/memory.max",
-        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-    ]
-    .iter()
-    .find_map(|path| std::fs::read_to_string(path).ok())
-    .and_then(|text| text.trim().parse::<u64>().ok())
-    // cgroup v1 writes a huge number for "no limit".
-    .filter(|limit| *limit < (1 << 60))
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    memory_limit_files(&own)
+        .iter()
+        .find_map(|path| std::fs::read_to_string(path).ok())
+        .and_then(|text| text.trim().parse::<u64>().ok())
+        // cgroup v1 writes a huge number for "no limit" (v2 writes `max`).
+        .filter(|limit| *limit < (1 << 60))
+}
+
+/// Where this process's memory limit may be read, most specific first, from its
+/// `/proc/self/cgroup`: its own cgroup's file (v2 `0::<path>`, v1 `<n>:memory:<path>`),
+/// then the mount roots' (a container with its own cgroup namespace sees itself there).
+pub fn memory_limit_files(proc_self_cgroup: &str) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for line in proc_self_cgroup.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) =
+            (fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
+        let path = path.trim_start_matches('/');
+        if path.is_empty() || path.split('/').any(|part| part == "..") {
+            continue; // the root (below), or not a path to follow
+        }
+        if controllers.is_empty() {
+            files.push(format!("/sys/fs/cgroup/{path}/memory.max").into());
+        } else if controllers.split(',').any(|c| c == "memory") {
+            files.push(format!("/sys/fs/cgroup/memory/{path}/memory.limit_in_bytes").into());
+        }
+    }
+    files.push("/sys/fs/cgroup/memory.max".into());
+    files.push("/sys/fs/cgroup/memory/memory.limit_in_bytes".into());
+    files
 }
 
 /// Starts ray-xds. A bad source file at start is an error; later bad edits are not.
@@ -461,6 +486,37 @@ mod tests {
         assert_eq!(open_files_needed(&small), 100 + 256 + 1_024 + 64);
         assert_eq!(open_files_shortfall(1_024, &small), Some(1_444));
         assert_eq!(open_files_shortfall(4_096, &small), None);
+    }
+
+    /// The memory limit is read from this process's own cgroup first (v2 and v1), then
+    /// from the mount roots.
+    #[test]
+    fn the_memory_limit_is_read_from_the_process_own_cgroup() {
+        let files = |text: &str| -> Vec<String> {
+            memory_limit_files(text)
+                .into_iter()
+                .map(|p| p.display().to_string())
+                .collect()
+        };
+        let roots = [
+            "/sys/fs/cgroup/memory.max".to_string(),
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes".to_string(),
+        ];
+        assert_eq!(
+            files("0::/kubepods/pod1/c1\n")[..],
+            [
+                "/sys/fs/cgroup/kubepods/pod1/c1/memory.max".to_string(),
+                roots[0].clone(),
+                roots[1].clone()
+            ]
+        );
+        assert_eq!(
+            files("12:cpu,cpuacct:/x\n4:memory:/docker/abc\n")[0],
+            "/sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes"
+        );
+        assert_eq!(files("0::/\n")[..], roots[..]);
+        assert_eq!(files("")[..], roots[..]);
+        assert_eq!(files("garbage\n0::/../../etc\n")[..], roots[..]);
     }
 
     /// Issue 13: the container's memory limit is checked against the memory budgets:
