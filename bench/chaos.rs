@@ -42,10 +42,13 @@
 //! that could have run it while a healthy one existed (every scenario keeps one).
 //!
 //! Each trial strikes its fault at `--fault-at` plus a random phase within
-//! `--fault-jitter-ms`, so trials meet the probe, reconcile and load timers at different
-//! points; with `--trials N` each trial runs every scenario, the arms taking turns
-//! within it (noise on the machine falls on every arm alike). Every trial's line goes to stderr, prefixed `trial=<i>
-//! fault_ms=<t>`. The last lines of each scenario, one per arm, on stdout:
+//! `--fault-jitter-ms`, the same for every arm of the trial; the baselines' timers (each
+//! worker's kubelet probe, the reconcile) start at random points of their periods, so
+//! trials meet every phase of them. With `--trials N` each trial runs every scenario, the
+//! arms taking turns in an order that rotates from trial to trial (noise on the machine
+//! falls on every arm alike). Latency counts from when a request was due. Every trial's
+//! line goes to stderr, prefixed `trial=<i> fault_ms=<t>`. Each scenario ends (in the last
+//! trial) with one line per arm, on stdout:
 //! `chaos scenario=<name> arm=<arm> requests=<n> failed=<f> executed_twice=<k> p99_ms=<x>
 //! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> failed_ran=<r> window_ms=<w>
 //! served_by=<clusters> trials=<N> failed_median=<a> failed_max=<b>
@@ -244,12 +247,15 @@ impl SimRayCluster {
         }
     }
 
-    /// Applications deploy for `for_` (proxies answer 503 meanwhile), then run.
+    /// Applications deploy for `for_` (proxies answer 503 meanwhile), then run: the
+    /// proxies serve again before the dashboard says RUNNING, so that no arm that
+    /// switches on RUNNING can meet a proxy still refusing.
     async fn deploy(&self, for_: Duration) {
-        self.dashboard.deploy_app("hello", "/", for_, "RUNNING");
+        self.dashboard.set_app("hello", "/", "DEPLOYING");
         for p in &self.proxies {
             p.mode("overloaded").await;
         }
+        let dashboard = self.dashboard.clone();
         let proxies: Vec<(u16, u16)> = self
             .proxies
             .iter()
@@ -265,6 +271,7 @@ impl SimRayCluster {
                 )
                 .await;
             }
+            dashboard.set_app("hello", "/", "RUNNING");
         });
     }
 }
@@ -555,14 +562,35 @@ impl BaselinePlumbing {
     }
 }
 
-/// kubelet's readiness probes of the active cluster's workers: every 5 s, 2 s timeout,
-/// failure threshold 1 (KubeRay's injection for RayService workers).
+/// kubelet's readiness probes of the active cluster's workers: one timer per worker
+/// (pod), its first probe at a random point of the first 5 s period as kubelet does,
+/// then every 5 s whatever the last probe took, 2 s timeout, failure threshold 1
+/// (KubeRay's injection for RayService workers). Each result updates the endpoints.
 async fn kubelet(plumbing: Arc<BaselinePlumbing>, stop: CancellationToken) {
+    const PERIOD: Duration = Duration::from_secs(5);
     let client = probe_client(Duration::from_secs(2));
+    let mut due: std::collections::HashMap<SocketAddr, Instant> = Default::default();
+    let mut probes = tokio::task::JoinSet::new();
+    let mut in_flight = std::collections::HashSet::new();
+    let mut not_ready = std::collections::BTreeSet::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+            _ = tick.tick() => {}
+            Some(done) = probes.join_next() => {
+                let (worker, ready): (SocketAddr, bool) = done.expect("a probe task");
+                in_flight.remove(&worker);
+                let changed = if ready {
+                    not_ready.remove(&worker)
+                } else {
+                    not_ready.insert(worker)
+                };
+                if changed {
+                    let list: Vec<SocketAddr> = not_ready.iter().copied().collect();
+                    plumbing.update(|s| s.workers_not_ready = list);
+                }
+            }
         }
         let workers: Vec<SocketAddr> = {
             let state = plumbing.state.lock().unwrap();
@@ -574,19 +602,25 @@ async fn kubelet(plumbing: Arc<BaselinePlumbing>, stop: CancellationToken) {
                 .map(|(a, _)| *a)
                 .collect()
         };
-        let mut not_ready = Vec::new();
+        let now = Instant::now();
         for w in workers {
-            if probe_healthz(&client, w, Duration::from_secs(2)).await != Outcome::Healthy {
-                not_ready.push(w);
+            let next = due
+                .entry(w)
+                .or_insert_with(|| now + PERIOD.mul_f64(fastrand::f64()));
+            if *next <= now && !in_flight.contains(&w) {
+                *next += PERIOD;
+                in_flight.insert(w);
+                let client = client.clone();
+                probes.spawn(async move {
+                    let ready =
+                        probe_healthz(&client, w, Duration::from_secs(2)).await == Outcome::Healthy;
+                    (w, ready)
+                });
             }
         }
-        plumbing.update(|s| s.workers_not_ready = not_ready);
     }
 }
 
-/// KubeRay's RayService reconcile: every 2 s, the head's proxy (`GET /-/healthz`, 2 s
-/// timeout) sets its serve label; a pending cluster becomes active when the switch rule
-/// says so.
 async fn kuberay_reconcile(
     source: Arc<Mutex<SourceView>>,
     plumbing: Arc<BaselinePlumbing>,
@@ -594,11 +628,15 @@ async fn kuberay_reconcile(
 ) {
     let client = probe_client(Duration::from_secs(2));
     let dashboards = DashboardClient::new(Duration::from_secs(2));
+    // The reconcile's 2 s cycle starts at a random point, as the operator's does
+    // relative to any fault.
+    let mut due = tokio::time::Instant::now() + Duration::from_secs(2).mul_f64(fastrand::f64());
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+            _ = tokio::time::sleep_until(due) => {}
         }
+        due += Duration::from_secs(2);
         let view = source.lock().unwrap().clone();
         let current = plumbing.state.lock().unwrap().active.0.clone();
         let mut next = None;
@@ -771,10 +809,12 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
     let mut outcomes = Vec::new();
     let mut requests = 0u64;
     while !stop.is_cancelled() {
-        tokio::select! {
+        // Latency counts from when the request was due, not from when the runtime got
+        // to it: a stalled sender shows in the figures.
+        let due = tokio::select! {
             _ = stop.cancelled() => break,
-            _ = tick.tick() => {}
-        }
+            due = tick.tick() => due.into_std(),
+        };
         let n = requests;
         let id = format!("chaos-{n}");
         requests += 1;
@@ -785,10 +825,9 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
         };
         let client = client.clone();
         tasks.spawn(async move {
-            let t = Instant::now();
             let ending = send(&client, port, &id, timeout).await;
             drop(permit);
-            (at, ending, t.elapsed(), n)
+            (at, ending, due.elapsed(), n)
         });
         while let Some(done) = tasks.try_join_next() {
             outcomes.push(done.expect("a request task"));
@@ -817,11 +856,13 @@ async fn send(client: &LoadClient, port: u16, id: &str, timeout: Duration) -> En
             b"{\"prompt\":\"hi\"}",
         )))
         .unwrap();
+    // `Err(false)`: Envoy gave no answer; `Err(true)`: the answer broke off after its
+    // headers (the request reached a proxy).
     let result = tokio::time::timeout(timeout, async {
-        let response = client.request(request).await.map_err(|_| ())?;
+        let response = client.request(request).await.map_err(|_| false)?;
         let status = response.status();
-        let body = response.into_body().collect().await.map_err(|_| ())?;
-        Ok::<_, ()>((status, body.to_bytes()))
+        let body = response.into_body().collect().await.map_err(|_| true)?;
+        Ok::<_, bool>((status, body.to_bytes()))
     })
     .await;
     match result {
@@ -841,8 +882,10 @@ async fn send(client: &LoadClient, port: u16, id: &str, timeout: Duration) -> En
         }
         // The client gave up while Envoy held the request on a proxy.
         Err(_) => Ending::MayHaveRun,
+        // The answer broke off mid-way: it came from a proxy.
+        Ok(Err(true)) => Ending::MayHaveRun,
         // Envoy itself did not answer.
-        Ok(Err(())) => Ending::Lost,
+        Ok(Err(false)) => Ending::Lost,
     }
 }
 
@@ -941,23 +984,25 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
             b.deploy(Duration::from_secs(args.deploy)).await;
             cp.set_source(&view("b", &[&a, &b])).await;
         }
+        // Timed from the stop call: stopping ray-xds waits for its tasks, a baseline's
+        // only cancels its reconcile, and neither may shift the fault.
         "control-plane-restart" => {
+            let stopped = tokio::time::Instant::now();
             cp.stop().await;
-            tokio::time::sleep(Duration::from_secs(2)).await;
+            tokio::time::sleep_until(stopped + Duration::from_secs(2)).await;
             cp.start().await;
         }
-        "control-plane-down-crash" => {
+        "control-plane-down-crash" | "control-plane-down-hang" => {
+            let stopped = tokio::time::Instant::now();
             cp.stop().await;
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            a.proxies[2].process.signal(libc::SIGKILL);
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            cp.start().await;
-        }
-        "control-plane-down-hang" => {
-            cp.stop().await;
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            a.proxies[2].process.signal(libc::SIGSTOP);
-            tokio::time::sleep(Duration::from_secs(5)).await;
+            tokio::time::sleep_until(stopped + Duration::from_secs(1)).await;
+            let signal = if scenario == "control-plane-down-crash" {
+                libc::SIGKILL
+            } else {
+                libc::SIGSTOP
+            };
+            a.proxies[2].process.signal(signal);
+            tokio::time::sleep_until(stopped + Duration::from_secs(6)).await;
             cp.start().await;
         }
         other => panic!("unknown scenario {other}"),
@@ -984,6 +1029,17 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
         tokio::time::sleep(Duration::from_secs(args.client_timeout + 1)).await;
         let hung = if scenario == "proxy-hang" { 1 } else { 2 };
         a.proxies[hung].process.signal(libc::SIGCONT);
+        // The resumed proxy runs what was queued on it: read the logs once they stop
+        // growing.
+        let mut last = usize::MAX;
+        for _ in 0..20 {
+            let now: usize = executions(logs.path()).values().map(|n| *n as usize).sum();
+            if now == last {
+                break;
+            }
+            last = now;
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
     let mut result = load_task.await.unwrap();
     result.served_by = served_by;
@@ -1193,10 +1249,16 @@ async fn bench_main() {
         .iter()
         .map(|of| of.iter().map(|_| Vec::new()).collect())
         .collect();
-    for trial in 0..args.trials.max(1) {
+    let last_trial = args.trials.max(1) - 1;
+    for trial in 0..=last_trial {
         for (i, scenario) in scenarios.iter().enumerate() {
-            for (arm, stats) in arms[i].iter().zip(trials[i].iter_mut()) {
-                let jitter = Duration::from_millis(fastrand::u64(0..args.fault_jitter_ms.max(1)));
+            // Every arm of a trial meets the same fault at the same point; the arms'
+            // order rotates from trial to trial.
+            let jitter = Duration::from_millis(fastrand::u64(0..args.fault_jitter_ms.max(1)));
+            let n = arms[i].len();
+            for k in 0..n {
+                let j = (k + trial) % n;
+                let arm = arms[i][j];
                 let result = run(scenario, arm, &args, jitter).await;
                 let one = TrialStats::of(&result);
                 let trial_line = line(scenario, arm, std::slice::from_ref(&one));
@@ -1209,13 +1271,13 @@ async fn bench_main() {
                         broken.push(format!("{why}: trial={trial} {trial_line}"));
                     }
                 }
-                stats.push(one);
+                trials[i][j].push(one);
             }
-        }
-    }
-    for (i, scenario) in scenarios.iter().enumerate() {
-        for (arm, stats) in arms[i].iter().zip(&trials[i]) {
-            println!("{}", line(scenario, arm, stats));
+            if trial == last_trial {
+                for (arm, stats) in arms[i].iter().zip(&trials[i]) {
+                    println!("{}", line(scenario, arm, stats));
+                }
+            }
         }
     }
     if args.assert && !broken.is_empty() {
