@@ -1084,6 +1084,25 @@ mod tests {
         address
     }
 
+    /// A probe task for tests that reads a proxy's routes once (the routes interval is
+    /// an hour).
+    fn routes_once_task(
+        address: SocketAddr,
+        settings: &ProbePolicy,
+        client: &HttpClient,
+        permits: &ProbePermits,
+        reports: &mpsc::Sender<Report>,
+    ) -> ProbeTask {
+        ProbeTask {
+            address,
+            settings: settings.clone(),
+            routes_interval: Duration::from_secs(3600),
+            client: client.clone(),
+            permits: permits.clone(),
+            reports: reports.clone(),
+        }
+    }
+
     /// Issue 13: a route read's turn is held until the manager has taken its report, so
     /// tables waiting in the report queue count against `ROUTE_READS_AT_ONCE`: with the
     /// manager stalled, more healthy proxies than turns leave at most that many tables
@@ -1107,14 +1126,7 @@ mod tests {
             .route_reads
             .set_owners(&addresses.iter().map(|a| (*a, "c".to_string())).collect());
         for address in addresses {
-            let task = ProbeTask {
-                address,
-                settings: settings.clone(),
-                routes_interval: Duration::from_secs(3600),
-                client: client.clone(),
-                permits: permits.clone(),
-                reports: tx.clone(),
-            };
+            let task = routes_once_task(address, &settings, &client, &permits, &tx);
             handles.push(tokio::spawn(task.run()));
         }
         // Every proxy has reported at least twice: each has tried for a turn.
@@ -1173,14 +1185,7 @@ mod tests {
             (slow, "c".to_string()),
             (quick, "c".to_string()),
         ]));
-        let task = |address| ProbeTask {
-            address,
-            settings: settings.clone(),
-            routes_interval: Duration::from_secs(3600),
-            client: client.clone(),
-            permits: permits.clone(),
-            reports: tx.clone(),
-        };
+        let task = |address| routes_once_task(address, &settings, &client, &permits, &tx);
         let slow_task = tokio::spawn(task(slow).run());
         tokio::time::timeout(Duration::from_secs(60), stalled_rx.recv())
             .await

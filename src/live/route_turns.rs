@@ -97,6 +97,11 @@ impl RouteTurns {
     /// What one cluster may hold at once now.
     pub fn share(&self) -> usize {
         let clusters = self.book.lock().expect("never poisoned").clusters;
+        self.share_among(clusters)
+    }
+
+    /// A cluster's share of the turns among `clusters`: at least one.
+    fn share_among(&self, clusters: usize) -> usize {
         (self.total / clusters.max(1)).max(1)
     }
 
@@ -106,7 +111,7 @@ impl RouteTurns {
         let share = {
             let mut book = self.book.lock().expect("never poisoned");
             let cluster = book.owners.get(&address)?.clone();
-            let share = (self.total / book.clusters.max(1)).max(1);
+            let share = self.share_among(book.clusters);
             let held = book.held.entry(cluster.clone()).or_insert(0);
             if *held >= share {
                 return None;
