@@ -33,13 +33,14 @@
 //! cluster active at once (as KubeRay 1.0 did), and ray-xds gates the switch itself.
 //!
 //! Load is open-loop: requests start on schedule (`--rps`) whatever is in flight, at most
-//! `--max-in-flight` at once (one over that is counted failed and lost). A failed request
+//! `--max-in-flight` at once (one over that is counted failed and `shed`). A failed request
 //! is one that did not get a 2xx; it **may have run** when Envoy reports it reset or timed
 //! out on a proxy (`upstream request timeout`, `connection termination`, `remote reset`)
 //! or the client's timeout ended it while it waited on a proxy: the safety rule (a request
 //! that may have run is never sent again unless its RayService is idempotent) makes those
 //! the price of not replaying. Every other failure is **lost**: it never reached a proxy
-//! that could have run it while a healthy one existed (every scenario keeps one).
+//! that could have run it while a healthy one existed (every scenario keeps one), and
+//! `lost_ran` counts the lost ones a proxy's execution log shows ran all the same.
 //!
 //! Each trial strikes its fault at `--fault-at` plus a random phase within
 //! `--fault-jitter-ms`, the same for every arm of the trial; the baselines' timers (each
@@ -50,12 +51,14 @@
 //! line goes to stderr, prefixed `trial=<i> fault_ms=<t>`. Each scenario ends (in the last
 //! trial) with one line per arm, on stdout:
 //! `chaos scenario=<name> arm=<arm> requests=<n> failed=<f> executed_twice=<k> p99_ms=<x>
-//! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> failed_ran=<r> window_ms=<w>
+//! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> shed=<s> failed_ran=<r>
+//! lost_ran=<q> window_ms=<w>
 //! served_by=<clusters> trials=<N> failed_median=<a> failed_max=<b>
 //! may_have_run_median=<c> may_have_run_max=<d>`: counts summed over the trials, latency
 //! percentiles over every request that succeeded in any trial, the window the longest of
 //! any trial. With `--assert`, the benchmark exits 1 when a trial of an arm running
-//! ray-xds lost a request, executed one twice, or broke the other rules of `broken_by`.
+//! ray-xds lost a request (or shed one, or one it lost ran), executed one twice, or broke
+//! the other rules of `broken_by`.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -118,7 +121,7 @@ struct Args {
     /// Requests started per second (open loop).
     #[arg(long, default_value_t = 200)]
     rps: u64,
-    /// Requests in flight at most; one more is counted failed (lost).
+    /// Requests in flight at most; one more is counted failed (shed).
     #[arg(long, default_value_t = 512)]
     max_in_flight: usize,
     /// Seconds a request may take before the client gives up.
@@ -759,6 +762,9 @@ enum Ending {
     MayHaveRun,
     /// Failed without reaching a proxy that could run it.
     Lost,
+    /// Never sent: `--max-in-flight` requests were already in flight (the load
+    /// generator's own bound, counted failed for every arm alike).
+    Shed,
 }
 
 struct LoadResult {
@@ -770,6 +776,9 @@ struct LoadResult {
     /// Failed requests that ran on a proxy all the same (from the execution logs): the
     /// truth behind Envoy's "may have run".
     failed_ran: u64,
+    /// Requests counted lost (Envoy said no proxy got them) that ran on a proxy all the
+    /// same: a wrong "lost" would hide a request that could be replayed.
+    lost_ran: u64,
     /// The cluster serving when the load stopped.
     served_by: Option<String>,
 }
@@ -820,7 +829,7 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
         requests += 1;
         let at = started.elapsed();
         let Ok(permit) = in_flight.clone().try_acquire_owned() else {
-            outcomes.push((at, Ending::Lost, Duration::ZERO, n));
+            outcomes.push((at, Ending::Shed, Duration::ZERO, n));
             continue;
         };
         let client = client.clone();
@@ -842,6 +851,7 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
         outcomes,
         executed_twice: 0,
         failed_ran: 0,
+        lost_ran: 0,
         served_by: None,
     }
 }
@@ -1043,12 +1053,22 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     }
     let mut result = load_task.await.unwrap();
     result.served_by = served_by;
+    if std::env::var_os("CHAOS_DEBUG").is_some() {
+        // What Envoy's retries, outlier detection and connections did, per cluster.
+        let stats = envoy.admin("/stats?filter=(retry|outlier|cx_connect|rq_timeout|rq_total|ejections_active|rq_pending)").await;
+        eprintln!("debug: {arm} envoy stats:\n{stats}");
+    }
     let runs = executions(logs.path());
     result.executed_twice = runs.values().filter(|n| **n > 1).count() as u64;
     result.failed_ran = result
         .outcomes
         .iter()
         .filter(|(_, e, _, n)| *e != Ending::Ok && runs.contains_key(&format!("chaos-{n}")))
+        .count() as u64;
+    result.lost_ran = result
+        .outcomes
+        .iter()
+        .filter(|(_, e, _, n)| *e == Ending::Lost && runs.contains_key(&format!("chaos-{n}")))
         .count() as u64;
     cp.end().await;
     drop(envoy);
@@ -1063,7 +1083,9 @@ struct TrialStats {
     executed_twice: u64,
     may_have_run: u64,
     lost: u64,
+    shed: u64,
     failed_ran: u64,
+    lost_ran: u64,
     /// From the first failure's start to the last's.
     window: Duration,
     /// Latencies of the requests that succeeded.
@@ -1095,7 +1117,9 @@ impl TrialStats {
             executed_twice: r.executed_twice,
             may_have_run: r.count(Ending::MayHaveRun),
             lost: r.count(Ending::Lost),
+            shed: r.count(Ending::Shed),
             failed_ran: r.failed_ran,
+            lost_ran: r.lost_ran,
             window,
             latencies,
             served_by: r.served_by.clone().unwrap_or_else(|| "none".into()),
@@ -1137,7 +1161,7 @@ fn line(scenario: &str, arm: &str, trials: &[TrialStats]) -> String {
     let failed = per_trial(|t| t.failed);
     let may_have_run = per_trial(|t| t.may_have_run);
     format!(
-        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} failed_ran={} window_ms={} served_by={} trials={} failed_median={} failed_max={} may_have_run_median={} may_have_run_max={}",
+        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} shed={} failed_ran={} lost_ran={} window_ms={} served_by={} trials={} failed_median={} failed_max={} may_have_run_median={} may_have_run_max={}",
         sum(|t| t.requests),
         sum(|t| t.failed),
         sum(|t| t.executed_twice),
@@ -1146,7 +1170,9 @@ fn line(scenario: &str, arm: &str, trials: &[TrialStats]) -> String {
         latencies.last().copied().unwrap_or_default().as_secs_f64() * 1000.0,
         sum(|t| t.may_have_run),
         sum(|t| t.lost),
+        sum(|t| t.shed),
         sum(|t| t.failed_ran),
+        sum(|t| t.lost_ran),
         trials.iter().map(|t| t.window.as_millis()).max().unwrap_or(0),
         served_by.join(","),
         trials.len(),
@@ -1191,8 +1217,12 @@ fn broken_by(scenario: &str, r: &LoadResult, args: &Args) -> Option<&'static str
     let may_have_run = r.count(Ending::MayHaveRun);
     if r.count(Ending::Lost) > 0 {
         Some("lost requests")
+    } else if r.lost_ran > 0 {
+        Some("requests Envoy answered as never sent ran on a proxy")
     } else if r.executed_twice > 0 {
         Some("requests run twice")
+    } else if r.count(Ending::Shed) > 0 {
+        Some("requests piled up to the load's in-flight bound")
     } else if matches!(scenario, "upgrade" | "cluster-replaced")
         && r.served_by.as_deref() != Some("b")
     {

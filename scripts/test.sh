@@ -26,10 +26,12 @@ step 12m cargo test --bench fanout -- --sotw 20 --delta 20 --changes 2
 step 8m cargo test --bench soak -- --duration 20
 step 8m cargo test --bench scale -- --proxies 300 --steady 4 --edits 2
 # One short chaos scenario per fault family (a proxy dies, a proxy hangs, a proxy drains,
-# a cluster is upgraded, the control plane is down while a proxy dies): fails when
-# ray-xds loses a request or runs one twice; the baseline's count is printed, not asserted.
-step 18m cargo test --bench chaos -- --scenario head-crash --scenario proxy-hang \
+# a cluster is upgraded, the control plane is down while a proxy dies or hangs): fails
+# when ray-xds loses a request or runs one twice; the baseline's count is printed, not
+# asserted.
+step 20m cargo test --bench chaos -- --scenario head-crash --scenario proxy-hang \
     --scenario proxy-drain --scenario upgrade --scenario control-plane-down-crash \
+    --scenario control-plane-down-hang \
     --arm ray-xds --arm ray-xds-head-include --arm baseline-kuberay \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert
 step 35m cargo test --lib --bins --tests -- --skip real_ray_

@@ -205,9 +205,12 @@ fn outlier_detection(policy: &TrafficPolicy) -> cluster::OutlierDetection {
 }
 
 /// Limits sized for streaming inference (a streamed answer holds a connection for
-/// minutes), and a retry budget instead of a fixed number of retries: an overloaded
-/// deployment sees at most `retry_budget_percent` of extra requests (and at least
-/// `retry_budget_min_concurrency` retries may run).
+/// minutes), and a retry budget as the backstop against retry storms (each request's
+/// retries are bounded by the route's `num_retries`): at most `retry_budget_percent` of
+/// the requests in flight may be retries in flight, and at least
+/// `retry_budget_min_concurrency` may, so that a burst of requests that never ran (all
+/// those waiting on a proxy's connections, failed together by one connect failure) is
+/// retried whole.
 fn circuit_breakers(policy: &TrafficPolicy) -> cluster::CircuitBreakers {
     cluster::CircuitBreakers {
         thresholds: vec![cluster::circuit_breakers::Thresholds {

@@ -120,3 +120,123 @@ async fn a_dead_proxy_is_retried_elsewhere_and_ejected() {
     })
     .await;
 }
+
+/// Stands in front of `target`, forwarding connections to it, until `stop` is cancelled;
+/// then closes what it forwarded and, like a SIGSTOPped Ray proxy whose accept queue is
+/// full, accepts nothing more (its listen backlog is 0: one connection fills the queue,
+/// later connects time out). Returns its address.
+async fn stoppable_in_front_of(
+    target: std::net::SocketAddr,
+    stop: tokio_util::sync::CancellationToken,
+) -> std::net::SocketAddr {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(0).unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut forwarded = tokio::task::JoinSet::new();
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                accepted = listener.accept() => {
+                    let Ok((mut inbound, _)) = accepted else { continue };
+                    forwarded.spawn(async move {
+                        let mut outbound = tokio::net::TcpStream::connect(target).await?;
+                        tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await
+                    });
+                }
+            }
+        }
+        forwarded.abort_all();
+        // Held, never accepting again, for as long as the test runs.
+        std::future::pending::<()>().await;
+        drop(listener);
+    });
+    address
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_on_a_proxy_that_stopped_accepting_are_all_retried() {
+    // A hung proxy found by nobody (ray-xds probes once a minute here, as when it is
+    // down): the requests Envoy sent its way wait for connections that never complete,
+    // then fail together at the connect timeout. None of them ran, so each is retried on
+    // another proxy: the retry budget must let a burst of them through at once.
+    let sim = SimCluster::start(
+        "demo-a",
+        &[NodeType::Worker, NodeType::Worker, NodeType::Worker],
+    )
+    .await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let behind = sim.proxies[1].0;
+    let stoppable = stoppable_in_front_of(behind, stop.clone()).await;
+    let yaml = services_yaml_with("demo-a", &[&sim], "    probe: { interval: 60s }\n").replace(
+        &format!("address: {behind},"),
+        &format!("address: {stoppable},"),
+    );
+    assert!(yaml.contains(&stoppable.to_string()), "{yaml}");
+    let s = Stack::with(yaml).envoy(Bootstrap::Sotw).start().await;
+    eventually("every proxy healthy in Envoy", DEADLINE, || async {
+        let text = s.envoy().admin("/clusters").await;
+        [sim.proxies[0].0, stoppable, sim.proxies[2].0]
+            .iter()
+            .all(|p| text.contains(&format!("::{p}::health_flags::healthy")))
+            .then_some(())
+    })
+    .await;
+    stop.cancel();
+    eventually(
+        "Envoy drops its connections to the stopped proxy",
+        DEADLINE,
+        || async {
+            let text = s.envoy().admin("/clusters").await;
+            let line = format!("default/demo/demo-a::{stoppable}::cx_active::0");
+            text.lines().any(|l| l == line).then_some(())
+        },
+    )
+    .await;
+    // Fill its accept queue: from here on, a connect to it never completes.
+    let mut fillers = Vec::new();
+    for _ in 0..3 {
+        if let Ok(Ok(c)) = tokio::time::timeout(
+            Duration::from_millis(300),
+            tokio::net::TcpStream::connect(stoppable),
+        )
+        .await
+        {
+            fillers.push(c);
+        }
+    }
+    assert!(!fillers.is_empty(), "the queue took a connection");
+    assert!(
+        fillers.len() < 3,
+        "a connect beyond the queue does not complete"
+    );
+
+    let mut requests = tokio::task::JoinSet::new();
+    for _ in 0..120 {
+        let port = s.gateway_port;
+        requests.spawn(async move { through_envoy(port).await });
+    }
+    let mut failed = 0;
+    while let Some(served) = requests.join_next().await {
+        if served.unwrap().is_none() {
+            failed += 1;
+        }
+    }
+    let stats = s
+        .envoy()
+        .admin("/stats?filter=demo-a.*(cx_connect_timeout|rq_retry$|rq_retry_overflow)")
+        .await;
+    assert_eq!(failed, 0, "{stats}");
+    // The burst happened: connects to the stopped proxy timed out and were retried.
+    let stat = |name: &str| -> u64 {
+        stats
+            .lines()
+            .find(|l| l.ends_with(&format!("{name}: ")) || l.contains(&format!(".{name}: ")))
+            .and_then(|l| l.rsplit_once(": ")?.1.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    assert!(stat("upstream_cx_connect_timeout") > 0, "{stats}");
+    assert!(stat("upstream_rq_retry") > 0, "{stats}");
+    drop(fillers);
+}

@@ -29,10 +29,10 @@ crate::declare_policy! {
             /// The first retry back-off interval (the longest is ten times it).
             retry_back_off: Duration = Duration::from_millis(25),
                 range(Duration::from_millis(1), Duration::from_secs(60)), flag "retry-back-off";
-            /// Retries in flight at once, in percent of the requests in flight to the cluster (Envoy's retry budget): an overloaded deployment sees at most this share of extra load.
-            retry_budget_percent: u32 = 20, range(1, 100), flag "retry-budget-percent";
-            /// Retries allowed in flight whatever the budget, so that a quiet cluster can still retry.
-            retry_budget_min_concurrency: u32 = 3, range(1, 10_000), flag "retry-budget-min-concurrency";
+            /// Retries in flight at once (a retry counts until its try ends), in percent of the requests in flight to the cluster (Envoy's retry budget): a backstop against retry storms, as `retries` bounds each request. 100 by default, not Envoy's 20: one connect failure fails every request waiting for a connection to that proxy at once (Envoy purges the queue), and each of them, which never ran, must get its retry.
+            retry_budget_percent: u32 = 100, range(1, 100), flag "retry-budget-percent";
+            /// Retries allowed in flight whatever the percent (Envoy's default is 3): enough for the requests waiting on one proxy's connections to fail together and all be retried while few others are in flight.
+            retry_budget_min_concurrency: u32 = 1_000, range(1, 10_000), flag "retry-budget-min-concurrency";
             /// Connect failures, resets and timeouts in a row before a proxy is ejected. HTTP answers never eject: Ray's 503 is backpressure, not a proxy fault.
             consecutive_local_origin_failure: u32 = 2, range(1, 1000), flag "consecutive-local-origin-failure";
             /// How often Envoy's outlier detection sweeps.
