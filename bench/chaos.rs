@@ -781,6 +781,8 @@ struct LoadResult {
     lost_ran: u64,
     /// The cluster serving when the load stopped.
     served_by: Option<String>,
+    /// Proxies (of every cluster) answering their health check once the fault had struck.
+    healthy_after_fault: usize,
 }
 
 impl LoadResult {
@@ -853,6 +855,7 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
         failed_ran: 0,
         lost_ran: 0,
         served_by: None,
+        healthy_after_fault: 0,
     }
 }
 
@@ -897,6 +900,18 @@ async fn send(client: &LoadClient, port: u16, id: &str, timeout: Duration) -> En
         // Envoy itself did not answer.
         Ok(Err(false)) => Ending::Lost,
     }
+}
+
+/// How many of the clusters' proxies answer `/-/healthz` with success (1 s timeout).
+async fn healthy_proxies(clusters: &[&SimRayCluster]) -> usize {
+    let client = probe_client(Duration::from_secs(1));
+    let mut healthy = 0;
+    for proxy in clusters.iter().flat_map(|c| &c.proxies) {
+        if probe_healthz(&client, proxy.address, Duration::from_secs(1)).await == Outcome::Healthy {
+            healthy += 1;
+        }
+    }
+    healthy
 }
 
 /// Which arms run in `scenario` (before `--arm` filters them).
@@ -1017,6 +1032,9 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
         }
         other => panic!("unknown scenario {other}"),
     }
+    // The premise of "lost": a healthy proxy existed. Every scenario faults one proxy of
+    // three (or switches with the old cluster whole); checked, not assumed.
+    let healthy_after_fault = healthy_proxies(&[&a, &b]).await;
     if std::env::var_os("CHAOS_DEBUG").is_some() {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let served = through_envoy(gateway_port).await.map(|s| s.cluster);
@@ -1032,8 +1050,18 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     if elapsed < duration {
         tokio::time::sleep(duration - elapsed).await;
     }
-    let served_by = through_envoy(gateway_port).await.map(|s| s.cluster);
     stop.cancel();
+    // Who serves now, asked outside the load (which has stopped) and a few times over: a
+    // single request may meet a hung proxy and would otherwise hold the run for its timeout.
+    let mut served_by = None;
+    for _ in 0..3 {
+        if let Ok(Some(served)) =
+            tokio::time::timeout(Duration::from_secs(2), through_envoy(gateway_port)).await
+        {
+            served_by = Some(served.cluster);
+            break;
+        }
+    }
     if scenario == "proxy-hang" || scenario == "control-plane-down-hang" {
         // Requests stuck on the stopped proxy end at the client's timeout.
         tokio::time::sleep(Duration::from_secs(args.client_timeout + 1)).await;
@@ -1053,6 +1081,7 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     }
     let mut result = load_task.await.unwrap();
     result.served_by = served_by;
+    result.healthy_after_fault = healthy_after_fault;
     if std::env::var_os("CHAOS_DEBUG").is_some() {
         // What Envoy's retries, outlier detection and connections did, per cluster.
         let stats = envoy.admin("/stats?filter=(retry|outlier|cx_connect|rq_timeout|rq_total|ejections_active|rq_pending)").await;
@@ -1208,14 +1237,17 @@ fn main() {
         .block_on(bench_main());
 }
 
-/// Why a ray-xds arm's run fails `--assert`, if it does: a lost request, one run twice,
-/// or more requests that may have run than the fault explains. A crash, drain or
+/// Why a ray-xds arm's run fails `--assert`, if it does: no healthy proxy after the fault
+/// (the run cannot tell lost from unavoidable), a lost request, one run twice, or more
+/// requests that may have run than the fault explains. A crash, drain or
 /// switchover leaves at most those in flight on the proxy when it died (a handful at
 /// these rates); a hang, those sent to the stopped proxy before it is found: a bound of
 /// half the load for 2 s, which detection within about a second stays well under.
 fn broken_by(scenario: &str, r: &LoadResult, args: &Args) -> Option<&'static str> {
     let may_have_run = r.count(Ending::MayHaveRun);
-    if r.count(Ending::Lost) > 0 {
+    if r.healthy_after_fault == 0 {
+        Some("no healthy proxy after the fault: the run proves nothing")
+    } else if r.count(Ending::Lost) > 0 {
         Some("lost requests")
     } else if r.lost_ran > 0 {
         Some("requests Envoy answered as never sent ran on a proxy")
@@ -1296,6 +1328,9 @@ async fn bench_main() {
                     "trial={trial} fault_ms={} {trial_line}",
                     args.fault_at * 1000 + jitter.as_millis() as u64
                 );
+                if result.healthy_after_fault == 0 {
+                    eprintln!("warning: no healthy proxy after the fault: {trial_line}");
+                }
                 if arm.starts_with("ray-xds") {
                     if let Some(why) = broken_by(scenario, &result, &args) {
                         broken.push(format!("{why}: trial={trial} {trial_line}"));
