@@ -41,6 +41,20 @@ async fn start(traffic: &str) -> Setup {
     Setup { stack, sim }
 }
 
+/// Waits until Envoy holds no connection to `proxy` of cluster `demo-a`.
+async fn envoy_drops_its_connections_to(s: &Stack, proxy: std::net::SocketAddr) {
+    eventually(
+        "Envoy drops its connections to the proxy",
+        DEADLINE,
+        || async {
+            let text = s.envoy().admin("/clusters").await;
+            let line = format!("default/demo/demo-a::{proxy}::cx_active::0");
+            text.lines().any(|l| l == line).then_some(())
+        },
+    )
+    .await;
+}
+
 /// Sends `n` requests; returns how many failed and who served the rest.
 async fn load(port: u16, n: usize) -> (usize, std::collections::BTreeMap<String, usize>) {
     let mut failed = 0;
@@ -98,16 +112,7 @@ async fn a_dead_proxy_is_retried_elsewhere_and_ejected() {
     // writes on one at that very moment may have run and is not replayed (the safety
     // rule; tests/envoy_safety.rs). This test is about requests sent after the death:
     // they start once Envoy holds no connection to the dead proxy.
-    eventually(
-        "Envoy drops its connections to the dead proxy",
-        DEADLINE,
-        || async {
-            let text = s.envoy().admin("/clusters").await;
-            let line = format!("default/demo/demo-a::{dead}::cx_active::0");
-            text.lines().any(|l| l == line).then_some(())
-        },
-    )
-    .await;
+    envoy_drops_its_connections_to(&s, dead).await;
     let (failed, by) = load(s.gateway_port, 60).await;
     assert_eq!(failed, 0, "{by:?}");
     assert!(!by.contains_key(&dead.to_string()), "{by:?}");
@@ -184,16 +189,7 @@ async fn requests_waiting_on_a_proxy_that_stopped_accepting_are_all_retried() {
     })
     .await;
     stop.cancel();
-    eventually(
-        "Envoy drops its connections to the stopped proxy",
-        DEADLINE,
-        || async {
-            let text = s.envoy().admin("/clusters").await;
-            let line = format!("default/demo/demo-a::{stoppable}::cx_active::0");
-            text.lines().any(|l| l == line).then_some(())
-        },
-    )
-    .await;
+    envoy_drops_its_connections_to(&s, stoppable).await;
     // Fill its accept queue: from here on, a connect to it never completes.
     let mut fillers = Vec::new();
     for _ in 0..3 {

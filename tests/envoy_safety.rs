@@ -159,10 +159,15 @@ async fn envoy_stat(envoy: &Envoy, cluster: &str, stat: &str) -> u64 {
         .sum()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn backpressure_ejects_no_proxy_and_its_retries_stay_within_the_budget() {
+/// Every proxy answers Ray's backpressure 503 while 16 clients send back to back for two
+/// seconds, under `traffic` (the RayService's traffic policy, a flow map): checks that only
+/// Ray's answers come back (never "no healthy upstream"), that no proxy is ejected and that
+/// traffic is back at once when the 503s stop. Returns (requests sent, requests the
+/// proxies saw, Envoy's retry overflows).
+async fn overloaded_cluster(traffic: &str) -> (usize, u64, u64) {
     let sim = SimCluster::start("a", &[NodeType::Worker, NodeType::Worker, NodeType::Worker]).await;
-    let s = Stack::with(services_yaml_with("a", &[&sim], QUIET_PROBES))
+    let extra = format!("{QUIET_PROBES}    traffic: {traffic}\n");
+    let s = Stack::with(services_yaml_with("a", &[&sim], &extra))
         .envoy(Bootstrap::Sotw)
         .start()
         .await;
@@ -170,7 +175,6 @@ async fn backpressure_ejects_no_proxy_and_its_retries_stay_within_the_budget() {
     for i in 0..3 {
         sim.set_mode(i, ProxyMode::Overloaded);
     }
-    // 16 clients, each sending back to back, for two seconds.
     let stop = Instant::now() + Duration::from_secs(2);
     let mut clients = Vec::new();
     for _ in 0..16 {
@@ -201,14 +205,8 @@ async fn backpressure_ejects_no_proxy_and_its_retries_stay_within_the_budget() {
         "only Ray's own answers, never 'no healthy upstream': {seen:?}"
     );
     let received: u64 = sim.handles.iter().map(|h| h.received()).sum::<u64>() - received_before;
-    eprintln!("backpressure: {sent} requests, the proxies saw {received}");
-    // Without a budget each request would be tried 4 times (3 retries).
-    assert!(
-        (received as usize) < sent * 2,
-        "retries bounded by the budget: {received} seen for {sent} sent"
-    );
+    eprintln!("backpressure under {traffic}: {sent} requests, the proxies saw {received}");
     let overflow = envoy_stat(s.envoy(), "default/demo/a", "upstream_rq_retry_overflow").await;
-    assert!(overflow > 0, "the retry budget turned retries away");
     let clusters = s.envoy().admin("/clusters").await;
     assert!(
         !clusters.contains("failed_outlier_check"),
@@ -229,6 +227,39 @@ async fn backpressure_ejects_no_proxy_and_its_retries_stay_within_the_budget() {
     }
     let out = post_many(s.gateway_port, 20, Duration::from_secs(5)).await;
     assert_eq!(out, BTreeMap::from([("200".to_string(), 20)]));
+    (sent, received, overflow)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backpressure_ejects_no_proxy_and_each_request_is_tried_at_most_retries_plus_one_times() {
+    // The default budget (100%, at least 1,000) does not bind here: it is sized so that a
+    // burst of requests that never ran is always retried (tests/envoy_policy.rs), and the
+    // price is that an overloaded deployment sees each request up to 1 + `retries` times.
+    let (sent, received, overflow) = overloaded_cluster("{ retries: 3 }").await;
+    assert!(
+        received as usize <= sent * 4,
+        "at most 1 + 3 tries a request: {received} seen for {sent} sent"
+    );
+    assert!(
+        received as usize > sent * 2,
+        "the retries ran: {received} seen for {sent} sent"
+    );
+    assert_eq!(overflow, 0, "the default budget turned no retry away");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tight_retry_budget_bounds_what_an_overloaded_deployment_sees() {
+    // Envoy's own defaults (20%, at least 3), for a RayService that prefers bounding
+    // overload to retrying every burst.
+    let (sent, received, overflow) = overloaded_cluster(
+        "{ retries: 3, retry_budget_percent: 20, retry_budget_min_concurrency: 3 }",
+    )
+    .await;
+    assert!(
+        (received as usize) < sent * 2,
+        "retries bounded by the budget: {received} seen for {sent} sent"
+    );
+    assert!(overflow > 0, "the retry budget turned retries away");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
