@@ -29,6 +29,7 @@ pub mod model;
 pub mod peer_counts;
 pub mod pipeline;
 pub mod policy;
+pub mod ray_serve_api;
 pub mod runtime;
 pub mod source;
 pub mod supervisor;
