@@ -358,6 +358,10 @@ fn load_assignment(
     }
 }
 
+/// How many times a retry's host is picked again when the pick is a proxy it already
+/// tried (Envoy's `host_selection_retry_max_attempts`).
+const HOST_RE_PICKS: i64 = 30;
+
 /// Retries that go to another proxy, of requests that certainly did not run, unless
 /// the RayService is idempotent (see [`retry_on`]).
 fn retry_policy(policy: &TrafficPolicy) -> route::RetryPolicy {
@@ -377,7 +381,12 @@ fn retry_policy(policy: &TrafficPolicy) -> route::RetryPolicy {
                 )),
             ),
         }],
-        host_selection_retry_max_attempts: 5,
+        // Least-request breaks ties at random, so with two proxies a pick lands on the one
+        // just tried about half the time: 5 re-picks sent retries back to the proxy that
+        // had just failed them (CI; `envoy_safety`'s reset test, 64 retries, failed 5
+        // runs in 6 with 5). 30 make it about 1 in 2^31; a re-pick is one random draw
+        // and happens only when a pick is refused.
+        host_selection_retry_max_attempts: HOST_RE_PICKS,
         retry_back_off: Some(route::retry_policy::RetryBackOff {
             base_interval: Some(duration(policy.retry_back_off)),
             max_interval: Some(duration(policy.retry_back_off.saturating_mul(10))),
