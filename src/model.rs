@@ -53,12 +53,16 @@ pub struct ServicePolicy {
     pub overrides: crate::policy::ServiceOverrides,
 }
 
-/// One RayCluster and the Ray Serve HTTP proxies it runs.
+/// One RayCluster and the Ray Serve proxies it runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RayCluster {
     pub name: String,
     /// Base URL of the Ray dashboard (`http://host:8265`), when known.
     pub dashboard: Option<String>,
+    /// The port of Ray Serve's gRPC proxy on every node (`grpc_options.port`), when the
+    /// cluster serves gRPC: discovered proxies get `<their IP>:<this port>` as [`Proxy::grpc`]
+    /// (a source that lists proxies gives each its own).
+    pub grpc_port: Option<u16>,
     /// Sorted by address.
     pub proxies: Vec<Proxy>,
     /// The proxies are discovered from the dashboard rather than listed by the source:
@@ -67,10 +71,14 @@ pub struct RayCluster {
     pub discover: bool,
 }
 
-/// A Ray Serve HTTP proxy: one per Ray node that runs one.
+/// A Ray Serve proxy: one per Ray node that runs one. Its HTTP endpoint is its identity;
+/// the same proxy actor also serves gRPC on `grpc` when the application has gRPC servicers.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Proxy {
+    /// The HTTP proxy (`ip:8000` in Ray's default).
     pub address: SocketAddr,
+    /// The gRPC proxy of the same node (`ip:9000` in Ray's default), when it serves gRPC.
+    pub grpc: Option<SocketAddr>,
     pub node_type: NodeType,
     /// The source says this proxy is going away (its pod is terminating): it gets no new
     /// requests, whatever its probe says. Ray's proxy does not drain on SIGTERM, so Envoy
@@ -80,6 +88,24 @@ pub struct Proxy {
     /// address is the node's, not a pod's own, so the address policy does not trust it
     /// as it trusts other addresses the source lists ([`ProxyOrigin::HostNetwork`]).
     pub host_network: bool,
+}
+
+/// Which of a proxy's endpoints: each is probed, published and routed on its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    /// `GET /-/healthz`; HTTP/1.1 upstream.
+    Http,
+    /// `ray.serve.RayServeAPIService/Healthz`; HTTP/2 upstream, for `application/grpc`.
+    Grpc,
+}
+
+impl Protocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Http => "http",
+            Protocol::Grpc => "grpc",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -127,6 +153,20 @@ impl RayService {
         format!("{}/{}/{}", self.namespace, self.name, cluster)
     }
 
+    /// The Envoy cluster of a RayCluster's gRPC proxies: `<namespace>/<name>/<cluster>/grpc`
+    /// (a cluster name is a DNS label, so this never names an HTTP cluster).
+    pub fn envoy_grpc_cluster_name(&self, cluster: &str) -> String {
+        format!("{}/{}/{}/grpc", self.namespace, self.name, cluster)
+    }
+
+    /// The Envoy cluster of one of a RayCluster's endpoints.
+    pub fn envoy_cluster_name_for(&self, cluster: &str, protocol: Protocol) -> String {
+        match protocol {
+            Protocol::Http => self.envoy_cluster_name(cluster),
+            Protocol::Grpc => self.envoy_grpc_cluster_name(cluster),
+        }
+    }
+
     fn validate(&self) -> Result<(), String> {
         for (what, value) in [("namespace", &self.namespace), ("name", &self.name)] {
             if !is_dns_label(value) {
@@ -171,6 +211,14 @@ impl RayService {
                     ));
                 }
             }
+            for grpc in cluster.proxies.iter().filter_map(|p| p.grpc) {
+                if !addrs.insert(grpc) {
+                    return Err(format!(
+                        "cluster {}: gRPC address {grpc} is listed twice, or is also an HTTP proxy's",
+                        cluster.name
+                    ));
+                }
+            }
         }
         if self.cluster(&self.active_cluster).is_none() {
             return Err(format!(
@@ -191,6 +239,22 @@ impl RayService {
             }
         }
         Ok(())
+    }
+}
+
+impl RayCluster {
+    /// The cluster serves gRPC: it declares a gRPC port (for the proxies it discovers) or
+    /// some proxy has a gRPC address.
+    pub fn serves_grpc(&self) -> bool {
+        self.grpc_port.is_some() || self.proxies.iter().any(|p| p.grpc.is_some())
+    }
+
+    /// The cluster's endpoints of `protocol`: (address, proxy).
+    pub fn endpoints(&self, protocol: Protocol) -> impl Iterator<Item = (SocketAddr, &Proxy)> {
+        self.proxies.iter().filter_map(move |p| match protocol {
+            Protocol::Http => Some((p.address, p)),
+            Protocol::Grpc => p.grpc.map(|g| (g, p)),
+        })
     }
 }
 
@@ -227,6 +291,31 @@ impl Model {
                         service: service.key(),
                         other,
                         host: host.clone(),
+                    });
+                }
+            }
+        }
+        // Probes are keyed by address: one address is one protocol everywhere.
+        let http: BTreeSet<SocketAddr> = services
+            .iter()
+            .flat_map(|s| &s.clusters)
+            .flat_map(|c| &c.proxies)
+            .map(|p| p.address)
+            .collect();
+        for service in &services {
+            for cluster in &service.clusters {
+                if let Some(grpc) = cluster
+                    .proxies
+                    .iter()
+                    .filter_map(|p| p.grpc)
+                    .find(|g| http.contains(g))
+                {
+                    return Err(ModelError::InvalidService {
+                        service: service.key(),
+                        reason: format!(
+                            "cluster {}: gRPC address {grpc} is also an HTTP proxy's address",
+                            cluster.name
+                        ),
                     });
                 }
             }
@@ -285,6 +374,14 @@ impl Model {
             .iter()
             .flat_map(|s| &s.clusters)
             .flat_map(|c| &c.proxies)
+    }
+
+    /// Every endpoint the prober probes: each proxy's HTTP address, and its gRPC address
+    /// when it has one.
+    pub fn endpoints(&self) -> impl Iterator<Item = (SocketAddr, Protocol)> + '_ {
+        self.proxies().flat_map(|p| {
+            std::iter::once((p.address, Protocol::Http)).chain(p.grpc.map(|g| (g, Protocol::Grpc)))
+        })
     }
 
     /// This model without the proxies at `addresses` (still valid: removing proxies
@@ -536,6 +633,7 @@ pub(crate) mod test_support {
             clusters: vec![RayCluster {
                 name: cluster.into(),
                 dashboard: None,
+                grpc_port: None,
                 discover: false,
                 proxies: ports
                     .iter()
@@ -547,6 +645,7 @@ pub(crate) mod test_support {
                         } else {
                             NodeType::Worker
                         },
+                        grpc: None,
                         draining: false,
                         host_network: false,
                     })
@@ -644,6 +743,37 @@ mod tests {
     }
 
     #[test]
+    fn one_address_is_one_protocol_everywhere() {
+        let with_grpc = |mut s: RayService, port: u16| {
+            s.clusters[0].proxies[0].grpc = Some(SocketAddr::from(([127, 0, 0, 1], port)));
+            s
+        };
+        let m = Model::new(vec![with_grpc(service("a", "a1", &[8000, 8001]), 9000)]).unwrap();
+        let endpoints: Vec<_> = m.endpoints().map(|(a, p)| (a.port(), p)).collect();
+        assert_eq!(
+            endpoints,
+            [
+                (8000, Protocol::Http),
+                (9000, Protocol::Grpc),
+                (8001, Protocol::Http)
+            ]
+        );
+        // Its own cluster's HTTP address.
+        let err = Model::new(vec![with_grpc(service("a", "a1", &[8000, 8001]), 8001)])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("gRPC address 127.0.0.1:8001"), "{err}");
+        // Another RayService's HTTP address: probes are keyed by address.
+        let err = Model::new(vec![
+            with_grpc(service("a", "a1", &[8000]), 9100),
+            service("b", "b1", &[9100]),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("also an HTTP proxy's address"), "{err}");
+    }
+
+    #[test]
     fn discovered_proxies_are_sorted_and_deduplicated() {
         let mut a = service("a", "a1", &[]);
         a.clusters[0].discover = true;
@@ -652,6 +782,7 @@ mod tests {
         let m = Model::new(vec![a, listed]).unwrap();
         let proxy = |port: u16, node_type| Proxy {
             address: SocketAddr::from(([127, 0, 0, 1], port)),
+            grpc: None,
             node_type,
             draining: false,
             host_network: false,

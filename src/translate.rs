@@ -9,10 +9,13 @@
 //! - one EDS cluster per RayCluster, named `<namespace>/<rayservice>/<raycluster>`;
 //! - one ClusterLoadAssignment per cluster, with an endpoint per Ray Serve proxy that may
 //!   take new requests, as [`HealthMap`] decides (`live::health`): healthy or not probed
-//!   yet; an unhealthy, draining or withheld proxy is left out.
+//!   yet; an unhealthy, draining or withheld proxy is left out;
+//! - for a RayCluster that serves gRPC, a second EDS cluster `<...>/<raycluster>/grpc`
+//!   (HTTP/2 to each node's gRPC proxy) and its assignment, and in the virtual host a
+//!   first route that takes `content-type: application/grpc` to it.
 //!
 //! Routes go to the active cluster through `weighted_clusters`, so that a later
-//! switchover only changes weights.
+//! switchover only changes weights; the gRPC route carries the same weights as HTTP.
 
 use std::time::Duration;
 
@@ -31,7 +34,7 @@ use std::collections::BTreeMap;
 
 use crate::config::GatewaySettings;
 use crate::live::health::{EndpointHealth, HealthMap};
-use crate::model::{Model, RayService};
+use crate::model::{Model, Protocol, RayService};
 use crate::policy::traffic::TrafficPolicy;
 use crate::xds::Resources;
 use envoy_types::pb::envoy::extensions::retry::host::previous_hosts::v3::PreviousHostsPredicate;
@@ -60,10 +63,16 @@ pub fn translate(
     for service in model.services() {
         let policy = traffic.with(&service.policy.overrides.traffic);
         for ray_cluster in &service.clusters {
-            let name = service.envoy_cluster_name(&ray_cluster.name);
-            out.clusters.push(eds_cluster(&name, gateway, &policy));
-            out.endpoints
-                .push(load_assignment(&name, ray_cluster, health));
+            for protocol in [Protocol::Http, Protocol::Grpc] {
+                if protocol == Protocol::Grpc && !ray_cluster.serves_grpc() {
+                    continue;
+                }
+                let name = service.envoy_cluster_name_for(&ray_cluster.name, protocol);
+                out.clusters
+                    .push(eds_cluster(&name, gateway, &policy, protocol));
+                out.endpoints
+                    .push(load_assignment(&name, ray_cluster, protocol, health));
+            }
         }
         let active = [(service.active_cluster.clone(), 100)];
         let weights = weights
@@ -231,7 +240,22 @@ fn circuit_breakers(policy: &TrafficPolicy) -> cluster::CircuitBreakers {
     }
 }
 
-fn eds_cluster(name: &str, gateway: &GatewaySettings, policy: &TrafficPolicy) -> cluster::Cluster {
+fn eds_cluster(
+    name: &str,
+    gateway: &GatewaySettings,
+    policy: &TrafficPolicy,
+    protocol: Protocol,
+) -> cluster::Cluster {
+    use upstream_http::http_protocol_options::explicit_http_config::ProtocolConfig;
+    let protocol_config = match protocol {
+        Protocol::Http => {
+            ProtocolConfig::HttpProtocolOptions(core::Http1ProtocolOptions::default())
+        }
+        // Ray's gRPC proxy (grpcio) speaks HTTP/2 in clear text.
+        Protocol::Grpc => {
+            ProtocolConfig::Http2ProtocolOptions(core::Http2ProtocolOptions::default())
+        }
+    };
     let protocol = upstream_http::HttpProtocolOptions {
         common_http_protocol_options: Some(core::HttpProtocolOptions {
             // Below Ray Serve's keep-alive, so Envoy closes idle connections first and never
@@ -242,11 +266,7 @@ fn eds_cluster(name: &str, gateway: &GatewaySettings, policy: &TrafficPolicy) ->
         upstream_protocol_options: Some(
             upstream_http::http_protocol_options::UpstreamProtocolOptions::ExplicitHttpConfig(
                 upstream_http::http_protocol_options::ExplicitHttpConfig {
-                    protocol_config: Some(
-                        upstream_http::http_protocol_options::explicit_http_config::ProtocolConfig::HttpProtocolOptions(
-                            core::Http1ProtocolOptions::default(),
-                        ),
-                    ),
+                    protocol_config: Some(protocol_config),
                 },
             ),
         ),
@@ -294,33 +314,30 @@ fn eds_cluster(name: &str, gateway: &GatewaySettings, policy: &TrafficPolicy) ->
 fn load_assignment(
     name: &str,
     ray_cluster: &crate::model::RayCluster,
+    protocol: Protocol,
     health: &HealthMap,
 ) -> endpoint::ClusterLoadAssignment {
     let lb_endpoints = ray_cluster
-        .proxies
-        .iter()
-        .filter_map(|proxy| {
+        .endpoints(protocol)
+        .filter_map(|(address, proxy)| {
             // Only what may take new requests: a proxy that left (unhealthy, draining,
             // withheld) is not listed at all. Envoy lets requests in flight on a removed
             // host finish, and its outlier detection then counts only these proxies, so
             // below `max_ejection_percent: 100` it never ejects the last of them.
-            let health = match health.health(name, proxy.address) {
+            let health = match health.health(name, address) {
                 EndpointHealth::Withheld | EndpointHealth::Unhealthy | EndpointHealth::Draining => {
                     return None
                 }
                 EndpointHealth::Unknown => core::HealthStatus::Unknown,
                 EndpointHealth::Healthy => core::HealthStatus::Healthy,
             };
-            Some((proxy, health))
+            Some((address, proxy, health))
         })
-        .map(|(proxy, health)| endpoint::LbEndpoint {
+        .map(|(address, proxy, health)| endpoint::LbEndpoint {
             host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(
                 endpoint::Endpoint {
-                    address: Some(socket_address(
-                        proxy.address.ip().to_string(),
-                        proxy.address.port(),
-                    )),
-                    hostname: proxy.address.to_string(),
+                    address: Some(socket_address(address.ip().to_string(), address.port())),
+                    hostname: address.to_string(),
                     ..Default::default()
                 },
             )),
@@ -364,9 +381,12 @@ const HOST_RE_PICKS: i64 = 30;
 
 /// Retries that go to another proxy, of requests that certainly did not run, unless
 /// the RayService is idempotent (see [`retry_on`]).
-fn retry_policy(policy: &TrafficPolicy) -> route::RetryPolicy {
+fn retry_policy(policy: &TrafficPolicy, protocol: Protocol) -> route::RetryPolicy {
     route::RetryPolicy {
-        retry_on: retry_on(policy),
+        retry_on: match protocol {
+            Protocol::Http => retry_on(policy),
+            Protocol::Grpc => grpc_retry_on(policy),
+        },
         num_retries: u32_value(policy.retries),
         // A try that times out may be running: ending it without replaying it would only
         // turn a slow answer into an error, so only idempotent requests get one.
@@ -413,41 +433,100 @@ pub fn retry_on(policy: &TrafficPolicy) -> String {
     on.join(",")
 }
 
+/// Envoy's `retry_on` for gRPC calls: what [`retry_on`] retries for HTTP, and Ray's
+/// gRPC backpressure (`RESOURCE_EXHAUSTED`: nothing ran); only for idempotent RayServices
+/// also `UNAVAILABLE` (a draining proxy or no replica, but an application may answer it
+/// too). Envoy sees a gRPC status only in a trailers-only answer (an error before any
+/// message); an error after messages, in trailers, is never retried.
+pub fn grpc_retry_on(policy: &TrafficPolicy) -> String {
+    let mut on = retry_on(policy);
+    on.push_str(",resource-exhausted");
+    if policy.idempotent {
+        on.push_str(",unavailable");
+    }
+    on
+}
+
 fn virtual_host(
     service: &RayService,
     weights: &[(String, u32)],
     policy: &TrafficPolicy,
 ) -> route::VirtualHost {
+    let mut routes = Vec::new();
+    // gRPC calls go to the gRPC proxies of the same clusters, with the same weights; a
+    // cluster that serves no gRPC takes none (while any cluster does).
+    let grpc_weights: Vec<(String, u32)> = weights
+        .iter()
+        .filter(|(c, w)| *w > 0 && service.cluster(c).is_some_and(|c| c.serves_grpc()))
+        .cloned()
+        .collect();
+    if !grpc_weights.is_empty() {
+        routes.push(weighted_route(
+            service,
+            "grpc",
+            Some(route::route_match::GrpcRouteMatchOptions {}),
+            &grpc_weights,
+            Protocol::Grpc,
+            policy,
+        ));
+    }
+    routes.push(weighted_route(
+        service,
+        "default",
+        None,
+        weights,
+        Protocol::Http,
+        policy,
+    ));
     route::VirtualHost {
         name: service.key(),
         domains: service.hosts.clone(),
-        routes: vec![route::Route {
-            name: "default".into(),
-            r#match: Some(route::RouteMatch {
-                path_specifier: Some(route::route_match::PathSpecifier::Prefix("/".into())),
-                ..Default::default()
-            }),
-            action: Some(route::route::Action::Route(route::RouteAction {
-                cluster_specifier: Some(route::route_action::ClusterSpecifier::WeightedClusters(
-                    route::WeightedCluster {
-                        clusters: weights
-                            .iter()
-                            .map(|(cluster, weight)| route::weighted_cluster::ClusterWeight {
-                                name: service.envoy_cluster_name(cluster),
-                                weight: Some(protobuf::UInt32Value { value: *weight }),
-                                ..Default::default()
-                            })
-                            .collect(),
-                        ..Default::default()
-                    },
-                )),
-                // Ray Serve calls may stream for minutes: no overall deadline by default.
-                timeout: Some(duration(policy.route_timeout)),
-                retry_policy: Some(retry_policy(policy)),
-                ..Default::default()
-            })),
+        routes,
+        ..Default::default()
+    }
+}
+
+fn weighted_route(
+    service: &RayService,
+    name: &str,
+    grpc: Option<route::route_match::GrpcRouteMatchOptions>,
+    weights: &[(String, u32)],
+    protocol: Protocol,
+    policy: &TrafficPolicy,
+) -> route::Route {
+    route::Route {
+        name: name.into(),
+        r#match: Some(route::RouteMatch {
+            path_specifier: Some(route::route_match::PathSpecifier::Prefix("/".into())),
+            grpc,
             ..Default::default()
-        }],
+        }),
+        action: Some(route::route::Action::Route(route::RouteAction {
+            cluster_specifier: Some(route::route_action::ClusterSpecifier::WeightedClusters(
+                route::WeightedCluster {
+                    clusters: weights
+                        .iter()
+                        .map(|(cluster, weight)| route::weighted_cluster::ClusterWeight {
+                            name: service.envoy_cluster_name_for(cluster, protocol),
+                            weight: Some(protobuf::UInt32Value { value: *weight }),
+                            ..Default::default()
+                        })
+                        .collect(),
+                    ..Default::default()
+                },
+            )),
+            // Ray Serve calls may stream for minutes: no overall deadline by default.
+            timeout: Some(duration(policy.route_timeout)),
+            // A gRPC client's own deadline (`grpc-timeout`) bounds its call in Envoy too.
+            max_stream_duration: (protocol == Protocol::Grpc).then(|| {
+                route::route_action::MaxStreamDuration {
+                    grpc_timeout_header_max: Some(duration(Duration::ZERO)),
+                    ..Default::default()
+                }
+            }),
+            retry_policy: Some(retry_policy(policy, protocol)),
+            ..Default::default()
+        })),
         ..Default::default()
     }
 }
@@ -486,6 +565,161 @@ mod tests {
         );
     }
 
+    /// A cluster whose proxies serve gRPC on `port + 1000`.
+    fn with_grpc(mut s: RayService) -> RayService {
+        for c in &mut s.clusters {
+            for p in &mut c.proxies {
+                p.grpc = Some(SocketAddr::new(p.address.ip(), p.address.port() + 1000));
+            }
+        }
+        s
+    }
+
+    fn route_action(r: &route::Route) -> &route::RouteAction {
+        match &r.action {
+            Some(route::route::Action::Route(a)) => a,
+            other => panic!("not a route action: {other:?}"),
+        }
+    }
+
+    fn weighted(a: &route::RouteAction) -> Vec<(String, u32)> {
+        match &a.cluster_specifier {
+            Some(route::route_action::ClusterSpecifier::WeightedClusters(w)) => w
+                .clusters
+                .iter()
+                .map(|c| (c.name.clone(), c.weight.unwrap().value))
+                .collect(),
+            other => panic!("not weighted: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_cluster_serving_grpc_gets_an_http2_cluster_and_a_grpc_route_with_the_same_weights() {
+        let mut a = with_grpc(service("a", "a1", &[8000, 8001]));
+        // The pending cluster serves HTTP only.
+        a.clusters
+            .push(service("a", "a2", &[8100]).clusters.remove(0));
+        a.pending_cluster = Some("a2".into());
+        let model = Model::new(vec![a]).unwrap();
+        let weights = Weights::from([(
+            "default/a".to_string(),
+            vec![("a1".to_string(), 75), ("a2".to_string(), 25)],
+        )]);
+        let r = translate(
+            &model,
+            &HealthMap::default(),
+            &weights,
+            &GatewaySettings::default(),
+            &TrafficPolicy::default(),
+        );
+        let names: Vec<_> = r.clusters.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["default/a/a1", "default/a/a1/grpc", "default/a/a2"]);
+        let http2 = |c: &cluster::Cluster| {
+            let any = &c.typed_extension_protocol_options
+                ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+            let o = <upstream_http::HttpProtocolOptions as prost::Message>::decode(&*any.value)
+                .unwrap();
+            matches!(
+                o.upstream_protocol_options,
+                Some(upstream_http::http_protocol_options::UpstreamProtocolOptions::ExplicitHttpConfig(
+                    upstream_http::http_protocol_options::ExplicitHttpConfig {
+                        protocol_config: Some(upstream_http::http_protocol_options::explicit_http_config::ProtocolConfig::Http2ProtocolOptions(_))
+                    }
+                ))
+            )
+        };
+        assert!(http2(&r.clusters[1]), "gRPC upstreams speak HTTP/2");
+        assert!(!http2(&r.clusters[0]) && !http2(&r.clusters[2]));
+        // The gRPC assignment lists the gRPC addresses.
+        let grpc = r
+            .endpoints
+            .iter()
+            .find(|e| e.cluster_name == "default/a/a1/grpc")
+            .unwrap();
+        let ports: Vec<String> = grpc.endpoints[0]
+            .lb_endpoints
+            .iter()
+            .map(|e| match &e.host_identifier {
+                Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(e)) => e.hostname.clone(),
+                _ => unreachable!(),
+            })
+            .collect();
+        assert_eq!(ports, ["127.0.0.1:9000", "127.0.0.1:9001"]);
+        // First the gRPC route (content-type application/grpc), then HTTP.
+        let vh = &r.routes[0].virtual_hosts[0];
+        assert_eq!(vh.routes.len(), 2);
+        assert!(vh.routes[0].r#match.as_ref().unwrap().grpc.is_some());
+        assert!(vh.routes[1].r#match.as_ref().unwrap().grpc.is_none());
+        // gRPC follows the same switch; a cluster without gRPC takes no gRPC call.
+        assert_eq!(
+            weighted(route_action(&vh.routes[0])),
+            [("default/a/a1/grpc".to_string(), 75)]
+        );
+        assert_eq!(
+            weighted(route_action(&vh.routes[1])),
+            [
+                ("default/a/a1".to_string(), 75),
+                ("default/a/a2".to_string(), 25)
+            ]
+        );
+        let grpc_action = route_action(&vh.routes[0]);
+        assert_eq!(
+            grpc_action
+                .max_stream_duration
+                .as_ref()
+                .and_then(|m| m.grpc_timeout_header_max),
+            Some(duration(Duration::ZERO)),
+            "the client's grpc-timeout is honoured"
+        );
+        assert_eq!(
+            grpc_action.retry_policy.as_ref().unwrap().retry_on,
+            grpc_retry_on(&TrafficPolicy::default())
+        );
+    }
+
+    #[test]
+    fn no_grpc_anywhere_means_no_grpc_route() {
+        let model = Model::new(vec![service("a", "a1", &[8000])]).unwrap();
+        let r = translate(
+            &model,
+            &HealthMap::default(),
+            &Weights::default(),
+            &GatewaySettings::default(),
+            &TrafficPolicy::default(),
+        );
+        assert_eq!(r.clusters.len(), 1);
+        assert_eq!(r.routes[0].virtual_hosts[0].routes.len(), 1);
+    }
+
+    #[test]
+    fn a_grpc_call_that_may_have_run_is_replayed_only_when_idempotent() {
+        let p = TrafficPolicy::default();
+        let on = grpc_retry_on(&p);
+        let has = |on: &str, r: &str| on.split(',').any(|x| x == r);
+        assert!(has(&on, "resource-exhausted"), "Ray's backpressure: {on}");
+        assert!(
+            has(&on, "connect-failure") && has(&on, "refused-stream"),
+            "{on}"
+        );
+        for unsafe_ in [
+            "reset",
+            "unavailable",
+            "cancelled",
+            "deadline-exceeded",
+            "internal",
+            "gateway-error",
+            "5xx",
+        ] {
+            assert!(!has(&on, unsafe_), "{unsafe_} in {on}");
+        }
+        let p = TrafficPolicy {
+            idempotent: true,
+            ..p
+        };
+        let on = grpc_retry_on(&p);
+        assert!(has(&on, "reset") && has(&on, "unavailable"), "{on}");
+    }
+
     #[test]
     fn is_deterministic() {
         let model = Model::new(vec![service("a", "a1", &[8000, 8001])]).unwrap();
@@ -518,7 +752,7 @@ mod tests {
             assert!(!on.split(',').any(|r| r == unsafe_), "{on}");
         }
         assert!(
-            retry_policy(&p).per_try_timeout.is_none(),
+            retry_policy(&p, Protocol::Http).per_try_timeout.is_none(),
             "no per-try timeout"
         );
         let p = TrafficPolicy {
@@ -528,7 +762,7 @@ mod tests {
         let on = retry_on(&p);
         assert!(on.split(',').any(|r| r == "reset"), "{on}");
         assert!(on.split(',').any(|r| r == "gateway-error"), "{on}");
-        assert!(retry_policy(&p).per_try_timeout.is_some());
+        assert!(retry_policy(&p, Protocol::Http).per_try_timeout.is_some());
     }
 
     #[test]

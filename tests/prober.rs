@@ -21,6 +21,76 @@ use tokio_util::sync::CancellationToken;
 
 const TIMEOUT: Duration = Duration::from_millis(250);
 
+/// Ray's gRPC `Healthz`, as the prober reads it, on a simulated gRPC proxy in every mode.
+#[tokio::test]
+async fn grpc_probe_outcomes_on_real_sockets() {
+    use ray_xds::live::prober::{grpc_channel, probe_grpc_healthz};
+    let c = SimCluster::start_grpc("c", &[NodeType::Worker]).await;
+    let addr = c.grpc[0];
+    let channel = grpc_channel(addr);
+    let probe = || probe_grpc_healthz(channel.clone(), TIMEOUT);
+    assert_eq!(probe().await, Outcome::Healthy);
+
+    c.set_mode(0, ProxyMode::Draining);
+    assert_eq!(probe().await, Outcome::Draining);
+
+    c.set_mode(0, ProxyMode::NotReady);
+    let Outcome::Failed(why) = probe().await else {
+        panic!()
+    };
+    assert!(
+        why.contains("Unavailable") && why.contains("Route table"),
+        "{why}"
+    );
+
+    c.set_mode(0, ProxyMode::Flapping);
+    let (a, b) = (probe().await, probe().await);
+    assert!(
+        matches!(
+            (&a, &b),
+            (Outcome::Healthy, Outcome::Failed(_)) | (Outcome::Failed(_), Outcome::Healthy)
+        ),
+        "{a:?} then {b:?}"
+    );
+
+    c.set_mode(0, ProxyMode::Slow(Duration::from_millis(600)));
+    let started = Instant::now();
+    let Outcome::Failed(why) = probe().await else {
+        panic!()
+    };
+    assert!(why.contains("no answer within"), "{why}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+
+    c.set_mode(0, ProxyMode::Hang);
+    let Outcome::Failed(why) = probe().await else {
+        panic!()
+    };
+    assert!(why.contains("no answer within"), "{why}");
+
+    // Back to serving, on the same channel (the prober keeps one per proxy).
+    c.set_mode(0, ProxyMode::Serving);
+    eventually(
+        "the same channel sees it healthy again",
+        Duration::from_secs(10),
+        || async { (probe().await == Outcome::Healthy).then_some(()) },
+    )
+    .await;
+
+    c.kill(0);
+    eventually(
+        "the killed gRPC proxy refuses connections",
+        Duration::from_secs(10),
+        || async { (probe().await == Outcome::Refused).then_some(()) },
+    )
+    .await;
+    // Nothing ever listened there: refused from the first probe.
+    let never = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    assert_eq!(
+        probe_grpc_healthz(grpc_channel(never), TIMEOUT).await,
+        Outcome::Refused
+    );
+}
+
 #[tokio::test]
 async fn probe_outcomes_on_real_sockets() {
     let c = SimCluster::start("c", &[NodeType::Worker]).await;

@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! ray-serve-sim --cluster demo-a --proxy 127.0.0.1:8000=head --proxy 127.0.0.1:8001=worker \
-//!     --app /=hello --dashboard 127.0.0.1:8265 --control 127.0.0.1:8299
+//!     --app /=hello --dashboard 127.0.0.1:8265 --control 127.0.0.1:8299 \
+//!     --grpc 127.0.0.1:8000=127.0.0.1:9000 --grpc 127.0.0.1:8001=127.0.0.1:9001
 //! curl -X PUT -d draining http://127.0.0.1:8299/proxies/8001/mode   # serving|draining|not-ready|hang|flapping|overloaded|reset-after-read|slow:<ms>
 //! curl http://127.0.0.1:8299/executions                             # request id -> proxies that ran it
 //! curl -X POST http://127.0.0.1:8299/proxies/8001/kill              # and /start to bring it back
@@ -20,6 +21,14 @@
 //! head's port, so ray-xds can discover them from the dashboard alone. In
 //! `/dashboard/proxies/{node}`, `{node}` is `ip:port` (one proxy; a new one is a worker)
 //! or an IP (every proxy on it; a new one on `http_options.port`).
+//!
+//! `--grpc <proxy>=<grpc address>` gives the proxy at `<proxy>` a gRPC proxy
+//! ([`crate::grpc`]) on the same IP: one node, so one mode, one ledger, and `kill`/`start`
+//! stop and start both; `/proxies/{port}/...` takes either port. With any `--grpc`, the
+//! dashboard turns gRPC on (`grpc_options.port` the head's gRPC port, the demo's servicer
+//! function, a `gRPC` target group with each proxy's gRPC port), and each proxy's line on
+//! stdout is followed by its `services.yaml` entry,
+//! `{ address: 127.0.0.1:8000, node_type: head, grpc: 127.0.0.1:9000 }`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -27,6 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::dashboard::{DashboardMode, SimDashboard};
+use crate::grpc::serve_grpc_proxy_with;
 use crate::{serve_proxy_with, Executions, NodeType, ProxyConfig, ProxyHandle, ProxyMode};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
@@ -36,7 +46,7 @@ use clap::Parser;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
-/// Simulated Ray Serve HTTP proxies that answer like Ray 2.60's.
+/// Simulated Ray Serve HTTP proxies (and gRPC proxies) that answer like Ray 2.60's.
 #[derive(Parser)]
 #[command(name = "ray-serve-sim")]
 pub struct Args {
@@ -59,6 +69,42 @@ pub struct Args {
     /// what ran is known even after the process is killed.
     #[arg(long)]
     executions_log: Option<std::path::PathBuf>,
+    /// Also run a Ray Serve gRPC proxy beside a `--proxy`, as `proxy ip:port=grpc
+    /// ip:port` (the same IP: one node); repeat for several.
+    #[arg(long = "grpc", value_parser = parse_grpc)]
+    grpc: Vec<(SocketAddr, SocketAddr)>,
+}
+
+/// The servicer function the dashboard reports with `--grpc` (the demo application's, as
+/// `grpc_servicer_functions` would name it in Ray).
+pub const GRPC_SERVICER_FUNCTION: &str = "ray_xds.demo.echo_pb2_grpc.add_EchoServicer_to_server";
+
+fn parse_grpc(s: &str) -> Result<(SocketAddr, SocketAddr), String> {
+    let (proxy, grpc) = s
+        .split_once('=')
+        .ok_or("expected proxy ip:port=grpc ip:port")?;
+    let proxy: SocketAddr = proxy.parse().map_err(|e| format!("{proxy}: {e}"))?;
+    let grpc: SocketAddr = grpc.parse().map_err(|e| format!("{grpc}: {e}"))?;
+    if proxy.ip() != grpc.ip() {
+        return Err(format!(
+            "the gRPC proxy {grpc} must be on its node's IP, {}",
+            proxy.ip()
+        ));
+    }
+    Ok((proxy, grpc))
+}
+
+/// A proxy as `services.yaml` lists it: `{ address: 127.0.0.1:8000, node_type: head }`,
+/// with `, grpc: <address>` when it has a gRPC proxy.
+pub fn services_yaml_entry(
+    address: SocketAddr,
+    node_type: NodeType,
+    grpc: Option<SocketAddr>,
+) -> String {
+    match grpc {
+        Some(grpc) => format!("{{ address: {address}, node_type: {node_type}, grpc: {grpc} }}"),
+        None => format!("{{ address: {address}, node_type: {node_type} }}"),
+    }
 }
 
 fn parse_proxy(s: &str) -> Result<(SocketAddr, NodeType), String> {
@@ -82,6 +128,8 @@ fn parse_app(s: &str) -> Result<(String, String), String> {
 
 struct Proxy {
     address: SocketAddr,
+    /// Its node's gRPC proxy, if it has one.
+    grpc: Option<SocketAddr>,
     config: ProxyConfig,
     handle: ProxyHandle,
     running: Option<CancellationToken>,
@@ -96,23 +144,50 @@ struct Control {
 }
 
 impl Control {
+    /// The key of the proxy whose HTTP or gRPC port is `port`.
+    fn key(proxies: &HashMap<u16, Proxy>, port: u16) -> Option<u16> {
+        if proxies.contains_key(&port) {
+            return Some(port);
+        }
+        proxies
+            .iter()
+            .find(|(_, p)| p.grpc.is_some_and(|g| g.port() == port))
+            .map(|(key, _)| *key)
+    }
+
+    /// Starts the node of the proxy on `port` (HTTP or gRPC): its HTTP proxy and, if it
+    /// has one, its gRPC proxy, under one token.
     async fn start(&self, port: u16) -> Result<(), String> {
-        let (address, config, handle) = {
+        let (key, address, grpc, config, handle) = {
             let proxies = self.proxies.lock().unwrap();
-            let p = proxies
-                .get(&port)
-                .ok_or(format!("no proxy on port {port}"))?;
+            let key = Self::key(&proxies, port).ok_or(format!("no proxy on port {port}"))?;
+            let p = &proxies[&key];
             if p.running.is_some() {
                 return Ok(());
             }
-            (p.address, p.config.clone(), p.handle.clone())
+            (key, p.address, p.grpc, p.config.clone(), p.handle.clone())
         };
-        let listener = tokio::net::TcpListener::bind(address)
-            .await
-            .map_err(|e| format!("binding {address}: {e}"))?;
+        let bind = |address: SocketAddr| async move {
+            tokio::net::TcpListener::bind(address)
+                .await
+                .map_err(|e| format!("binding {address}: {e}"))
+        };
+        let listener = bind(address).await?;
+        let grpc_listener = match grpc {
+            Some(grpc) => Some(bind(grpc).await?),
+            None => None,
+        };
         let token = CancellationToken::new();
+        if let Some(grpc_listener) = grpc_listener {
+            tokio::spawn(serve_grpc_proxy_with(
+                grpc_listener,
+                config.clone(),
+                handle.clone(),
+                token.clone(),
+            ));
+        }
         tokio::spawn(serve_proxy_with(listener, config, handle, token.clone()));
-        if let Some(p) = self.proxies.lock().unwrap().get_mut(&port) {
+        if let Some(p) = self.proxies.lock().unwrap().get_mut(&key) {
             p.running = Some(token);
         }
         Ok(())
@@ -140,7 +215,7 @@ fn control_router(control: Control) -> Router {
             put(|State(c): State<Control>, Path(port): Path<u16>, body: String| async move {
                 let mode: ProxyMode = body.trim().parse().map_err(|e| (StatusCode::BAD_REQUEST, e))?;
                 let proxies = c.proxies.lock().unwrap();
-                let p = proxies.get(&port).ok_or((StatusCode::NOT_FOUND, format!("no proxy on port {port}")))?;
+                let p = Control::key(&proxies, port).and_then(|key| proxies.get(&key)).ok_or((StatusCode::NOT_FOUND, format!("no proxy on port {port}")))?;
                 p.handle.set(mode);
                 Ok::<_, (StatusCode, String)>("ok\n")
             }),
@@ -149,7 +224,8 @@ fn control_router(control: Control) -> Router {
             "/proxies/{port}/kill",
             post(|State(c): State<Control>, Path(port): Path<u16>| async move {
                 let mut proxies = c.proxies.lock().unwrap();
-                let p = proxies.get_mut(&port).ok_or((StatusCode::NOT_FOUND, format!("no proxy on port {port}")))?;
+                let key = Control::key(&proxies, port).ok_or((StatusCode::NOT_FOUND, format!("no proxy on port {port}")))?;
+                let p = proxies.get_mut(&key).ok_or((StatusCode::NOT_FOUND, format!("no proxy on port {port}")))?;
                 if let Some(token) = p.running.take() {
                     token.cancel();
                 }
@@ -255,8 +331,30 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let Some((address, _)) = head {
         dashboard.set_http_port(address.port());
     }
+    let grpc: HashMap<SocketAddr, SocketAddr> = args.grpc.iter().copied().collect();
+    for (proxy, _) in &args.grpc {
+        if !args.proxies.iter().any(|(address, _)| address == proxy) {
+            anyhow::bail!("--grpc {proxy}=...: there is no --proxy {proxy}");
+        }
+    }
+    if grpc.len() != args.grpc.len() {
+        anyhow::bail!("--grpc names a proxy twice");
+    }
+    if !grpc.is_empty() {
+        // Ray's gRPC proxies all listen on `grpc_options.port`: here, the head's (or, if it
+        // has none, the first one given).
+        let port = head
+            .and_then(|(address, _)| grpc.get(address))
+            .or(args.grpc.first().map(|(_, g)| g))
+            .map_or(9000, |g| g.port());
+        dashboard.set_grpc_options(port, &[GRPC_SERVICER_FUNCTION]);
+    }
     for (address, node_type) in &args.proxies {
+        let grpc = grpc.get(address).copied();
         dashboard.add_proxy(*address, *node_type, "HEALTHY");
+        if let Some(grpc) = grpc {
+            dashboard.set_proxy_grpc_port(*address, grpc.port());
+        }
         let config = ProxyConfig {
             cluster: args.cluster.clone(),
             node_type: *node_type,
@@ -264,6 +362,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         };
         let proxy = Proxy {
             address: *address,
+            grpc,
             config,
             handle: ProxyHandle::with_ledger(control.executions.clone()),
             running: None,
@@ -277,10 +376,22 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .start(address.port())
             .await
             .map_err(anyhow::Error::msg)?;
-        println!(
-            "ray-serve-sim: cluster {} {node_type} proxy on {address}",
-            args.cluster
-        );
+        match grpc {
+            None => println!(
+                "ray-serve-sim: cluster {} {node_type} proxy on {address}",
+                args.cluster
+            ),
+            Some(grpc) => {
+                println!(
+                    "ray-serve-sim: cluster {} {node_type} proxy on {address}, gRPC proxy on {grpc}",
+                    args.cluster
+                );
+                println!(
+                    "ray-serve-sim:   services.yaml: {}",
+                    services_yaml_entry(*address, *node_type, Some(grpc))
+                );
+            }
+        }
     }
     let shutdown = CancellationToken::new();
     if let Some(addr) = args.dashboard {

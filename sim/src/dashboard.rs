@@ -22,6 +22,14 @@
 //! - Real Ray runs one proxy per node, all on `http_options.port`. Tests on one host may
 //!   also place proxies at any `ip:port` ([`SimDashboard::add_proxy`]): such a proxy is
 //!   its own node (node id from `ip:port`), listed as a target on its own port.
+//! - gRPC is off unless [`SimDashboard::set_grpc_options`] enables it, and then the
+//!   answer is what section 3 of `proto/ray-serve-grpc-research.md` derives from Ray's
+//!   code (no capture with gRPC enabled exists yet): `grpc_options` carries the port and
+//!   servicer functions, and a second target group, `"protocol": "gRPC"`, follows the
+//!   HTTP one with the same (HEALTHY) proxies on their gRPC ports (`grpc_options.port`,
+//!   or a port of their own set with [`SimDashboard::set_proxy_grpc_port`]). With gRPC
+//!   off, `grpc_options` is the captures' (`port: 9000`, no servicer functions) and
+//!   there is no gRPC group: Ray reports the port even when no gRPC server runs.
 //! - Clones share one state; [`DashboardMode::Hang`] requests are released when the mode
 //!   changes or when [`SimDashboard::serve`] is shut down, so shutdown never waits forever.
 
@@ -47,6 +55,9 @@ const APPLICATIONS_PATH: &str = "/api/serve/applications/";
 
 /// The Serve HTTP proxies' port, as in the captures.
 const HTTP_PORT: u16 = 8000;
+
+/// The Serve gRPC proxies' port, `grpc_options.port`, as in the captures.
+const GRPC_PORT: u16 = 9000;
 
 /// How the simulated dashboard answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -84,6 +95,11 @@ struct SimState {
     proxies: BTreeMap<(String, Option<u16>), SimProxy>,
     /// `http_options.port`.
     http_port: u16,
+    /// `grpc_options.port`.
+    grpc_port: u16,
+    /// `grpc_options.grpc_servicer_functions`: gRPC is on when there are some and the
+    /// port is not 0, as Ray decides (`is_grpc_enabled`).
+    grpc_servicer_functions: Vec<String>,
     mode: DashboardMode,
     requests: u64,
 }
@@ -94,6 +110,8 @@ impl Default for SimState {
             apps: BTreeMap::new(),
             proxies: BTreeMap::new(),
             http_port: HTTP_PORT,
+            grpc_port: GRPC_PORT,
+            grpc_servicer_functions: Vec::new(),
             mode: DashboardMode::default(),
             requests: 0,
         }
@@ -105,6 +123,8 @@ struct SimProxy {
     status: String,
     /// Runs on the head node: the controller's.
     head: bool,
+    /// Its gRPC port, if not `grpc_options.port` (a proxy placed at its own port).
+    grpc_port: Option<u16>,
 }
 
 #[derive(Debug)]
@@ -202,6 +222,7 @@ impl SimDashboard {
                 SimProxy {
                     status: status.to_string(),
                     head: false,
+                    grpc_port: None,
                 },
             );
         }
@@ -221,8 +242,33 @@ impl SimDashboard {
             SimProxy {
                 status: status.to_string(),
                 head: node_type == NodeType::Head,
+                grpc_port: None,
             },
         );
+    }
+
+    /// Sets the port of the gRPC proxy beside the proxy added at `address` (on the same
+    /// node, so the same IP), listed while gRPC is on instead of `grpc_options.port`;
+    /// false if there is no proxy at `address`.
+    pub fn set_proxy_grpc_port(&self, address: SocketAddr, grpc_port: u16) -> bool {
+        let key = (address.ip().to_string(), Some(address.port()));
+        match self.state().proxies.get_mut(&key) {
+            Some(proxy) => {
+                proxy.grpc_port = Some(grpc_port);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Sets `grpc_options`: the gRPC proxies' `port` and the `grpc_servicer_functions`
+    /// (import paths, e.g. `echo_pb2_grpc.add_EchoServicer_to_server`). gRPC is on, and
+    /// the gRPC target group listed, when there are servicer functions and the port is
+    /// not 0 (Ray's `is_grpc_enabled`); by default it is off (`9000`, none).
+    pub fn set_grpc_options(&self, port: u16, servicer_functions: &[&str]) {
+        let mut state = self.state();
+        state.grpc_port = port;
+        state.grpc_servicer_functions = servicer_functions.iter().map(|f| f.to_string()).collect();
     }
 
     /// Sets the status of the proxy added at `address`; false if there is none.
@@ -317,8 +363,10 @@ impl SimDashboard {
             .unwrap_or_else(|| ("127.0.0.1".to_string(), "127.0.0.1".to_string()));
         let head_id = node_id_for(&head_key);
 
+        let grpc_enabled = state.grpc_port > 0 && !state.grpc_servicer_functions.is_empty();
         let mut proxies = Map::new();
         let mut targets = Vec::new();
+        let mut grpc_targets = Vec::new();
         for (key, proxy) in &state.proxies {
             let (ip, node_key) = (&key.0, node(key));
             let node_id = node_id_for(&node_key);
@@ -327,6 +375,12 @@ impl SimDashboard {
                 targets.push(json!({
                     "ip": ip,
                     "port": key.1.unwrap_or(state.http_port),
+                    "instance_id": "",
+                    "name": actor_name,
+                }));
+                grpc_targets.push(json!({
+                    "ip": ip,
+                    "port": proxy.grpc_port.unwrap_or(state.grpc_port),
                     "instance_id": "",
                     "name": actor_name,
                 }));
@@ -357,6 +411,21 @@ impl SimDashboard {
             .unwrap_or_default()
             .as_secs_f64();
         let stats = |mean: f64| json!({"mean": mean, "std": mean / 2.0, "min": mean / 10.0, "max": mean * 5.0});
+        // One group per protocol, HTTP first, as Ray's `get_target_groups`.
+        let group = |targets: Vec<Value>, protocol: &str| {
+            json!({
+                "targets": targets,
+                "route_prefix": "/",
+                "protocol": protocol,
+                "app_name": "",
+                "ingress_request_router_targets": [],
+                "ingress_deployment_name": "",
+            })
+        };
+        let mut target_groups = vec![group(targets, "HTTP")];
+        if grpc_enabled {
+            target_groups.push(group(grpc_targets, "gRPC"));
+        }
 
         json!({
             "controller_info": {
@@ -381,22 +450,15 @@ impl SimDashboard {
                 "ssl_ca_certs": null,
             },
             "grpc_options": {
-                "port": 9000,
-                "grpc_servicer_functions": [],
+                "port": state.grpc_port,
+                "grpc_servicer_functions": state.grpc_servicer_functions,
                 "request_timeout_s": null,
                 "enable_reflection": true,
             },
             "proxies": proxies,
             "applications": applications,
             "target_capacity": null,
-            "target_groups": [{
-                "targets": targets,
-                "route_prefix": "/",
-                "protocol": "HTTP",
-                "app_name": "",
-                "ingress_request_router_targets": [],
-                "ingress_deployment_name": "",
-            }],
+            "target_groups": target_groups,
             "controller_health_metrics": {
                 "timestamp": unix_now(),
                 "controller_start_time": unix_time(self.shared.started),

@@ -16,6 +16,10 @@
 //! [`Executions`] ledger under its `x-request-id` (Envoy sets one and keeps it across
 //! retries), so a test can tell how many times a request ran. Applications also speak
 //! WebSocket (an echo) and server-sent events (`?sse=<events>&every_ms=<ms>`).
+//!
+//! [`grpc`] is the node's gRPC proxy (Ray's port 9000): given the same [`ProxyHandle`] as
+//! the node's HTTP proxy, one mode and one ledger govern both, as one Ray proxy actor
+//! serves both ports.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -34,6 +38,7 @@ use tokio_util::sync::CancellationToken;
 
 pub mod cli;
 pub mod dashboard;
+pub mod grpc;
 
 /// Which kind of Ray node a proxy runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -218,6 +223,9 @@ impl Executions {
 pub struct ProxyHandle {
     mode: Arc<Mutex<ProxyMode>>,
     healthz_requests: Arc<std::sync::atomic::AtomicU64>,
+    /// gRPC `Healthz` calls, for [`ProxyMode::Flapping`]: a count of its own, so that an
+    /// HTTP prober and a gRPC prober of the same node each see the alternation.
+    grpc_healthz_requests: Arc<std::sync::atomic::AtomicU64>,
     /// Application requests that reached this proxy, run or turned away.
     received: Arc<std::sync::atomic::AtomicU64>,
     executions: Executions,
@@ -238,7 +246,7 @@ impl ProxyHandle {
     }
 
     /// Application requests that reached this proxy, whether they ran or were turned
-    /// away (503).
+    /// away (503), over HTTP and, with a [`grpc`] proxy sharing this handle, gRPC.
     pub fn received(&self) -> u64 {
         self.received.load(std::sync::atomic::Ordering::Relaxed)
     }

@@ -175,6 +175,9 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
                         .iter()
                         .map(|p| Proxy {
                             address: p.address,
+                            grpc: cluster
+                                .grpc_port
+                                .map(|port| SocketAddr::new(p.address.ip(), port)),
                             node_type: p.node_type,
                             draining: false,
                             host_network: false,

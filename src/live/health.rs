@@ -25,6 +25,11 @@
 //! not going away, serving every RUNNING application's route prefix; head or not; never
 //! fail-open) and proxies *routable* (published healthy or unknown, not by fail-open).
 //! DRAINING keeps in-flight requests and takes no new ones.
+//!
+//! A proxy that serves gRPC has a second endpoint, its gRPC address, in an Envoy cluster of
+//! its own (`<cluster>/grpc`): the same rules on its own probe (`Healthz`), the node's
+//! source and dashboard facts, no route-prefix rule (the gRPC proxy picks the application
+//! from the call's `application` metadata), and counts of its own for the switchover.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -36,7 +41,7 @@ use super::dashboard::{AppStatus, ProxyStatus};
 use super::dashboards::DashboardStates;
 use super::probe::ProbeState;
 use super::prober::ProbeStates;
-use crate::model::{HeadProxy, Model, NodeType};
+use crate::model::{HeadProxy, Model, NodeType, Protocol};
 
 /// What Envoy is told about an endpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -175,139 +180,162 @@ pub fn assess(
     let mut out = HealthMap::default();
     for service in model.services() {
         for cluster in &service.clusters {
-            let name = service.envoy_cluster_name(&cluster.name);
-            let dashboard = dashboards
-                .clusters
-                .get(&name)
-                .and_then(|d| d.status.as_ref());
-            // Route prefixes of the applications the dashboard says are RUNNING.
-            let required: BTreeSet<String> = dashboard
-                .map(|d| {
-                    d.applications
-                        .values()
-                        .filter(|a| a.status == AppStatus::Running)
-                        .filter_map(|a| a.route_prefix.clone())
-                        .collect()
-                })
-                .unwrap_or_default();
-            let serves_all = |address: &SocketAddr| {
-                probes.proxies.get(address).is_some_and(|probe| {
-                    probe.state == ProbeState::Healthy
-                        && (required.is_empty()
-                            || probe.routes.as_ref().is_some_and(|r| required.is_subset(r)))
-                })
-            };
-            // Enforced only while some healthy proxy serves them all, so that a new
-            // application (or routes not re-read yet) never drains the whole cluster.
-            let enforce_routes =
-                !required.is_empty() && cluster.proxies.iter().any(|p| serves_all(&p.address));
-            let mut summary = ClusterHealth::default();
-            let mut verdicts: Vec<(SocketAddr, NodeType, Verdict)> = Vec::new();
-            for proxy in &cluster.proxies {
-                let probe = probes.proxies.get(&proxy.address);
-                let state = probe.map_or(ProbeState::Unknown, |p| p.state);
-                let mut v = match state {
-                    ProbeState::Unknown => verdict(EndpointHealth::Unknown, Reason::NotProbedYet),
-                    ProbeState::Healthy => verdict(EndpointHealth::Healthy, Reason::ProbeHealthy),
-                    ProbeState::Unhealthy => verdict(
-                        EndpointHealth::Unhealthy,
-                        Reason::ProbeFailed(probe.map(|p| p.reason.clone()).unwrap_or_default()),
-                    ),
-                    ProbeState::Draining => {
-                        verdict(EndpointHealth::Draining, Reason::ProxyDraining)
-                    }
-                };
-                if state == ProbeState::Unknown && withheld(&proxy.address) {
-                    v = verdict(EndpointHealth::Withheld, Reason::AwaitingFirstProbe);
-                }
-                if proxy.draining {
-                    v = verdict(EndpointHealth::Draining, Reason::SourceDraining);
-                }
-                if let Some(ProxyStatus::Draining) =
-                    dashboard.and_then(|d| d.proxy_status_at(proxy.address))
-                {
-                    v = verdict(EndpointHealth::Draining, Reason::DashboardDraining);
-                }
-                if v.health == EndpointHealth::Healthy && enforce_routes {
-                    match probe.and_then(|p| p.routes.as_ref()) {
-                        Some(routes) if required.is_subset(routes) => {}
-                        Some(routes) => {
-                            let missing = required.difference(routes).cloned().collect();
-                            v = verdict(EndpointHealth::Draining, Reason::MissingRoutes(missing));
-                        }
-                        None => v = verdict(EndpointHealth::Draining, Reason::RoutesUnknown),
-                    }
-                }
-                if v.health == EndpointHealth::Healthy && serves_all(&proxy.address) {
-                    summary.ready += 1;
-                }
-                verdicts.push((proxy.address, proxy.node_type, v));
-            }
-
-            // Fail-open: every proxy that could serve fails its probe.
-            let mut candidates = verdicts
-                .iter()
-                .filter(|(_, _, v)| {
-                    !matches!(
-                        v.health,
-                        EndpointHealth::Draining | EndpointHealth::Withheld
-                    )
-                })
-                .peekable();
-            let all_unhealthy = candidates.peek().is_some()
-                && candidates.all(|(_, _, v)| v.health == EndpointHealth::Unhealthy);
-            if all_unhealthy {
-                for (_, _, v) in verdicts
-                    .iter_mut()
-                    .filter(|(_, _, v)| v.health == EndpointHealth::Unhealthy)
-                {
-                    let why = std::mem::replace(&mut v.reason, Reason::NotProbedYet);
-                    *v = verdict(EndpointHealth::Healthy, Reason::FailOpen(Box::new(why)));
-                }
-                summary.fail_open = true;
-            }
-
-            let worker_up = verdicts.iter().any(|(_, t, v)| {
-                *t == NodeType::Worker
-                    && matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
-            });
-            for (_, node_type, v) in verdicts.iter_mut() {
-                if *node_type != NodeType::Head
-                    || matches!(
-                        v.health,
-                        EndpointHealth::Draining | EndpointHealth::Withheld
-                    )
-                {
+            // A gRPC endpoint is judged by the same rules as its node's HTTP one, on its own
+            // probe (`Healthz`), in an Envoy cluster of its own; route prefixes are HTTP's
+            // only (the gRPC proxy picks the application from the call's metadata).
+            for protocol in [Protocol::Http, Protocol::Grpc] {
+                if protocol == Protocol::Grpc && !cluster.serves_grpc() {
                     continue;
                 }
-                match service.policy.head_proxy {
-                    HeadProxy::Include => {}
-                    HeadProxy::Exclude => {
-                        *v = verdict(EndpointHealth::Draining, Reason::HeadExcluded)
+                // The dashboard is the RayCluster's, whichever protocol.
+                let dashboard = dashboards
+                    .clusters
+                    .get(&service.envoy_cluster_name(&cluster.name))
+                    .and_then(|d| d.status.as_ref());
+                let name = service.envoy_cluster_name_for(&cluster.name, protocol);
+                // Route prefixes of the applications the dashboard says are RUNNING.
+                let required: BTreeSet<String> = dashboard
+                    .filter(|_| protocol == Protocol::Http)
+                    .map(|d| {
+                        d.applications
+                            .values()
+                            .filter(|a| a.status == AppStatus::Running)
+                            .filter_map(|a| a.route_prefix.clone())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let serves_all = |address: &SocketAddr| {
+                    probes.proxies.get(address).is_some_and(|probe| {
+                        probe.state == ProbeState::Healthy
+                            && (required.is_empty()
+                                || probe.routes.as_ref().is_some_and(|r| required.is_subset(r)))
+                    })
+                };
+                // Enforced only while some healthy proxy serves them all, so that a new
+                // application (or routes not re-read yet) never drains the whole cluster.
+                let enforce_routes = !required.is_empty()
+                    && cluster
+                        .endpoints(protocol)
+                        .any(|(address, _)| serves_all(&address));
+                let mut summary = ClusterHealth::default();
+                let mut verdicts: Vec<(SocketAddr, NodeType, Verdict)> = Vec::new();
+                for (address, proxy) in cluster.endpoints(protocol) {
+                    let probe = probes.proxies.get(&address);
+                    let state = probe.map_or(ProbeState::Unknown, |p| p.state);
+                    let mut v = match state {
+                        ProbeState::Unknown => {
+                            verdict(EndpointHealth::Unknown, Reason::NotProbedYet)
+                        }
+                        ProbeState::Healthy => {
+                            verdict(EndpointHealth::Healthy, Reason::ProbeHealthy)
+                        }
+                        ProbeState::Unhealthy => verdict(
+                            EndpointHealth::Unhealthy,
+                            Reason::ProbeFailed(
+                                probe.map(|p| p.reason.clone()).unwrap_or_default(),
+                            ),
+                        ),
+                        ProbeState::Draining => {
+                            verdict(EndpointHealth::Draining, Reason::ProxyDraining)
+                        }
+                    };
+                    if state == ProbeState::Unknown && withheld(&address) {
+                        v = verdict(EndpointHealth::Withheld, Reason::AwaitingFirstProbe);
                     }
-                    HeadProxy::Fallback if worker_up => {
-                        *v = verdict(EndpointHealth::Draining, Reason::HeadFallback)
+                    if proxy.draining {
+                        v = verdict(EndpointHealth::Draining, Reason::SourceDraining);
                     }
-                    HeadProxy::Fallback => {}
+                    if let Some(ProxyStatus::Draining) =
+                        dashboard.and_then(|d| d.proxy_status_at(proxy.address))
+                    {
+                        v = verdict(EndpointHealth::Draining, Reason::DashboardDraining);
+                    }
+                    if v.health == EndpointHealth::Healthy && enforce_routes {
+                        match probe.and_then(|p| p.routes.as_ref()) {
+                            Some(routes) if required.is_subset(routes) => {}
+                            Some(routes) => {
+                                let missing = required.difference(routes).cloned().collect();
+                                v = verdict(
+                                    EndpointHealth::Draining,
+                                    Reason::MissingRoutes(missing),
+                                );
+                            }
+                            None => v = verdict(EndpointHealth::Draining, Reason::RoutesUnknown),
+                        }
+                    }
+                    if v.health == EndpointHealth::Healthy && serves_all(&address) {
+                        summary.ready += 1;
+                    }
+                    verdicts.push((address, proxy.node_type, v));
                 }
-            }
 
-            let departed = facts.departed.is_some_and(|d| d.contains(&name));
-            for (address, _, mut v) in verdicts {
-                if departed && v.health != EndpointHealth::Withheld {
-                    v = verdict(EndpointHealth::Draining, Reason::ClusterDeparted);
+                // Fail-open: every proxy that could serve fails its probe.
+                let mut candidates = verdicts
+                    .iter()
+                    .filter(|(_, _, v)| {
+                        !matches!(
+                            v.health,
+                            EndpointHealth::Draining | EndpointHealth::Withheld
+                        )
+                    })
+                    .peekable();
+                let all_unhealthy = candidates.peek().is_some()
+                    && candidates.all(|(_, _, v)| v.health == EndpointHealth::Unhealthy);
+                if all_unhealthy {
+                    for (_, _, v) in verdicts
+                        .iter_mut()
+                        .filter(|(_, _, v)| v.health == EndpointHealth::Unhealthy)
+                    {
+                        let why = std::mem::replace(&mut v.reason, Reason::NotProbedYet);
+                        *v = verdict(EndpointHealth::Healthy, Reason::FailOpen(Box::new(why)));
+                    }
+                    summary.fail_open = true;
                 }
-                let routable =
-                    matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
-                        && !matches!(v.reason, Reason::FailOpen(_));
-                summary.routable += routable as u32;
-                summary.awaiting_first_probe += (v.health == EndpointHealth::Withheld) as u32;
-                out.endpoints.insert((name.clone(), address), v);
+
+                let worker_up = verdicts.iter().any(|(_, t, v)| {
+                    *t == NodeType::Worker
+                        && matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
+                });
+                for (_, node_type, v) in verdicts.iter_mut() {
+                    if *node_type != NodeType::Head
+                        || matches!(
+                            v.health,
+                            EndpointHealth::Draining | EndpointHealth::Withheld
+                        )
+                    {
+                        continue;
+                    }
+                    match service.policy.head_proxy {
+                        HeadProxy::Include => {}
+                        HeadProxy::Exclude => {
+                            *v = verdict(EndpointHealth::Draining, Reason::HeadExcluded)
+                        }
+                        HeadProxy::Fallback if worker_up => {
+                            *v = verdict(EndpointHealth::Draining, Reason::HeadFallback)
+                        }
+                        HeadProxy::Fallback => {}
+                    }
+                }
+
+                let departed = facts
+                    .departed
+                    .is_some_and(|d| d.contains(&service.envoy_cluster_name(&cluster.name)));
+                for (address, _, mut v) in verdicts {
+                    if departed && v.health != EndpointHealth::Withheld {
+                        v = verdict(EndpointHealth::Draining, Reason::ClusterDeparted);
+                    }
+                    let routable =
+                        matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
+                            && !matches!(v.reason, Reason::FailOpen(_));
+                    summary.routable += routable as u32;
+                    summary.awaiting_first_probe += (v.health == EndpointHealth::Withheld) as u32;
+                    out.endpoints.insert((name.clone(), address), v);
+                }
+                if departed {
+                    summary.ready = 0;
+                }
+                out.clusters.insert(name, summary);
             }
-            if departed {
-                summary.ready = 0;
-            }
-            out.clusters.insert(name, summary);
         }
     }
     out
@@ -355,6 +383,83 @@ mod tests {
 
     use EndpointHealth::*;
     use ProbeState as P;
+
+    const GRPC: &str = "default/a/a1/grpc";
+
+    /// [`model`] with each proxy serving gRPC on its port + 1000.
+    fn grpc_model(policy: HeadProxy) -> Model {
+        let mut s = service("a", "a1", &[8000, 8001, 8002]);
+        s.policy.head_proxy = policy;
+        for p in &mut s.clusters[0].proxies {
+            p.grpc = Some(addr(p.address.port() + 1000));
+        }
+        Model::new(vec![s]).unwrap()
+    }
+
+    #[test]
+    fn a_grpc_endpoint_is_judged_on_its_own_probe_by_the_same_rules() {
+        let none = DashboardStates::default();
+        let mut states = probes(&[
+            (8000, P::Healthy),
+            (8001, P::Healthy),
+            (8002, P::Healthy),
+            (9000, P::Healthy),
+            (9001, P::Unhealthy),
+            (9002, P::Healthy),
+        ]);
+        // The gRPC probe reads no routes: none are required of it.
+        for port in [9000, 9001, 9002] {
+            states.proxies.get_mut(&addr(port)).unwrap().routes = None;
+        }
+        let m = assess(
+            &grpc_model(HeadProxy::Fallback),
+            &states,
+            &none,
+            Facts::default(),
+        );
+        assert_eq!(m.health(GRPC, addr(9001)), Unhealthy);
+        assert_eq!(m.health(GRPC, addr(9002)), Healthy);
+        assert_eq!(m.health(GRPC, addr(9000)), Draining, "head fallback");
+        assert_eq!(health(&m, 8001), Healthy, "HTTP has its own probe");
+        assert_eq!(m.cluster(GRPC).ready, 2);
+        assert_eq!(m.cluster(CLUSTER).ready, 3);
+        assert!(m.fail_open().is_empty());
+
+        // Every gRPC proxy failing: that cluster fails open, not the HTTP one.
+        for port in [9000, 9001, 9002] {
+            states.proxies.get_mut(&addr(port)).unwrap().state = P::Unhealthy;
+        }
+        let m = assess(
+            &grpc_model(HeadProxy::Include),
+            &states,
+            &none,
+            Facts::default(),
+        );
+        assert_eq!(m.fail_open(), BTreeSet::from([GRPC]));
+        assert_eq!(m.cluster(GRPC).ready, 0);
+
+        // A node going away takes both its endpoints out; a departed cluster drains both.
+        let mut model = grpc_model(HeadProxy::Include);
+        model = model.with_proxies(|_, c| {
+            let mut proxies = c.proxies.clone();
+            proxies[2].draining = true;
+            proxies
+        });
+        let departed = BTreeSet::from([CLUSTER.to_string()]);
+        let m = assess(&model, &states, &none, Facts::default());
+        assert_eq!(m.health(GRPC, addr(9002)), Draining);
+        let m = assess(
+            &model,
+            &states,
+            &none,
+            Facts {
+                departed: Some(&departed),
+                ..Facts::default()
+            },
+        );
+        assert_eq!(m.health(GRPC, addr(9000)), Draining);
+        assert_eq!(m.cluster(GRPC).ready, 0);
+    }
 
     #[test]
     fn head_proxy_policies() {

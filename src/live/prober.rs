@@ -1,5 +1,8 @@
 //! The proxy prober: probes every Ray Serve proxy the model names, directly, and
-//! publishes their probe states.
+//! publishes their probe states: each HTTP proxy with `GET /-/healthz`, each gRPC proxy
+//! (a proxy's second endpoint, when it serves gRPC) with Ray's
+//! `ray.serve.RayServeAPIService/Healthz` over one HTTP/2 connection of its own; both
+//! keyed by address, with the same hysteresis, permits and freshness.
 //!
 //! One task per proxy sleeps its (jittered) interval (a fifth of it after a healthy
 //! proxy's first failure, to confirm quickly), takes a permit from [`ProbePermits`]
@@ -40,7 +43,7 @@ use super::probe::{Outcome, ProbeState, ProxyProbe};
 use super::route_tables::RouteTables;
 use super::route_turns::{RouteTurn, RouteTurns};
 use crate::metrics::Metrics;
-use crate::model::Model;
+use crate::model::{Model, Protocol};
 use crate::policy::probe::ProbePolicy;
 
 /// The probe state of every proxy, published by the prober.
@@ -154,7 +157,7 @@ impl Prober {
         let client = probe_client(self.policy.timeout);
         let permits = ProbePermits::new(self.policy.max_concurrent);
         let (tx, mut rx) = mpsc::channel::<Report>(1024);
-        let mut tasks: BTreeMap<SocketAddr, (ProbePolicy, JoinHandle<()>)> = BTreeMap::new();
+        let mut tasks: BTreeMap<SocketAddr, (Target, JoinHandle<()>)> = BTreeMap::new();
         // A restarted prober goes on from what the last one published.
         let mut current = (**states.borrow()).clone();
         let mut fresh: BTreeMap<SocketAddr, Instant> = current
@@ -189,24 +192,25 @@ impl Prober {
                 let wanted = targets(&model, &self.policy);
                 routes.owners = owners(&model);
                 permits.route_reads.set_owners(&routes.owners);
-                tasks.retain(|addr, (settings, task)| {
-                    let keep = wanted.get(addr) == Some(settings);
+                tasks.retain(|addr, (target, task)| {
+                    let keep = wanted.get(addr) == Some(target);
                     if !keep {
                         task.abort();
                     }
                     keep
                 });
-                for (addr, settings) in &wanted {
+                for (addr, target) in &wanted {
                     tasks.entry(*addr).or_insert_with(|| {
                         let task = ProbeTask {
                             address: *addr,
-                            settings: settings.clone(),
+                            settings: target.settings.clone(),
+                            protocol: target.protocol,
                             routes_interval: self.policy.routes_interval,
                             client: client.clone(),
                             permits: permits.clone(),
                             reports: tx.clone(),
                         };
-                        (settings.clone(), tokio::spawn(task.run()))
+                        (target.clone(), tokio::spawn(task.run()))
                     });
                 }
                 let before = current.proxies.len();
@@ -276,12 +280,12 @@ impl Prober {
     /// restarts of the component `probe_task`.
     fn restart_ended(
         &self,
-        tasks: &mut BTreeMap<SocketAddr, (ProbePolicy, JoinHandle<()>)>,
+        tasks: &mut BTreeMap<SocketAddr, (Target, JoinHandle<()>)>,
         client: &HttpClient,
         permits: &ProbePermits,
         reports: &mpsc::Sender<Report>,
     ) {
-        for (addr, (settings, task)) in tasks.iter_mut() {
+        for (addr, (target, task)) in tasks.iter_mut() {
             if task.is_finished() {
                 tracing::error!(proxy = %addr, "a probe task ended; starting it again");
                 self.metrics
@@ -293,7 +297,8 @@ impl Prober {
                 *task = tokio::spawn(
                     ProbeTask {
                         address: *addr,
-                        settings: settings.clone(),
+                        settings: target.settings.clone(),
+                        protocol: target.protocol,
                         routes_interval: self.policy.routes_interval,
                         client: client.clone(),
                         permits: permits.clone(),
@@ -310,13 +315,14 @@ impl Prober {
     fn expire(
         &self,
         current: &mut ProbeStates,
-        tasks: &BTreeMap<SocketAddr, (ProbePolicy, JoinHandle<()>)>,
+        tasks: &BTreeMap<SocketAddr, (Target, JoinHandle<()>)>,
         fresh: &BTreeMap<SocketAddr, Instant>,
     ) -> bool {
         let mut changed = false;
         let n = tasks.len();
         for (addr, probe) in current.proxies.iter_mut() {
-            let (Some((settings, _)), Some(at)) = (tasks.get(addr), fresh.get(addr)) else {
+            let (Some((Target { settings, .. }, _)), Some(at)) = (tasks.get(addr), fresh.get(addr))
+            else {
                 continue;
             };
             let age = at.elapsed();
@@ -347,7 +353,7 @@ impl Prober {
     fn apply(
         &self,
         current: &mut ProbeStates,
-        tasks: &BTreeMap<SocketAddr, (ProbePolicy, JoinHandle<()>)>,
+        tasks: &BTreeMap<SocketAddr, (Target, JoinHandle<()>)>,
         routes: &mut Routes,
         report: Report,
     ) -> bool {
@@ -360,7 +366,7 @@ impl Prober {
             .map(|read| read.and_then(|t| self.keep_routes(current, routes, report.address, t)));
         // The table is kept or refused: its read turn goes back.
         drop(report.route_read_turn);
-        let (Some(probe), Some((settings, _))) = (
+        let (Some(probe), Some((Target { settings, .. }, _))) = (
             current.proxies.get_mut(&report.address),
             tasks.get(&report.address),
         ) else {
@@ -474,14 +480,27 @@ fn owners(model: &Model) -> BTreeMap<SocketAddr, String> {
     out
 }
 
-/// Every proxy of the model with the probe settings of its RayService.
-fn targets(model: &Model, defaults: &ProbePolicy) -> BTreeMap<SocketAddr, ProbePolicy> {
+/// What one probe task probes: with which settings, over which protocol.
+#[derive(Clone, Debug, PartialEq)]
+struct Target {
+    settings: ProbePolicy,
+    protocol: Protocol,
+}
+
+/// Every endpoint of the model (each proxy's HTTP address, and its gRPC address when it
+/// serves gRPC) with the probe settings of its RayService.
+fn targets(model: &Model, defaults: &ProbePolicy) -> BTreeMap<SocketAddr, Target> {
     let mut out = BTreeMap::new();
     for service in model.services() {
         let settings = defaults.with(&service.policy.overrides.probe);
         for cluster in &service.clusters {
-            for proxy in &cluster.proxies {
-                out.entry(proxy.address).or_insert_with(|| settings.clone());
+            for protocol in [Protocol::Http, Protocol::Grpc] {
+                for (address, _) in cluster.endpoints(protocol) {
+                    out.entry(address).or_insert_with(|| Target {
+                        settings: settings.clone(),
+                        protocol,
+                    });
+                }
             }
         }
     }
@@ -491,6 +510,9 @@ fn targets(model: &Model, defaults: &ProbePolicy) -> BTreeMap<SocketAddr, ProbeP
 struct ProbeTask {
     address: SocketAddr,
     settings: ProbePolicy,
+    /// HTTP: `GET /-/healthz` (and `/-/routes`); gRPC: `Healthz` (no routes: the gRPC
+    /// proxy picks the application from the call's `application` metadata).
+    protocol: Protocol,
     routes_interval: Duration,
     client: HttpClient,
     permits: ProbePermits,
@@ -540,19 +562,26 @@ impl ProbeTask {
         let mut routes_read: Option<Instant> = None;
         let mut next = Duration::ZERO;
         let mut urgent = true; // the first probe
+                               // One HTTP/2 connection per gRPC proxy, opened at the first probe and reopened
+                               // as needed (tonic's channel reconnects).
+        let grpc = (self.protocol == Protocol::Grpc).then(|| grpc_channel(self.address));
         loop {
             tokio::time::sleep(next).await;
             let Some(permit) = self.permits.acquire(urgent).await else {
                 return;
             };
             let started = Instant::now();
-            let outcome = probe_healthz(&self.client, self.address, self.settings.timeout).await;
+            let outcome = match &grpc {
+                None => probe_healthz(&self.client, self.address, self.settings.timeout).await,
+                Some(channel) => probe_grpc_healthz(channel.clone(), self.settings.timeout).await,
+            };
             let latency = started.elapsed();
             let healthy = outcome == Outcome::Healthy;
             // The probe is done: its permit goes back before any route read, so that
             // reads waiting for a turn never hold up other proxies' probes.
             drop(permit);
             let (routes, route_read_turn) = if healthy
+                && grpc.is_none()
                 && (!last_healthy
                     || routes_read.is_none_or(|t| t.elapsed() >= self.routes_interval))
             {
@@ -679,6 +708,59 @@ pub async fn probe_healthz(client: &HttpClient, address: SocketAddr, timeout: Du
         }
         Err(outcome) => outcome,
     }
+}
+
+/// A lazily connecting gRPC channel to a Ray Serve gRPC proxy (plain HTTP/2).
+pub fn grpc_channel(address: SocketAddr) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+        .expect("a socket address is a valid URI authority")
+        .tcp_nodelay(true)
+        .connect_lazy()
+}
+
+/// One `ray.serve.RayServeAPIService/Healthz`, classified like `GET /-/healthz`: OK with
+/// `success` is healthy, `UNAVAILABLE` "This node is being drained." is draining, a
+/// refused connection is refused; anything else (another status or message, no answer
+/// within `timeout`) is a failure.
+pub async fn probe_grpc_healthz(channel: tonic::transport::Channel, timeout: Duration) -> Outcome {
+    use crate::ray_serve_api::ray_serve_api_service_client::RayServeApiServiceClient;
+    let mut client =
+        RayServeApiServiceClient::new(channel).max_decoding_message_size(MAX_PROBE_BODY_BYTES);
+    let call = client.healthz(crate::ray_serve_api::HealthzRequest {});
+    match tokio::time::timeout(timeout, call).await {
+        Err(_) => Outcome::Failed(format!("no answer within {timeout:?}")),
+        Ok(Ok(answer)) if answer.get_ref().message == "success" => Outcome::Healthy,
+        Ok(Ok(answer)) => {
+            let message: String = answer.get_ref().message.chars().take(120).collect();
+            Outcome::Failed(format!("Healthz answered OK with {message:?}"))
+        }
+        Ok(Err(status)) => {
+            if refused(&status) {
+                return Outcome::Refused;
+            }
+            if status.code() == tonic::Code::Unavailable
+                && status.message().contains("being drained")
+            {
+                return Outcome::Draining;
+            }
+            let message: String = status.message().chars().take(120).collect();
+            Outcome::Failed(format!("Healthz answered {:?}: {message:?}", status.code()))
+        }
+    }
+}
+
+/// The call failed because nothing listens at the address.
+fn refused(status: &tonic::Status) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(status);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::ConnectionRefused {
+                return true;
+            }
+        }
+        source = e.source();
+    }
+    false
 }
 
 /// `GET /-/routes`: the route prefixes the proxy serves; `None` if it cannot say.
@@ -853,7 +935,7 @@ mod tests {
             let mut probe = ProxyProbe::new(SystemTime::now());
             probe.state = ProbeState::Healthy;
             current.proxies.insert(a, probe);
-            tasks.insert(a, (p.policy.clone(), tokio::spawn(async {})));
+            tasks.insert(a, (http_target(&p.policy), tokio::spawn(async {})));
         }
         let long_ago = Instant::now()
             .checked_sub(Duration::from_secs(60))
@@ -875,7 +957,7 @@ mod tests {
         let client = probe_client(Duration::from_millis(50));
         let permits = ProbePermits::new(1);
         let addr = SocketAddr::from(([127, 0, 0, 1], 9));
-        let mut tasks = BTreeMap::from([(addr, (p.policy.clone(), tokio::spawn(async {})))]);
+        let mut tasks = BTreeMap::from([(addr, (http_target(&p.policy), tokio::spawn(async {})))]);
         tokio::task::yield_now().await;
         while !tasks[&addr].1.is_finished() {
             tokio::task::yield_now().await;
@@ -933,7 +1015,7 @@ mod tests {
         probe.routes = Some(std::sync::Arc::new(["/".to_string()].into()));
         let mut current = ProbeStates::default();
         current.proxies.insert(addr, probe);
-        let tasks = BTreeMap::from([(addr, (p.policy.clone(), tokio::spawn(async {})))]);
+        let tasks = BTreeMap::from([(addr, (http_target(&p.policy), tokio::spawn(async {})))]);
         let report = Report {
             address: addr,
             outcome: Outcome::Healthy,
@@ -986,7 +1068,7 @@ mod tests {
             current
                 .proxies
                 .insert(a, ProxyProbe::new(SystemTime::now()));
-            tasks.insert(a, (p.policy.clone(), tokio::spawn(async {})));
+            tasks.insert(a, (http_target(&p.policy), tokio::spawn(async {})));
         }
         let report = |address, table: BTreeSet<String>| Report {
             address,
@@ -1084,6 +1166,13 @@ mod tests {
         address
     }
 
+    fn http_target(settings: &ProbePolicy) -> Target {
+        Target {
+            settings: settings.clone(),
+            protocol: Protocol::Http,
+        }
+    }
+
     /// A probe task for tests that reads a proxy's routes once (the routes interval is
     /// an hour).
     fn routes_once_task(
@@ -1096,6 +1185,7 @@ mod tests {
         ProbeTask {
             address,
             settings: settings.clone(),
+            protocol: Protocol::Http,
             routes_interval: Duration::from_secs(3600),
             client: client.clone(),
             permits: permits.clone(),

@@ -124,8 +124,8 @@ impl Pipeline {
     ) -> impl Iterator<Item = (SocketAddr, SystemTime)> + 'a {
         let wait = self.policies.probe.first_probe_wait();
         model
-            .proxies()
-            .map(|p| p.address)
+            .endpoints()
+            .map(|(address, _)| address)
             .filter(|a| !self.published.contains(a))
             .filter_map(move |address| {
                 let until = match probes.proxies.get(&address) {
@@ -159,8 +159,8 @@ impl Pipeline {
             },
         );
         self.published = model
-            .proxies()
-            .map(|p| p.address)
+            .endpoints()
+            .map(|(address, _)| address)
             .filter(|a| !withheld.contains(a))
             .collect();
 

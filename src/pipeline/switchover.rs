@@ -198,6 +198,18 @@ pub fn readiness(
             c.proxies.len(),
         ));
     }
+    // gRPC moves with HTTP (one weight per RayCluster): both must be ready.
+    if c.serves_grpc() {
+        let ready = health
+            .cluster(&service.envoy_grpc_cluster_name(cluster))
+            .ready;
+        if ready < need {
+            return Err(format!(
+                "{ready} of {} gRPC proxies healthy (need {need})",
+                c.proxies.iter().filter(|p| p.grpc.is_some()).count(),
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -304,6 +316,14 @@ impl Switchover {
                     let mut warm_note = String::new();
                     if ready.is_ok() && !desperate && st.step == 0 {
                         cold = envoys.cold_envoys(&service.envoy_cluster_name(&target));
+                        if service.cluster(&target).is_some_and(|c| c.serves_grpc()) {
+                            let grpc = service.envoy_grpc_cluster_name(&target);
+                            for envoy in envoys.cold_envoys(&grpc) {
+                                if !cold.contains(&envoy) {
+                                    cold.push(envoy);
+                                }
+                            }
+                        }
                         if cold.is_empty() {
                             st.warming_since = None;
                         } else {
@@ -745,6 +765,42 @@ mod tests {
             .unwrap()
             .last_success_unix = Some(21.0);
         advance(&mut s, &m, &world, &(), at(21));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
+    #[test]
+    fn grpc_moves_with_http_only_once_the_target_s_grpc_proxies_are_ready_and_warm() {
+        let mut world = World::new();
+        let mut m = model(A, Some(B), SwitchoverOverrides::default());
+        m = m.with_proxies(|name, c| {
+            let mut proxies = c.proxies.clone();
+            if name == "default/s/b1" {
+                proxies[0].grpc = Some(addr(9500));
+            }
+            proxies
+        });
+        world.proxy(9500, ProbeState::Unhealthy);
+        let mut s = Switchover::default();
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(A, 100)]), "HTTP ready, gRPC not");
+        let reason = &s.services["default/s"].reason;
+        assert!(reason.contains("gRPC"), "{reason}");
+
+        // gRPC ready, but one Envoy has not warmed the gRPC cluster yet.
+        world.proxy(9500, ProbeState::Healthy);
+        let envoys = Envoys(vec![
+            ("e1", vec!["default/s/b1", "default/s/b1/grpc"]),
+            ("e2", vec!["default/s/b1"]),
+        ]);
+        advance(&mut s, &m, &world, &envoys, T0);
+        assert_eq!(weights(&s), w(&[(A, 100)]));
+        let reason = &s.services["default/s"].reason;
+        assert!(reason.contains("e2"), "{reason}");
+        let warm = Envoys(vec![
+            ("e1", vec!["default/s/b1", "default/s/b1/grpc"]),
+            ("e2", vec!["default/s/b1", "default/s/b1/grpc"]),
+        ]);
+        advance(&mut s, &m, &world, &warm, T0);
         assert_eq!(weights(&s), w(&[(B, 100)]));
     }
 

@@ -75,6 +75,9 @@ struct ClusterSpec {
     /// Absent (or null) with a `dashboard`: the proxies are discovered from the
     /// dashboard. An explicit list, even empty, is the proxies (none are discovered).
     proxies: Option<Vec<ProxySpec>>,
+    /// The port of Ray Serve's gRPC proxy on every node, when the cluster serves gRPC: a
+    /// listed proxy without its own `grpc` serves it on its IP, and so do discovered ones.
+    grpc_port: Option<u16>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -83,6 +86,8 @@ struct ProxySpec {
     /// `ip:port`: Envoy's EDS takes IP endpoints only.
     address: std::net::SocketAddr,
     node_type: NodeTypeSpec,
+    /// `ip:port` of the same node's gRPC proxy (overrides the cluster's `grpc_port`).
+    grpc: Option<std::net::SocketAddr>,
     /// Going away: no new requests (as a terminating pod in Kubernetes).
     #[serde(default)]
     draining: bool,
@@ -178,11 +183,15 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
                         name: c.name,
                         discover: c.proxies.is_none() && c.dashboard.is_some(),
                         dashboard: c.dashboard,
+                        grpc_port: c.grpc_port,
                         proxies: c
                             .proxies
                             .into_iter()
                             .flatten()
                             .map(|p| Proxy {
+                                grpc: p.grpc.or(c
+                                    .grpc_port
+                                    .map(|port| std::net::SocketAddr::new(p.address.ip(), port))),
                                 address: p.address,
                                 node_type: match p.node_type {
                                     NodeTypeSpec::Head => NodeType::Head,
@@ -497,6 +506,53 @@ rayservices:
             s.clusters[0].dashboard.as_deref(),
             Some("http://127.0.0.1:8265")
         );
+    }
+
+    #[test]
+    fn grpc_endpoints_come_from_the_proxy_or_the_cluster_s_grpc_port() {
+        let text = |cluster: &str| {
+            format!("rayservices:\n- name: x\n  active_cluster: c\n  clusters: [{cluster}]\n")
+        };
+        let parsed = |cluster: &str| parse(Path::new("s.yaml"), &text(cluster));
+        let c = parsed(
+            "{name: c, grpc_port: 9000, proxies: [{address: '10.0.0.1:8000', node_type: head}, \
+             {address: '10.0.0.2:8000', node_type: worker, grpc: '10.0.0.2:9123'}]}",
+        )
+        .unwrap()
+        .services()[0]
+            .clusters[0]
+            .clone();
+        let grpc: Vec<_> = c
+            .proxies
+            .iter()
+            .map(|p| p.grpc.map(|g| g.to_string()))
+            .collect();
+        assert_eq!(
+            grpc,
+            [Some("10.0.0.1:9000".into()), Some("10.0.0.2:9123".into())]
+        );
+        assert!(c.serves_grpc());
+        // No gRPC said: none.
+        let c = parsed("{name: c, proxies: [{address: '10.0.0.1:8000', node_type: head}]}")
+            .unwrap()
+            .services()[0]
+            .clusters[0]
+            .clone();
+        assert_eq!(c.proxies[0].grpc, None);
+        assert!(!c.serves_grpc());
+        // A gRPC address that is also an HTTP proxy's is refused with its reason.
+        let err = parsed(
+            "{name: c, proxies: [{address: '10.0.0.1:8000', node_type: head, grpc: '10.0.0.2:8000'}, \
+             {address: '10.0.0.2:8000', node_type: worker}]}",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("gRPC address 10.0.0.2:8000"), "{err}");
+        // A port out of range is a parse error naming the field.
+        let err = parsed("{name: c, grpc_port: 70000, proxies: []}")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("grpc_port"), "{err}");
     }
 
     #[test]

@@ -286,6 +286,8 @@ pub struct SimCluster {
     pub name: String,
     pub proxies: Vec<(SocketAddr, NodeType, CancellationToken)>,
     pub handles: Vec<ProxyHandle>,
+    /// Each proxy's gRPC proxy (same handle, same shutdown), when started with gRPC.
+    pub grpc: Vec<SocketAddr>,
     /// What ran on this cluster's proxies, by request id.
     pub ledger: Executions,
 }
@@ -302,7 +304,23 @@ impl SimCluster {
         node_types: &[NodeType],
         ledger: Executions,
     ) -> SimCluster {
-        let (mut proxies, mut handles) = (Vec::new(), Vec::new());
+        SimCluster::start_with(name, node_types, ledger, false).await
+    }
+
+    /// Like [`SimCluster::start`], each node also running a gRPC proxy (Ray's
+    /// `RayServeAPIService` and the demo `Echo` application) that shares its HTTP proxy's
+    /// mode, ledger and shutdown.
+    pub async fn start_grpc(name: &str, node_types: &[NodeType]) -> SimCluster {
+        SimCluster::start_with(name, node_types, Executions::default(), true).await
+    }
+
+    pub async fn start_with(
+        name: &str,
+        node_types: &[NodeType],
+        ledger: Executions,
+        grpc: bool,
+    ) -> SimCluster {
+        let (mut proxies, mut handles, mut grpc_addrs) = (Vec::new(), Vec::new(), Vec::new());
         for node_type in node_types {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
@@ -313,6 +331,16 @@ impl SimCluster {
                 routes: BTreeMap::from([("/".to_string(), "hello".to_string())]),
             };
             let handle = ProxyHandle::with_ledger(ledger.clone());
+            if grpc {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                grpc_addrs.push(listener.local_addr().unwrap());
+                tokio::spawn(ray_serve_sim::grpc::serve_grpc_proxy_with(
+                    listener,
+                    config.clone(),
+                    handle.clone(),
+                    token.clone(),
+                ));
+            }
             tokio::spawn(serve_proxy_with(
                 listener,
                 config,
@@ -326,6 +354,7 @@ impl SimCluster {
             name: name.into(),
             proxies,
             handles,
+            grpc: grpc_addrs,
             ledger,
         }
     }
@@ -342,8 +371,17 @@ impl SimCluster {
     /// The cluster as `services.yaml` lists it.
     pub fn yaml(&self) -> String {
         let mut s = format!("      - name: {}\n        proxies:\n", self.name);
-        for (addr, node_type, _) in &self.proxies {
-            s += &format!("          - {{ address: {addr}, node_type: {node_type} }}\n");
+        for (i, (addr, node_type, _)) in self.proxies.iter().enumerate() {
+            match self.grpc.get(i) {
+                Some(grpc) => {
+                    s += &format!(
+                        "          - {{ address: {addr}, node_type: {node_type}, grpc: {grpc} }}\n"
+                    )
+                }
+                None => {
+                    s += &format!("          - {{ address: {addr}, node_type: {node_type} }}\n")
+                }
+            }
         }
         s
     }

@@ -250,6 +250,7 @@ fn cluster(
         }
         proxies.push(Proxy {
             address,
+            grpc: pod.grpc_port.map(|port| SocketAddr::new(ip, port)),
             node_type: if pod.head {
                 NodeType::Head
             } else {
@@ -271,6 +272,8 @@ fn cluster(
         name: name.to_string(),
         dashboard,
         proxies,
+        // Each pod says its own (listed proxies carry their gRPC address).
+        grpc_port: None,
         // The pods are the proxies: Kubernetes knows them before Ray does.
         discover: false,
     }
@@ -311,6 +314,7 @@ mod tests {
             host_network: false,
             serve_port: 8000,
             dashboard_port: 8265,
+            grpc_port: None,
         }
     }
 
@@ -359,6 +363,23 @@ mod tests {
              hostNetwork one is marked for the address policy"
         );
         assert_eq!(s.cluster("llm-b").unwrap().proxies.len(), 1);
+    }
+
+    #[test]
+    fn a_pod_with_a_grpc_port_serves_grpc_at_its_ip() {
+        let services = [rs("llm", Some("llm-a"), None)];
+        let mut head = pod("a-head", "llm-a", "10.0.0.1", true);
+        head.grpc_port = Some(9000);
+        let pods = [head, pod("a-worker", "llm-a", "10.0.0.2", false)];
+        let built = build(&services, &pods);
+        let a = built.model.services()[0].cluster("llm-a").unwrap().clone();
+        let grpc: Vec<Option<String>> = a
+            .proxies
+            .iter()
+            .map(|p| p.grpc.map(|g| g.to_string()))
+            .collect();
+        assert_eq!(grpc, [Some("10.0.0.1:9000".to_string()), None]);
+        assert!(a.serves_grpc());
     }
 
     #[test]

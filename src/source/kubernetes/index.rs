@@ -208,6 +208,7 @@ mod tests {
             host_network: false,
             serve_port: 8000,
             dashboard_port: 8265,
+            grpc_port: None,
         }
     }
 

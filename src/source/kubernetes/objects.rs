@@ -129,6 +129,9 @@ pub struct PodObject {
     pub serve_port: u16,
     /// The container port named `dashboard` (8265 if none).
     pub dashboard_port: u16,
+    /// The container port named `serve-grpc` (KubeRay's convention for Ray Serve's gRPC
+    /// proxy; KubeRay itself declares no gRPC port), or `grpc`; none: no gRPC.
+    pub grpc_port: Option<u16>,
 }
 
 pub const CLUSTER_LABEL: &str = "ray.io/cluster";
@@ -172,6 +175,11 @@ impl PodObject {
             Some(_) => return Err("container port `dashboard` is out of range".into()),
             None => DEFAULT_DASHBOARD_PORT,
         };
+        let grpc_port = match named_port("serve-grpc").or_else(|| named_port("grpc")) {
+            Some(Ok(p)) if p > 0 => Some(p),
+            Some(_) => return Err("container port `serve-grpc` is out of range".into()),
+            None => None,
+        };
         let ip = match status.pod_ip.as_deref().filter(|s| !s.is_empty()) {
             Some(text) => Some(
                 text.parse()
@@ -194,6 +202,7 @@ impl PodObject {
                 .unwrap_or(false),
             serve_port,
             dashboard_port,
+            grpc_port,
         })
     }
 
@@ -284,14 +293,19 @@ mod tests {
         assert!(p.head && p.running && !p.terminating && !p.host_network);
         assert_eq!(p.ip, Some("10.1.2.3".parse().unwrap()));
         assert_eq!((p.serve_port, p.dashboard_port), (8000, 8265));
+        assert_eq!(p.grpc_port, None, "no gRPC port named: no gRPC");
 
         let mut v = pod();
-        v["spec"]["containers"][0]["ports"] = json!([{"containerPort": 8123, "name": "serve"}]);
+        v["spec"]["containers"][0]["ports"] = json!([
+            {"containerPort": 8123, "name": "serve"},
+            {"containerPort": 9123, "name": "serve-grpc"}
+        ]);
         v["metadata"]["deletionTimestamp"] = json!("2026-11-29T10:00:00Z");
         v["metadata"]["labels"]["ray.io/node-type"] = json!("worker");
         v["status"] = json!({"phase": "Pending"});
         let p = PodObject::decode(&dynamic(v)).unwrap();
         assert_eq!(p.serve_port, 8123);
+        assert_eq!(p.grpc_port, Some(9123));
         assert!(!p.head && !p.running && p.terminating && p.ip.is_none());
     }
 
