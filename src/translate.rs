@@ -79,11 +79,27 @@ pub fn translate(
             .get(&service.key())
             .map_or(&active[..], Vec::as_slice);
         // A cluster of this RayService that an Envoy still holds after a reconnect, and
-        // that has gone since, stands in as the one taking most of its traffic now.
-        if let Some((serving, _)) = weights.iter().max_by_key(|(_, w)| *w) {
+        // that has gone since, stands in as the one taking most of its traffic now; a
+        // gRPC cluster for a gRPC one (`*` is one name segment, so neither pattern covers
+        // the other kind).
+        let by_weight = |grpc: bool| {
+            weights
+                .iter()
+                .filter(|(c, _)| !grpc || service.cluster(c).is_some_and(|c| c.serves_grpc()))
+                .max_by_key(|(_, w)| *w)
+                .map(|(c, _)| c)
+        };
+        let service_prefix = format!("{}/{}/", service.namespace, service.name);
+        if let Some(serving) = by_weight(false) {
             out.stand_ins.insert(
-                format!("{}/{}/", service.namespace, service.name),
+                format!("{service_prefix}*"),
                 service.envoy_cluster_name(serving),
+            );
+        }
+        if let Some(serving) = by_weight(true) {
+            out.stand_ins.insert(
+                format!("{service_prefix}*/grpc"),
+                service.envoy_grpc_cluster_name(serving),
             );
         }
         virtual_hosts.push(virtual_host(service, weights, &policy));
@@ -674,6 +690,50 @@ mod tests {
         assert_eq!(
             grpc_action.retry_policy.as_ref().unwrap().retry_on,
             grpc_retry_on(&TrafficPolicy::default())
+        );
+    }
+
+    #[test]
+    fn a_gone_cluster_gets_a_stand_in_of_its_own_kind() {
+        use crate::xds::{ResourceType, Snapshot};
+        let model = Model::new(vec![with_grpc(service("a", "a1", &[8000]))]).unwrap();
+        let r = translate(
+            &model,
+            &HealthMap::default(),
+            &Weights::default(),
+            &GatewaySettings::default(),
+            &TrafficPolicy::default(),
+        );
+        let snapshot = Snapshot::build(&r, None).unwrap();
+        let stand_in = |name: &str| {
+            let r = snapshot.stand_in(ResourceType::Cluster, name).unwrap();
+            <cluster::Cluster as prost::Message>::decode(&*r.body.value).unwrap()
+        };
+        let http = stand_in("default/a/gone");
+        let grpc = stand_in("default/a/gone/grpc");
+        assert_eq!(
+            (http.name.as_str(), grpc.name.as_str()),
+            ("default/a/gone", "default/a/gone/grpc")
+        );
+        let protocol = |c: &cluster::Cluster| {
+            let any = &c.typed_extension_protocol_options
+                ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+            format!(
+                "{:?}",
+                <upstream_http::HttpProtocolOptions as prost::Message>::decode(&*any.value)
+                    .unwrap()
+                    .upstream_protocol_options
+            )
+        };
+        assert!(
+            protocol(&grpc).contains("Http2ProtocolOptions"),
+            "{}",
+            protocol(&grpc)
+        );
+        assert!(
+            protocol(&http).contains("HttpProtocolOptions(Http1"),
+            "{}",
+            protocol(&http)
         );
     }
 

@@ -218,7 +218,7 @@ fn merge_warm_virtual_hosts(
     current: &Arc<Resource>,
     held: Option<&Arc<Resource>>,
     warm: impl Fn(&str) -> bool,
-    fallback: impl Fn(&str) -> Option<Arc<str>>,
+    fallback: impl Fn(&str, Option<&str>) -> Option<Arc<str>>,
 ) -> Option<Arc<Resource>> {
     use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
     use prost::Message;
@@ -243,11 +243,22 @@ fn merge_warm_virtual_hosts(
                 return o.virtual_hosts.iter().find(|o| o.name == vh.name).cloned();
             }
             // Nothing held to keep (a fresh Envoy, or one that reconnected): a warm
-            // cluster of the same virtual host, if the Envoy holds one, takes its traffic
-            // rather than the host going unrouted.
-            let stand_in = fallback(&vh.name)?;
-            route_all_to(&mut vh, &stand_in);
-            Some(vh)
+            // cluster of the same virtual host and of the same kind as each route's own
+            // (a gRPC route's stand-in is a gRPC cluster), if the Envoy holds one, takes
+            // that route's traffic rather than the host going unrouted; a route with none
+            // is left out, and a host with no route left is.
+            let vhost = vh.name.clone();
+            vh.routes.retain_mut(|r| {
+                let own = route_clusters(r).into_iter().next();
+                match fallback(&vhost, own.as_deref()) {
+                    Some(stand_in) => {
+                        route_to(r, &stand_in);
+                        true
+                    }
+                    None => false,
+                }
+            });
+            (!vh.routes.is_empty()).then_some(vh)
         })
         .collect();
     let merged = Resource::encode(
@@ -261,28 +272,38 @@ fn merge_warm_virtual_hosts(
     })
 }
 
-/// Sends every route of `vh` to `cluster` alone.
-fn route_all_to(vh: &mut envoy_types::pb::envoy::config::route::v3::VirtualHost, cluster: &str) {
+/// The clusters one route names.
+fn route_clusters(r: &envoy_types::pb::envoy::config::route::v3::Route) -> Vec<String> {
+    use envoy_types::pb::envoy::config::route::v3::{route, route_action};
+    let Some(route::Action::Route(action)) = &r.action else {
+        return Vec::new();
+    };
+    match &action.cluster_specifier {
+        Some(route_action::ClusterSpecifier::WeightedClusters(w)) => {
+            w.clusters.iter().map(|c| c.name.clone()).collect()
+        }
+        Some(route_action::ClusterSpecifier::Cluster(c)) => vec![c.clone()],
+        _ => Vec::new(),
+    }
+}
+
+/// Sends route `r` to `cluster` alone.
+fn route_to(r: &mut envoy_types::pb::envoy::config::route::v3::Route, cluster: &str) {
     use envoy_types::pb::envoy::config::route::v3::{
         route, route_action, weighted_cluster::ClusterWeight,
     };
-    for r in &mut vh.routes {
-        let Some(route::Action::Route(action)) = &mut r.action else {
-            continue;
-        };
-        if let Some(route_action::ClusterSpecifier::WeightedClusters(w)) =
-            &mut action.cluster_specifier
-        {
-            w.clusters = vec![ClusterWeight {
-                name: cluster.into(),
-                weight: Some(envoy_types::pb::google::protobuf::UInt32Value { value: 100 }),
-                ..Default::default()
-            }];
-        } else if let Some(route_action::ClusterSpecifier::Cluster(c)) =
-            &mut action.cluster_specifier
-        {
-            *c = cluster.into();
-        }
+    let Some(route::Action::Route(action)) = &mut r.action else {
+        return;
+    };
+    if let Some(route_action::ClusterSpecifier::WeightedClusters(w)) = &mut action.cluster_specifier
+    {
+        w.clusters = vec![ClusterWeight {
+            name: cluster.into(),
+            weight: Some(envoy_types::pb::google::protobuf::UInt32Value { value: 100 }),
+            ..Default::default()
+        }];
+    } else if let Some(route_action::ClusterSpecifier::Cluster(c)) = &mut action.cluster_specifier {
+        *c = cluster.into();
     }
 }
 
@@ -733,7 +754,7 @@ pub fn desired(
                         resource: Some(held),
                         ..
                     }) => Some(Desired::Send(
-                        merge_warm_virtual_hosts(route, Some(&held), warm, |_| None)
+                        merge_warm_virtual_hosts(route, Some(&held), warm, |_, _| None)
                             .unwrap_or(held),
                     )),
                     // With nothing (or only a version) to fall back on, a virtual host
@@ -748,12 +769,21 @@ pub fn desired(
                             (true, Some(_)) => Some(Desired::Keep),
                             (true, None) => None,
                             (false, _) => {
-                                let fallback = |vhost: &str| {
+                                let fallback = |vhost: &str, own: Option<&str>| {
                                     let prefix = format!("{vhost}/");
+                                    // Of the kind of the route's own cluster, where the
+                                    // snapshot's stand-in patterns say what that is.
+                                    let kind = own.and_then(|c| snapshot.stand_in_pattern(c));
                                     holds.acked[ResourceType::Cluster.index()]
                                         .iter()
                                         .map(|(n, _, _)| n)
-                                        .find(|n| n.starts_with(&prefix) && holds.warmed(n))
+                                        .find(|n| {
+                                            n.starts_with(&prefix)
+                                                && kind.is_none_or(|k| {
+                                                    super::snapshot::name_matches(k, n)
+                                                })
+                                                && holds.warmed(n)
+                                        })
                                         .cloned()
                                 };
                                 merge_warm_virtual_hosts(route, None, warm, fallback)
@@ -799,6 +829,89 @@ mod tests {
 
     fn hold_all(snapshot: &Snapshot, ty: ResourceType) -> Holding {
         Holding::from_resources(snapshot.resources(ty))
+    }
+
+    /// A virtual host `v` whose two routes, one per kind, both name cold clusters.
+    fn two_kinds_route() -> Arc<Resource> {
+        use envoy_types::pb::envoy::config::route::v3 as route;
+        let to = |cluster: &str| route::Route {
+            action: Some(route::route::Action::Route(route::RouteAction {
+                cluster_specifier: Some(route::route_action::ClusterSpecifier::WeightedClusters(
+                    route::WeightedCluster {
+                        clusters: vec![route::weighted_cluster::ClusterWeight {
+                            name: cluster.into(),
+                            ..Default::default()
+                        }],
+                        ..Default::default()
+                    },
+                )),
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        let config = route::RouteConfiguration {
+            name: "r".into(),
+            virtual_hosts: vec![route::VirtualHost {
+                name: "ns/v".into(),
+                routes: vec![to("ns/v/new/grpc"), to("ns/v/new")],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        Arc::new(Resource::encode("r", &config, Vec::new()))
+    }
+
+    fn routed_to(r: &Resource) -> Vec<Vec<String>> {
+        use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
+        use prost::Message;
+        let config = RouteConfiguration::decode(&*r.body.value).unwrap();
+        config
+            .virtual_hosts
+            .iter()
+            .flat_map(|vh| vh.routes.iter().map(route_clusters))
+            .collect()
+    }
+
+    #[test]
+    fn each_route_of_a_cold_host_gets_a_stand_in_of_its_own_kind() {
+        use crate::xds::snapshot::name_matches;
+        let patterns = ["ns/v/*", "ns/v/*/grpc"];
+        let warm_held = ["ns/v/old", "ns/v/old/grpc"];
+        let fallback = |vhost: &str, own: Option<&str>| {
+            let kind = own.and_then(|c| {
+                patterns
+                    .iter()
+                    .filter(|p| name_matches(p, c))
+                    .max_by_key(|p| p.len())
+            });
+            warm_held
+                .iter()
+                .find(|n| {
+                    n.starts_with(&format!("{vhost}/")) && kind.is_none_or(|k| name_matches(k, n))
+                })
+                .map(|n| Arc::from(*n))
+        };
+        let merged =
+            merge_warm_virtual_hosts(&two_kinds_route(), None, |_| false, fallback).unwrap();
+        assert_eq!(
+            routed_to(&merged),
+            [
+                vec!["ns/v/old/grpc".to_string()],
+                vec!["ns/v/old".to_string()]
+            ],
+            "a gRPC route never stands in on an HTTP/1 cluster, nor the reverse"
+        );
+        // No warm gRPC cluster held: the gRPC route is left out, HTTP still routed.
+        let http_only = |vhost: &str, own: Option<&str>| {
+            (!own.is_some_and(|c| c.ends_with("/grpc"))).then(|| Arc::from(format!("{vhost}/old")))
+        };
+        let merged =
+            merge_warm_virtual_hosts(&two_kinds_route(), None, |_| false, http_only).unwrap();
+        assert_eq!(routed_to(&merged), [vec!["ns/v/old".to_string()]]);
+        // Nothing at all: the host is left out.
+        let merged =
+            merge_warm_virtual_hosts(&two_kinds_route(), None, |_| false, |_, _| None).unwrap();
+        assert_eq!(routed_to(&merged), Vec::<Vec<String>>::new());
     }
 
     #[test]

@@ -48,8 +48,9 @@ pub struct Resources {
     pub listeners: Vec<Listener>,
     pub routes: Vec<RouteConfiguration>,
     /// For clusters an Envoy may still hold that these resources no longer have (it
-    /// reconnected after they went): by name prefix, the cluster that stands in for
-    /// them until no route of that Envoy names them. See [`Snapshot::stand_in`].
+    /// reconnected after they went): by name pattern ([`name_matches`]: a prefix, or `*`
+    /// for one `/`-free segment), the cluster that stands in for them until no route of
+    /// that Envoy names them. See [`Snapshot::stand_in`].
     pub stand_ins: BTreeMap<String, String>,
 }
 
@@ -305,6 +306,22 @@ impl Resource {
 
 pub type ResourceMap = BTreeMap<Arc<str>, Arc<Resource>>;
 
+/// Whether a stand-in pattern covers the cluster `name`: a pattern without `*` is a
+/// prefix; one `*` stands for one non-empty segment without `/` (so `a/b/*` covers
+/// `a/b/c` but not `a/b/c/d`, and `a/b/*/d` covers that one), which keeps clusters of
+/// different kinds under one prefix apart.
+pub fn name_matches(pattern: &str, name: &str) -> bool {
+    match pattern.split_once('*') {
+        None => name.starts_with(pattern),
+        Some((before, after)) => {
+            name.len() > before.len() + after.len()
+                && name.starts_with(before)
+                && name.ends_with(after)
+                && !name[before.len()..name.len() - after.len()].contains('/')
+        }
+    }
+}
+
 /// An immutable set of resources of every type, with a content-hash version for the
 /// whole and for each type. Each type's map is shared (`Arc`) so that a stream whose
 /// Envoy holds exactly this snapshot's set of a type keeps a pointer, not a copy.
@@ -375,6 +392,16 @@ impl Snapshot {
         snapshot
     }
 
+    /// The longest stand-in pattern that covers the cluster `name`, if any: clusters it
+    /// covers are of one kind, and one may stand in for another.
+    pub fn stand_in_pattern(&self, name: &str) -> Option<&str> {
+        self.stand_ins
+            .keys()
+            .filter(|pattern| name_matches(pattern, name))
+            .max_by_key(|pattern| pattern.len())
+            .map(String::as_str)
+    }
+
     /// A body for `name` (a cluster, or its endpoints) that an Envoy holds but this
     /// snapshot lacks, and that a state-of-the-world response must still carry because
     /// a route the Envoy holds may name it (after a reconnect, when the server has no
@@ -386,8 +413,8 @@ impl Snapshot {
         let source = self
             .stand_ins
             .iter()
-            .filter(|(prefix, _)| name.starts_with(prefix.as_str()))
-            .max_by_key(|(prefix, _)| prefix.len())
+            .filter(|(pattern, _)| name_matches(pattern, name))
+            .max_by_key(|(pattern, _)| pattern.len())
             .map(|(_, cluster)| cluster);
         let source = |ty: ResourceType| source.and_then(|c| self.resources(ty).get(c));
         match ty {
@@ -506,6 +533,27 @@ pub fn bare_cluster(name: &str) -> Arc<Resource> {
         ..Default::default()
     };
     Arc::new(Resource::encode(name, &cluster, Vec::new()))
+}
+
+#[cfg(test)]
+mod name_pattern_tests {
+    use super::name_matches;
+
+    #[test]
+    fn a_star_is_one_segment_and_a_plain_pattern_a_prefix() {
+        assert!(name_matches("ns/s/*", "ns/s/a1"));
+        assert!(!name_matches("ns/s/*", "ns/s/a1/grpc"), "another kind");
+        assert!(!name_matches("ns/s/*", "ns/s/"), "the segment is not empty");
+        assert!(name_matches("ns/s/*/grpc", "ns/s/a1/grpc"));
+        assert!(!name_matches("ns/s/*/grpc", "ns/s/a1"));
+        assert!(!name_matches("ns/s/*/grpc", "ns/s//grpc"));
+        assert!(
+            !name_matches("ns/s/*/grpc", "ns/s/grpc"),
+            "shorter than the pattern"
+        );
+        assert!(!name_matches("ns/s/*", "ns/t/a1"));
+        assert!(name_matches("ns/s/", "ns/s/a1/grpc"), "no star: a prefix");
+    }
 }
 
 #[cfg(test)]
