@@ -32,6 +32,13 @@
 //! ray-xds is given the harder input in the switchover scenarios: its source names the new
 //! cluster active at once (as KubeRay 1.0 did), and ray-xds gates the switch itself.
 //!
+//! With `--protocol grpc` the load is unary gRPC calls (`ray_xds.demo.Echo/Say`, over one
+//! HTTP/2 connection to Envoy) to every node's simulated gRPC proxy, which shares its HTTP
+//! proxy's process, mode and execution log; the baselines' Service then has the gRPC port
+//! too (a Service's ports follow the same pod readiness), and the fault is the same. A
+//! call's ending is read from its gRPC status as an HTTP request's from its answer: Envoy
+//! puts the same words in `grpc-message`.
+//!
 //! Load is open-loop: requests start on schedule (`--rps`) whatever is in flight, at most
 //! `--max-in-flight` at once (one over that is counted failed and `shed`). A failed request
 //! is one that did not get a 2xx; it **may have run** when Envoy reports it reset or timed
@@ -54,7 +61,7 @@
 //! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> shed=<s> failed_ran=<r>
 //! lost_ran=<q> window_ms=<w>
 //! served_by=<clusters> trials=<N> failed_median=<a> failed_max=<b>
-//! may_have_run_median=<c> may_have_run_max=<d>`: counts summed over the trials, latency
+//! may_have_run_median=<c> may_have_run_max=<d> protocol=<http|grpc>`: counts summed over the trials, latency
 //! percentiles over every request that succeeded in any trial, the window the longest of
 //! any trial. With `--assert`, the benchmark exits 1 when a trial of an arm running
 //! ray-xds lost a request (or shed one, or one it lost ran), executed one twice, or broke
@@ -146,6 +153,9 @@ struct Args {
     /// Exit 1 when an arm running ray-xds lost a request or executed one twice.
     #[arg(long)]
     assert: bool,
+    /// `http` (POSTs) or `grpc` (unary calls to each node's gRPC proxy).
+    #[arg(long, default_value = "http", value_parser = ["http", "grpc"])]
+    protocol: String,
     #[arg(long, hide = true)]
     bench: bool,
 }
@@ -153,6 +163,8 @@ struct Args {
 /// One simulated proxy: its own process.
 struct SimProxy {
     address: SocketAddr,
+    /// The same node's gRPC proxy (same process), with `--protocol grpc`.
+    grpc: Option<SocketAddr>,
     control: u16,
     node_type: NodeType,
     process: ChildGuard,
@@ -161,24 +173,29 @@ struct SimProxy {
 impl SimProxy {
     /// Starts a proxy that logs every request it runs into `log_dir` (the log outlives a
     /// SIGKILL, so requests that ran twice are counted whatever happened).
-    fn start(cluster: &str, node_type: NodeType, log_dir: &Path) -> SimProxy {
+    fn start(cluster: &str, node_type: NodeType, log_dir: &Path, grpc: bool) -> SimProxy {
         let (port, control) = (free_port(), free_port());
         let address: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let grpc: Option<SocketAddr> =
+            grpc.then(|| format!("127.0.0.1:{}", free_port()).parse().unwrap());
         let log = log_dir.join(format!("{port}.executions"));
-        let process = spawn(
-            "ray-serve-sim",
-            // This benchmark's own binary, run as the simulator (see `main`).
-            Command::new(std::env::current_exe().expect("the benchmark's own path"))
-                .arg(AS_SIM)
-                .args(["--cluster", cluster, "--app", "/=hello"])
-                .args(["--proxy", &format!("{address}={node_type}")])
-                .args(["--control", &format!("127.0.0.1:{control}")])
-                .arg("--executions-log")
-                .arg(&log)
-                .stdout(Stdio::null()),
-        );
+        let mut command = Command::new(std::env::current_exe().expect("the benchmark's own path"));
+        // This benchmark's own binary, run as the simulator (see `main`).
+        command
+            .arg(AS_SIM)
+            .args(["--cluster", cluster, "--app", "/=hello"])
+            .args(["--proxy", &format!("{address}={node_type}")])
+            .args(["--control", &format!("127.0.0.1:{control}")])
+            .arg("--executions-log")
+            .arg(&log)
+            .stdout(Stdio::null());
+        if let Some(grpc) = grpc {
+            command.args(["--grpc", &format!("{address}={grpc}")]);
+        }
+        let process = spawn("ray-serve-sim", &mut command);
         SimProxy {
             address,
+            grpc,
             control,
             node_type,
             process,
@@ -223,11 +240,12 @@ impl SimRayCluster {
         name: &str,
         workers: usize,
         log_dir: &Path,
+        grpc: bool,
         shutdown: &CancellationToken,
     ) -> SimRayCluster {
-        let mut proxies = vec![SimProxy::start(name, NodeType::Head, log_dir)];
+        let mut proxies = vec![SimProxy::start(name, NodeType::Head, log_dir, grpc)];
         for _ in 0..workers {
-            proxies.push(SimProxy::start(name, NodeType::Worker, log_dir));
+            proxies.push(SimProxy::start(name, NodeType::Worker, log_dir, grpc));
         }
         for p in &proxies {
             p.ready().await;
@@ -279,8 +297,12 @@ impl SimRayCluster {
     }
 }
 
-/// A cluster as the source lists it: name, proxies, dashboard URL.
-type ClusterView = (String, Vec<(SocketAddr, NodeType)>, String);
+/// A cluster as the source lists it: name, proxies (with their gRPC proxies), dashboard URL.
+type ClusterView = (
+    String,
+    Vec<(SocketAddr, NodeType, Option<SocketAddr>)>,
+    String,
+);
 
 /// What the source says: which clusters exist and which is active.
 #[derive(Clone)]
@@ -298,8 +320,9 @@ impl SourceView {
         );
         for (name, proxies, url) in &self.clusters {
             s += &format!("      - name: {name}\n        dashboard: {url}\n        proxies:\n");
-            for (addr, t) in proxies {
-                s += &format!("          - {{ address: {addr}, node_type: {t} }}\n");
+            for (addr, t, grpc) in proxies {
+                let grpc = grpc.map(|g| format!(", grpc: {g}")).unwrap_or_default();
+                s += &format!("          - {{ address: {addr}, node_type: {t}{grpc} }}\n");
             }
         }
         s
@@ -314,7 +337,10 @@ fn view(active: &str, clusters: &[&SimRayCluster]) -> SourceView {
             .map(|c| {
                 (
                     c.name.clone(),
-                    c.proxies.iter().map(|p| (p.address, p.node_type)).collect(),
+                    c.proxies
+                        .iter()
+                        .map(|p| (p.address, p.node_type, p.grpc))
+                        .collect(),
                     c.url.clone(),
                 )
             })
@@ -601,8 +627,8 @@ async fn kubelet(plumbing: Arc<BaselinePlumbing>, stop: CancellationToken) {
                 .active
                 .1
                 .iter()
-                .filter(|(_, t)| *t == NodeType::Worker)
-                .map(|(a, _)| *a)
+                .filter(|(_, t, _)| *t == NodeType::Worker)
+                .map(|(a, _, _)| *a)
                 .collect()
         };
         let now = Instant::now();
@@ -668,8 +694,8 @@ async fn kuberay_reconcile(
         let head = active
             .1
             .iter()
-            .find(|(_, t)| *t == NodeType::Head)
-            .map(|(a, _)| *a);
+            .find(|(_, t, _)| *t == NodeType::Head)
+            .map(|(a, _, _)| *a);
         let head_serving = match head {
             Some(h) => probe_healthz(&client, h, Duration::from_secs(2)).await == Outcome::Healthy,
             None => false,
@@ -687,9 +713,9 @@ async fn kuberay_reconcile(
 /// The Service's endpoints as xDS: the active cluster's serving head and ready workers.
 fn baseline_snapshot(state: &ServiceState, policy: bool, gateway: &GatewaySettings) -> Snapshot {
     let (name, proxies, url) = &state.active;
-    let serving: Vec<(SocketAddr, NodeType)> = proxies
+    let serving: Vec<(SocketAddr, NodeType, Option<SocketAddr>)> = proxies
         .iter()
-        .filter(|(a, t)| match t {
+        .filter(|(a, t, _)| match t {
             NodeType::Head => state.head_serving,
             NodeType::Worker => !state.workers_not_ready.contains(a),
         })
@@ -811,6 +837,7 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .build_http();
+    let grpc = (args.protocol == "grpc").then(|| echo_client(port));
     let in_flight = Arc::new(tokio::sync::Semaphore::new(args.max_in_flight));
     let timeout = Duration::from_secs(args.client_timeout);
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / args.rps as f64));
@@ -834,9 +861,12 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
             outcomes.push((at, Ending::Shed, Duration::ZERO, n));
             continue;
         };
-        let client = client.clone();
+        let (client, grpc) = (client.clone(), grpc.clone());
         tasks.spawn(async move {
-            let ending = send(&client, port, &id, timeout).await;
+            let ending = match grpc {
+                Some(grpc) => call(grpc, &id, timeout).await,
+                None => send(&client, port, &id, timeout).await,
+            };
             drop(permit);
             (at, ending, due.elapsed(), n)
         });
@@ -902,6 +932,43 @@ async fn send(client: &LoadClient, port: u16, id: &str, timeout: Duration) -> En
     }
 }
 
+type EchoClient = ray_serve_sim::grpc::pb::demo::echo_client::EchoClient<tonic::transport::Channel>;
+
+/// A gRPC client of Envoy's listener: one HTTP/2 connection, as a gRPC client keeps.
+fn echo_client(port: u16) -> EchoClient {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .expect("a valid URI")
+        .connect_lazy();
+    EchoClient::new(channel)
+}
+
+/// One unary gRPC call with request id `id`; how it ended, read as [`send`] reads an HTTP
+/// answer: Envoy's local replies to a gRPC call carry the same words in `grpc-message`.
+async fn call(mut client: EchoClient, id: &str, timeout: Duration) -> Ending {
+    let mut request =
+        tonic::Request::new(ray_serve_sim::grpc::pb::demo::SayRequest { text: "hi".into() });
+    if let Ok(id) = id.parse() {
+        request.metadata_mut().insert("x-request-id", id);
+    }
+    match tokio::time::timeout(timeout, client.say(request)).await {
+        Ok(Ok(_)) => Ending::Ok,
+        // The client gave up while Envoy held the call on a proxy.
+        Err(_) => Ending::MayHaveRun,
+        Ok(Err(status)) => {
+            let on_a_proxy = [
+                "upstream request timeout",
+                "connection termination",
+                "remote reset",
+            ];
+            if on_a_proxy.iter().any(|m| status.message().contains(m)) {
+                Ending::MayHaveRun
+            } else {
+                Ending::Lost
+            }
+        }
+    }
+}
+
 /// How many of the clusters' proxies answer `/-/healthz` with success (1 s timeout).
 async fn healthy_proxies(clusters: &[&SimRayCluster]) -> usize {
     let client = probe_client(Duration::from_secs(1));
@@ -930,8 +997,9 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     let shutdown = CancellationToken::new();
     let dir = tempfile::tempdir().unwrap();
     let logs = tempfile::tempdir().unwrap();
-    let a = SimRayCluster::start("a", 2, logs.path(), &shutdown).await;
-    let b = SimRayCluster::start("b", 2, logs.path(), &shutdown).await;
+    let grpc = args.protocol == "grpc";
+    let a = SimRayCluster::start("a", 2, logs.path(), grpc, &shutdown).await;
+    let b = SimRayCluster::start("b", 2, logs.path(), grpc, &shutdown).await;
     // Envoy binds its listener on a port of its own choosing; read it back below.
     let gateway_port = 0;
     let initial = view("a", &[&a]);
@@ -957,6 +1025,14 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
         through_envoy(gateway_port).await
     })
     .await;
+    if grpc {
+        let client = echo_client(gateway_port);
+        eventually("gRPC calls flow", Duration::from_secs(30), || async {
+            (call(client.clone(), "warm-up", Duration::from_secs(2)).await == Ending::Ok)
+                .then_some(())
+        })
+        .await;
+    }
     // Every arm starts whole: each proxy it routes to is in Envoy, healthy (ray-xds's
     // default holds the head back as a fallback, so only the workers count there).
     let serving = if arm == "ray-xds" {
@@ -1174,7 +1250,7 @@ fn median(values: &[u64]) -> u64 {
 /// The line scripts read (see the module doc): an arm's trials summed, latency
 /// percentiles over every request that succeeded in any of them, and the median and
 /// maximum of the per-trial failures.
-fn line(scenario: &str, arm: &str, trials: &[TrialStats]) -> String {
+fn line(scenario: &str, arm: &str, protocol: &str, trials: &[TrialStats]) -> String {
     let sum = |f: fn(&TrialStats) -> u64| trials.iter().map(f).sum::<u64>();
     let per_trial = |f: fn(&TrialStats) -> u64| trials.iter().map(f).collect::<Vec<u64>>();
     let mut latencies: Vec<Duration> = trials
@@ -1188,7 +1264,7 @@ fn line(scenario: &str, arm: &str, trials: &[TrialStats]) -> String {
     let failed = per_trial(|t| t.failed);
     let may_have_run = per_trial(|t| t.may_have_run);
     format!(
-        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} shed={} failed_ran={} lost_ran={} window_ms={} served_by={} trials={} failed_median={} failed_max={} may_have_run_median={} may_have_run_max={}",
+        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} shed={} failed_ran={} lost_ran={} window_ms={} served_by={} trials={} failed_median={} failed_max={} may_have_run_median={} may_have_run_max={} protocol={protocol}",
         sum(|t| t.requests),
         sum(|t| t.failed),
         sum(|t| t.executed_twice),
@@ -1320,7 +1396,7 @@ async fn bench_main() {
                 let arm = arms[i][j];
                 let result = run(scenario, arm, &args, jitter).await;
                 let one = TrialStats::of(&result);
-                let trial_line = line(scenario, arm, std::slice::from_ref(&one));
+                let trial_line = line(scenario, arm, &args.protocol, std::slice::from_ref(&one));
                 eprintln!(
                     "trial={trial} fault_ms={} {trial_line}",
                     args.fault_at * 1000 + jitter.as_millis() as u64
@@ -1337,7 +1413,7 @@ async fn bench_main() {
             }
             if trial == last_trial {
                 for (arm, stats) in arms[i].iter().zip(&trials[i]) {
-                    println!("{}", line(scenario, arm, stats));
+                    println!("{}", line(scenario, arm, &args.protocol, stats));
                 }
             }
         }

@@ -34,6 +34,10 @@ step 20m cargo test --bench chaos -- --scenario head-crash --scenario proxy-hang
     --scenario control-plane-down-hang \
     --arm ray-xds --arm ray-xds-head-include --arm baseline-kuberay \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert
+# The same rule for gRPC calls (each node's gRPC proxy): a proxy dies, a cluster is upgraded.
+step 10m cargo test --bench chaos -- --protocol grpc --scenario worker-crash --scenario upgrade \
+    --arm ray-xds --arm baseline-kuberay \
+    --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert
 step 35m cargo test --lib --bins --tests -- --skip real_ray_
 # Real Ray Serve clusters (about 1 GB and 15 s per node): one test at a time.
 step 20m cargo test --test real_ray -- --test-threads=1
