@@ -15,6 +15,11 @@
 //!   STARTING, before it is a target, and a DRAINING proxy leaves `target_groups` but must
 //!   stay listed so that it drains instead of vanishing. A target belongs to the proxy
 //!   whose `actor_name` is the target's `name`, else to the only proxy on its IP.
+//! - The gRPC proxies' port ([`ServeStatus::grpc_port`]): `grpc_options.port` when
+//!   `grpc_options.grpc_servicer_functions` lists any. Ray 2.60 reports the port even
+//!   without servicers, when no gRPC server runs (`tests/fixtures/ray-serve-2.60/grpc/`),
+//!   and its `gRPC` target group lists only HEALTHY proxies, so every discovered proxy
+//!   gets that port at its IP instead.
 //! - Node type, a heuristic: Ray Serve runs its controller on the head node (and always
 //!   keeps a proxy there), so a proxy is `head` when its node is `controller_info`'s
 //!   (same `node_id` when both are known, else same `node_ip`), `worker` otherwise. With no
@@ -116,6 +121,10 @@ pub struct ServeStatus {
     /// Where the Serve HTTP proxies listen (see the module doc), sorted by address, each
     /// address once.
     pub http_proxies: Vec<HttpProxy>,
+    /// The port of every node's Serve gRPC proxy: `grpc_options.port`, when
+    /// `grpc_options.grpc_servicer_functions` lists any (Ray runs no gRPC server without
+    /// one, though it still reports the port).
+    pub grpc_port: Option<u16>,
     /// The IP address the answer came from (the dashboard's, as connected to): the
     /// network its discovered proxies are expected in. `None` from [`parse`] alone.
     pub answered_from: Option<std::net::IpAddr>,
@@ -475,6 +484,15 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
         .and_then(|o| o.get("keep_alive_timeout_s"))
         .and_then(Value::as_f64);
     status.http_proxies = http_proxies(&root, &status.proxies, &actor_names);
+    let grpc = root.get("grpc_options");
+    let serves_grpc = grpc
+        .and_then(|o| o.get("grpc_servicer_functions"))
+        .and_then(Value::as_array)
+        .is_some_and(|f| !f.is_empty());
+    status.grpc_port = grpc
+        .filter(|_| serves_grpc)
+        .and_then(|o| o.get("port"))
+        .and_then(port_number);
     // Addresses are outside input: `live::discovery` publishes only those the address
     // policy allows (never the metadata service, broadcast, multicast...).
     Ok(status)
@@ -506,6 +524,9 @@ enum Shape {
 
 /// The most target groups one answer may list (Ray lists one per protocol).
 const MAX_TARGET_GROUPS: usize = 64;
+
+/// The most gRPC servicer functions one answer may list (an application has a few).
+const MAX_SERVICER_FUNCTIONS: usize = 1_000;
 
 static ROOT: Shape = Shape::Fields(&[
     (
@@ -564,6 +585,20 @@ static ROOT: Shape = Shape::Fields(&[
         Shape::Fields(&[
             ("port", Shape::Scalar),
             ("keep_alive_timeout_s", Shape::Scalar),
+        ]),
+    ),
+    (
+        "grpc_options",
+        Shape::Fields(&[
+            ("port", Shape::Scalar),
+            (
+                "grpc_servicer_functions",
+                Shape::ArrayOf(
+                    &Shape::Scalar,
+                    MAX_SERVICER_FUNCTIONS,
+                    "gRPC servicer functions",
+                ),
+            ),
         ]),
     ),
     ("target_capacity", Shape::Scalar),
@@ -1064,6 +1099,33 @@ mod tests {
         assert!(s.all_running());
         assert_eq!(s.route_prefixes(), BTreeSet::from(["/hello".to_string()]));
         the_one_healthy_proxy(&s);
+    }
+
+    /// Ray 2.60 with gRPC servicers: every proxy's gRPC port; with none, no gRPC (Ray
+    /// still reports the port, and runs no server on it).
+    #[test]
+    fn reads_the_grpc_port_only_when_servicers_are_set() {
+        let s = parse(&fixture!("grpc/06-two-nodes-running.json")).unwrap();
+        assert_eq!(s.grpc_port, Some(55447));
+        assert_eq!(s.http_proxies.len(), 2, "gRPC targets are not HTTP proxies");
+        assert!(s.http_proxies.iter().all(|p| p.address.port() == 38701));
+        let s = parse(&fixture!("grpc/00-grpc-no-servicers.json")).unwrap();
+        assert_eq!(s.grpc_port, None);
+        assert_eq!(parse(&fixture!("02-running.json")).unwrap().grpc_port, None);
+        // Garbage: a port out of range or not a number, servicers not a list.
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&fixture!("grpc/01-running.json")).unwrap();
+        for port in [
+            serde_json::json!(0),
+            serde_json::json!(70000),
+            serde_json::json!("x"),
+        ] {
+            v["grpc_options"]["port"] = port;
+            assert_eq!(parse(v.to_string().as_bytes()).unwrap().grpc_port, None);
+        }
+        v["grpc_options"]["port"] = 9000.into();
+        v["grpc_options"]["grpc_servicer_functions"] = "a.b.c".into();
+        assert_eq!(parse(v.to_string().as_bytes()).unwrap().grpc_port, None);
     }
 
     #[test]

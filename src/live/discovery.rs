@@ -175,8 +175,10 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
                         .iter()
                         .map(|p| Proxy {
                             address: p.address,
+                            // The source's port, else the one Ray reports.
                             grpc: cluster
                                 .grpc_port
+                                .or(status.grpc_port)
                                 .map(|port| SocketAddr::new(p.address.ip(), port)),
                             node_type: p.node_type,
                             draining: false,
@@ -393,6 +395,43 @@ mod tests {
         // The listed service is untouched.
         assert_eq!(m.services()[1], model().services()[1]);
         assert!(m.services()[0].clusters[0].discover);
+    }
+
+    #[test]
+    fn discovered_proxies_serve_grpc_on_the_port_ray_reports_unless_the_source_says() {
+        let grpc_of = |m: &Model| -> Vec<Option<String>> {
+            m.services()[0].clusters[0]
+                .proxies
+                .iter()
+                .map(|p| p.grpc.map(|g| g.to_string()))
+                .collect()
+        };
+        let mut d = answered(vec![
+            proxy("192.0.2.2:8000", NodeType::Head, "HEALTHY"),
+            proxy("192.0.2.3:8000", NodeType::Worker, "STARTING"),
+        ]);
+        let m = effective(&model(), &states(vec![(CLUSTER, d.clone())]));
+        assert_eq!(grpc_of(&m), [None, None], "Ray reports no gRPC");
+        d.status = Some(std::sync::Arc::new(ServeStatus {
+            grpc_port: Some(9000),
+            ..(**d.status.as_ref().unwrap()).clone()
+        }));
+        let m = effective(&model(), &states(vec![(CLUSTER, d.clone())]));
+        assert_eq!(
+            grpc_of(&m),
+            [Some("192.0.2.2:9000".into()), Some("192.0.2.3:9000".into())]
+        );
+        // The source's grpc_port wins.
+        let mut source = model();
+        source = source.with_proxies(|_, c| c.proxies.clone());
+        let mut services = source.services().to_vec();
+        services[0].clusters[0].grpc_port = Some(9100);
+        let source = Model::new(services).unwrap();
+        let m = effective(&source, &states(vec![(CLUSTER, d)]));
+        assert_eq!(
+            grpc_of(&m),
+            [Some("192.0.2.2:9100".into()), Some("192.0.2.3:9100".into())]
+        );
     }
 
     #[test]

@@ -198,11 +198,11 @@ pub fn readiness(
             c.proxies.len(),
         ));
     }
-    // gRPC moves with HTTP (one weight per RayCluster): both must be ready.
-    if c.serves_grpc() {
-        let ready = health
-            .cluster(&service.envoy_grpc_cluster_name(cluster))
-            .ready;
+    // gRPC moves with HTTP (one weight per RayCluster): both must be ready. The source
+    // says a cluster serves gRPC, or (proxies discovered from its dashboard) health does.
+    let grpc_name = service.envoy_grpc_cluster_name(cluster);
+    if c.serves_grpc() || health.clusters.contains_key(&grpc_name) {
+        let ready = health.cluster(&grpc_name).ready;
         if ready < need {
             return Err(format!(
                 "{ready} of {} gRPC proxies healthy (need {need})",
@@ -316,8 +316,10 @@ impl Switchover {
                     let mut warm_note = String::new();
                     if ready.is_ok() && !desperate && st.step == 0 {
                         cold = envoys.cold_envoys(&service.envoy_cluster_name(&target));
-                        if service.cluster(&target).is_some_and(|c| c.serves_grpc()) {
-                            let grpc = service.envoy_grpc_cluster_name(&target);
+                        let grpc = service.envoy_grpc_cluster_name(&target);
+                        if service.cluster(&target).is_some_and(|c| c.serves_grpc())
+                            || health.clusters.contains_key(&grpc)
+                        {
                             for envoy in envoys.cold_envoys(&grpc) {
                                 if !cold.contains(&envoy) {
                                     cold.push(envoy);
