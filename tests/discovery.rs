@@ -410,3 +410,100 @@ async fn a_dashboard_cannot_publish_addresses_outside_its_network() {
     assert_eq!(published, [w3.to_string()], "{state}");
     xds.stop().await.unwrap();
 }
+
+/// A cluster given by its dashboard alone, serving gRPC: Ray's dashboard reports
+/// `grpc_options` (port and servicer functions), and every discovered proxy's gRPC proxy
+/// at its IP and that port is probed and routed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_given_by_its_dashboard_alone_serves_grpc_too() {
+    use ray_serve_sim::grpc::pb::demo::{echo_client::EchoClient, SayRequest};
+    use ray_serve_sim::{serve_proxy_with, ProxyHandle};
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let (port, http) = same_port_listeners(2).await;
+    let (grpc_port, grpc) = same_port_listeners(2).await;
+    for (i, (http, grpc)) in http.into_iter().zip(grpc).enumerate() {
+        let config = ProxyConfig {
+            cluster: "demo-a".into(),
+            node_type: if i == 0 {
+                NodeType::Head
+            } else {
+                NodeType::Worker
+            },
+            routes: BTreeMap::from([("/".to_string(), "hello".to_string())]),
+        };
+        let handle = ProxyHandle::default();
+        tokio::spawn(ray_serve_sim::grpc::serve_grpc_proxy_with(
+            grpc,
+            config.clone(),
+            handle.clone(),
+            shutdown.clone(),
+        ));
+        tokio::spawn(serve_proxy_with(http, config, handle, shutdown.clone()));
+    }
+    let dashboard = SimDashboard::new();
+    dashboard.set_app("hello", "/", "RUNNING");
+    dashboard.set_http_port(port);
+    let node = |host: u8, port: u16| SocketAddr::from(([127, 0, 0, host], port));
+    dashboard.add_proxy(node(2, port), NodeType::Head, "HEALTHY");
+    dashboard.add_proxy(node(3, port), NodeType::Worker, "HEALTHY");
+    dashboard.set_grpc_options(
+        grpc_port,
+        &["ray_xds.demo.echo_pb2_grpc.add_EchoServicer_to_server"],
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(dashboard.clone().serve(listener, shutdown.clone()));
+
+    let yaml = format!(
+        "rayservices:\n  - name: demo\n    hosts: [\"*\"]\n    active_cluster: demo-a\n    clusters:\n      - name: demo-a\n        dashboard: {url}\n"
+    );
+    let s = Stack::with(yaml)
+        .config(|c| {
+            c.policies.dashboard.poll_interval = Duration::from_millis(200);
+            c.policies.dashboard.timeout = Duration::from_secs(10);
+            c.policies.probe.timeout = Duration::from_secs(2);
+        })
+        .envoy(Bootstrap::Sotw)
+        .start()
+        .await;
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", s.gateway_port))
+            .unwrap()
+            .connect_lazy();
+    let client = EchoClient::new(channel);
+    let worker_grpc = node(3, grpc_port).to_string();
+    let served = eventually("gRPC calls reach the worker's gRPC proxy", DEADLINE, || {
+        let mut client = client.clone();
+        let worker_grpc = worker_grpc.clone();
+        async move {
+            let answer = client.say(SayRequest { text: "hi".into() }).await.ok()?;
+            Some(answer.into_inner()).filter(|m| m.proxy == worker_grpc)
+        }
+    })
+    .await;
+    assert_eq!(served.node_type, "worker");
+    let state = debug_cluster(s.admin_addr()).await;
+    let grpc: BTreeMap<String, String> = state["proxies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["grpc"]["address"].as_str().unwrap_or("none").to_string(),
+                p["grpc"]["probe"]["state"]
+                    .as_str()
+                    .unwrap_or("none")
+                    .to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        grpc,
+        BTreeMap::from([
+            (node(2, grpc_port).to_string(), "healthy".to_string()),
+            (worker_grpc, "healthy".to_string()),
+        ]),
+        "{state}"
+    );
+}
