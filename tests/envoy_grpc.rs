@@ -1,6 +1,7 @@
 //! gRPC through a real Envoy to simulated Ray Serve gRPC proxies (issue 15): unary,
 //! server-streaming and bidirectional calls pass through; a gRPC status from Ray reaches
-//! the client as Ray sent it; a gRPC proxy killed, draining or hung costs no call that
+//! the client as Ray sent it (in trailers after an empty message, for unary calls, as
+//! Ray 2.60 frames them: Envoy cannot retry those); a gRPC proxy killed, draining or hung costs no call that
 //! started after ray-xds took it out (and none at all when killed or draining); an
 //! upgrade moves gRPC calls only once the new cluster's gRPC proxies are ready.
 //!
@@ -232,11 +233,18 @@ async fn ray_s_grpc_status_reaches_the_client_untouched() {
     );
     assert_eq!(sim.ledger.total(), 0, "backpressure: nothing ran");
 
-    // One proxy overloaded: Ray's backpressure (nothing ran) is retried on the other.
+    // One proxy overloaded. Ray answers a unary call's error after headers and an empty
+    // message (captured, tests/fixtures/ray-serve-2.60/grpc/23-resource-exhausted-unary.txt),
+    // where Envoy's retry policy cannot see it: the calls that land there fail with Ray's
+    // status (nothing ran), the others are served, and nothing runs twice.
     sim.set_mode(1, ProxyMode::Serving);
-    let by = served_by(&client, 20).await;
-    assert_eq!(by.get(&sim.grpc[1].to_string()), Some(&20), "{by:?}");
+    let by = served_by(&client, 40).await;
+    let served = by.get(&sim.grpc[1].to_string()).copied().unwrap_or(0);
+    let refused = by.get("FAILED: ResourceExhausted").copied().unwrap_or(0);
+    assert_eq!(served + refused, 40, "{by:?}");
+    assert!(served > 0 && refused > 0, "both proxies take calls: {by:?}");
     assert_eq!(sim.ledger.more_than_once(), BTreeMap::new());
+    assert_eq!(sim.ledger.total(), served, "only the served calls ran");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

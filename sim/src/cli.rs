@@ -6,7 +6,7 @@
 //! ray-serve-sim --cluster demo-a --proxy 127.0.0.1:8000=head --proxy 127.0.0.1:8001=worker \
 //!     --app /=hello --dashboard 127.0.0.1:8265 --control 127.0.0.1:8299 \
 //!     --grpc 127.0.0.1:8000=127.0.0.1:9000 --grpc 127.0.0.1:8001=127.0.0.1:9001
-//! curl -X PUT -d draining http://127.0.0.1:8299/proxies/8001/mode   # serving|draining|not-ready|hang|flapping|overloaded|reset-after-read|slow:<ms>
+//! curl -X PUT -d draining http://127.0.0.1:8299/proxies/8001/mode   # serving|draining|not-ready|no-replicas|hang|flapping|overloaded|reset-after-read|slow:<ms>
 //! curl http://127.0.0.1:8299/executions                             # request id -> proxies that ran it
 //! curl -X POST http://127.0.0.1:8299/proxies/8001/kill              # and /start to bring it back
 //! curl -X PUT 'http://127.0.0.1:8299/dashboard/apps/hello?route_prefix=/&status=DEPLOYING'

@@ -16,60 +16,82 @@
 //!   on a count of its own (HTTP `/-/healthz` keeps its own).
 //! - An application call is recorded under its `x-request-id` metadata exactly when it
 //!   ran, before its first answer: not when it was turned away (`NotReady`, `Overloaded`,
-//!   an unknown application), recorded when `ResetAfterRead` reset it. Every application
-//!   call that reaches the gRPC layer counts in [`ProxyHandle::received`].
-//! - Errors the proxy itself returns are trailers-only responses (HTTP 200, `grpc-status`
-//!   in the only header block), as tonic sends every error returned before an answer.
+//!   an unknown application), recorded when `ResetAfterRead` reset it. Every call to an
+//!   application method that reaches the proxy counts in [`ProxyHandle::received`].
+//! - Answers are framed as Ray 2.60 frames them (below, "Wire format"): a unary method's,
+//!   errors included, is never trailers-only.
 //! - After `shutdown` nothing is accepted (the listener is closed, so connects are
 //!   refused), calls in flight finish (at most 30 s), and connections held by `Hang` are
 //!   closed.
 //!
-//! What each [`ProxyMode`] does, and where it comes from. "Ray" marks facts from Ray's
-//! code and unit tests (`proto/ray-serve-grpc-research.md`, sections 1 and 2; nothing here
-//! was captured from a running Ray with gRPC enabled), "inferred" what the simulator
-//! chose:
+//! What each [`ProxyMode`] does, and where it comes from. "captured N" marks what a real
+//! Ray 2.60 was seen doing (`tests/fixtures/ray-serve-2.60/grpc/`, file N;
+//! `proto/ray-serve-grpc-research.md`, section 7), "Ray" what Ray's code says (the memo,
+//! sections 1 and 2), "inferred" what the simulator chose:
 //!
 //! | mode | `Healthz` / `ListApplications` | application calls |
 //! |---|---|---|
-//! | `Serving` | `OK`, `message: "success"` / the application names (Ray; Ray also sets the details `success` on the `OK`, the simulator sets none) | served, recorded |
-//! | `Draining` | `UNAVAILABLE` `This node is being drained.` (Ray) | served, recorded (Ray: draining does not turn calls away) |
-//! | `NotReady` | `UNAVAILABLE` `Route table is not populated yet.` (Ray) | `UNAVAILABLE`, same text, not recorded (inferred, as the HTTP simulator's 503; from Ray's code, a real proxy with an empty route table finds no application and answers `NOT_FOUND` `Application ... not found`) |
+//! | `Serving` | `OK`, `message: "success"` / the application names, both with `grpc-message: success` (captured 10, 11) | served, recorded |
+//! | `Draining` | `UNAVAILABLE` `This node is being drained.` (captured 34) | served, recorded (captured 35, 36: draining turns no call away) |
+//! | `NotReady` | `UNAVAILABLE` `Route table is not populated yet.` (captured, timeline-first-deploy.txt) | `NOT_FOUND` `Application '<name>' not found. Ping ...` (captured 28), or `Application metadata not set. Ping ...` without `application` metadata (Ray): the empty route table has no application, not even one that takes every call; not recorded |
+//! | `NoReplicas` | `UNAVAILABLE` `No replicas are available yet.` (captured 32: a worker node's proxy before its node's replica is up) | held, unanswered, until the mode changes, then handled in the new mode; counted at once, recorded when it runs (inferred from captured 30, where a call to an application with no replica up waited for one) |
 //! | `Hang` | no answer | no answer (inferred: a SIGSTOPped process) |
 //! | `Slow(d)` | answered after `d` | answered after `d`, recorded at once |
 //! | `Flapping` | `Healthz` alternates `OK` / `INTERNAL` `flapping`; `ListApplications` `OK` (inferred) | served, recorded |
-//! | `Overloaded` | `OK` | `RESOURCE_EXHAUSTED` with the text of Ray's `BackPressureError`, not recorded (Ray: backpressure maps to `RESOURCE_EXHAUSTED` since ray#54537; nothing ran) |
-//! | `ResetAfterRead` | `OK` | the request is read to its end and recorded, then the stream is reset (`RST_STREAM` `INTERNAL_ERROR`) with no answer (inferred: a proxy dying mid-call) |
+//! | `Overloaded` | `OK` | `RESOURCE_EXHAUSTED` with the text of Ray's `BackPressureError`, not recorded (captured 23, 24; Ray's text gives the deployment's own queue limits, the simulator says 100) |
+//! | `ResetAfterRead` | `OK` | the request is read to its end and recorded, then the stream is reset (`RST_STREAM` `INTERNAL_ERROR`) with no answer (inferred: a proxy dying mid-call; captured 38 shows a killed proxy's connection ending with a FIN, no reset) |
 //!
-//! - Application selection is Ray's (`ProxyRouter.get_handle_for_endpoint`): the
-//!   `application` metadata names the application; with one application, every call goes
-//!   to it whatever the metadata says; with several, a missing or unknown name gets
-//!   `NOT_FOUND` `Application metadata not set. Ping
+//! - Application selection is Ray's (`ProxyRouter.get_handle_for_endpoint`; captured 13,
+//!   21): the `application` metadata names the application; with one application, every
+//!   call goes to it whatever the metadata says; with several, a missing or unknown name
+//!   gets `NOT_FOUND` `Application metadata not set. Ping
 //!   /ray.serve.RayServeAPIService/ListApplications for available applications.` or
 //!   `Application '<name>' not found. Ping ...` (Ray's texts). The service name plays no
-//!   part (Ray): a method the application lacks is an application call that ran and got
-//!   `UNIMPLEMENTED` (inferred: Ray's replica fails it).
+//!   part beyond naming a method the server has.
+//! - A method no servicer registered (an unknown method or service, `grpc.health.v1`) gets
+//!   grpc core's `UNIMPLEMENTED` `Method not found!` before Ray's proxy sees the call
+//!   (captured 19, 26): not counted, not recorded.
 //! - The applications are the distinct names in [`ProxyConfig::routes`], sorted;
-//!   `ListApplications` lists them all, whatever their status (Ray lists the route table).
-//! - Wire format of errors: **unverified for Ray.** The memo infers from Ray's code that
-//!   Ray's proxy sets the code on the servicer context and returns, so its errors likely
-//!   arrive as HTTP 200 with `grpc-status` in *trailers* after (empty) response headers;
-//!   the simulator sends them trailers-only, as tonic does. Envoy retries and passive
-//!   outlier detection see only a `grpc-status` in response headers, so the simulator is
-//!   more visible to Envoy than Ray may be.
+//!   `ListApplications` lists them all, whatever their status (Ray lists the route table,
+//!   DEPLOY_FAILED applications too, in deploy order: captured 20).
+//! - Wire format (captured 10-34; the memo, section 7, §2.3). Every answer to a **unary**
+//!   method (`Healthz`, `ListApplications`, `Say`), `OK` or error, is response headers
+//!   (`:status 200`, `content-type: application/grpc`, `grpc-accept-encoding: identity,
+//!   deflate, gzip`), one DATA frame with a message (on an error the empty message, the 5
+//!   bytes `00 00 00 00 00`), then trailers with `grpc-status`, `grpc-message` and
+//!   END_STREAM: never trailers-only, so Envoy's gRPC retry policy and passive outlier
+//!   detection, which read a `grpc-status` in response headers, see none of Ray's unary
+//!   errors. A **streaming** method (`SayMany`, `Chat`) that fails before its first message
+//!   is answered trailers-only (HTTP 200, `content-type`, `grpc-status` and `grpc-message`
+//!   in the only header block, END_STREAM), which Envoy does see; after messages its status
+//!   is in trailers. `grpc-message` is always sent: `success` on an `OK` of `Healthz` and
+//!   `ListApplications`, empty on an application's `OK`. Errors of grpc core itself are
+//!   trailers-only for both kinds: `UNIMPLEMENTED` `Method not found!` (above) and
+//!   `DEADLINE_EXCEEDED` `Deadline Exceeded` when a client's `grpc-timeout` runs out before
+//!   the call is answered (captured 25). `grpc-message` is percent-encoded as grpc core
+//!   does it, spaces and punctuation as they are (captured 18, 21). The simulator gets
+//!   this by reframing tonic's answers, which are trailers-only for every error returned
+//!   before an answer. Not
+//!   reproduced: the `RST_STREAM(NO_ERROR)` grpc core sends after its `DEADLINE_EXCEEDED`;
+//!   a stream still sending when its `grpc-timeout` runs out goes on (what Ray does then
+//!   was not captured); the `request_id` trailer (below); grpc core's `0xfe03` setting and
+//!   BDP pings. The connection's other SETTINGS are Ray's (4 MiB windows and frames, 16 KiB
+//!   header lists), and the answers have no `date` header, as Ray's.
 //! - `Hang`: a connection accepted while hung is held at the TCP level (the kernel's
 //!   handshake done, no HTTP/2 preface or SETTINGS from the server), and a call arriving
 //!   on an open connection is held before the gRPC layer sees it: nothing is counted,
 //!   recorded or answered (unlike the HTTP simulator, which reads and records a request
 //!   before hanging). When the mode changes, held connections and calls go on under the
 //!   new mode, as a SIGCONT resumes a stopped process. A client's own deadline ends its
-//!   call; the server does not act on `grpc-timeout` (tonic's transport server would
-//!   answer `CANCELLED` on it, which a stopped process cannot).
+//!   call; the server does not act on `grpc-timeout` while hung (a stopped process
+//!   cannot), and a held call's `grpc-timeout` counts from its arrival.
 //! - `Slow(d)` delays the whole call once, before its first answer (a stream's later
 //!   answers keep their own pace).
-//! - Ray answers streaming calls (unary-stream since 2.7; client and bidirectional
-//!   streaming were added in 2026 and are not verified in the 2.60 wheel); the simulator
-//!   serves all three of `Echo`'s kinds. Ray returns the request id as `request_id` trailing metadata;
-//!   the simulator does not.
+//! - Ray answers streaming calls: server streaming, and bidirectional in 2.60 (captured
+//!   15, 16); the simulator serves all three of `Echo`'s kinds. Ray returns the request id
+//!   as `request_id` trailing metadata on `OK` and on user-set statuses, the client's
+//!   `request_id` metadata or a UUID of its own (captured 12, 14); the simulator does not,
+//!   and records calls under `x-request-id`, which Ray ignores.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -113,6 +135,12 @@ use pb::ray_serve::{
 pub const HEALTHZ_PATH: &str = "/ray.serve.RayServeAPIService/Healthz";
 /// The gRPC path of `ListApplications`.
 pub const LIST_APPLICATIONS_PATH: &str = "/ray.serve.RayServeAPIService/ListApplications";
+/// The gRPC path of the demo's unary `Say`.
+pub const SAY_PATH: &str = "/ray_xds.demo.Echo/Say";
+/// The gRPC path of the demo's server-streaming `SayMany`.
+pub const SAY_MANY_PATH: &str = "/ray_xds.demo.Echo/SayMany";
+/// The gRPC path of the demo's bidirectional `Chat`.
+pub const CHAT_PATH: &str = "/ray_xds.demo.Echo/Chat";
 /// The metadata key that names the application a call is for (Ray's).
 pub const APPLICATION_METADATA: &str = "application";
 /// The metadata key a call is recorded under in the ledger (Envoy's request id, kept
@@ -126,11 +154,22 @@ pub const DRAINING_MESSAGE: &str = "This node is being drained.";
 /// The details of `UNAVAILABLE` before the route table is populated (Ray's
 /// `NO_ROUTES_MESSAGE`).
 pub const NO_ROUTES_MESSAGE: &str = "Route table is not populated yet.";
+/// The details of `UNAVAILABLE` from a worker node's proxy before any replica is up (Ray's
+/// `NO_REPLICAS_MESSAGE`).
+pub const NO_REPLICAS_MESSAGE: &str = "No replicas are available yet.";
+/// The details of grpc core's `UNIMPLEMENTED` for a method the server does not have.
+pub const METHOD_NOT_FOUND_MESSAGE: &str = "Method not found!";
+/// The details of grpc core's `DEADLINE_EXCEEDED` when a client's `grpc-timeout` ran out.
+pub const DEADLINE_EXCEEDED_MESSAGE: &str = "Deadline Exceeded";
+/// The `grpc-accept-encoding` of Ray's response headers (grpcio's).
+pub const GRPC_ACCEPT_ENCODING: &str = "identity, deflate, gzip";
 /// The details of `RESOURCE_EXHAUSTED` under backpressure (the text of Ray's
 /// `BackPressureError`, as the HTTP simulator's 503).
 pub const BACKPRESSURE_MESSAGE: &str =
     "Request dropped due to backpressure (num_queued_requests=100, max_queued_requests=100).";
 
+/// The stream and connection windows and the largest frame Ray's gRPC server announces.
+const RAY_WINDOW: u32 = 4 * 1024 * 1024;
 /// How often a hung connection or call looks whether the mode changed.
 const HANG_POLL: Duration = Duration::from_millis(10);
 /// The longest shutdown waits for calls in flight.
@@ -250,8 +289,16 @@ async fn serve_connection(
         let (node, routes) = (node.clone(), routes.clone());
         async move { call(&node, routes, request).await }
     });
+    // Ray's (grpcio's) SETTINGS: 4 MiB windows and frames, 16 KiB of headers, no stream
+    // limit; and no `date` header, which Ray's answers lack.
     let connection = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
+        .initial_stream_window_size(RAY_WINDOW)
+        .initial_connection_window_size(RAY_WINDOW)
+        .max_frame_size(RAY_WINDOW)
+        .max_header_list_size(16 * 1024)
+        .max_concurrent_streams(None)
+        .auto_date_header(false)
         .serve_connection(TokioIo::new(stream), service);
     let _ = watcher.watch(connection).await;
 }
@@ -268,8 +315,10 @@ impl std::fmt::Display for ResetStream {
 
 impl std::error::Error for ResetStream {}
 
-/// One call: the proxy's own part (mode, application selection, ledger), then the
-/// service. An error resets the stream (hyper sends `RST_STREAM` `INTERNAL_ERROR`).
+/// One call: grpc core's part (a method the server lacks, the client's `grpc-timeout`),
+/// the proxy's own (mode, application selection, ledger), then the service; the answer
+/// framed as Ray frames it ([`frame_like_ray`]). An error resets the stream (hyper sends
+/// `RST_STREAM` `INTERNAL_ERROR`).
 async fn call(
     node: &Node,
     routes: tonic::service::Routes,
@@ -277,22 +326,150 @@ async fn call(
 ) -> Result<Response<tonic::body::Body>, ResetStream> {
     use tower::ServiceExt;
 
+    let arrived = tokio::time::Instant::now();
     // A stopped process: the call is held before the gRPC layer sees it.
     while node.handle.get() == ProxyMode::Hang {
         tokio::time::sleep(HANG_POLL).await;
     }
-    let mode = node.handle.get();
-    let admission = admit(node, &mode, request).await;
-    if let ProxyMode::Slow(delay) = mode {
-        tokio::time::sleep(delay).await;
+    let path = request.uri().path().to_owned();
+    // grpc core answers a method no servicer registered; Ray's proxy never sees the call.
+    let Some(kind) = MethodKind::of(&path) else {
+        return Ok(status(Code::Unimplemented, METHOD_NOT_FOUND_MESSAGE));
+    };
+    let deadline = grpc_timeout(request.headers()).and_then(|t| arrived.checked_add(t));
+    let answer = async {
+        let (admission, mode) = admit(node, &path, request).await;
+        if let ProxyMode::Slow(delay) = mode {
+            tokio::time::sleep(delay).await;
+        }
+        match admission {
+            Admission::Answer(response) => Ok(response),
+            Admission::Reset => Err(ResetStream),
+            Admission::Serve(request) => {
+                Ok(routes.oneshot(request).await.unwrap_or_else(|e| match e {}))
+            }
+        }
+    };
+    let response = match deadline {
+        None => answer.await?,
+        Some(deadline) => match tokio::time::timeout_at(deadline, answer).await {
+            Ok(answered) => answered?,
+            // grpc core's, trailers-only whatever the method.
+            Err(_) => return Ok(status(Code::DeadlineExceeded, DEADLINE_EXCEEDED_MESSAGE)),
+        },
+    };
+    Ok(frame_like_ray(kind, &path, response))
+}
+
+/// A `grpc-timeout` header's value (at most 8 digits and a unit), if there is a valid one.
+fn grpc_timeout(headers: &axum::http::HeaderMap) -> Option<Duration> {
+    let value = headers.get("grpc-timeout")?.to_str().ok()?;
+    let digits = value.get(..value.len().checked_sub(1)?)?;
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
     }
-    match admission {
-        Admission::Answer(response) => Ok(response),
-        Admission::Reset => Err(ResetStream),
-        Admission::Serve(request) => {
-            Ok(routes.oneshot(request).await.unwrap_or_else(|e| match e {}))
+    let n: u64 = digits.parse().ok()?;
+    Some(match &value[digits.len()..] {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// The kind of a method the server has, which decides how its errors are framed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MethodKind {
+    /// `Healthz`, `ListApplications`, `Say`.
+    Unary,
+    /// `SayMany` (server streaming), `Chat` (bidirectional).
+    Streaming,
+}
+
+impl MethodKind {
+    /// `None`: no servicer has the method.
+    fn of(path: &str) -> Option<MethodKind> {
+        match path {
+            HEALTHZ_PATH | LIST_APPLICATIONS_PATH | SAY_PATH => Some(MethodKind::Unary),
+            SAY_MANY_PATH | CHAT_PATH => Some(MethodKind::Streaming),
+            _ => None,
         }
     }
+}
+
+/// An empty gRPC message: not compressed, 0 bytes long.
+const EMPTY_MESSAGE: [u8; 5] = [0; 5];
+
+/// Frames an answer of Ray's proxy (or replica) to a method of `kind` at `path` as Ray 2.60
+/// does (grpcio's aio server). A trailers-only error (tonic's way) of a unary method becomes
+/// response headers, the empty message and trailers with its status; a streaming method's
+/// stays trailers-only. Every other answer gets Ray's `grpc-accept-encoding` header and a
+/// `grpc-message` in its trailers: `success` on an `OK` of Ray's own API, else empty if it
+/// had none. Every `grpc-message` is percent-encoded as grpc core encodes it.
+fn frame_like_ray(
+    kind: MethodKind,
+    path: &str,
+    response: Response<tonic::body::Body>,
+) -> Response<tonic::body::Body> {
+    use axum::body::Bytes;
+    use axum::http::{HeaderMap, HeaderName, HeaderValue};
+    use http_body_util::BodyExt;
+    use hyper::body::Frame;
+
+    let (mut parts, body) = response.into_parts();
+    let trailers_only = parts.headers.contains_key(Status::GRPC_STATUS);
+    encode_grpc_message(&mut parts.headers);
+    if trailers_only && kind == MethodKind::Streaming {
+        return Response::from_parts(parts, body);
+    }
+    parts.headers.insert(
+        HeaderName::from_static("grpc-accept-encoding"),
+        HeaderValue::from_static(GRPC_ACCEPT_ENCODING),
+    );
+    if trailers_only {
+        let mut trailers = HeaderMap::new();
+        for name in [
+            Status::GRPC_STATUS,
+            Status::GRPC_MESSAGE,
+            Status::GRPC_STATUS_DETAILS,
+        ] {
+            if let Some(value) = parts.headers.remove(&name) {
+                trailers.insert(name, value);
+            }
+        }
+        trailers
+            .entry(Status::GRPC_MESSAGE)
+            .or_insert(HeaderValue::from_static(""));
+        let frames = [
+            Frame::data(Bytes::from_static(&EMPTY_MESSAGE)),
+            Frame::trailers(trailers),
+        ]
+        .map(Ok::<_, std::convert::Infallible>);
+        let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+        return Response::from_parts(parts, tonic::body::Body::new(body));
+    }
+    let ok_message = if matches!(path, HEALTHZ_PATH | LIST_APPLICATIONS_PATH) {
+        HEALTHY_MESSAGE
+    } else {
+        ""
+    };
+    let body = body.map_frame(move |frame| match frame.into_trailers() {
+        Ok(mut trailers) => {
+            let ok = trailers
+                .get(Status::GRPC_STATUS)
+                .is_some_and(|code| code == "0");
+            trailers
+                .entry(Status::GRPC_MESSAGE)
+                .or_insert(HeaderValue::from_static(if ok { ok_message } else { "" }));
+            encode_grpc_message(&mut trailers);
+            Frame::trailers(trailers)
+        }
+        Err(frame) => frame,
+    });
+    Response::from_parts(parts, tonic::body::Body::new(body))
 }
 
 /// What the proxy does with a call before the service sees it.
@@ -305,15 +482,19 @@ enum Admission {
     Serve(Request<Incoming>),
 }
 
-/// The proxy's own part of a call in `mode`: counts and records an application call,
-/// routes it to its application ([`SelectedApp`]) or turns it away.
-async fn admit(node: &Node, mode: &ProxyMode, mut request: Request<Incoming>) -> Admission {
-    let path = request.uri().path();
+/// The proxy's own part of a call to `path`: counts and records an application call,
+/// routes it to its application ([`SelectedApp`]) or turns it away. Also returns the mode
+/// it was decided in (a call held by `NoReplicas` goes on in the next one).
+async fn admit(node: &Node, path: &str, mut request: Request<Incoming>) -> (Admission, ProxyMode) {
     let handle = &node.handle;
+    let mut mode = handle.get();
     if matches!(path, HEALTHZ_PATH | LIST_APPLICATIONS_PATH) {
-        return match mode {
+        let admission = match mode {
             ProxyMode::Draining => Admission::Answer(status(Code::Unavailable, DRAINING_MESSAGE)),
             ProxyMode::NotReady => Admission::Answer(status(Code::Unavailable, NO_ROUTES_MESSAGE)),
+            ProxyMode::NoReplicas => {
+                Admission::Answer(status(Code::Unavailable, NO_REPLICAS_MESSAGE))
+            }
             ProxyMode::Flapping if path == HEALTHZ_PATH => {
                 let n = handle.grpc_healthz_requests.fetch_add(1, Ordering::Relaxed);
                 if n.is_multiple_of(2) {
@@ -324,28 +505,40 @@ async fn admit(node: &Node, mode: &ProxyMode, mut request: Request<Incoming>) ->
             }
             _ => Admission::Serve(request),
         };
+        return (admission, mode);
     }
     handle.received.fetch_add(1, Ordering::Relaxed);
-    if *mode == ProxyMode::NotReady {
-        return Admission::Answer(status(Code::Unavailable, NO_ROUTES_MESSAGE));
+    // No replica up yet: the call waits in the proxy for one (the mode to change).
+    while matches!(mode, ProxyMode::NoReplicas | ProxyMode::Hang) {
+        tokio::time::sleep(HANG_POLL).await;
+        mode = handle.get();
     }
     let requested = request
         .headers()
         .get(APPLICATION_METADATA)
         .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-    let app = match select_application(&node.applications, requested.as_deref()) {
-        Ok(app) => app.to_string(),
-        Err(not_found) => return Admission::Answer(not_found.into_http()),
+    // An empty route table has no application, not even the one that takes every call.
+    let applications: &[String] = if mode == ProxyMode::NotReady {
+        &[]
+    } else {
+        &node.applications
     };
-    if *mode == ProxyMode::Overloaded {
-        return Admission::Answer(status(Code::ResourceExhausted, BACKPRESSURE_MESSAGE));
+    let app = match select_application(applications, requested.as_deref()) {
+        Ok(app) => app.to_string(),
+        Err(not_found) => return (Admission::Answer(not_found.into_http()), mode),
+    };
+    if mode == ProxyMode::Overloaded {
+        return (
+            Admission::Answer(status(Code::ResourceExhausted, BACKPRESSURE_MESSAGE)),
+            mode,
+        );
     }
     let request_id = request
         .headers()
         .get(REQUEST_ID_METADATA)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    if *mode == ProxyMode::ResetAfterRead {
+    if mode == ProxyMode::ResetAfterRead {
         use http_body_util::BodyExt;
         // The whole request (every message, to the client's end of stream) is read: the
         // call ran.
@@ -353,18 +546,59 @@ async fn admit(node: &Node, mode: &ProxyMode, mut request: Request<Incoming>) ->
         if let Some(id) = &request_id {
             handle.executions.record(id, node.address);
         }
-        return Admission::Reset;
+        return (Admission::Reset, mode);
     }
     if let Some(id) = &request_id {
         handle.executions.record(id, node.address);
     }
     request.extensions_mut().insert(SelectedApp(app));
-    Admission::Serve(request)
+    (Admission::Serve(request), mode)
 }
 
-/// A trailers-only error response, as tonic sends errors.
+/// A trailers-only error response, as tonic (and grpc core) send errors; [`frame_like_ray`]
+/// reframes those of unary methods.
 fn status(code: Code, message: &str) -> Response<tonic::body::Body> {
-    Status::new(code, message).into_http()
+    let mut response: Response<tonic::body::Body> = Status::new(code, message).into_http();
+    encode_grpc_message(response.headers_mut());
+    response
+}
+
+/// Re-encodes a `grpc-message` in `headers` as grpc core does, the gRPC spec's minimum:
+/// only bytes outside `0x20..=0x7E`, and `%`, percent-encoded (tonic also encodes spaces
+/// and some punctuation; Ray's messages show them as they are).
+fn encode_grpc_message(headers: &mut axum::http::HeaderMap) {
+    use std::fmt::Write;
+
+    let Some(value) = headers.get(Status::GRPC_MESSAGE) else {
+        return;
+    };
+    let raw = value.as_bytes();
+    let hex = |at: usize| raw.get(at).and_then(|b| char::from(*b).to_digit(16));
+    let mut decoded = Vec::with_capacity(raw.len());
+    let mut at = 0;
+    while at < raw.len() {
+        match (raw[at], hex(at + 1), hex(at + 2)) {
+            (b'%', Some(high), Some(low)) => {
+                decoded.push(u8::try_from(high * 16 + low).unwrap_or(b'?'));
+                at += 3;
+            }
+            (byte, _, _) => {
+                decoded.push(byte);
+                at += 1;
+            }
+        }
+    }
+    let mut encoded = String::with_capacity(decoded.len());
+    for byte in decoded {
+        if (0x20..=0x7e).contains(&byte) && byte != b'%' {
+            encoded.push(char::from(byte));
+        } else {
+            let _ = write!(encoded, "%{byte:02X}");
+        }
+    }
+    if let Ok(value) = axum::http::HeaderValue::from_str(&encoded) {
+        headers.insert(Status::GRPC_MESSAGE, value);
+    }
 }
 
 /// `ray.serve.RayServeAPIService` on a proxy that takes traffic (the modes that say
@@ -510,6 +744,36 @@ mod tests {
             "Application 'c' not found. Ping /ray.serve.RayServeAPIService/ListApplications for available applications."
         );
         assert!(select_application(&[], Some("a")).is_err());
+    }
+
+    #[test]
+    fn grpc_messages_are_encoded_as_grpc_core_encodes_them() {
+        let text = "Application 'c' not found. 100% \u{1b}[36m\né?{}";
+        let mut headers = Status::not_found(text).into_http::<()>().headers().clone();
+        assert_ne!(headers[Status::GRPC_MESSAGE], text, "tonic encodes more");
+        encode_grpc_message(&mut headers);
+        assert_eq!(
+            headers[Status::GRPC_MESSAGE],
+            "Application 'c' not found. 100%25 %1B[36m%0A%C3%A9?{}"
+        );
+        assert_eq!(Status::from_header_map(&headers).unwrap().message(), text);
+    }
+
+    #[test]
+    fn grpc_timeouts_are_read_as_the_spec_writes_them() {
+        let timeout = |value: &str| {
+            let mut headers = axum::http::HeaderMap::new();
+            headers.insert("grpc-timeout", value.parse().unwrap());
+            grpc_timeout(&headers)
+        };
+        assert_eq!(timeout("500m"), Some(Duration::from_millis(500)));
+        assert_eq!(timeout("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(timeout("7u"), Some(Duration::from_micros(7)));
+        assert_eq!(timeout("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        for bad in ["", "m", "123456789m", "5x", "-5m", "5 m"] {
+            assert_eq!(timeout(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

@@ -8,9 +8,11 @@
 //!
 //! A [`ProxyHandle`] injects faults at run time: draining (503 `This node is being
 //! drained.` on `/-/healthz`, as Ray answers while a node drains), not ready (503 `Route
-//! table is not populated yet.`), hanging (accepts, never answers, like a SIGSTOPped
-//! process), slow answers, backpressure (503, nothing ran) and a connection reset after
-//! the request was read in full. Dying is cancelling the proxy's shutdown token.
+//! table is not populated yet.`), no replicas yet (503 `No replicas are available yet.`,
+//! application requests held until the mode changes), hanging (accepts, never answers,
+//! like a SIGSTOPped process), slow answers, backpressure (503, nothing ran) and a
+//! connection reset after the request was read in full. Dying is cancelling the proxy's
+//! shutdown token.
 //!
 //! Every application request that reaches a replica is recorded in the proxy's
 //! [`Executions`] ledger under its `x-request-id` (Envoy sets one and keeps it across
@@ -98,6 +100,12 @@ pub enum ProxyMode {
     Draining,
     /// `/-/healthz` and `/-/routes` answer 503 `Route table is not populated yet.`
     NotReady,
+    /// A worker node's proxy whose route table is populated but whose applications have no
+    /// running replica yet: `/-/healthz` and `/-/routes` answer 503 `No replicas are
+    /// available yet.` (Ray's `NO_REPLICAS_MESSAGE`), and application requests are held,
+    /// unanswered, until the mode changes (as Ray holds a request to an application
+    /// that has no replica up yet), then go on under the new mode.
+    NoReplicas,
     /// Accepts connections and never answers.
     Hang,
     /// Every answer waits this long first.
@@ -113,12 +121,14 @@ pub enum ProxyMode {
 
 impl std::str::FromStr for ProxyMode {
     type Err = String;
-    /// `serving`, `draining`, `not-ready`, `hang`, `flapping` or `slow:<milliseconds>`.
+    /// `serving`, `draining`, `not-ready`, `no-replicas`, `hang`, `flapping`, `overloaded`,
+    /// `reset-after-read` or `slow:<milliseconds>`.
     fn from_str(s: &str) -> Result<Self, String> {
         Ok(match s {
             "serving" => ProxyMode::Serving,
             "draining" => ProxyMode::Draining,
             "not-ready" => ProxyMode::NotReady,
+            "no-replicas" => ProxyMode::NoReplicas,
             "hang" => ProxyMode::Hang,
             "flapping" => ProxyMode::Flapping,
             "overloaded" => ProxyMode::Overloaded,
@@ -127,7 +137,7 @@ impl std::str::FromStr for ProxyMode {
                 Some(ms) => ProxyMode::Slow(std::time::Duration::from_millis(ms)),
                 None => {
                     return Err(format!(
-                        "unknown proxy mode {other:?}: serving, draining, not-ready, hang, flapping, overloaded, reset-after-read or slow:<ms>"
+                        "unknown proxy mode {other:?}: serving, draining, not-ready, no-replicas, hang, flapping, overloaded, reset-after-read or slow:<ms>"
                     ))
                 }
             },
@@ -260,6 +270,9 @@ impl ProxyHandle {
     }
 }
 
+/// How often a request held by [`ProxyMode::NoReplicas`] looks whether the mode changed.
+const NO_REPLICAS_POLL: Duration = Duration::from_millis(10);
+
 /// Marks a response whose connection is to be closed instead of answered.
 #[derive(Clone, Copy, Debug)]
 struct CloseConnection;
@@ -272,15 +285,21 @@ async fn apply_mode(
     let path = request.uri().path();
     let health_path = matches!(path, "/-/healthz" | "/-/routes");
     let healthz = path == "/-/healthz";
-    let mode = handle.get();
-    // An application request runs unless the proxy turns it away first (backpressure,
-    // no route table yet): then nothing ran, as in Ray.
-    let turned_away = matches!(mode, ProxyMode::Overloaded | ProxyMode::NotReady);
+    let mut mode = handle.get();
     if !health_path {
         handle
             .received
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // No replica up yet: the request waits in the proxy until there is one (the mode
+        // changes), then goes on under the new mode.
+        while mode == ProxyMode::NoReplicas {
+            tokio::time::sleep(NO_REPLICAS_POLL).await;
+            mode = handle.get();
+        }
     }
+    // An application request runs unless the proxy turns it away first (backpressure,
+    // no route table yet): then nothing ran, as in Ray.
+    let turned_away = matches!(mode, ProxyMode::Overloaded | ProxyMode::NotReady);
     if !health_path && !turned_away {
         if let Some(id) = request
             .headers()
@@ -295,6 +314,8 @@ async fn apply_mode(
         ProxyMode::Draining if health_path => unavailable("This node is being drained."),
         ProxyMode::Draining => next.run(request).await,
         ProxyMode::NotReady => unavailable("Route table is not populated yet."),
+        // Only health paths get here (application requests waited above).
+        ProxyMode::NoReplicas => unavailable("No replicas are available yet."),
         ProxyMode::Hang => std::future::pending().await,
         ProxyMode::Slow(delay) => {
             tokio::time::sleep(delay).await;

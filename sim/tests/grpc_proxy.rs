@@ -16,7 +16,9 @@ use ray_serve_sim::dashboard::SimDashboard;
 use ray_serve_sim::grpc::pb::demo::echo_client::EchoClient;
 use ray_serve_sim::grpc::pb::demo::{SayManyRequest, SayRequest, Served};
 use ray_serve_sim::grpc::pb::ray_serve::ray_serve_api_service_client::RayServeApiServiceClient;
-use ray_serve_sim::grpc::pb::ray_serve::{HealthzRequest, ListApplicationsRequest};
+use ray_serve_sim::grpc::pb::ray_serve::{
+    HealthzRequest, HealthzResponse, ListApplicationsRequest,
+};
 use ray_serve_sim::grpc::serve_grpc_proxy_with;
 use ray_serve_sim::{serve_proxy_with, NodeType, ProxyConfig, ProxyHandle, ProxyMode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -209,6 +211,15 @@ async fn healthz_and_list_applications_follow_the_mode() {
     assert_eq!(
         list(&mut api).await,
         Err(unavailable("Route table is not populated yet."))
+    );
+    proxy.handle.set(ProxyMode::NoReplicas);
+    assert_eq!(
+        healthz(&mut api).await,
+        Err(unavailable("No replicas are available yet."))
+    );
+    assert_eq!(
+        list(&mut api).await,
+        Err(unavailable("No replicas are available yet."))
     );
     proxy.handle.set(ProxyMode::Flapping);
     let mut answers = Vec::new();
@@ -433,10 +444,18 @@ async fn calls_that_ran_are_recorded_under_their_request_id() {
     assert!(message.contains("backpressure"), "{message}");
     assert_eq!(at("overloaded"), [], "backpressure: nothing ran");
 
+    // No route table: no application, not even the only one (Ray's NOT_FOUND, capture 28).
     proxy.handle.set(ProxyMode::NotReady);
     assert_eq!(
         call_say(&mut echo, "x", None, Some("not-ready")).await,
-        Err(unavailable("Route table is not populated yet."))
+        Err((Code::NotFound, NOT_SET.into()))
+    );
+    assert_eq!(
+        call_say(&mut echo, "x", Some("hello"), Some("not-ready")).await,
+        Err((
+            Code::NotFound,
+            "Application 'hello' not found. Ping /ray.serve.RayServeAPIService/ListApplications for available applications.".into()
+        ))
     );
     assert_eq!(at("not-ready"), [], "no route table: nothing ran");
 
@@ -452,7 +471,7 @@ async fn calls_that_ran_are_recorded_under_their_request_id() {
         "no request id: served, not recorded"
     );
     assert_eq!(proxy.handle.executions().total(), 5);
-    assert_eq!(proxy.handle.received(), 8);
+    assert_eq!(proxy.handle.received(), 9);
     proxy.stop().await;
 }
 
@@ -979,12 +998,154 @@ fn the_binary_refuses_a_grpc_proxy_without_its_node() {
     assert!(String::from_utf8_lossy(&other_ip.stderr).contains("on its node's IP"));
 }
 
-/// Errors the proxy returns itself are trailers-only (`grpc-status` in the response
-/// headers, no body, no trailers), as tonic sends them; an answer has its status in
-/// trailers. (What Ray's Python proxy does is not verified; see `grpc.rs`.)
-#[tokio::test]
-async fn errors_are_trailers_only_and_answers_have_trailers() {
+/// One call's answer as HTTP/2 carried it.
+#[derive(Debug, PartialEq, Eq)]
+struct Wire {
+    status: u16,
+    /// The response headers (the first HEADERS frame).
+    headers: BTreeMap<String, String>,
+    /// Each DATA frame's bytes, in order.
+    data: Vec<Vec<u8>>,
+    /// The trailing HEADERS frame; `None` when the first one ended the stream
+    /// (trailers-only).
+    trailers: Option<BTreeMap<String, String>>,
+}
+
+impl Wire {
+    /// The gRPC messages in the DATA frames (each a 5-byte prefix and its bytes).
+    fn messages(&self) -> Vec<Vec<u8>> {
+        let mut all: &[u8] = &self.data.concat();
+        let mut messages = Vec::new();
+        while all.len() >= 5 {
+            let len = u32::from_be_bytes(all[1..5].try_into().unwrap()) as usize;
+            messages.push(all[5..5 + len].to_vec());
+            all = &all[5 + len..];
+        }
+        assert!(all.is_empty(), "a partial message: {self:?}");
+        messages
+    }
+}
+
+fn header_map(headers: &hyper::HeaderMap) -> BTreeMap<String, String> {
+    headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap().to_string()))
+        .collect()
+}
+
+fn pairs(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Calls `path` on `address` over h2c with `metadata` and the gRPC `messages`, then the
+/// end of the request stream, and reads the answer frame by frame.
+async fn wire(
+    address: SocketAddr,
+    path: &str,
+    metadata: &[(&str, &str)],
+    messages: &[&[u8]],
+) -> Wire {
     use http_body_util::BodyExt;
+
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let mut framed = Vec::new();
+    for message in messages {
+        framed.push(0u8);
+        framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+        framed.extend_from_slice(message);
+    }
+    let mut request = hyper::Request::post(format!("http://{address}{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    for (key, value) in metadata {
+        request = request.header(*key, *value);
+    }
+    let request = request
+        .body(http_body_util::Full::new(bytes::Bytes::from(framed)))
+        .unwrap();
+    tokio::time::timeout(DEADLINE, async {
+        let response = client.request(request).await.unwrap();
+        let (parts, mut body) = response.into_parts();
+        let mut answer = Wire {
+            status: parts.status.as_u16(),
+            headers: header_map(&parts.headers),
+            data: Vec::new(),
+            trailers: None,
+        };
+        while let Some(frame) = body.frame().await {
+            let frame = frame.unwrap();
+            match frame.into_data() {
+                Ok(data) => answer.data.push(data.to_vec()),
+                Err(frame) => {
+                    let trailers = frame.into_trailers().unwrap();
+                    assert!(answer.trailers.is_none(), "two trailing HEADERS frames");
+                    answer.trailers = Some(header_map(&trailers));
+                }
+            }
+        }
+        answer
+    })
+    .await
+    .expect("answered")
+}
+
+/// The response headers of every answer of Ray's that is not trailers-only.
+fn ray_headers() -> BTreeMap<String, String> {
+    pairs(&[
+        ("content-type", "application/grpc"),
+        ("grpc-accept-encoding", "identity, deflate, gzip"),
+    ])
+}
+
+/// A unary method's error as Ray sends it: headers, the empty message, trailers.
+fn unary_error(code: Code, message: &str) -> Wire {
+    let code = (code as i32).to_string();
+    Wire {
+        status: 200,
+        headers: ray_headers(),
+        data: vec![vec![0; 5]],
+        trailers: Some(pairs(&[("grpc-status", &code), ("grpc-message", message)])),
+    }
+}
+
+/// A trailers-only error: the status in the only HEADERS frame.
+fn trailers_only(code: Code, message: &str) -> Wire {
+    let code = (code as i32).to_string();
+    Wire {
+        status: 200,
+        headers: pairs(&[
+            ("content-type", "application/grpc"),
+            ("grpc-status", &code),
+            ("grpc-message", message),
+        ]),
+        data: Vec::new(),
+        trailers: None,
+    }
+}
+
+/// An `OK` answer's trailers.
+fn ok_trailers(message: &str) -> Option<BTreeMap<String, String>> {
+    Some(pairs(&[("grpc-status", "0"), ("grpc-message", message)]))
+}
+
+const HEALTHZ: &str = "/ray.serve.RayServeAPIService/Healthz";
+const LIST: &str = "/ray.serve.RayServeAPIService/ListApplications";
+const SAY: &str = "/ray_xds.demo.Echo/Say";
+const SAY_MANY: &str = "/ray_xds.demo.Echo/SayMany";
+const CHAT: &str = "/ray_xds.demo.Echo/Chat";
+
+/// Captured from Ray 2.60 (`tests/fixtures/ray-serve-2.60/grpc/`, 10-34): every answer to a
+/// unary method, error or not, is response headers, one DATA frame and trailers (an error's
+/// message is the empty one); a streaming method's error before its first message is
+/// trailers-only, and its answers end with trailers.
+#[tokio::test]
+async fn unary_errors_come_after_an_empty_message_and_stream_errors_before_answers_are_trailers_only(
+) {
     use prost::Message;
 
     let proxy = start(
@@ -992,70 +1153,278 @@ async fn errors_are_trailers_only_and_answers_have_trailers() {
         ProxyHandle::default(),
     )
     .await;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .http2_only(true)
-        .build_http::<http_body_util::Full<bytes::Bytes>>();
-    let post = |path: &'static str, app: Option<&'static str>, message: Vec<u8>| {
-        let client = client.clone();
-        let uri = format!("http://{}{path}", proxy.address);
-        async move {
-            let mut framed = vec![0u8];
-            framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
-            framed.extend_from_slice(&message);
-            let mut request = hyper::Request::post(uri)
-                .header("content-type", "application/grpc")
-                .header("te", "trailers");
-            if let Some(app) = app {
-                request = request.header("application", app);
-            }
-            let request = request
-                .body(http_body_util::Full::new(bytes::Bytes::from(framed)))
-                .unwrap();
-            let response = tokio::time::timeout(DEADLINE, client.request(request))
-                .await
-                .unwrap()
-                .unwrap();
-            let (parts, body) = response.into_parts();
-            let collected = body.collect().await.unwrap();
-            let trailers = collected.trailers().cloned();
-            let header = |name: &str| {
-                parts
-                    .headers
-                    .get(name)
-                    .map(|v| v.to_str().unwrap().to_string())
-            };
-            (
-                parts.status.as_u16(),
-                header("grpc-status"),
-                collected.to_bytes().len(),
-                trailers.and_then(|t| {
-                    t.get("grpc-status")
-                        .map(|v| v.to_str().unwrap().to_string())
-                }),
-            )
-        }
-    };
+    let at = proxy.address;
     let say = SayRequest { text: "x".into() }.encode_to_vec();
-    // NOT_FOUND (5): status in the headers, nothing else.
+    let many = SayManyRequest {
+        text: "x".into(),
+        count: 2,
+        every_ms: 0,
+    }
+    .encode_to_vec();
+    let not_found = "Application 'c' not found. Ping /ray.serve.RayServeAPIService/ListApplications for available applications.";
+
+    // OK from Ray's own API: `grpc-message: success` (10, 11).
+    let ok = wire(at, HEALTHZ, &[], &[&[]]).await;
     assert_eq!(
-        post("/ray_xds.demo.Echo/Say", Some("c"), say.clone()).await,
-        (200, Some("5".into()), 0, None)
+        (ok.status, &ok.headers, ok.data.len(), &ok.trailers),
+        (200, &ray_headers(), 1, &ok_trailers("success")),
+        "{ok:?}"
     );
-    proxy.handle.set(ProxyMode::Draining);
-    // UNAVAILABLE (14) from Healthz.
     assert_eq!(
-        post(HEALTHZ, None, Vec::new()).await,
-        (200, Some("14".into()), 0, None)
+        ok.messages(),
+        [HealthzResponse {
+            message: "success".into()
+        }
+        .encode_to_vec()]
     );
-    // An answer: a message, then OK in the trailers.
-    let (status, in_headers, body_len, in_trailers) =
-        post("/ray_xds.demo.Echo/Say", Some("a"), say).await;
+    let ok = wire(at, LIST, &[], &[&[]]).await;
     assert_eq!(
-        (status, in_headers, in_trailers),
-        (200, None, Some("0".into()))
+        (ok.status, &ok.headers, ok.data.len(), &ok.trailers),
+        (200, &ray_headers(), 1, &ok_trailers("success")),
+        "{ok:?}"
     );
-    assert!(body_len > 5);
+    // OK from an application: an empty `grpc-message` (12).
+    let ok = wire(at, SAY, &[("application", "a")], &[&say]).await;
+    assert_eq!(
+        (ok.status, &ok.headers, ok.data.len(), &ok.trailers),
+        (200, &ray_headers(), 1, &ok_trailers("")),
+        "{ok:?}"
+    );
+    assert_eq!(Served::decode(&ok.messages()[0][..]).unwrap().app, "a");
+    let ok = wire(at, SAY_MANY, &[("application", "b")], &[&many]).await;
+    assert_eq!(
+        (&ok.headers, ok.messages().len(), &ok.trailers),
+        (&ray_headers(), 2, &ok_trailers("")),
+        "{ok:?}"
+    );
+    let ok = wire(at, CHAT, &[("application", "b")], &[&say, &say]).await;
+    assert_eq!(
+        (&ok.headers, ok.messages().len(), &ok.trailers),
+        (&ray_headers(), 2, &ok_trailers("")),
+        "{ok:?}"
+    );
+
+    // The proxy's own errors: unary after an empty message, streaming trailers-only (21).
+    assert_eq!(
+        wire(at, SAY, &[("application", "c")], &[&say]).await,
+        unary_error(Code::NotFound, not_found)
+    );
+    assert_eq!(
+        wire(at, SAY, &[], &[&say]).await,
+        unary_error(Code::NotFound, NOT_SET)
+    );
+    assert_eq!(
+        wire(at, SAY_MANY, &[("application", "c")], &[&many]).await,
+        trailers_only(Code::NotFound, not_found)
+    );
+    assert_eq!(
+        wire(at, CHAT, &[("application", "c")], &[&say]).await,
+        trailers_only(Code::NotFound, not_found)
+    );
+
+    // Backpressure (23, 24).
+    proxy.handle.set(ProxyMode::Overloaded);
+    let backpressure = ray_serve_sim::grpc::BACKPRESSURE_MESSAGE;
+    assert_eq!(
+        wire(at, SAY, &[("application", "a")], &[&say]).await,
+        unary_error(Code::ResourceExhausted, backpressure)
+    );
+    assert_eq!(
+        wire(at, SAY_MANY, &[("application", "a")], &[&many]).await,
+        trailers_only(Code::ResourceExhausted, backpressure)
+    );
+
+    // Healthz and ListApplications refusing (32, 34), and flapping.
+    for (mode, text) in [
+        (ProxyMode::Draining, "This node is being drained."),
+        (ProxyMode::NotReady, "Route table is not populated yet."),
+        (ProxyMode::NoReplicas, "No replicas are available yet."),
+    ] {
+        proxy.handle.set(mode);
+        for path in [HEALTHZ, LIST] {
+            assert_eq!(
+                wire(at, path, &[], &[&[]]).await,
+                unary_error(Code::Unavailable, text),
+                "{path}"
+            );
+        }
+    }
+    proxy.handle.set(ProxyMode::Flapping);
+    let flaps = [
+        wire(at, HEALTHZ, &[], &[&[]]).await,
+        wire(at, HEALTHZ, &[], &[&[]]).await,
+    ];
+    assert!(
+        flaps.contains(&unary_error(Code::Internal, "flapping")),
+        "{flaps:?}"
+    );
+
+    // No route table: NOT_FOUND, framed the same way (28).
+    proxy.handle.set(ProxyMode::NotReady);
+    assert_eq!(
+        wire(at, SAY, &[("application", "c")], &[&say]).await,
+        unary_error(Code::NotFound, not_found)
+    );
+    assert_eq!(
+        wire(at, SAY_MANY, &[("application", "c")], &[&many]).await,
+        trailers_only(Code::NotFound, not_found)
+    );
     proxy.stop().await;
 }
 
-const HEALTHZ: &str = "/ray.serve.RayServeAPIService/Healthz";
+/// grpc core's own errors are trailers-only whatever the method (19, 25, 26), and a method
+/// the server lacks never reaches Ray's proxy: not counted, not recorded.
+#[tokio::test]
+async fn grpc_core_s_errors_are_trailers_only_for_every_method() {
+    use prost::Message;
+
+    let proxy = start(
+        config("c1", NodeType::Worker, &[("/a", "a"), ("/b", "b")]),
+        ProxyHandle::default(),
+    )
+    .await;
+    let at = proxy.address;
+    let say = SayRequest { text: "x".into() }.encode_to_vec();
+    let unknown = [
+        "/ray_xds.demo.Echo/Nope",
+        "/no.such.Service/Say",
+        "/grpc.health.v1.Health/Check",
+        "/ray.serve.RayServeAPIService/Nope",
+    ];
+    for path in unknown {
+        assert_eq!(
+            wire(at, path, &[("x-request-id", "unknown")], &[&say]).await,
+            trailers_only(Code::Unimplemented, "Method not found!"),
+            "{path}"
+        );
+    }
+    // Unknown even with no `application` among several: grpc core answers first.
+    assert_eq!(
+        wire(at, "/ray_xds.demo.Echo/Nope", &[], &[&say]).await,
+        trailers_only(Code::Unimplemented, "Method not found!")
+    );
+    assert_eq!(proxy.handle.received(), 0, "Ray's proxy saw none");
+    assert_eq!(proxy.handle.executions().total(), 0);
+
+    // A client's `grpc-timeout` that runs out before the answer (25).
+    proxy.handle.set(ProxyMode::Slow(Duration::from_secs(2)));
+    let many = SayManyRequest {
+        text: "x".into(),
+        count: 2,
+        every_ms: 0,
+    }
+    .encode_to_vec();
+    for (path, message) in [(SAY, say.clone()), (SAY_MANY, many), (HEALTHZ, Vec::new())] {
+        let started = std::time::Instant::now();
+        let metadata = [
+            ("application", "a"),
+            ("grpc-timeout", "200m"),
+            ("x-request-id", path),
+        ];
+        assert_eq!(
+            wire(at, path, &metadata, &[&message]).await,
+            trailers_only(Code::DeadlineExceeded, "Deadline Exceeded"),
+            "{path}"
+        );
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(200) && took < Duration::from_millis(1500),
+            "{path}: {took:?}"
+        );
+    }
+    assert_eq!(
+        proxy.handle.executions().count(SAY),
+        1,
+        "slow: recorded on arrival, before the deadline"
+    );
+    // A deadline long enough: answered.
+    proxy
+        .handle
+        .set(ProxyMode::Slow(Duration::from_millis(100)));
+    let ok = wire(
+        at,
+        SAY,
+        &[("application", "a"), ("grpc-timeout", "5S")],
+        &[&say],
+    )
+    .await;
+    assert_eq!(ok.trailers, ok_trailers(""), "{ok:?}");
+    proxy.stop().await;
+}
+
+/// `NoReplicas` (a worker node's proxy before its node's replica is up, capture 32): both
+/// proxies' health says so; application calls wait for a replica (the mode to change), on
+/// either protocol, then run.
+#[tokio::test]
+async fn no_replicas_refuses_health_and_holds_calls_until_a_replica_is_up() {
+    let config = config("c1", NodeType::Worker, &[("/", "hello")]);
+    let handle = ProxyHandle::default();
+    let http_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = http_listener.local_addr().unwrap();
+    let http_shutdown = CancellationToken::new();
+    let http_task = tokio::spawn(serve_proxy_with(
+        http_listener,
+        config.clone(),
+        handle.clone(),
+        http_shutdown.clone(),
+    ));
+    let grpc = start(config, handle.clone()).await;
+    let mut api = grpc.api();
+    let mut echo = grpc.echo();
+    assert_eq!("no-replicas".parse(), Ok(ProxyMode::NoReplicas));
+
+    handle.set(ProxyMode::NoReplicas);
+    let text = "No replicas are available yet.";
+    assert_eq!(healthz(&mut api).await, Err(unavailable(text)));
+    assert_eq!(list(&mut api).await, Err(unavailable(text)));
+    for path in ["/-/healthz", "/-/routes"] {
+        assert_eq!(
+            http_get(&format!("http://{http}{path}")).await.unwrap(),
+            (503, text.to_string()),
+            "{path}"
+        );
+    }
+    let grpc_call = tokio::spawn(async move { call_say(&mut echo, "held", None, Some("g")).await });
+    let http_call = tokio::spawn(async move {
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<http_body_util::Full<bytes::Bytes>>();
+        let request = hyper::Request::post(format!("http://{http}/infer"))
+            .header("x-request-id", "h")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap();
+        client.request(request).await.unwrap().status().as_u16()
+    });
+    let counted = handle.clone();
+    eventually("both calls reach their proxy", DEADLINE, || async {
+        (counted.received() == 2).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!grpc_call.is_finished() && !http_call.is_finished(), "held");
+    assert_eq!(handle.executions().total(), 0, "nothing ran yet");
+
+    handle.set(ProxyMode::Serving);
+    let answer = tokio::time::timeout(DEADLINE, grpc_call)
+        .await
+        .expect("answered once a replica is up")
+        .unwrap()
+        .unwrap();
+    assert_eq!(answer.text, "held");
+    let status = tokio::time::timeout(DEADLINE, http_call)
+        .await
+        .expect("answered once a replica is up")
+        .unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(handle.executions().count("g"), 1);
+    assert_eq!(handle.executions().count("h"), 1);
+    assert_eq!(handle.received(), 2);
+
+    http_shutdown.cancel();
+    tokio::time::timeout(DEADLINE, http_task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    grpc.stop().await;
+}
