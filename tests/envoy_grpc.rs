@@ -61,9 +61,17 @@ async fn served_by(client: &EchoClient<Channel>, n: usize) -> BTreeMap<String, u
 /// A stack over one simulated cluster `demo-a` whose nodes run gRPC proxies, with Envoy
 /// carrying gRPC calls.
 async fn start(node_types: &[NodeType], extra: &str) -> (Stack, SimCluster, EchoClient<Channel>) {
+    start_with(Bootstrap::Sotw, node_types, extra).await
+}
+
+async fn start_with(
+    bootstrap: Bootstrap,
+    node_types: &[NodeType],
+    extra: &str,
+) -> (Stack, SimCluster, EchoClient<Channel>) {
     let sim = SimCluster::start_grpc("demo-a", node_types).await;
     let stack = Stack::with(services_yaml_with("demo-a", &[&sim], extra))
-        .envoy(Bootstrap::Sotw)
+        .envoy(bootstrap)
         .start()
         .await;
     let client = echo(stack.gateway_port);
@@ -217,6 +225,17 @@ async fn unary_streaming_and_bidirectional_calls_pass_through_envoy() {
             .any(|(a, _, _)| a.to_string() == served.proxy),
         "{served:?}"
     );
+}
+
+/// The same over delta xDS: the gRPC cluster and route reach an Envoy that subscribes
+/// incrementally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delta_grpc_calls_pass_through_envoy() {
+    let (_s, sim, client) =
+        start_with(Bootstrap::Delta, &[NodeType::Worker, NodeType::Worker], "").await;
+    let by = served_by(&client, 10).await;
+    let grpc: Vec<String> = sim.grpc.iter().map(|a| a.to_string()).collect();
+    assert!(by.keys().all(|p| grpc.contains(p)), "{by:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
