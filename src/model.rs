@@ -365,6 +365,23 @@ impl Model {
                 service.clusters[i].proxies = list;
             }
         }
+        // One address is one protocol everywhere, and each gRPC address one proxy's: a
+        // gRPC address that breaks this is dropped (the proxy keeps serving HTTP).
+        // `live::discovery` refuses such addresses first, with a reason.
+        let http: BTreeSet<SocketAddr> = m.proxies().map(|p| p.address).collect();
+        let mut grpc_seen = BTreeSet::new();
+        for proxy in m
+            .services
+            .iter_mut()
+            .flat_map(|s| &mut s.clusters)
+            .flat_map(|c| &mut c.proxies)
+        {
+            if let Some(g) = proxy.grpc {
+                if http.contains(&g) || !grpc_seen.insert(g) {
+                    proxy.grpc = None;
+                }
+            }
+        }
         m
     }
 
@@ -513,16 +530,20 @@ pub enum AddressRefusal {
     DashboardAddressUnknown,
     /// A hostNetwork pod's address (its node's), with no `proxies.networks` to allow it.
     HostNetwork,
+    /// A gRPC address that is an HTTP proxy's too (a dashboard reporting one port for
+    /// both): an HTTP/1 proxy is never a gRPC one, and probes are keyed by address.
+    ProtocolClash,
 }
 
 impl AddressRefusal {
     /// Every [`label`](Self::label), for metrics that show each one, even at 0.
-    pub const LABELS: [&'static str; 5] = [
+    pub const LABELS: [&'static str; 6] = [
         "never_a_proxy",
         "outside_proxy_networks",
         "outside_dashboard_network",
         "dashboard_address_unknown",
         "host_network",
+        "protocol_clash",
     ];
 
     /// A short, fixed label (for metrics).
@@ -533,6 +554,7 @@ impl AddressRefusal {
             AddressRefusal::OutsideDashboardNetwork(_) => "outside_dashboard_network",
             AddressRefusal::DashboardAddressUnknown => "dashboard_address_unknown",
             AddressRefusal::HostNetwork => "host_network",
+            AddressRefusal::ProtocolClash => "protocol_clash",
         }
     }
 }
@@ -555,6 +577,9 @@ impl std::fmt::Display for AddressRefusal {
                 f,
                 "a hostNetwork pod's address (its node's); set proxies.networks to allow it"
             ),
+            AddressRefusal::ProtocolClash => {
+                write!(f, "a gRPC address that is also an HTTP proxy's")
+            }
         }
     }
 }
@@ -902,6 +927,7 @@ mod address_policy_tests {
             AddressRefusal::OutsideDashboardNetwork("10.0.0.0/16".parse().unwrap()),
             AddressRefusal::DashboardAddressUnknown,
             AddressRefusal::HostNetwork,
+            AddressRefusal::ProtocolClash,
         ] {
             assert!(AddressRefusal::LABELS.contains(&r.label()), "{r:?}");
         }

@@ -203,8 +203,11 @@ fn u32_value(value: u32) -> Option<protobuf::UInt32Value> {
     Some(protobuf::UInt32Value { value })
 }
 
-/// Passive health on top of ray-xds's probes: a proxy whose connections fail, reset or
-/// time out is ejected before the next probe notices. No HTTP answer ejects: Ray's 503
+/// Passive health on top of ray-xds's probes: a proxy whose connections fail or whose
+/// tries time out (per-try timeouts: idempotent RayServices only) is ejected before the
+/// next probe notices (Envoy 1.40 does not count a reset after the request was sent as a
+/// local-origin failure: measured, see the README's traffic policy). No HTTP answer
+/// ejects: Ray's 503
 /// is backpressure (the deployment behind every proxy is busy, ejecting one cannot help),
 /// 500 is the application's own error, and Ray's proxy never answers 502 or 504 itself.
 /// Below 100%, the last proxy of a cluster is never ejected: EDS carries only the proxies
@@ -485,6 +488,32 @@ fn virtual_host(
             Protocol::Grpc,
             policy,
         ));
+    } else {
+        // No cluster to take gRPC: a gRPC call must not reach the HTTP proxy (over HTTP/1.1,
+        // where the HTTP application would run it and answer garbage). Envoy answers a
+        // gRPC request's local reply in gRPC: 404 becomes `UNIMPLEMENTED`, trailers-only.
+        routes.push(route::Route {
+            name: "grpc-unserved".into(),
+            r#match: Some(route::RouteMatch {
+                path_specifier: Some(route::route_match::PathSpecifier::Prefix("/".into())),
+                grpc: Some(route::route_match::GrpcRouteMatchOptions {}),
+                ..Default::default()
+            }),
+            action: Some(route::route::Action::DirectResponse(
+                route::DirectResponseAction {
+                    status: 404,
+                    body: Some(core::DataSource {
+                        specifier: Some(core::data_source::Specifier::InlineString(format!(
+                            "rayservice {} serves no gRPC",
+                            service.key()
+                        ))),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+            )),
+            ..Default::default()
+        });
     }
     routes.push(weighted_route(
         service,
@@ -738,7 +767,7 @@ mod tests {
     }
 
     #[test]
-    fn no_grpc_anywhere_means_no_grpc_route() {
+    fn no_grpc_anywhere_means_grpc_calls_are_answered_unimplemented() {
         let model = Model::new(vec![service("a", "a1", &[8000])]).unwrap();
         let r = translate(
             &model,
@@ -748,7 +777,16 @@ mod tests {
             &TrafficPolicy::default(),
         );
         assert_eq!(r.clusters.len(), 1);
-        assert_eq!(r.routes[0].virtual_hosts[0].routes.len(), 1);
+        // gRPC calls get `UNIMPLEMENTED` from Envoy (a 404 local reply) rather than reach
+        // the HTTP proxy over HTTP/1.1.
+        let routes = &r.routes[0].virtual_hosts[0].routes;
+        assert_eq!(routes.len(), 2);
+        assert!(routes[0].r#match.as_ref().unwrap().grpc.is_some());
+        assert!(matches!(
+            &routes[0].action,
+            Some(route::route::Action::DirectResponse(d)) if d.status == 404
+        ));
+        assert!(routes[1].r#match.as_ref().unwrap().grpc.is_none());
     }
 
     #[test]

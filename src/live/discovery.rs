@@ -35,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::dashboards::DashboardStates;
 use crate::metrics::Metrics;
-use crate::model::{AddressPolicy, Model, Proxy, ProxyOrigin};
+use crate::model::{AddressPolicy, AddressRefusal, Model, Proxy, ProxyOrigin};
 
 /// A proxy left out of the effective model by the [`AddressPolicy`].
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -193,30 +193,45 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
         } else {
             (cluster.proxies.clone(), ProxyOrigin::Source)
         };
+        let http: std::collections::BTreeSet<SocketAddr> =
+            candidates.iter().map(|p| p.address).collect();
+        let mut refuse = |address, origin, why: AddressRefusal, what: &str| {
+            refused.push(RefusedProxy {
+                cluster: envoy_cluster.to_string(),
+                address,
+                from: match origin {
+                    ProxyOrigin::Source | ProxyOrigin::HostNetwork => "source",
+                    ProxyOrigin::Dashboard(_) => "dashboard",
+                },
+                label: why.label(),
+                reason: format!("{what}{why}"),
+            })
+        };
         candidates
             .into_iter()
-            .filter(|p| {
+            .filter_map(|mut p| {
                 // A hostNetwork pod's address is its node's: not trusted as the source's.
                 let origin = match origin {
                     ProxyOrigin::Source if p.host_network => ProxyOrigin::HostNetwork,
                     origin => origin,
                 };
-                match policy.check(p.address, origin) {
-                    Ok(()) => true,
-                    Err(why) => {
-                        refused.push(RefusedProxy {
-                            cluster: envoy_cluster.to_string(),
-                            address: p.address,
-                            from: match origin {
-                                ProxyOrigin::Source | ProxyOrigin::HostNetwork => "source",
-                                ProxyOrigin::Dashboard(_) => "dashboard",
-                            },
-                            label: why.label(),
-                            reason: why.to_string(),
-                        });
-                        false
+                if let Err(why) = policy.check(p.address, origin) {
+                    refuse(p.address, origin, why, "");
+                    return None;
+                }
+                // Its gRPC endpoint by the same policy: refused, the proxy keeps HTTP.
+                if let Some(grpc) = p.grpc {
+                    let checked = if http.contains(&grpc) {
+                        Err(AddressRefusal::ProtocolClash)
+                    } else {
+                        policy.check(grpc, origin)
+                    };
+                    if let Err(why) = checked {
+                        refuse(grpc, origin, why, "gRPC: ");
+                        p.grpc = None;
                     }
                 }
+                Some(p)
             })
             .collect()
     });

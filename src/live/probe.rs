@@ -133,7 +133,7 @@ impl ProxyProbe {
                     || self.consecutive_successes >= settings.healthy_threshold;
                 (
                     enough.then_some(ProbeState::Healthy),
-                    "healthz answered 200 success".to_string(),
+                    "answered success (HTTP 200 or gRPC OK)".to_string(),
                 )
             }
             Outcome::Draining => {
@@ -141,7 +141,7 @@ impl ProxyProbe {
                 self.consecutive_failures = 0;
                 (
                     Some(ProbeState::Draining),
-                    "healthz answered 503: the node is being drained".into(),
+                    "answered: this node is being drained (HTTP 503 or gRPC UNAVAILABLE)".into(),
                 )
             }
             Outcome::Refused => {

@@ -366,7 +366,8 @@ mod tests {
             .iter()
             .find(|v| v.name == format!("default/{service}"))
             .unwrap();
-        let Some(route::Action::Route(action)) = &vh.routes[0].action else {
+        let http = vh.routes.iter().find(|r| r.name == "default").unwrap();
+        let Some(route::Action::Route(action)) = &http.action else {
             panic!("a route action")
         };
         let Some(route_action::ClusterSpecifier::WeightedClusters(w)) = &action.cluster_specifier

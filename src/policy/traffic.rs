@@ -33,7 +33,7 @@ crate::declare_policy! {
             retry_budget_percent: u32 = 100, range(1, 100), flag "retry-budget-percent";
             /// Retries allowed in flight whatever the percent (Envoy's default is 3): enough for the requests waiting on one proxy's connections to fail together and all be retried while few others are in flight.
             retry_budget_min_concurrency: u32 = 1_000, range(1, 10_000), flag "retry-budget-min-concurrency";
-            /// Connect failures, resets and timeouts in a row before a proxy is ejected. HTTP answers never eject: Ray's 503 is backpressure, not a proxy fault.
+            /// Connect failures and per-try timeouts in a row before a proxy is ejected. HTTP answers never eject: Ray's 503 is backpressure, not a proxy fault.
             consecutive_local_origin_failure: u32 = 2, range(1, 1000), flag "consecutive-local-origin-failure";
             /// How often Envoy's outlier detection sweeps.
             outlier_interval: Duration = Duration::from_secs(1),

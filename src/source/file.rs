@@ -144,16 +144,32 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
                 ))
             })?;
             for c in &s.clusters {
+                let refused = |what: String| {
+                    ConfigError::Invalid(format!(
+                        "{}: rayservice {}/{}, cluster {}: {what}, never a proxy",
+                        file.display(),
+                        s.namespace,
+                        s.name,
+                        c.name,
+                    ))
+                };
+                if c.grpc_port == Some(0) {
+                    return Err(refused("grpc_port is 0".into()));
+                }
                 for p in c.proxies.iter().flatten() {
                     if let Some(why) = crate::model::refused_address(p.address) {
-                        return Err(ConfigError::Invalid(format!(
-                            "{}: rayservice {}/{}, cluster {}: proxy {} is {why}, never a proxy",
-                            file.display(),
-                            s.namespace,
-                            s.name,
-                            c.name,
-                            p.address
-                        )));
+                        return Err(refused(format!("proxy {} is {why}", p.address)));
+                    }
+                    let grpc = p.grpc.or(c
+                        .grpc_port
+                        .map(|port| std::net::SocketAddr::new(p.address.ip(), port)));
+                    if let Some(g) = grpc {
+                        if let Some(why) = crate::model::refused_address(g) {
+                            return Err(refused(format!(
+                                "proxy {}: gRPC address {g} is {why}",
+                                p.address
+                            )));
+                        }
                     }
                 }
             }

@@ -249,8 +249,10 @@ fn merge_warm_virtual_hosts(
             // is left out, and a host with no route left is.
             let vhost = vh.name.clone();
             vh.routes.retain_mut(|r| {
-                let own = route_clusters(r).into_iter().next();
-                match fallback(&vhost, own.as_deref()) {
+                let Some(own) = route_clusters(r).into_iter().next() else {
+                    return true; // names no cluster (a direct response): as it is
+                };
+                match fallback(&vhost, Some(&own)) {
                     Some(stand_in) => {
                         route_to(r, &stand_in);
                         true

@@ -163,3 +163,81 @@ pub async fn applications_are(dashboard: &str, expected: &[(&str, &str, &str)]) 
     assert_eq!(parsed.proxies.len(), proxies.len());
     doc
 }
+
+/// What a gRPC proxy's `ray.serve.RayServeAPIService` answers, as ray-xds and a client
+/// see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrpcApi {
+    /// The prober's reading of `Healthz` (`ray_xds::live::prober::probe_grpc_healthz`).
+    pub probe: ray_xds::live::probe::Outcome,
+    /// `Healthz`: the status code, its message (`grpc-message`; Ray sets `success` on OK
+    /// too) and `HealthzResponse.message` ("" when not OK).
+    pub healthz: (tonic::Code, String, String),
+    /// `ListApplications`: the status code, its message, and the application names,
+    /// sorted (Ray lists them in deploy order, the simulator sorted).
+    pub list_applications: (tonic::Code, String, Vec<String>),
+}
+
+/// The `grpc-message` of an OK answer (tonic keeps a unary call's trailers in its
+/// metadata).
+fn ok_message<T>(answer: &tonic::Response<T>) -> String {
+    answer
+        .metadata()
+        .get("grpc-message")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Calls `Healthz` (as ray-xds's prober does, and with a plain client) and
+/// `ListApplications` on the gRPC proxy at `proxy`.
+pub async fn grpc_api(proxy: SocketAddr) -> GrpcApi {
+    use ray_serve_sim::grpc::pb::ray_serve::ray_serve_api_service_client::RayServeApiServiceClient;
+    use ray_serve_sim::grpc::pb::ray_serve::{HealthzRequest, ListApplicationsRequest};
+    use ray_xds::live::prober::{grpc_channel, probe_grpc_healthz};
+    let timeout = std::time::Duration::from_secs(5);
+    let probe = probe_grpc_healthz(grpc_channel(proxy), timeout).await;
+    let mut client = RayServeApiServiceClient::new(grpc_channel(proxy));
+    let mut request = tonic::Request::new(HealthzRequest {});
+    request.set_timeout(timeout);
+    let healthz = match client.healthz(request).await {
+        Ok(answer) => (
+            tonic::Code::Ok,
+            ok_message(&answer),
+            answer.into_inner().message,
+        ),
+        Err(status) => (status.code(), status.message().to_string(), String::new()),
+    };
+    let mut request = tonic::Request::new(ListApplicationsRequest {});
+    request.set_timeout(timeout);
+    let list_applications = match client.list_applications(request).await {
+        Ok(answer) => {
+            let message = ok_message(&answer);
+            let mut names = answer.into_inner().application_names;
+            names.sort();
+            (tonic::Code::Ok, message, names)
+        }
+        Err(status) => (status.code(), status.message().to_string(), Vec::new()),
+    };
+    GrpcApi {
+        probe,
+        healthz,
+        list_applications,
+    }
+}
+
+/// A healthy gRPC proxy serving `applications`: ray-xds's prober finds it healthy,
+/// `Healthz` is OK `success`, `ListApplications` OK with exactly those names (in any
+/// order). Returns what it answered, for comparing the simulator with real Ray.
+pub async fn grpc_api_is_healthy(proxy: SocketAddr, applications: &[&str]) -> GrpcApi {
+    let api = grpc_api(proxy).await;
+    let mut names: Vec<String> = applications.iter().map(|a| a.to_string()).collect();
+    names.sort();
+    let want = GrpcApi {
+        probe: ray_xds::live::probe::Outcome::Healthy,
+        healthz: (tonic::Code::Ok, "success".into(), "success".into()),
+        list_applications: (tonic::Code::Ok, "success".into(), names),
+    };
+    assert_eq!(api, want, "{proxy}");
+    api
+}

@@ -8,6 +8,13 @@
 //! reaches it, and two proxies of one cluster can both use the Serve port. Nothing leaves
 //! the machine: the addresses exist only on interfaces the test created.
 //!
+//! A cluster started with [`RealRayCluster::start_grpc`] also runs Serve's gRPC proxy on
+//! every node (`grpc_options`, on a port of its own) with the demo service
+//! `ray_xds.demo.Echo` as its servicer: the Python stubs are generated into the cluster's
+//! temp dir (`tests/ray_apps/gen_grpc_stubs.sh`) and every node starts with them on
+//! `PYTHONPATH`, since the proxy imports the servicer function outside any application's
+//! runtime_env (`tests/fixtures/ray-serve-2.60/grpc/README.md`).
+//!
 //! Every port is one that was free a moment ago, and every cluster has its own
 //! `--temp-dir`, so clusters run side by side. Teardown, pass or fail: the `ray start
 //! --block` process groups are killed (Ray's workers exit when their raylet does), the
@@ -48,7 +55,8 @@ fn serve_binary() -> PathBuf {
 pub struct App {
     pub name: &'static str,
     pub route_prefix: &'static str,
-    /// `apps:hello`, `apps:slow` or `apps:broken` (tests/ray_apps/apps.py).
+    /// `apps:hello`, `apps:slow` or `apps:broken` (tests/ray_apps/apps.py), or
+    /// `grpc_apps:echo` (tests/ray_apps/grpc_apps.py, on a cluster started with gRPC).
     pub import_path: &'static str,
     /// Extra YAML for the application (e.g. `args: { delay_s: 15 }`).
     pub extra: &'static str,
@@ -184,6 +192,10 @@ pub struct RealRayCluster {
     pub dashboard_port: u16,
     pub serve_port: u16,
     pub gcs_port: u16,
+    /// Serve's gRPC port on every node (`grpc_options.port`), when started with gRPC.
+    pub grpc_port: Option<u16>,
+    /// The generated Python stubs of the demo service, when started with gRPC.
+    grpc_stubs: Option<PathBuf>,
     temp_dir: tempfile::TempDir,
     // Drop order: nodes (workers first), then the watchdog, then the network.
     workers: Vec<RayNode>,
@@ -195,6 +207,17 @@ pub struct RealRayCluster {
 impl RealRayCluster {
     /// Starts the cluster and waits for its dashboard (about 15 s per node).
     pub async fn start(name: &str, workers: usize) -> RealRayCluster {
+        RealRayCluster::start_with(name, workers, false).await
+    }
+
+    /// Like [`RealRayCluster::start`], Serve also running its gRPC proxy on every node
+    /// (at [`RealRayCluster::grpc_port`]) with `ray_xds.demo.Echo` as its servicer, for
+    /// `grpc_apps:*` applications.
+    pub async fn start_grpc(name: &str, workers: usize) -> RealRayCluster {
+        RealRayCluster::start_with(name, workers, true).await
+    }
+
+    async fn start_with(name: &str, workers: usize, grpc: bool) -> RealRayCluster {
         assert!(workers <= 1, "one worker node at most");
         let ray = ray_binary();
         let subnet = Subnet::create();
@@ -203,7 +226,20 @@ impl RealRayCluster {
             .tempdir()
             .unwrap();
         let (gcs_port, dashboard_port, serve_port) = (free_port(), free_port(), free_port());
-        let common = |cmd: &mut Command| {
+        let grpc_port = grpc.then(free_port);
+        let grpc_stubs = grpc.then(|| {
+            let out = run(Command::new("bash")
+                .arg(project_root().join("tests/ray_apps/gen_grpc_stubs.sh"))
+                .arg(temp_dir.path().join("grpc-stubs"))
+                .arg(ray.with_file_name("python")));
+            PathBuf::from(out.trim())
+        });
+        let pythonpath = grpc_stubs.clone();
+        let common = move |cmd: &mut Command| {
+            if let Some(stubs) = &pythonpath {
+                // Ray's worker processes (the proxy among them) inherit it.
+                cmd.env("PYTHONPATH", stubs);
+            }
             cmd.args([
                 "--block",
                 "--num-cpus=2",
@@ -239,6 +275,8 @@ impl RealRayCluster {
             dashboard_port,
             serve_port,
             gcs_port,
+            grpc_port,
+            grpc_stubs,
             temp_dir,
             workers: Vec::new(),
             watchdog: None,
@@ -314,6 +352,16 @@ impl RealRayCluster {
         SocketAddr::new(self.worker_ip(), self.serve_port)
     }
 
+    /// The gRPC proxy of the head node (a cluster started with gRPC).
+    pub fn head_grpc(&self) -> SocketAddr {
+        SocketAddr::new(self.head_ip(), self.grpc_port.expect("started with gRPC"))
+    }
+
+    /// The gRPC proxy of the worker node (a cluster started with gRPC).
+    pub fn worker_grpc(&self) -> SocketAddr {
+        SocketAddr::new(self.worker_ip(), self.grpc_port.expect("started with gRPC"))
+    }
+
     async fn wait_for_dashboard(&self) {
         let url = format!("{}/api/serve/applications/", self.dashboard_url());
         let started = Instant::now();
@@ -352,21 +400,34 @@ impl RealRayCluster {
     }
 
     /// Deploys applications with `serve deploy` (replacing any earlier config). Each
-    /// replica knows its cluster's name (RAY_XDS_TEST_CLUSTER).
+    /// replica knows its cluster's name (RAY_XDS_TEST_CLUSTER). On a cluster started with
+    /// gRPC, Serve's `grpc_options` (which cannot change while Serve runs) are the same
+    /// in every deploy, and each replica also knows the gRPC port and the stubs
+    /// (RAY_XDS_GRPC_PORT, RAY_XDS_GRPC_STUBS, as `grpc_apps.py` reads them).
     pub fn deploy(&self, apps: &[App]) {
         let mut yaml = format!(
-            "proxy_location: EveryNode\nhttp_options: {{ host: 0.0.0.0, port: {} }}\napplications:\n",
+            "proxy_location: EveryNode\nhttp_options: {{ host: 0.0.0.0, port: {} }}\n",
             self.serve_port
         );
+        let mut env_vars = format!("RAY_XDS_TEST_CLUSTER: {}", self.name);
+        if let (Some(port), Some(stubs)) = (self.grpc_port, &self.grpc_stubs) {
+            yaml += &format!(
+                "grpc_options: {{ port: {port}, grpc_servicer_functions: [ray_xds.demo.echo_pb2_grpc.add_EchoServicer_to_server] }}\n"
+            );
+            env_vars += &format!(
+                ", RAY_XDS_GRPC_PORT: \"{port}\", RAY_XDS_GRPC_STUBS: \"{}\"",
+                stubs.display()
+            );
+        }
+        yaml += "applications:\n";
         let working_dir = project_root().join("tests/ray_apps");
         for app in apps {
             yaml += &format!(
-                "  - name: {}\n    route_prefix: {}\n    import_path: {}\n    runtime_env: {{ working_dir: \"local://{}\", env_vars: {{ RAY_XDS_TEST_CLUSTER: {} }} }}\n",
+                "  - name: {}\n    route_prefix: {}\n    import_path: {}\n    runtime_env: {{ working_dir: \"local://{}\", env_vars: {{ {env_vars} }} }}\n",
                 app.name,
                 app.route_prefix,
                 app.import_path,
                 working_dir.display(),
-                self.name
             );
             if !app.extra.is_empty() {
                 yaml += &format!("    {}\n", app.extra);
