@@ -251,7 +251,7 @@ async fn real_ray_traffic_moves_to_a_new_cluster_only_once_its_application_runs(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn real_ray_a_killed_proxy_is_dropped_and_no_request_fails() {
+async fn real_ray_a_killed_proxy_is_dropped_and_no_request_fails_before_its_answer_began() {
     let a = RealRayCluster::start("a", 1).await;
     // A proxy on a node without replicas answers 503 "No replicas are available yet":
     // two replicas, spread over both nodes, keep both proxies healthy.
@@ -300,7 +300,22 @@ async fn real_ray_a_killed_proxy_is_dropped_and_no_request_fails() {
     let log = load.stop().await;
     eprintln!("killed proxy out of Envoy's rotation after {detected:?} ({flags})");
     assert!(log.len() > 50, "{} requests", log.len());
-    assert_eq!(failures(&log), Vec::<String>::new(), "no request fails");
+    // An answer whose headers had reached the client when the kill struck is cut off
+    // mid-way (uvicorn writes headers and body apart; seen once in CI): it ran, and no
+    // one can replay part of an answer. Requests go one at a time, so at most one can
+    // be; any other failure is a request ray-xds and Envoy let fail.
+    let (cut, other): (Vec<String>, Vec<String>) = failures(&log)
+        .into_iter()
+        .partition(|f| f.contains("error reading a body"));
+    assert_eq!(
+        other,
+        Vec::<String>::new(),
+        "no request fails before its answer began"
+    );
+    assert!(
+        cut.len() <= 1,
+        "at most the one answer in flight is cut: {cut:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

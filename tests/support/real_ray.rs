@@ -27,7 +27,31 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use super::{free_port, project_root};
+use super::project_root;
+
+/// A port for one of Ray's listeners: free a moment ago, never handed out before, and
+/// below the kernel's ephemeral range (`ip_local_port_range`), so that none of the
+/// outgoing connections and port-0 listeners of the Ray processes already running (this
+/// cluster's or another test's) can take it between now and Ray's bind. Ports picked from
+/// the ephemeral range let a dashboard fail to bind once in CI ("Ray's dashboard did not
+/// come up").
+fn ray_port() -> u16 {
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let ephemeral_low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    let (low, high) = (20_000u16, ephemeral_low.max(21_000));
+    loop {
+        let port = low + (fastrand::u16(..) % (high - low));
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+            && GIVEN.lock().unwrap_or_else(|e| e.into_inner()).insert(port)
+        {
+            return port;
+        }
+    }
+}
 
 /// The `ray` command, installed on first use.
 pub fn ray_binary() -> PathBuf {
@@ -225,8 +249,8 @@ impl RealRayCluster {
             .prefix("ray-xds-ray-")
             .tempdir()
             .unwrap();
-        let (gcs_port, dashboard_port, serve_port) = (free_port(), free_port(), free_port());
-        let grpc_port = grpc.then(free_port);
+        let (gcs_port, dashboard_port, serve_port) = (ray_port(), ray_port(), ray_port());
+        let grpc_port = grpc.then(ray_port);
         let grpc_stubs = grpc.then(|| {
             let out = run(Command::new("bash")
                 .arg(project_root().join("tests/ray_apps/gen_grpc_stubs.sh"))
@@ -258,13 +282,13 @@ impl RealRayCluster {
             .arg(format!("--dashboard-port={dashboard_port}"))
             .arg(format!("--temp-dir={}", temp_dir.path().display()));
         for (flag, port) in [
-            ("--node-manager-port", free_port()),
-            ("--object-manager-port", free_port()),
-            ("--ray-client-server-port", free_port()),
-            ("--dashboard-agent-listen-port", free_port()),
-            ("--dashboard-agent-grpc-port", free_port()),
-            ("--runtime-env-agent-port", free_port()),
-            ("--metrics-export-port", free_port()),
+            ("--node-manager-port", ray_port()),
+            ("--object-manager-port", ray_port()),
+            ("--ray-client-server-port", ray_port()),
+            ("--dashboard-agent-listen-port", ray_port()),
+            ("--dashboard-agent-grpc-port", ray_port()),
+            ("--runtime-env-agent-port", ray_port()),
+            ("--metrics-export-port", ray_port()),
         ] {
             cmd.arg(format!("{flag}={port}"));
         }
@@ -484,6 +508,24 @@ impl RealRayCluster {
     /// The tail of the cluster's own logs, for failure messages.
     pub fn logs(&self) -> String {
         let mut out = String::new();
+        // The head's dashboard log says why a dashboard did not come up (a port taken...).
+        let dashboard_log = self
+            .temp_dir
+            .path()
+            .join("session_latest/logs/dashboard.log");
+        let text = std::fs::read_to_string(&dashboard_log).unwrap_or_default();
+        out += &format!("\n--- {} ---\n", dashboard_log.display());
+        for line in text
+            .lines()
+            .rev()
+            .take(15)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+        {
+            out += line;
+            out.push('\n');
+        }
         for node in self.head.iter().chain(&self.workers) {
             let text = std::fs::read_to_string(&node.log).unwrap_or_default();
             let tail: Vec<&str> = text.lines().rev().take(15).collect();
