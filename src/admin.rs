@@ -67,19 +67,27 @@ pub struct LiveViews {
 }
 
 pub fn router(state: AdminState) -> Router {
-    let debug = bounded_pages(
+    public_routes().merge(debug_routes()).with_state(state)
+}
+
+/// `/healthz`, `/readyz`, `/metrics`: what probes and Prometheus read.
+fn public_routes() -> Router<AdminState> {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+}
+
+/// `/debug/*`: every resource, client and proxy; on a listener of its own when
+/// `admin.debug_listen` is set.
+fn debug_routes() -> Router<AdminState> {
+    bounded_pages(
         Router::new()
             .route("/debug/snapshot", get(snapshot))
             .route("/debug/clients", get(clients))
             .route("/debug/state", get(live_state)),
         DEBUG_PAGES_AT_ONCE,
-    );
-    Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .merge(debug)
-        .with_state(state)
+    )
 }
 
 /// Debug pages being answered at once: each can be megabytes (every client's
@@ -129,13 +137,26 @@ async fn bounded_debug_page(
 }
 
 /// Serves the admin API on `listener` (HTTP/1.1 only: one request at a time per
-/// connection, a header read timeout of 10 s) until `shutdown`.
+/// connection, a header read timeout of 10 s) until `shutdown`; with `debug`, the
+/// `/debug/*` pages only there (and `/healthz`, so it can be checked), not on `listener`.
 pub async fn serve(
     listener: TcpListener,
+    debug: Option<TcpListener>,
     state: AdminState,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    serve_app(listener, router(state), shutdown).await
+    let Some(debug) = debug else {
+        return serve_app(listener, router(state), shutdown).await;
+    };
+    let public = public_routes().with_state(state.clone());
+    let debug_app = debug_routes()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .with_state(state);
+    tokio::try_join!(
+        serve_app(listener, public, shutdown.clone()),
+        serve_app(debug, debug_app, shutdown),
+    )
+    .map(|_| ())
 }
 
 async fn serve_app(

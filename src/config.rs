@@ -44,6 +44,26 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
 
+    /// Serve /debug/* on this address only, not on the admin address (e.g. loopback, for
+    /// `kubectl port-forward`) [config: admin.debug_listen; default: on admin.listen].
+    #[arg(long, env = "RAY_XDS_ADMIN_DEBUG_LISTEN")]
+    pub admin_debug_listen: Option<SocketAddr>,
+
+    /// PEM certificate chain the xDS listener presents. With --xds-tls-key and
+    /// --xds-tls-client-ca it turns on mTLS: only clients with a certificate signed by
+    /// a client CA connect [config: xds.tls.cert; default: plain TCP].
+    #[arg(long, env = "RAY_XDS_XDS_TLS_CERT")]
+    pub xds_tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --xds-tls-cert (PKCS#8, PKCS#1 or SEC1) [config: xds.tls.key].
+    #[arg(long, env = "RAY_XDS_XDS_TLS_KEY")]
+    pub xds_tls_key: Option<PathBuf>,
+
+    /// PEM certificates of the CAs whose client certificates may connect to the xDS
+    /// listener [config: xds.tls.client_ca].
+    #[arg(long, env = "RAY_XDS_XDS_TLS_CLIENT_CA")]
+    pub xds_tls_client_ca: Option<PathBuf>,
+
     /// IP address of the Envoy HTTP listener that ray-xds configures
     /// [config: gateway.http_listener.address; default 0.0.0.0].
     #[arg(long, env = "RAY_XDS_GATEWAY_ADDRESS")]
@@ -206,7 +226,11 @@ pub struct Config {
     pub xds_limits: crate::xds::listener::Limits,
     /// ADS streams served at once.
     pub xds_max_streams: usize,
+    /// mTLS on the xDS listener (`None`: plain TCP).
+    pub xds_tls: Option<crate::xds::tls::TlsFiles>,
     pub admin_listen: SocketAddr,
+    /// Where `/debug/*` is served when not on `admin_listen`.
+    pub admin_debug_listen: Option<SocketAddr>,
     pub gateway: GatewaySettings,
     pub source: SourceConfig,
     /// Which proxy addresses may be published.
@@ -436,6 +460,16 @@ struct XdsSection {
     max_connections: Option<usize>,
     max_connections_per_peer: Option<usize>,
     max_streams: Option<usize>,
+    tls: Option<TlsSection>,
+}
+
+/// `xds.tls`: all three files, or none.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TlsSection {
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    client_ca: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -448,6 +482,7 @@ struct ProxiesSection {
 #[serde(deny_unknown_fields)]
 struct AdminSection {
     listen: Option<SocketAddr>,
+    debug_listen: Option<SocketAddr>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -481,6 +516,42 @@ struct FileSourceSection {
     path: PathBuf,
     #[serde(default, with = "humantime_serde")]
     poll_interval: Option<Duration>,
+}
+
+/// `xds.tls` from flags over the file, each path relative to the config file's folder:
+/// all three files or none (a certificate without a client CA would accept anyone).
+fn tls_files(
+    args: &ServeArgs,
+    file: Option<TlsSection>,
+    base_dir: &Path,
+) -> Result<Option<crate::xds::tls::TlsFiles>, ConfigError> {
+    let file = file.unwrap_or_default();
+    let in_file = |p: Option<PathBuf>| p.map(|p| base_dir.join(p));
+    let cert = args.xds_tls_cert.clone().or(in_file(file.cert));
+    let key = args.xds_tls_key.clone().or(in_file(file.key));
+    let client_ca = args.xds_tls_client_ca.clone().or(in_file(file.client_ca));
+    match (cert, key, client_ca) {
+        (None, None, None) => Ok(None),
+        (Some(cert), Some(key), Some(client_ca)) => Ok(Some(crate::xds::tls::TlsFiles {
+            cert,
+            key,
+            client_ca,
+        })),
+        (cert, key, client_ca) => {
+            let missing: Vec<&str> = [
+                ("cert (--xds-tls-cert)", cert.is_none()),
+                ("key (--xds-tls-key)", key.is_none()),
+                ("client_ca (--xds-tls-client-ca)", client_ca.is_none()),
+            ]
+            .into_iter()
+            .filter_map(|(name, missing)| missing.then_some(name))
+            .collect();
+            Err(ConfigError::Invalid(format!(
+                "xds.tls needs cert, key and client_ca together (mTLS only: a server certificate without a client CA would let anyone read every route); missing: {}",
+                missing.join(", ")
+            )))
+        }
+    }
 }
 
 /// How errors name the config file: its path, or "the command line" when there is none.
@@ -791,6 +862,17 @@ impl Config {
         let addresses = crate::model::AddressPolicy {
             networks: networks.into_iter().map(|n| n.trunc()).collect(),
         };
+        let xds_tls = tls_files(args, file.xds.tls, &base_dir)?;
+        let admin_listen = args
+            .admin_listen
+            .or(file.admin.listen)
+            .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 19000)));
+        let admin_debug_listen = args.admin_debug_listen.or(file.admin.debug_listen);
+        if admin_debug_listen.is_some_and(|d| d == admin_listen && d.port() != 0) {
+            return Err(ConfigError::Invalid(format!(
+                "admin.debug_listen (--admin-debug-listen) is admin.listen's address {admin_listen}: leave it out to serve /debug/* there"
+            )));
+        }
         Ok(Config {
             policies,
             addresses,
@@ -801,10 +883,9 @@ impl Config {
             xds_max_message_bytes: max_message,
             xds_limits,
             xds_max_streams,
-            admin_listen: args
-                .admin_listen
-                .or(file.admin.listen)
-                .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 19000))),
+            xds_tls,
+            admin_listen,
+            admin_debug_listen,
             gateway,
             source,
             memory,
@@ -829,6 +910,84 @@ mod tests {
             config: Some(f.path().to_path_buf()),
             ..Default::default()
         })
+    }
+
+    #[test]
+    fn xds_tls_takes_all_three_files_relative_to_the_config_file() {
+        let f = write(
+            "xds:\n  tls: { cert: tls/tls.crt, key: tls/tls.key, client_ca: /abs/ca.crt }\nsource: { kubernetes: {} }\n",
+        );
+        let c = Config::load(&ServeArgs {
+            config: Some(f.path().to_path_buf()),
+            ..Default::default()
+        })
+        .unwrap();
+        let tls = c.xds_tls.expect("tls on");
+        let dir = f.path().parent().unwrap();
+        assert_eq!(tls.cert, dir.join("tls/tls.crt"));
+        assert_eq!(tls.key, dir.join("tls/tls.key"));
+        assert_eq!(tls.client_ca, PathBuf::from("/abs/ca.crt"));
+        // A flag wins over the file, field by field.
+        let c = Config::load(&ServeArgs {
+            config: Some(f.path().to_path_buf()),
+            xds_tls_key: Some("/flag/key.pem".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(c.xds_tls.unwrap().key, PathBuf::from("/flag/key.pem"));
+        // Off by default.
+        assert_eq!(load("source: { kubernetes: {} }\n").unwrap().xds_tls, None);
+    }
+
+    #[test]
+    fn xds_tls_without_a_client_ca_is_refused() {
+        let e = load("xds:\n  tls: { cert: a.crt, key: a.key }\nsource: { kubernetes: {} }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("missing: client_ca (--xds-tls-client-ca)"),
+            "{e}"
+        );
+        let e = Config::load(&ServeArgs {
+            source_kubernetes: true,
+            xds_tls_cert: Some("a.crt".into()),
+            ..Default::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("missing: key (--xds-tls-key), client_ca (--xds-tls-client-ca)"),
+            "{e}"
+        );
+        let e = load(
+            "xds:\n  tls: { cert: a, key: b, client_ca: c, ca: d }\nsource: { kubernetes: {} }\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("xds.tls") && e.contains("unknown field `ca`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn debug_pages_may_have_a_listener_of_their_own() {
+        let c = load("admin: { listen: 0.0.0.0:19000, debug_listen: 127.0.0.1:19001 }\nsource: { kubernetes: {} }\n")
+            .unwrap();
+        assert_eq!(
+            c.admin_debug_listen,
+            Some("127.0.0.1:19001".parse().unwrap())
+        );
+        assert_eq!(
+            load("source: { kubernetes: {} }\n")
+                .unwrap()
+                .admin_debug_listen,
+            None
+        );
+        let e = load("admin: { listen: 127.0.0.1:19000, debug_listen: 127.0.0.1:19000 }\nsource: { kubernetes: {} }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("admin.debug_listen"), "{e}");
     }
 
     #[test]

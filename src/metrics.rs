@@ -51,6 +51,11 @@ pub struct ReasonLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabels {
     pub state: &'static str,
 }
@@ -85,6 +90,7 @@ pub struct Metrics {
     pub acks: Family<TypeLabels, Counter>,
     pub nacks: Family<TypeLabels, Counter>,
     pub stream_errors: Family<ReasonLabels, Counter>,
+    pub tls_reloads: Family<ResultLabels, Counter>,
     pub snapshots: Counter,
     pub snapshot_resources: Gauge,
     snapshot_info: Family<VersionLabels, Gauge>,
@@ -138,6 +144,7 @@ impl Metrics {
             acks: Family::default(),
             nacks: Family::default(),
             stream_errors: Family::default(),
+            tls_reloads: Family::default(),
             snapshots: Counter::default(),
             snapshot_resources: Gauge::default(),
             snapshot_info: Family::default(),
@@ -188,6 +195,11 @@ impl Metrics {
             "xds_stream_errors",
             "Streams ended by a client error (bad message, unknown type, too large)",
             m.stream_errors.clone(),
+        );
+        registry.register(
+            "xds_tls_reloads",
+            "Changes of the xDS listener's certificate files: loaded (ok) or unusable and the last good ones kept (error)",
+            m.tls_reloads.clone(),
         );
         registry.register("snapshots", "Snapshots published", m.snapshots.clone());
         registry.register(
@@ -431,6 +443,13 @@ impl crate::xds::Observer for Metrics {
     fn stream_error(&self, protocol: &'static str, reason: &'static str) {
         self.stream_errors
             .get_or_create(&ReasonLabels { protocol, reason })
+            .inc();
+    }
+
+    fn tls_reload(&self, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.tls_reloads
+            .get_or_create(&ResultLabels { result })
             .inc();
     }
 }

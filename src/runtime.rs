@@ -59,6 +59,8 @@ where
 pub struct Running {
     pub xds_addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// Where `/debug/*` is served, when not on `admin_addr`.
+    pub admin_debug_addr: Option<SocketAddr>,
     pub metrics: Arc<Metrics>,
     shutdown: CancellationToken,
     tasks: JoinSet<anyhow::Result<()>>,
@@ -197,8 +199,27 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let admin_listener = TcpListener::bind(config.admin_listen)
         .await
         .with_context(|| format!("binding the admin listener on {}", config.admin_listen))?;
+    let debug_listener = match config.admin_debug_listen {
+        Some(addr) => Some(TcpListener::bind(addr).await.with_context(|| {
+            format!("binding the admin debug listener (admin.debug_listen) on {addr}")
+        })?),
+        None => None,
+    };
     let xds_addr = xds_listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
+    let admin_debug_addr = debug_listener
+        .as_ref()
+        .map(TcpListener::local_addr)
+        .transpose()?;
+    // mTLS: unreadable or mismatched files at start are fatal (there is no last good
+    // configuration yet); later changes are re-read, and a bad one is only logged.
+    let xds_tls = match &config.xds_tls {
+        Some(files) => Some(
+            crate::xds::tls::ServerTls::load(files.clone())
+                .context("xds.tls: loading the xDS listener's certificate files")?,
+        ),
+        None => None,
+    };
     let policies = &config.policies;
     let mut tasks = JoinSet::new();
     let components = Arc::new(Components::new(metrics.clone()));
@@ -375,6 +396,18 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     );
     let (mut published, token) = (published_rx.clone(), shutdown.clone());
     let xds_observer: Arc<dyn crate::xds::Observer> = metrics.clone();
+    if let Some(tls) = &xds_tls {
+        let watch = crate::xds::tls::watch(
+            tls.clone(),
+            crate::xds::tls::RELOAD_INTERVAL,
+            xds_observer.clone(),
+            shutdown.clone(),
+        );
+        tasks.spawn(async move {
+            watch.await;
+            Ok(())
+        });
+    }
     tasks.spawn(async move {
         tokio::select! {
             _ = token.cancelled() => return Ok(()),
@@ -393,6 +426,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
                     limits,
                     Default::default(),
                     xds_observer,
+                    xds_tls,
                 ),
                 token.cancelled_owned(),
             )
@@ -423,6 +457,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let admin_listener = admin_listener
         .into_std()
         .context("moving the admin listener to its thread")?;
+    let debug_listener = debug_listener
+        .map(TcpListener::into_std)
+        .transpose()
+        .context("moving the admin debug listener to its thread")?;
     let (admin_done, admin_ended) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("ray-xds-admin".into())
@@ -433,7 +471,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
                 .and_then(|runtime| {
                     runtime.block_on(async move {
                         let listener = tokio::net::TcpListener::from_std(admin_listener)?;
-                        admin::serve(listener, state, token).await
+                        let debug = debug_listener
+                            .map(tokio::net::TcpListener::from_std)
+                            .transpose()?;
+                        admin::serve(listener, debug, state, token).await
                     })
                 });
             let _ = admin_done.send(served);
@@ -445,10 +486,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             .unwrap_or_else(|_| Err(std::io::Error::other("the admin thread panicked")))
             .context("admin server")
     });
-    tracing::info!(%xds_addr, %admin_addr, "ray-xds started");
+    tracing::info!(%xds_addr, %admin_addr, ?admin_debug_addr, tls = config.xds_tls.is_some(), "ray-xds started");
     Ok(Running {
         xds_addr,
         admin_addr,
+        admin_debug_addr,
         metrics,
         shutdown,
         tasks,

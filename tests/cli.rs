@@ -124,3 +124,81 @@ async fn flags_and_environment_configure_a_running_server() {
         "{metrics}"
     );
 }
+
+#[test]
+fn unusable_xds_tls_files_fail_at_start_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = support::tls::TestPki::new(&dir.path().join("pki"));
+    std::fs::write(dir.path().join("services.yaml"), "rayservices: []\n").unwrap();
+    // The client's key with the server's certificate: not a pair.
+    let out = Command::new(env!("CARGO_BIN_EXE_ray-xds"))
+        .args([
+            "serve",
+            "--xds-listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--source-file")
+        .arg(dir.path().join("services.yaml"))
+        .arg("--xds-tls-cert")
+        .arg(&pki.server_cert_path)
+        .arg("--xds-tls-key")
+        .arg(&pki.client_key_path)
+        .arg("--xds-tls-client-ca")
+        .arg(&pki.ca_pem_path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("xds.tls")
+            && stderr.contains("server.crt and")
+            && stderr.contains("client.key"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn debug_pages_on_a_listener_of_their_own_are_gone_from_the_admin_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let services = dir.path().join("services.yaml");
+    std::fs::write(&services, "rayservices: []\n").unwrap();
+    let (admin_port, debug_port) = (free_port(), free_port());
+    let _server = spawn(
+        "ray-xds",
+        Command::new(env!("CARGO_BIN_EXE_ray-xds"))
+            .args(["serve", "--xds-listen", "127.0.0.1:0"])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin_port}")])
+            .env(
+                "RAY_XDS_ADMIN_DEBUG_LISTEN",
+                format!("127.0.0.1:{debug_port}"),
+            )
+            .env("RAY_XDS_SOURCE_FILE", &services)
+            .stderr(std::process::Stdio::null()),
+    );
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let debug = format!("http://127.0.0.1:{debug_port}");
+    eventually("ready", Duration::from_secs(20), || async {
+        http_get(&format!("{admin}/readyz"))
+            .await
+            .ok()
+            .filter(|(s, _)| *s == 200)
+    })
+    .await;
+    for page in ["/debug/state", "/debug/clients", "/debug/snapshot"] {
+        assert_eq!(
+            http_get(&format!("{admin}{page}")).await.unwrap().0,
+            404,
+            "{page}"
+        );
+        assert_eq!(
+            http_get(&format!("{debug}{page}")).await.unwrap().0,
+            200,
+            "{page}"
+        );
+    }
+    assert_eq!(http_get(&format!("{admin}/metrics")).await.unwrap().0, 200);
+    assert_eq!(http_get(&format!("{debug}/healthz")).await.unwrap().0, 200);
+    assert_eq!(http_get(&format!("{debug}/metrics")).await.unwrap().0, 404);
+}

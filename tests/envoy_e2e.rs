@@ -282,7 +282,7 @@ async fn restart_keeps_traffic_and_resends_only_endpoints(bootstrap: Bootstrap) 
     let expected = match bootstrap {
         // State of the world re-sends the clusters too: after a NACK, Envoy reports its
         // last accepted version though it applied what it could of the rejected one.
-        Bootstrap::Sotw => vec![pushed("cds"), pushed("eds")],
+        Bootstrap::Sotw | Bootstrap::SotwTls => vec![pushed("cds"), pushed("eds")],
         Bootstrap::Delta => vec![pushed("eds")],
     };
     assert_eq!(

@@ -1,13 +1,15 @@
 //! The xDS listener's connections, bounded: at most `max_connections` open at once and
 //! `max_connections_per_peer` from one IP address (one more is closed at once), each given
-//! `handshake_timeout` to send the 24 bytes of the HTTP/2 client preface (a client sends
+//! `handshake_timeout` to finish its TLS handshake when the listener has TLS
+//! ([`super::tls`]) and send the 24 bytes of the HTTP/2 client preface (a client sends
 //! it at once; a socket silent or trickling is closed), closed after `idle_timeout`
 //! without an open stream (an Envoy keeps its ADS stream open for the connection's
 //! life), and accept errors (out of file descriptors) back off instead of spinning.
 //!
 //! Invariants: a connection's slots (total and its peer's) are freed when the
-//! connection is dropped, whatever ends it; nothing here reads or writes a byte of the
-//! protocol.
+//! connection is dropped, whatever ends it (a handshake in progress holds them too);
+//! nothing here reads or writes a byte of the xDS protocol, and tonic gets a TLS
+//! connection only once its handshake, client certificate included, has succeeded.
 
 use std::future::Future;
 use std::io;
@@ -20,9 +22,10 @@ use std::time::Duration;
 use futures::Stream;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
+use super::tls::ServerTls;
 use crate::peer_counts::{PeerCounts, PeerSlot};
 
 /// How many connections the listener holds, and how long one may stay silent.
@@ -95,77 +98,234 @@ pub struct Refusals {
     pub silent: Arc<AtomicU64>,
     /// Connections closed for having no stream for `idle_timeout`.
     pub idle: Arc<AtomicU64>,
+    /// Connections whose TLS handshake failed (no client certificate, an untrusted one,
+    /// not TLS at all).
+    pub tls_failed: AtomicU64,
     /// Accept errors (each followed by a pause).
     pub accept_errors: AtomicU64,
 }
 
-/// The accepted connections of `listener`, within `limits`.
+/// The accepted connections of `listener`, within `limits`, each through its TLS
+/// handshake first when `tls` is set (handshakes run concurrently, so a slow one delays
+/// nobody; each must finish, and the HTTP/2 preface arrive, within `handshake_timeout`).
 /// Each refusal is also reported to `observer` as a stream error of protocol
-/// `"connection"` (reasons `over_limit`, `over_peer_limit`, `silent`, `accept_error`).
+/// `"connection"` (reasons `over_limit`, `over_peer_limit`, `silent`, `tls_handshake`,
+/// `accept_error`).
 pub fn incoming(
     listener: TcpListener,
     limits: Limits,
     refusals: Arc<Refusals>,
     observer: Arc<dyn super::Observer>,
+    tls: Option<Arc<ServerTls>>,
 ) -> impl Stream<Item = io::Result<BoundedConnection>> {
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(accept_loop(listener, limits, refusals, observer, tls, tx));
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Accepts until the server stops reading its connections (`tx` closed).
+async fn accept_loop(
+    listener: TcpListener,
+    limits: Limits,
+    refusals: Arc<Refusals>,
+    observer: Arc<dyn super::Observer>,
+    tls: Option<Arc<ServerTls>>,
+    tx: mpsc::Sender<io::Result<BoundedConnection>>,
+) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let peers = Arc::new(PeerCounts::default());
-    futures::stream::unfold(
-        (listener, slots, refusals, observer),
-        move |(listener, slots, refusals, observer)| {
-            let peers = peers.clone();
-            async move {
-                loop {
-                    let (stream, peer) = match listener.accept().await {
-                        Ok(accepted) => accepted,
-                        Err(err) => {
-                            refusals.accept_errors.fetch_add(1, Ordering::Relaxed);
-                            observer.stream_error("connection", "accept_error");
-                            tracing::warn!(error = %err, "xDS listener: accept failed; pausing 100 ms");
-                            tokio::time::sleep(Duration::from_millis(100)).await;
-                            continue;
-                        }
-                    };
-                    let Ok(slot) = slots.clone().try_acquire_owned() else {
-                        refusals.over_limit.fetch_add(1, Ordering::Relaxed);
-                        observer.stream_error("connection", "over_limit");
-                        tracing::warn!(%peer, max = limits.max_connections, "xDS listener: connection limit reached; closing the new connection");
-                        drop(stream);
-                        continue;
-                    };
-                    let Some(peer_slot) =
-                        peers.try_take(peer.ip(), limits.max_connections_per_peer)
-                    else {
-                        refusals.over_peer_limit.fetch_add(1, Ordering::Relaxed);
-                        observer.stream_error("connection", "over_peer_limit");
-                        tracing::warn!(%peer, max = limits.max_connections_per_peer, "xDS listener: connection limit of this peer reached; closing the new connection");
-                        drop(stream);
-                        continue;
-                    };
-                    let _ = stream.set_nodelay(true);
-                    let connection = BoundedConnection {
-                        inner: stream,
-                        _slot: slot,
-                        _peer_slot: peer_slot,
-                        deadline: Some(Box::pin(tokio::time::sleep(limits.handshake_timeout))),
-                        preface_left: PREFACE_BYTES,
-                        idle_timeout: limits.idle_timeout,
-                        idle: None,
-                        streams: Arc::default(),
-                        silent: refusals.silent.clone(),
-                        idle_closed: refusals.idle.clone(),
-                        observer: observer.clone(),
-                    };
-                    return Some((Ok(connection), (listener, slots, refusals, observer)));
+    let handshake_log = Arc::new(RateLimitedLog::default());
+    loop {
+        let accepted = tokio::select! {
+            _ = tx.closed() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(err) => {
+                refusals.accept_errors.fetch_add(1, Ordering::Relaxed);
+                observer.stream_error("connection", "accept_error");
+                tracing::warn!(error = %err, "xDS listener: accept failed; pausing 100 ms");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            refusals.over_limit.fetch_add(1, Ordering::Relaxed);
+            observer.stream_error("connection", "over_limit");
+            tracing::warn!(%peer, max = limits.max_connections, "xDS listener: connection limit reached; closing the new connection");
+            drop(stream);
+            continue;
+        };
+        let Some(peer_slot) = peers.try_take(peer.ip(), limits.max_connections_per_peer) else {
+            refusals.over_peer_limit.fetch_add(1, Ordering::Relaxed);
+            observer.stream_error("connection", "over_peer_limit");
+            tracing::warn!(%peer, max = limits.max_connections_per_peer, "xDS listener: connection limit of this peer reached; closing the new connection");
+            drop(stream);
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let deadline = tokio::time::Instant::now() + limits.handshake_timeout;
+        let connection = ConnectionParts {
+            tcp: stream.connect_info(),
+            _slot: slot,
+            _peer_slot: peer_slot,
+            deadline,
+            idle_timeout: limits.idle_timeout,
+            silent: refusals.silent.clone(),
+            idle_closed: refusals.idle.clone(),
+            observer: observer.clone(),
+        };
+        let Some(tls) = &tls else {
+            if tx
+                .send(Ok(connection.with(Io::Plain(stream))))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            continue;
+        };
+        let (acceptor, tx, refusals) = (tls.acceptor(), tx.clone(), refusals.clone());
+        let log = handshake_log.clone();
+        tokio::spawn(async move {
+            match tokio::time::timeout_at(deadline, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => {
+                    let _ = tx.send(Ok(connection.with(Io::Tls(Box::new(tls))))).await;
+                }
+                Ok(Err(err)) => {
+                    refusals.tls_failed.fetch_add(1, Ordering::Relaxed);
+                    connection
+                        .observer
+                        .stream_error("connection", "tls_handshake");
+                    if log.now() {
+                        tracing::warn!(%peer, error = %err, "xDS listener: TLS handshake failed (no client certificate, one the client CA did not sign, or not TLS); closing the connection (logged at most every 10 s; counted in xds_stream_errors)");
+                    }
+                }
+                Err(_) => {
+                    connection.silent.fetch_add(1, Ordering::Relaxed);
+                    connection.observer.stream_error("connection", "silent");
                 }
             }
-        },
-    )
+        });
+    }
+}
+
+/// Logs at most once per 10 s (a scanner's failed handshakes must not flood the log).
+#[derive(Default)]
+struct RateLimitedLog(std::sync::Mutex<Option<std::time::Instant>>);
+
+impl RateLimitedLog {
+    fn now(&self) -> bool {
+        let mut last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let due = last.is_none_or(|at| at.elapsed() >= Duration::from_secs(10));
+        if due {
+            *last = Some(std::time::Instant::now());
+        }
+        due
+    }
+}
+
+/// An accepted connection's slots and limits, before its transport is ready.
+struct ConnectionParts {
+    tcp: TcpConnectInfo,
+    _slot: OwnedSemaphorePermit,
+    _peer_slot: PeerSlot,
+    /// When the handshake (TLS, then the HTTP/2 preface) must be done.
+    deadline: tokio::time::Instant,
+    idle_timeout: Duration,
+    silent: Arc<AtomicU64>,
+    idle_closed: Arc<AtomicU64>,
+    observer: Arc<dyn super::Observer>,
+}
+
+impl ConnectionParts {
+    fn with(self, inner: Io) -> BoundedConnection {
+        BoundedConnection {
+            inner,
+            tcp: self.tcp,
+            _slot: self._slot,
+            _peer_slot: self._peer_slot,
+            deadline: Some(Box::pin(tokio::time::sleep_until(self.deadline))),
+            preface_left: PREFACE_BYTES,
+            idle_timeout: self.idle_timeout,
+            idle: None,
+            streams: Arc::default(),
+            silent: self.silent,
+            idle_closed: self.idle_closed,
+            observer: self.observer,
+        }
+    }
+}
+
+/// A connection's transport: the socket, or TLS over it.
+enum Io {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for Io {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Io {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(s) => Pin::new(s).poll_flush(cx),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Io::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Io::Plain(s) => s.is_write_vectored(),
+            Io::Tls(s) => s.is_write_vectored(),
+        }
+    }
 }
 
 /// A connection holding its slot, closed if it sends nothing in time.
 pub struct BoundedConnection {
-    inner: TcpStream,
+    inner: Io,
+    tcp: TcpConnectInfo,
     _slot: OwnedSemaphorePermit,
     _peer_slot: PeerSlot,
     /// Until the preface has arrived.
@@ -271,7 +431,7 @@ impl Connected for BoundedConnection {
 
     fn connect_info(&self) -> Self::ConnectInfo {
         XdsConnectInfo {
-            tcp: self.inner.connect_info(),
+            tcp: self.tcp.clone(),
             streams: self.streams.clone(),
         }
     }
@@ -287,7 +447,7 @@ mod tests {
     /// whose read is `open` holds a stream (as an ADS stream would) until it sends `shut`.
     fn echo_on(listener: TcpListener, limits: Limits) -> Arc<Refusals> {
         let refusals = Arc::new(Refusals::default());
-        let stream = incoming(listener, limits, refusals.clone(), Arc::new(()));
+        let stream = incoming(listener, limits, refusals.clone(), Arc::new(()), None);
         tokio::spawn(async move {
             tokio::pin!(stream);
             while let Some(Ok(mut conn)) = stream.next().await {

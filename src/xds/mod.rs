@@ -29,6 +29,7 @@ pub mod ordering;
 pub mod server;
 pub mod snapshot;
 pub mod sotw;
+pub mod tls;
 
 use std::sync::Arc;
 
@@ -53,6 +54,9 @@ pub trait Observer: Send + Sync + 'static {
     fn nacked(&self, _protocol: &'static str, _ty: ResourceType) {}
     /// A stream ended on a client error (`reason` is a short metric label).
     fn stream_error(&self, _protocol: &'static str, _reason: &'static str) {}
+    /// The xDS listener's certificate files changed: read into a new configuration
+    /// (`true`), or unusable, the last good one kept (`false`).
+    fn tls_reload(&self, _ok: bool) {}
 }
 
 /// Observes nothing.

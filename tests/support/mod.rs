@@ -24,6 +24,7 @@ pub mod fake_apiserver;
 pub mod real_ray;
 pub mod stack;
 pub mod tamper;
+pub mod tls;
 
 #[allow(unused_imports)]
 pub use stack::Stack;
@@ -130,6 +131,9 @@ impl Drop for ChildGuard {
 pub enum Bootstrap {
     Sotw,
     Delta,
+    /// State of the world over mTLS (`envoy/bootstrap-tls.yaml`): render it with
+    /// [`Bootstrap::with_tls_files`].
+    SotwTls,
 }
 
 impl Bootstrap {
@@ -137,6 +141,7 @@ impl Bootstrap {
         match self {
             Bootstrap::Sotw => "bootstrap.yaml",
             Bootstrap::Delta => "bootstrap-delta.yaml",
+            Bootstrap::SotwTls => "bootstrap-tls.yaml",
         }
     }
 
@@ -144,6 +149,24 @@ impl Bootstrap {
         match self {
             Bootstrap::Sotw => "sotw",
             Bootstrap::Delta => "delta",
+            Bootstrap::SotwTls => "sotw",
+        }
+    }
+
+    /// An edit for [`Envoy::start_with`]: the TLS bootstrap's certificate files are
+    /// `cert`, `key` and `ca` instead of `/etc/envoy/xds-tls/*`.
+    pub fn with_tls_files(cert: &Path, key: &Path, ca: &Path) -> impl FnOnce(String) -> String {
+        let (cert, key, ca) = (
+            cert.display().to_string(),
+            key.display().to_string(),
+            ca.display().to_string(),
+        );
+        move |bootstrap: String| {
+            assert!(bootstrap.contains("/etc/envoy/xds-tls/tls.crt"));
+            bootstrap
+                .replace("/etc/envoy/xds-tls/tls.crt", &cert)
+                .replace("/etc/envoy/xds-tls/tls.key", &key)
+                .replace("/etc/envoy/xds-tls/ca.crt", &ca)
         }
     }
 }
@@ -424,7 +447,9 @@ pub fn test_config(services: &Path, gateway_port: u16) -> Config {
         xds_max_message_bytes: 4 * 1024 * 1024,
         xds_limits: Default::default(),
         xds_max_streams: ray_xds::xds::server::DEFAULT_MAX_STREAMS,
+        xds_tls: None,
         admin_listen: "127.0.0.1:0".parse().unwrap(),
+        admin_debug_listen: None,
         gateway: GatewaySettings {
             listener_address: "127.0.0.1".parse().unwrap(),
             listener_port: gateway_port,

@@ -1,0 +1,469 @@
+//! mTLS for the xDS listener: the certificate ray-xds presents and the CAs whose client
+//! certificates may connect, read from PEM files (`xds.tls`) and read again when they
+//! change, as cert-manager rotates a mounted Secret.
+//!
+//! Invariants:
+//! - a client without a certificate chained to `client_ca` fails the handshake, before
+//!   it can send or read one xDS byte (the listener hands tonic only finished handshakes);
+//! - a reload that fails (a file missing, half written, unparsable, or a key that is not
+//!   the certificate's) changes nothing: the last good configuration goes on serving, and
+//!   the failure is logged and counted;
+//! - a reload applies to handshakes that start after it: connections already open keep
+//!   their session, so a rotation never drops a stream.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig};
+use sha2::{Digest, Sha256};
+use tokio_rustls::TlsAcceptor;
+
+/// The PEM files of `xds.tls`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The certificate chain presented, the server's first.
+    pub cert: PathBuf,
+    /// Its private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// The CAs whose client certificates are accepted.
+    pub client_ca: PathBuf,
+}
+
+/// The largest PEM file read (a chain of a few certificates is a few KiB).
+const MAX_PEM_BYTES: u64 = 1024 * 1024;
+
+/// How often the files are compared with what was loaded. Kubernetes updates a mounted
+/// Secret by swapping a symlink, which file-change notifications miss; reading three
+/// small files every few seconds cannot miss it.
+pub const RELOAD_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Why the files did not make a configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("reading {file}: {source}")]
+    Read {
+        file: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{file}: {message}")]
+    Pem { file: PathBuf, message: String },
+    #[error("{0}")]
+    Config(String),
+}
+
+/// The server's TLS configuration, swapped whole on a good reload.
+pub struct ServerTls {
+    files: TlsFiles,
+    current: ArcSwap<ServerConfig>,
+    /// A digest of the three files' bytes that made `current` (or last failed): a reload
+    /// is tried only when the files change.
+    seen: Mutex<[u8; 32]>,
+}
+
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerTls")
+            .field("files", &self.files)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What [`ServerTls::reload_if_changed`] did.
+#[derive(Debug)]
+pub enum Reload {
+    /// The files are as last read.
+    Unchanged,
+    /// A new configuration serves new handshakes.
+    Reloaded,
+    /// The files changed but make no configuration; the last good one goes on.
+    Failed(TlsError),
+}
+
+impl ServerTls {
+    /// Reads the files; an error here is fatal at start (there is no last good state).
+    pub fn load(files: TlsFiles) -> Result<Arc<ServerTls>, TlsError> {
+        let bytes = read_all(&files)?;
+        let config = server_config(&files, &bytes)?;
+        Ok(Arc::new(ServerTls {
+            current: ArcSwap::from_pointee(config),
+            seen: Mutex::new(digest(&bytes)),
+            files,
+        }))
+    }
+
+    /// An acceptor with the configuration of this moment.
+    pub fn acceptor(&self) -> TlsAcceptor {
+        TlsAcceptor::from(self.current.load_full())
+    }
+
+    pub fn files(&self) -> &TlsFiles {
+        &self.files
+    }
+
+    /// Reads the files again and, if they changed and make a configuration, serves it.
+    pub fn reload_if_changed(&self) -> Reload {
+        let bytes = match read_all(&self.files) {
+            Ok(bytes) => bytes,
+            // A file missing for a moment (a Secret being swapped) is a failure only if
+            // it lasts: the next tick tries again, and nothing is marked seen.
+            Err(e) => return Reload::Failed(e),
+        };
+        let sum = digest(&bytes);
+        {
+            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            if *seen == sum {
+                return Reload::Unchanged;
+            }
+            *seen = sum;
+        }
+        match server_config(&self.files, &bytes) {
+            Ok(config) => {
+                self.current.store(Arc::new(config));
+                Reload::Reloaded
+            }
+            Err(e) => Reload::Failed(e),
+        }
+    }
+}
+
+/// Compares the files with what was loaded every [`RELOAD_INTERVAL`] until `shutdown`;
+/// logs and reports each reload and each failure (once per change of the files).
+pub async fn watch(
+    tls: Arc<ServerTls>,
+    interval: Duration,
+    observer: Arc<dyn super::Observer>,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    let mut ticks = tokio::time::interval(interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.tick().await;
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        let tls = tls.clone();
+        let Ok(outcome) = tokio::task::spawn_blocking(move || tls.reload_if_changed()).await else {
+            continue;
+        };
+        match outcome {
+            Reload::Unchanged => failing = false,
+            Reload::Reloaded => {
+                failing = false;
+                observer.tls_reload(true);
+                tracing::info!("xDS TLS: certificate files changed; new handshakes use them");
+            }
+            Reload::Failed(e) => {
+                // A missing file fails every tick until it is back: say so once.
+                if !failing {
+                    observer.tls_reload(false);
+                    tracing::warn!(error = %e, "xDS TLS: certificate files changed but cannot be used; keeping the last good ones");
+                }
+                failing = true;
+            }
+        }
+    }
+}
+
+fn read_all(files: &TlsFiles) -> Result<[Vec<u8>; 3], TlsError> {
+    Ok([
+        read_pem(&files.cert)?,
+        read_pem(&files.key)?,
+        read_pem(&files.client_ca)?,
+    ])
+}
+
+fn read_pem(path: &Path) -> Result<Vec<u8>, TlsError> {
+    use std::io::Read;
+    let read = |source| TlsError::Read {
+        file: path.to_path_buf(),
+        source,
+    };
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .map_err(read)?
+        .take(MAX_PEM_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read)?;
+    if bytes.len() as u64 > MAX_PEM_BYTES {
+        return Err(TlsError::Pem {
+            file: path.to_path_buf(),
+            message: format!("over {} MiB: not a PEM file", MAX_PEM_BYTES >> 20),
+        });
+    }
+    Ok(bytes)
+}
+
+fn digest(bytes: &[Vec<u8>; 3]) -> [u8; 32] {
+    let mut hash = Sha256::new();
+    for b in bytes {
+        hash.update((b.len() as u64).to_le_bytes());
+        hash.update(b);
+    }
+    hash.finalize().into()
+}
+
+fn pem_error(file: &Path, message: impl std::fmt::Display) -> TlsError {
+    TlsError::Pem {
+        file: file.to_path_buf(),
+        message: message.to_string(),
+    }
+}
+
+fn certificates(file: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| pem_error(file, format!("not PEM certificates: {e}")))?;
+    if certs.is_empty() {
+        return Err(pem_error(file, "no CERTIFICATE block"));
+    }
+    Ok(certs)
+}
+
+/// The configuration the three files make: TLS 1.2 and 1.3, ALPN `h2` (gRPC), and a
+/// client certificate required and verified against `client_ca`.
+fn server_config(
+    files: &TlsFiles,
+    [cert, key, ca]: &[Vec<u8>; 3],
+) -> Result<ServerConfig, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let chain = certificates(&files.cert, cert)?;
+    let key = PrivateKeyDer::from_pem_slice(key)
+        .map_err(|e| pem_error(&files.key, format!("no usable private key: {e}")))?;
+    let mut roots = RootCertStore::empty();
+    for ca_cert in certificates(&files.client_ca, ca)? {
+        roots
+            .add(ca_cert)
+            .map_err(|e| pem_error(&files.client_ca, format!("not a CA certificate: {e}")))?;
+    }
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .build()
+        .map_err(|e| pem_error(&files.client_ca, e))?;
+    let mut config = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Config(e.to_string()))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)
+        .map_err(|e| {
+            TlsError::Config(format!(
+                "{} and {}: {e}",
+                files.cert.display(),
+                files.key.display()
+            ))
+        })?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+
+    struct Files {
+        _dir: tempfile::TempDir,
+        files: TlsFiles,
+        ca: CertifiedIssuer<'static, KeyPair>,
+    }
+
+    fn ca() -> CertifiedIssuer<'static, KeyPair> {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
+    }
+
+    fn leaf(ca: &CertifiedIssuer<'static, KeyPair>) -> (String, String) {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec!["localhost".to_string()])
+            .unwrap()
+            .signed_by(&key, ca)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
+    fn files() -> Files {
+        let dir = tempfile::tempdir().unwrap();
+        let files = TlsFiles {
+            cert: dir.path().join("tls.crt"),
+            key: dir.path().join("tls.key"),
+            client_ca: dir.path().join("ca.crt"),
+        };
+        let ca = ca();
+        let (cert, key) = leaf(&ca);
+        std::fs::write(&files.cert, cert).unwrap();
+        std::fs::write(&files.key, key).unwrap();
+        std::fs::write(&files.client_ca, ca.pem()).unwrap();
+        Files {
+            _dir: dir,
+            files,
+            ca,
+        }
+    }
+
+    fn served(tls: &ServerTls) -> Arc<ServerConfig> {
+        tls.current.load_full()
+    }
+
+    #[test]
+    fn loads_and_serves_h2_with_client_certificates_required() {
+        let f = files();
+        let tls = ServerTls::load(f.files.clone()).unwrap();
+        let config = served(&tls);
+        assert_eq!(config.alpn_protocols, vec![b"h2".to_vec()]);
+        assert!(matches!(tls.reload_if_changed(), Reload::Unchanged));
+    }
+
+    /// A handshake between `tls`'s acceptor and a client trusting `f.ca`, presenting
+    /// `client` (certificate and key PEM) if any; then one byte each way, which is where
+    /// TLS 1.3 clients learn that the server refused their certificate.
+    async fn handshake(
+        tls: &ServerTls,
+        ca: &str,
+        client: Option<(String, String)>,
+    ) -> Result<(), String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_slice(ca.as_bytes()).unwrap())
+            .unwrap();
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots);
+        let config = match client {
+            Some((cert, key)) => builder
+                .with_client_auth_cert(
+                    vec![CertificateDer::from_pem_slice(cert.as_bytes()).unwrap()],
+                    PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
+                )
+                .unwrap(),
+            None => builder.with_no_client_auth(),
+        };
+        let (client_io, server_io) = tokio::io::duplex(64 * 1024);
+        let acceptor = tls.acceptor();
+        let server = tokio::spawn(async move {
+            let mut s = acceptor
+                .accept(server_io)
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut b = [0u8; 1];
+            s.read_exact(&mut b).await.map_err(|e| e.to_string())?;
+            s.write_all(&b).await.map_err(|e| e.to_string())?;
+            s.flush().await.map_err(|e| e.to_string())
+        });
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let client = async {
+            let mut c = connector
+                .connect(name, client_io)
+                .await
+                .map_err(|e| e.to_string())?;
+            c.write_all(b"x").await.map_err(|e| e.to_string())?;
+            c.flush().await.map_err(|e| e.to_string())?;
+            let mut b = [0u8; 1];
+            c.read_exact(&mut b).await.map_err(|e| e.to_string())
+        };
+        let client = client.await;
+        let server = server.await.unwrap();
+        client
+            .and(server.map_err(|e| format!("server: {e}")))
+            .map(|_| ())
+    }
+
+    #[tokio::test]
+    async fn only_a_client_certificate_the_client_ca_signed_gets_through() {
+        let f = files();
+        let tls = ServerTls::load(f.files.clone()).unwrap();
+        let ca = f.ca.pem();
+        handshake(&tls, &ca, Some(leaf(&f.ca)))
+            .await
+            .expect("a client the CA signed");
+        let e = handshake(&tls, &ca, None).await.unwrap_err();
+        assert!(
+            e.contains("CertificateRequired") || e.contains("certificate"),
+            "{e}"
+        );
+        // Another CA (named alike, as rcgen names them all: its signature is what fails).
+        let stranger = super::tests::ca();
+        handshake(&tls, &ca, Some(leaf(&stranger)))
+            .await
+            .unwrap_err();
+    }
+
+    #[test]
+    fn errors_name_the_file_and_what_is_wrong() {
+        let f = files();
+        let mut missing = f.files.clone();
+        missing.key = f.files.key.with_extension("gone");
+        let e = ServerTls::load(missing).unwrap_err().to_string();
+        assert!(e.contains("tls.gone") && e.contains("reading"), "{e}");
+
+        std::fs::write(&f.files.client_ca, "not a certificate\n").unwrap();
+        let e = ServerTls::load(f.files.clone()).unwrap_err().to_string();
+        assert!(e.contains("ca.crt") && e.contains("no CERTIFICATE"), "{e}");
+
+        // A key that is not the certificate's.
+        std::fs::write(&f.files.client_ca, f.ca.pem()).unwrap();
+        let (_, other_key) = leaf(&f.ca);
+        std::fs::write(&f.files.key, other_key).unwrap();
+        let e = ServerTls::load(f.files.clone()).unwrap_err().to_string();
+        assert!(e.contains("tls.crt and") && e.contains("tls.key"), "{e}");
+
+        std::fs::write(&f.files.key, "").unwrap();
+        let e = ServerTls::load(f.files.clone()).unwrap_err().to_string();
+        assert!(e.contains("no usable private key"), "{e}");
+
+        std::fs::write(&f.files.cert, vec![b'x'; (MAX_PEM_BYTES + 1) as usize]).unwrap();
+        let e = ServerTls::load(f.files.clone()).unwrap_err().to_string();
+        assert!(e.contains("not a PEM file"), "{e}");
+    }
+
+    #[test]
+    fn a_good_change_is_served_and_a_bad_one_keeps_the_last_good_configuration() {
+        let f = files();
+        let tls = ServerTls::load(f.files.clone()).unwrap();
+        let first = served(&tls);
+
+        // A new certificate and key: reloaded once, then unchanged.
+        let (cert, key) = leaf(&f.ca);
+        std::fs::write(&f.files.cert, cert).unwrap();
+        std::fs::write(&f.files.key, key).unwrap();
+        assert!(matches!(tls.reload_if_changed(), Reload::Reloaded));
+        let second = served(&tls);
+        assert!(!Arc::ptr_eq(&first, &second));
+        assert!(matches!(tls.reload_if_changed(), Reload::Unchanged));
+
+        // Half a rotation: a new certificate whose key has not arrived yet.
+        let (cert, next_key) = leaf(&f.ca);
+        std::fs::write(&f.files.cert, cert).unwrap();
+        assert!(matches!(tls.reload_if_changed(), Reload::Failed(_)));
+        assert!(
+            Arc::ptr_eq(&second, &served(&tls)),
+            "a failed reload changed nothing"
+        );
+        // Reported once per change, not every tick.
+        assert!(matches!(tls.reload_if_changed(), Reload::Unchanged));
+        // The key arrives: the pair is served.
+        std::fs::write(&f.files.key, next_key).unwrap();
+        assert!(matches!(tls.reload_if_changed(), Reload::Reloaded));
+
+        // A file gone for a moment (a Secret's symlink being swapped) fails, keeps the
+        // configuration, and is tried again when it is back.
+        let third = served(&tls);
+        std::fs::remove_file(&f.files.client_ca).unwrap();
+        assert!(matches!(
+            tls.reload_if_changed(),
+            Reload::Failed(TlsError::Read { .. })
+        ));
+        assert!(Arc::ptr_eq(&third, &served(&tls)));
+        std::fs::write(&f.files.client_ca, f.ca.pem()).unwrap();
+        assert!(matches!(tls.reload_if_changed(), Reload::Unchanged));
+    }
+}

@@ -1,0 +1,118 @@
+//! Certificates made in tests: a CA, a server certificate for ray-xds's xDS listener and a
+//! client certificate for Envoy, written as PEM files into a folder of the test's.
+
+use std::path::{Path, PathBuf};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose,
+};
+
+/// The names the server certificate carries (the Kubernetes Service's, and loopback's).
+pub const SERVER_NAMES: [&str; 4] = [
+    "localhost",
+    "127.0.0.1",
+    "ray-xds.ray-xds.svc",
+    "ray-xds.ray-xds.svc.cluster.local",
+];
+
+/// A CA and what it signed, as files.
+pub struct TestPki {
+    pub dir: PathBuf,
+    pub ca_pem_path: PathBuf,
+    pub server_cert_path: PathBuf,
+    pub server_key_path: PathBuf,
+    pub client_cert_path: PathBuf,
+    pub client_key_path: PathBuf,
+    ca: CertifiedIssuer<'static, KeyPair>,
+}
+
+impl TestPki {
+    /// A new CA (its own key) with a server and a client certificate, under `dir`.
+    pub fn new(dir: &Path) -> TestPki {
+        std::fs::create_dir_all(dir).unwrap();
+        let ca = new_ca("ray-xds test CA");
+        let pki = TestPki {
+            dir: dir.to_path_buf(),
+            ca_pem_path: dir.join("ca.crt"),
+            server_cert_path: dir.join("server.crt"),
+            server_key_path: dir.join("server.key"),
+            client_cert_path: dir.join("client.crt"),
+            client_key_path: dir.join("client.key"),
+            ca,
+        };
+        std::fs::write(&pki.ca_pem_path, pki.ca.pem()).unwrap();
+        pki.issue_server(&pki.server_cert_path, &pki.server_key_path);
+        let (cert, key) = pki.client_pem("envoy-gateway");
+        std::fs::write(&pki.client_cert_path, cert).unwrap();
+        std::fs::write(&pki.client_key_path, key).unwrap();
+        pki
+    }
+
+    /// A new server certificate and key (a new key pair) from the same CA, written to
+    /// `cert` and `key` (each atomically, as a Secret's files are swapped).
+    pub fn issue_server(&self, cert: &Path, key: &Path) -> String {
+        let (pem, key_pem) = self.leaf(
+            "ray-xds",
+            SERVER_NAMES.iter().map(|s| s.to_string()).collect(),
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        write_atomic(key, &key_pem);
+        write_atomic(cert, &pem);
+        pem
+    }
+
+    /// A client certificate and key (PEM) signed by this CA.
+    pub fn client_pem(&self, name: &str) -> (String, String) {
+        self.leaf(
+            name,
+            vec![format!("{name}.example")],
+            ExtendedKeyUsagePurpose::ClientAuth,
+        )
+    }
+
+    fn leaf(
+        &self,
+        common_name: &str,
+        names: Vec<String>,
+        usage: ExtendedKeyUsagePurpose,
+    ) -> (String, String) {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(names).unwrap();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, common_name);
+        params.extended_key_usages = vec![usage];
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        let cert = params.signed_by(&key, &self.ca).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
+/// Another CA's client certificate and key (PEM): well formed, trusted by nobody here.
+pub fn foreign_client_pem() -> (String, String) {
+    let ca = new_ca("someone else's CA");
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(vec!["intruder.example".to_string()]).unwrap();
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let cert = params.signed_by(&key, &ca).unwrap();
+    (cert.pem(), key.serialize_pem())
+}
+
+fn new_ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, name);
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
+}
+
+fn write_atomic(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp~");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
