@@ -1,10 +1,15 @@
 # syntax=docker/dockerfile:1
 #
-# The ray-xds image used by deploy/ (placeholder name ghcr.io/ray-xds/ray-xds:0.1.0):
+# The ray-xds image used by deploy/ (placeholder name ghcr.io/ray-xds/ray-xds:0.1.0),
+# for a machine with Docker (BuildKit) that can pull base images:
 #   docker build -t registry.example.com/ray-xds:0.1.0 .
 #
-# NOT built on the development machine: it cannot pull base images, so this file is
-# untested there. Only the `ray-xds` binary goes in (no Envoy, no simulator).
+# Without a daemon or pulls, scripts/build-image.sh builds the same image FROM scratch with
+# buildah (the release binary, exactly the libraries it links, passwd/group for 65532, the
+# same USER, ENTRYPOINT, CMD and ports), and scripts/check-image.sh inspects it and runs it
+# read-only as 65532; CI runs both (scripts/test.sh). This Dockerfile itself is not built
+# there (its base images cannot be pulled). Only the `ray-xds` binary goes in (no Envoy,
+# no simulator).
 
 # Build: the release binary, with the dependency registry and the target folder cached
 # between builds (BuildKit cache mounts).

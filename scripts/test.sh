@@ -39,5 +39,8 @@ step 10m cargo test --bench chaos -- --protocol grpc --scenario worker-crash --s
     --arm ray-xds --arm baseline-kuberay \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert
 step 35m cargo test --lib --bins --tests -- --skip real_ray_
+# The container image (scripts/build-image.sh, from scratch, no daemon, no pull) checked
+# and run read-only as user 65532 (podman + runc): the release build is most of it.
+step 15m bash scripts/check-image.sh
 # Real Ray Serve clusters (about 1 GB and 15 s per node): one test at a time.
 step 20m cargo test --test real_ray -- --test-threads=1
