@@ -381,6 +381,18 @@ pub struct KubernetesSourceConfig {
     /// service account, else `KUBECONFIG` / `~/.kube/config`.
     #[serde(default)]
     pub api_server: Option<String>,
+    /// Hosts each namespace's RayServices may claim beyond `<name>.<namespace>` and
+    /// `<name>.<namespace>.svc` (`ray-xds.io/hosts`): namespace → patterns (`name`,
+    /// `*.suffix`, `prefix.*`, `*`). A claim outside them is refused.
+    #[serde(default)]
+    pub allowed_hosts: std::collections::BTreeMap<String, Vec<String>>,
+}
+
+impl KubernetesSourceConfig {
+    /// The host policy (checked when the config was loaded).
+    pub fn host_policy(&self) -> Result<crate::model::HostPolicy, String> {
+        crate::model::HostPolicy::new(self.allowed_hosts.clone())
+    }
 }
 
 /// The largest gRPC message accepted from an xDS client, by default (4 MiB).
@@ -841,6 +853,11 @@ impl Config {
                         "source.kubernetes.namespaces: a namespace name is empty".into(),
                     ));
                 }
+                if let Err(e) = k.host_policy() {
+                    return Err(ConfigError::Invalid(format!(
+                        "source.kubernetes.allowed_hosts: {e}"
+                    )));
+                }
                 SourceConfig::Kubernetes(k)
             }
             (None, None, None) => return Err(ConfigError::Invalid(
@@ -971,6 +988,29 @@ mod tests {
     }
 
     #[test]
+    fn allowed_hosts_are_read_and_checked() {
+        let c = load("source:\n  kubernetes:\n    allowed_hosts:\n      team-a: ['*.team-a.example.com', api.example.com]\n      edge: ['*']\n").unwrap();
+        let SourceConfig::Kubernetes(k) = &c.source else {
+            panic!()
+        };
+        let policy = k.host_policy().unwrap();
+        assert!(policy.allows("team-a", "llm", "x.team-a.example.com"));
+        assert!(policy.allows("edge", "gw", "*"));
+        assert!(!policy.allows("team-b", "llm", "x.team-a.example.com"));
+        let e = load("source:\n  kubernetes:\n    allowed_hosts:\n      team-a: ['*.*']\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("source.kubernetes.allowed_hosts: namespace team-a: host \"*.*\""),
+            "{e}"
+        );
+        let e = load("source:\n  kubernetes:\n    allowed_hosts: { team-a: x.example }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("allowed_hosts"), "{e}");
+    }
+
+    #[test]
     fn debug_pages_may_have_a_listener_of_their_own() {
         let c = load("admin: { listen: 0.0.0.0:19000, debug_listen: 127.0.0.1:19001 }\nsource: { kubernetes: {} }\n")
             .unwrap();
@@ -1079,6 +1119,7 @@ mod tests {
                 namespaces: vec!["ml".into(), "serving".into()],
                 rayservice_selector: Some("team=ml".into()),
                 api_server: None,
+                allowed_hosts: Default::default(),
             })
         );
         let c = load("source: { kubernetes: {} }\n").unwrap();

@@ -128,6 +128,8 @@ fn k8s_config(api: &FakeApiServer) -> Config {
     let mut c = test_config(std::path::Path::new("unused"), 0);
     c.source = SourceConfig::Kubernetes(KubernetesSourceConfig {
         api_server: Some(api.url()),
+        // The sample RayService claims every host ("*"), as a gateway admin's may.
+        allowed_hosts: [(NS.to_string(), vec!["*".to_string()])].into(),
         ..Default::default()
     });
     c
@@ -798,4 +800,115 @@ mod two_replicas {
         );
         shutdown.cancel();
     }
+}
+
+/// A RayService in `namespace`, created at `created` (RFC 3339), claiming `hosts`, routed
+/// to `cluster`; with its cluster's pods moved into the namespace.
+fn claimant(namespace: &str, created: &str, hosts: &str, cluster: &Cluster) -> Vec<Value> {
+    let mut r = rayservice(Some(&cluster.sim.name), None);
+    r["metadata"]["namespace"] = json!(namespace);
+    r["metadata"]["creationTimestamp"] = json!(created);
+    r["metadata"]["annotations"] = json!({ "ray-xds.io/hosts": hosts });
+    let mut objects = vec![r];
+    for i in 0..cluster.sim.proxies.len() {
+        let mut pod = cluster.pod(i);
+        pod["metadata"]["namespace"] = json!(namespace);
+        objects.push(pod);
+    }
+    objects
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_namespaces_contending_for_a_host_the_older_keeps_it_and_none_takes_what_the_policy_refuses(
+) {
+    let shutdown = CancellationToken::new();
+    let api = FakeApiServer::start().await;
+    let z = Cluster::start("z-1", &[NodeType::Head], "RUNNING", &shutdown).await;
+    let a = Cluster::start("a-1", &[NodeType::Head], "RUNNING", &shutdown).await;
+    // zeta's RayService is older; alpha's sorts first by name, and also claims "*".
+    for o in claimant("zeta", "2026-01-01T00:00:00Z", "shared.example.com", &z) {
+        api.apply(o);
+    }
+    for o in claimant(
+        "alpha",
+        "2026-06-01T00:00:00Z",
+        "shared.example.com, *, rayservice-sample.alpha",
+        &a,
+    ) {
+        api.apply(o);
+    }
+    let mut config = k8s_config(&api);
+    let SourceConfig::Kubernetes(k) = &mut config.source else {
+        unreachable!()
+    };
+    k.allowed_hosts = [
+        ("zeta".to_string(), vec!["*.example.com".to_string()]),
+        ("alpha".to_string(), vec!["*.example.com".to_string()]),
+    ]
+    .into();
+    let xds = ray_xds::runtime::start(config, shutdown.clone())
+        .await
+        .unwrap();
+    let envoy = Envoy::start(Bootstrap::Delta, xds.xds_addr.port());
+    let port = envoy.gateway_port().await;
+    let served_by =
+        |host: &'static str| async move { through_envoy_to(port, host).await.map(|s| s.cluster) };
+    eventually(
+        "the shared host routes to the older RayService",
+        DEADLINE,
+        || async { served_by("shared.example.com").await.filter(|c| c == "z-1") },
+    )
+    .await;
+    eventually("the younger keeps its own name", DEADLINE, || async {
+        served_by("rayservice-sample.alpha")
+            .await
+            .filter(|c| c == "a-1")
+    })
+    .await;
+    for _ in 0..20 {
+        assert_eq!(
+            served_by("shared.example.com").await.as_deref(),
+            Some("z-1")
+        );
+    }
+    // "*" was refused: nothing routes a host nobody may claim.
+    assert_eq!(served_by("anything.else").await, None);
+    let (status, _) = http_to_host(
+        "POST",
+        &format!("http://127.0.0.1:{port}/hello"),
+        "anything.else",
+        "{}",
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 404);
+
+    // Refused and conflicting claims are shown and counted.
+    let state = debug_state(xds.admin_addr).await;
+    let problems: Vec<String> =
+        serde_json::from_value(state["source"]["problems"].clone()).unwrap();
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.starts_with("rayservice alpha/rayservice-sample: host \"*\" refused")),
+        "{problems:#?}"
+    );
+    assert!(problems.iter().any(|p| p.starts_with("rayservice alpha/rayservice-sample: host \"shared.example.com\" left to zeta/rayservice-sample")), "{problems:#?}");
+    let metrics = admin_get(xds.admin_addr, "/metrics").await;
+    for reason in ["host_refused", "host_conflict"] {
+        let series = format!(
+            "ray_xds_source_objects_skipped_total{{source=\"kubernetes\",reason=\"{reason}\"}}"
+        );
+        assert!(metric(&metrics, &series) >= 1.0, "{series}\n{metrics}");
+    }
+
+    // The older RayService goes: the host passes to the one claimant left.
+    api.delete("ray.io/v1", "RayService", "zeta", NAME);
+    eventually(
+        "the shared host moves to the remaining claimant",
+        DEADLINE,
+        || async { served_by("shared.example.com").await.filter(|c| c == "a-1") },
+    )
+    .await;
+    shutdown.cancel();
 }

@@ -362,7 +362,7 @@ pub fn kubernetes_objects(data: &[u8]) {
             }
         }
     }
-    let whole = build(rayservices.values(), pods.values());
+    let whole = build(rayservices.values(), pods.values(), &Default::default());
     assert_valid(&whole.model);
     for p in &whole.problems {
         assert_message(&p.message);

@@ -14,15 +14,21 @@
 //! - KubeRay's application statuses are hints only and do not reach the model: each
 //!   cluster's own dashboard is the authority.
 //!
-//! A RayService that would make the model invalid (a host another one already claims, a
-//! name Envoy would reject) is left out and reported; the others are still served.
+//! Hosts: a RayService claims `ray-xds.io/hosts`, or by default `<name>.<namespace>` and
+//! `<name>.<namespace>.svc`. A host outside what its namespace may claim
+//! ([`HostPolicy`], `source.kubernetes.allowed_hosts`) is refused; a host an older
+//! RayService (by creation time, then `namespace/name`, as Gateway API orders routes)
+//! already claims is left to it. Each is reported, and the RayService keeps its other
+//! hosts; one with no host left is left out. A RayService that would make the model
+//! invalid (a name Envoy would reject) is left out and reported; the others are still
+//! served.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
 use super::annotations;
 use super::objects::{PodObject, RayServiceObject};
-use crate::model::{HeadProxy, Model, NodeType, Proxy, RayCluster, RayService};
+use crate::model::{HeadProxy, HostPolicy, Model, NodeType, Proxy, RayCluster, RayService};
 
 /// Something in the objects that ray-xds ignored, reported once by the caller.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -61,6 +67,8 @@ pub struct ServiceBuild {
     pub unrouted: bool,
     /// KubeRay's application statuses per cluster.
     pub hints: BTreeMap<String, BTreeMap<String, String>>,
+    /// When the RayService was created (unix seconds): the older claim of a host wins.
+    pub created: Option<i64>,
 }
 
 /// The clusters a RayService's status names: active (or a lone pending) and pending.
@@ -83,10 +91,12 @@ pub fn cluster_names(r: &RayServiceObject) -> (Option<String>, Option<String>) {
 pub fn service<'a>(
     r: &RayServiceObject,
     pods_of: impl Fn(&str) -> Vec<&'a PodObject>,
+    hosts: &HostPolicy,
 ) -> ServiceBuild {
     let object = format!("rayservice {}/{}", r.namespace, r.name);
     let mut built = ServiceBuild {
         key: format!("{}/{}", r.namespace, r.name),
+        created: r.created,
         ..Default::default()
     };
     let (Some(active), pending) = cluster_names(r) else {
@@ -121,15 +131,38 @@ pub fn service<'a>(
         .chain(pending.as_ref())
         .map(|name| cluster(name, &pods_of(name), &object, &mut built.problems))
         .collect();
+    let claimed = annotated.hosts.unwrap_or_else(|| {
+        vec![
+            format!("{}.{}", r.name, r.namespace),
+            format!("{}.{}.svc", r.name, r.namespace),
+        ]
+    });
+    let (allowed, refused): (Vec<String>, Vec<String>) = claimed
+        .into_iter()
+        .partition(|h| hosts.allows(&r.namespace, &r.name, h));
+    for host in &refused {
+        built.problems.push(Problem {
+            object: object.clone(),
+            reason: "host_refused",
+            message: format!(
+                "host {host:?} refused: RayServices of namespace {} may claim {} (source.kubernetes.allowed_hosts)",
+                r.namespace,
+                hosts.describe(&r.namespace, &r.name)
+            ),
+        });
+    }
+    if allowed.is_empty() {
+        built.problems.push(Problem {
+            object,
+            reason: "host_refused",
+            message: "left out: every host it claims is refused".into(),
+        });
+        return built;
+    }
     let service = RayService {
         namespace: r.namespace.clone(),
         name: r.name.clone(),
-        hosts: annotated.hosts.unwrap_or_else(|| {
-            vec![
-                format!("{}.{}", r.name, r.namespace),
-                format!("{}.{}.svc", r.name, r.namespace),
-            ]
-        }),
+        hosts: allowed,
         active_cluster: active,
         pending_cluster: pending,
         clusters,
@@ -147,12 +180,19 @@ pub fn service<'a>(
     built
 }
 
-/// Puts built RayServices (by `(namespace, name)`, so in a stable order) into one model: a
-/// RayService claiming a host an earlier one claims is left out and reported.
+/// Puts built RayServices into one model. Hosts go to the oldest claimant (creation time,
+/// then `namespace/name`; one without a creation time counts as the newest): a younger
+/// RayService loses each host an older one holds, is reported, and keeps its others (left
+/// out when none is left).
 pub fn assemble<'a>(built: impl IntoIterator<Item = &'a ServiceBuild>) -> Built {
     let mut out = Built::default();
     let mut services = Vec::new();
     let mut claimed: BTreeMap<String, String> = BTreeMap::new();
+    let mut built: Vec<&ServiceBuild> = built.into_iter().collect();
+    built.sort_by(|a, b| {
+        let age = |b: &ServiceBuild| (b.created.is_none(), b.created);
+        age(a).cmp(&age(b)).then_with(|| a.key.cmp(&b.key))
+    });
     for b in built {
         out.problems.extend(b.problems.iter().cloned());
         if b.unrouted {
@@ -164,22 +204,33 @@ pub fn assemble<'a>(built: impl IntoIterator<Item = &'a ServiceBuild>) -> Built 
         if !b.hints.is_empty() {
             out.hints.insert(service.key(), b.hints.clone());
         }
-        if let Some((host, other)) = service.hosts.iter().find_map(|h| {
-            claimed
-                .get(&h.to_ascii_lowercase())
-                .map(|o| (h.clone(), o.clone()))
-        }) {
+        let object = format!("rayservice {}", service.key());
+        let mut service = service.clone();
+        service.hosts.retain(|h| match claimed.get(&h.to_ascii_lowercase()) {
+            None => true,
+            Some(older) => {
+                out.problems.push(Problem {
+                    object: object.clone(),
+                    reason: "host_conflict",
+                    message: format!(
+                        "host {h:?} left to {older}, which claimed it first (the older RayService keeps a host)"
+                    ),
+                });
+                false
+            }
+        });
+        if service.hosts.is_empty() {
             out.problems.push(Problem {
-                object: format!("rayservice {}", service.key()),
+                object,
                 reason: "host_conflict",
-                message: format!("left out: host {host:?} already routes to {other}"),
+                message: "left out: every host it claims is held by an older RayService".into(),
             });
             continue;
         }
         for h in &service.hosts {
             claimed.insert(h.to_ascii_lowercase(), service.key());
         }
-        services.push(service.clone());
+        services.push(service);
     }
     match Model::new(services) {
         Ok(model) => out.model = model,
@@ -190,6 +241,7 @@ pub fn assemble<'a>(built: impl IntoIterator<Item = &'a ServiceBuild>) -> Built 
             message: format!("no RayService routed: {e}"),
         }),
     }
+    out.unrouted.sort();
     out.problems.sort();
     out.problems.dedup();
     out
@@ -199,6 +251,7 @@ pub fn assemble<'a>(built: impl IntoIterator<Item = &'a ServiceBuild>) -> Built 
 pub fn build<'a>(
     rayservices: impl IntoIterator<Item = &'a RayServiceObject>,
     pods: impl IntoIterator<Item = &'a PodObject>,
+    hosts: &HostPolicy,
 ) -> Built {
     let mut by_cluster: BTreeMap<(&str, &str), Vec<&PodObject>> = BTreeMap::new();
     for pod in pods {
@@ -212,12 +265,16 @@ pub fn build<'a>(
     let built: Vec<ServiceBuild> = rayservices
         .iter()
         .map(|r| {
-            service(r, |cluster| {
-                by_cluster
-                    .get(&(r.namespace.as_str(), cluster))
-                    .cloned()
-                    .unwrap_or_default()
-            })
+            service(
+                r,
+                |cluster| {
+                    by_cluster
+                        .get(&(r.namespace.as_str(), cluster))
+                        .cloned()
+                        .unwrap_or_default()
+                },
+                hosts,
+            )
         })
         .collect();
     assemble(&built)
@@ -297,9 +354,15 @@ mod tests {
             annotations: Default::default(),
             labels: Default::default(),
             exclude_head_pod: false,
+            created: None,
             active: status(active),
             pending: status(pending),
         }
+    }
+
+    /// Namespace `ml` may claim any host.
+    fn open() -> HostPolicy {
+        HostPolicy::new(BTreeMap::from([("ml".to_string(), vec!["*".to_string()])])).unwrap()
     }
 
     fn pod(name: &str, cluster: &str, ip: &str, head: bool) -> PodObject {
@@ -335,7 +398,7 @@ mod tests {
             pod("b-head", "llm-b", "10.0.1.1", true),
             pod("other", "unrelated", "10.0.9.9", true),
         ];
-        let built = build(&services, &pods);
+        let built = build(&services, &pods, &open());
         assert_eq!(built.problems, vec![]);
         let s = &built.model.services()[0];
         assert_eq!(s.key(), "ml/llm");
@@ -371,7 +434,7 @@ mod tests {
         let mut head = pod("a-head", "llm-a", "10.0.0.1", true);
         head.grpc_port = Some(9000);
         let pods = [head, pod("a-worker", "llm-a", "10.0.0.2", false)];
-        let built = build(&services, &pods);
+        let built = build(&services, &pods, &open());
         let a = built.model.services()[0].cluster("llm-a").unwrap().clone();
         let grpc: Vec<Option<String>> = a
             .proxies
@@ -394,7 +457,7 @@ mod tests {
             )]
             .into(),
         );
-        let built = build(&[r], &[]);
+        let built = build(&[r], &[], &open());
         assert_eq!(built.hints["ml/llm"]["llm-a"]["app"], "RUNNING");
         assert!(
             !built.hints["ml/llm"].contains_key("llm-b"),
@@ -405,7 +468,7 @@ mod tests {
     #[test]
     fn a_first_deploy_routes_to_its_pending_cluster_and_no_status_is_not_routed() {
         let services = [rs("new", None, Some("new-a")), rs("blank", None, None)];
-        let built = build(&services, &[]);
+        let built = build(&services, &[], &open());
         let s = &built.model.services()[0];
         assert_eq!(
             (s.active_cluster.as_str(), s.pending_cluster.as_ref()),
@@ -425,7 +488,7 @@ mod tests {
             .insert("ray-xds.io/hosts".into(), "llm.example.com".into());
         r.annotations
             .insert("ray-xds.io/retries".into(), "lots".into());
-        let built = build(&[r], &[]);
+        let built = build(&[r], &[], &open());
         let s = &built.model.services()[0];
         assert_eq!(s.policy.head_proxy, HeadProxy::Exclude, "the spec wins");
         assert_eq!(s.hosts, ["llm.example.com"]);
@@ -445,7 +508,7 @@ mod tests {
             .insert("ray-xds.io/hosts".into(), "shared.example".into());
         let invalid = rs("c", Some("Not_A_DNS_Label"), None);
         let fine = rs("d", Some("d-1"), None);
-        let built = build(&[second, first, invalid, fine], &[]);
+        let built = build(&[second, first, invalid, fine], &[], &open());
         let keys: Vec<String> = built.model.services().iter().map(|s| s.key()).collect();
         assert_eq!(keys, ["ml/a", "ml/d"]);
         let reasons: Vec<(&str, &str)> = built
@@ -456,6 +519,7 @@ mod tests {
         assert_eq!(
             reasons,
             [
+                ("rayservice ml/b", "host_conflict"),
                 ("rayservice ml/b", "host_conflict"),
                 ("rayservice ml/c", "invalid_rayservice")
             ]
@@ -473,11 +537,139 @@ mod tests {
             pod("x2", "x-1", "10.0.0.2", false),
             pod("y1", "y-2", "10.0.0.3", true),
         ];
-        let forward = build(&services, &pods).model;
+        let forward = build(&services, &pods, &open()).model;
         let mut rs_rev = services.to_vec();
         rs_rev.reverse();
         let mut pods_rev = pods.to_vec();
         pods_rev.reverse();
-        assert_eq!(forward, build(&rs_rev, &pods_rev).model);
+        assert_eq!(forward, build(&rs_rev, &pods_rev, &open()).model);
+    }
+
+    fn claiming(namespace: &str, name: &str, hosts: &str, created: i64) -> RayServiceObject {
+        let mut r = rs(name, Some(&format!("{name}-1")), None);
+        r.namespace = namespace.into();
+        r.created = Some(created);
+        r.annotations
+            .insert("ray-xds.io/hosts".into(), hosts.into());
+        r
+    }
+
+    fn hosts_of(built: &Built) -> Vec<(String, Vec<String>)> {
+        built
+            .model
+            .services()
+            .iter()
+            .map(|s| (s.key(), s.hosts.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn a_namespace_claims_only_its_own_names_unless_the_policy_gives_it_more() {
+        let policy = HostPolicy::new(BTreeMap::from([(
+            "team-a".to_string(),
+            vec!["*.team-a.example.com".to_string()],
+        )]))
+        .unwrap();
+        let services = [
+            claiming(
+                "team-a",
+                "llm",
+                "chat.team-a.example.com, llm.team-a, evil.example.com",
+                1,
+            ),
+            claiming("team-b", "llm", "chat.team-a.example.com, *", 2),
+            claiming("team-b", "own", "own.team-b.svc", 3),
+        ];
+        let built = build(&services, &[], &policy);
+        assert_eq!(
+            hosts_of(&built),
+            [
+                (
+                    "team-a/llm".to_string(),
+                    vec!["chat.team-a.example.com".to_string(), "llm.team-a".into()]
+                ),
+                ("team-b/own".to_string(), vec!["own.team-b.svc".to_string()]),
+            ]
+        );
+        let problems: Vec<(&str, &str, &str)> = built
+            .problems
+            .iter()
+            .map(|p| (p.object.as_str(), p.reason, p.message.as_str()))
+            .collect();
+        assert_eq!(problems.len(), 4, "{problems:#?}");
+        assert!(problems
+            .iter()
+            .any(|(o, r, m)| *o == "rayservice team-a/llm"
+                && *r == "host_refused"
+                && m.contains("\"evil.example.com\"")
+                && m.contains("llm.team-a, llm.team-a.svc, *.team-a.example.com")));
+        assert!(problems
+            .iter()
+            .any(|(o, r, m)| *o == "rayservice team-b/llm"
+                && *r == "host_refused"
+                && m.contains("\"*\"")));
+        assert!(problems
+            .iter()
+            .any(|(o, r, m)| *o == "rayservice team-b/llm"
+                && *r == "host_refused"
+                && m.contains("chat.team-a.example.com")));
+        assert!(problems
+            .iter()
+            .any(|(o, r, m)| *o == "rayservice team-b/llm"
+                && *r == "host_refused"
+                && m.contains("every host")));
+    }
+
+    #[test]
+    fn the_older_rayservice_keeps_a_contended_host_whatever_the_names() {
+        let policy = HostPolicy::new(BTreeMap::from([
+            ("alpha".to_string(), vec!["*.example.com".to_string()]),
+            ("zulu".to_string(), vec!["*.example.com".to_string()]),
+        ]))
+        .unwrap();
+        // zulu/z is older: it keeps shared.example.com though alpha/a sorts first.
+        let older = claiming("zulu", "z", "shared.example.com, z.example.com", 100);
+        let younger = claiming("alpha", "a", "shared.example.com, a.example.com", 200);
+        for order in [
+            [older.clone(), younger.clone()],
+            [younger.clone(), older.clone()],
+        ] {
+            let built = build(&order, &[], &policy);
+            assert_eq!(
+                hosts_of(&built),
+                [
+                    ("alpha/a".to_string(), vec!["a.example.com".to_string()]),
+                    (
+                        "zulu/z".to_string(),
+                        vec!["shared.example.com".to_string(), "z.example.com".into()]
+                    ),
+                ]
+            );
+            assert_eq!(built.problems.len(), 1);
+            assert_eq!(built.problems[0].object, "rayservice alpha/a");
+            assert_eq!(built.problems[0].reason, "host_conflict");
+            assert!(built.problems[0].message.contains("left to zulu/z"));
+        }
+        // Created in the same second: namespace/name decides. No timestamp: the newest.
+        let mut tie = younger.clone();
+        tie.created = Some(100);
+        assert_eq!(
+            hosts_of(&build(&[older.clone(), tie], &[], &policy))[0].1,
+            ["shared.example.com", "a.example.com"]
+        );
+        let mut unknown = older.clone();
+        unknown.created = None;
+        assert_eq!(
+            hosts_of(&build(&[unknown, younger.clone()], &[], &policy))[0].1,
+            ["shared.example.com", "a.example.com"]
+        );
+        // Every host taken: left out, reported.
+        let copycat = claiming("alpha", "c", "shared.example.com", 300);
+        let built = build(&[older, copycat], &[], &policy);
+        assert_eq!(built.model.services().len(), 1);
+        assert!(built
+            .problems
+            .iter()
+            .any(|p| p.object == "rayservice alpha/c" && p.message.starts_with("left out")));
     }
 }

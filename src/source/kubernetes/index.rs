@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::build::{self, Built, ServiceBuild};
 use super::objects::{PodObject, RayServiceObject};
+use crate::model::HostPolicy;
 
 type Key = (String, String);
 
@@ -30,9 +31,19 @@ pub struct Index {
     built: BTreeMap<Key, ServiceBuild>,
     /// RayServices whose build is out of date.
     dirty: BTreeSet<Key>,
+    /// What each namespace may claim.
+    hosts: HostPolicy,
 }
 
 impl Index {
+    /// An empty index whose RayServices claim hosts within `hosts`.
+    pub fn new(hosts: HostPolicy) -> Index {
+        Index {
+            hosts,
+            ..Default::default()
+        }
+    }
+
     pub fn apply_rayservice(&mut self, r: RayServiceObject) {
         let key = r.key();
         if self.rayservices.get(&key) == Some(&r) {
@@ -130,11 +141,15 @@ impl Index {
                 continue;
             };
             let pods = &self.pods;
-            let b = build::service(r, |cluster| {
-                pods.get(&(r.namespace.clone(), cluster.to_string()))
-                    .map(|p| p.values().collect())
-                    .unwrap_or_default()
-            });
+            let b = build::service(
+                r,
+                |cluster| {
+                    pods.get(&(r.namespace.clone(), cluster.to_string()))
+                        .map(|p| p.values().collect())
+                        .unwrap_or_default()
+                },
+                &self.hosts,
+            );
             self.built.insert(key, b);
         }
         build::assemble(self.built.values())
@@ -191,6 +206,7 @@ mod tests {
             annotations: Default::default(),
             labels: Default::default(),
             exclude_head_pod: false,
+            created: None,
             active: status(active),
             pending: status(pending),
         }
@@ -348,7 +364,7 @@ mod tests {
                     }
                 }
                 prop_assert_eq!(&index.routed_by, &routed);
-                let whole = build::build(services.values(), pods.values());
+                let whole = build::build(services.values(), pods.values(), &Default::default());
                 let incremental = index.built();
                 prop_assert_eq!(&incremental.model, &whole.model);
                 prop_assert_eq!(&incremental.problems, &whole.problems);

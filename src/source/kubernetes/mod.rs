@@ -183,7 +183,11 @@ impl KubernetesSource {
         }
         let mut state = State {
             watches,
-            index: index::Index::default(),
+            index: index::Index::new(self.config.host_policy().unwrap_or_else(|e| {
+                // Checked when the config was loaded; the strictest policy otherwise.
+                tracing::error!(error = %e, "source.kubernetes.allowed_hosts: refused; only each RayService's own names may be claimed");
+                Default::default()
+            })),
             reported: BTreeSet::new(),
             last_model: None,
             metrics: self.metrics,

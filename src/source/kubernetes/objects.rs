@@ -19,6 +19,8 @@ pub struct RayServiceObject {
     pub annotations: BTreeMap<String, String>,
     pub labels: BTreeMap<String, String>,
     pub exclude_head_pod: bool,
+    /// `metadata.creationTimestamp`, unix seconds: the older claim of a host wins.
+    pub created: Option<i64>,
     pub active: Option<ClusterStatus>,
     pub pending: Option<ClusterStatus>,
 }
@@ -97,6 +99,11 @@ impl RayServiceObject {
                 .spec
                 .and_then(|s| s.exclude_head_pod_from_serve_svc)
                 .unwrap_or(false),
+            created: obj
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.timestamp()),
             active: status.active_service_status,
             pending: status.pending_service_status,
         })
