@@ -76,6 +76,13 @@ fn public_routes() -> Router<AdminState> {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route(crate::live::peers::SWITCHOVER_PATH, get(replica_switchover))
+}
+
+/// This replica's switches, for its peers (`live::peers`).
+async fn replica_switchover(State(state): State<AdminState>) -> Response {
+    let view = state.live.switchover.borrow().replica_view();
+    Json(view).into_response()
 }
 
 /// `/debug/*`: every resource, client and proxy; on a listener of its own when

@@ -49,6 +49,12 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_ADMIN_DEBUG_LISTEN")]
     pub admin_debug_listen: Option<SocketAddr>,
 
+    /// The other replicas' admin addresses (`host:port`, comma-separated; a name is
+    /// resolved at each poll and every address asked, e.g. a headless Service), whose
+    /// switchover views this replica follows [config: replicas.peers; default none].
+    #[arg(long, env = "RAY_XDS_REPLICA_PEERS", value_delimiter = ',')]
+    pub replica_peers: Option<Vec<String>>,
+
     /// PEM certificate chain the xDS listener presents. With --xds-tls-key and
     /// --xds-tls-client-ca it turns on mTLS: only clients with a certificate signed by
     /// a client CA connect [config: xds.tls.cert; default: plain TCP].
@@ -231,6 +237,10 @@ pub struct Config {
     pub admin_listen: SocketAddr,
     /// Where `/debug/*` is served when not on `admin_listen`.
     pub admin_debug_listen: Option<SocketAddr>,
+    /// The other replicas' admin addresses (`host:port`), asked for their switchovers.
+    pub replica_peers: Vec<String>,
+    /// How often they are asked.
+    pub replica_poll_interval: Duration,
     pub gateway: GatewaySettings,
     pub source: SourceConfig,
     /// Which proxy addresses may be published.
@@ -454,6 +464,16 @@ struct FileConfig {
     switchover: switchover::GlobalSwitchover,
     #[serde(default)]
     memory: MemorySection,
+    #[serde(default)]
+    replicas: ReplicasSection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReplicasSection {
+    peers: Option<Vec<String>>,
+    #[serde(default, with = "humantime_serde")]
+    poll_interval: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -885,6 +905,39 @@ impl Config {
             .or(file.admin.listen)
             .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 19000)));
         let admin_debug_listen = args.admin_debug_listen.or(file.admin.debug_listen);
+        let replica_peers = args
+            .replica_peers
+            .clone()
+            .or(file.replicas.peers)
+            .unwrap_or_default();
+        if replica_peers.len() > 64 {
+            return Err(ConfigError::Invalid(format!(
+                "replicas.peers lists {} addresses: at most 64",
+                replica_peers.len()
+            )));
+        }
+        for peer in &replica_peers {
+            let port = peer.rsplit_once(':').and_then(|(host, port)| {
+                (!host.is_empty())
+                    .then(|| port.parse::<u16>().ok())
+                    .flatten()
+            });
+            if port.is_none_or(|p| p == 0) {
+                return Err(ConfigError::Invalid(format!(
+                    "replicas.peers (--replica-peers): {peer:?} is not host:port (a peer's admin address)"
+                )));
+            }
+        }
+        let replica_poll_interval = file
+            .replicas
+            .poll_interval
+            .unwrap_or(Duration::from_millis(500));
+        if !(Duration::from_millis(50)..=Duration::from_secs(60)).contains(&replica_poll_interval) {
+            return Err(ConfigError::Invalid(format!(
+                "replicas.poll_interval is {}: it must be in 50ms..=1m",
+                humantime::format_duration(replica_poll_interval)
+            )));
+        }
         if admin_debug_listen.is_some_and(|d| d == admin_listen && d.port() != 0) {
             return Err(ConfigError::Invalid(format!(
                 "admin.debug_listen (--admin-debug-listen) is admin.listen's address {admin_listen}: leave it out to serve /debug/* there"
@@ -903,6 +956,8 @@ impl Config {
             xds_tls,
             admin_listen,
             admin_debug_listen,
+            replica_peers,
+            replica_poll_interval,
             gateway,
             source,
             memory,
@@ -1008,6 +1063,33 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("allowed_hosts"), "{e}");
+    }
+
+    #[test]
+    fn replica_peers_are_host_port_pairs() {
+        let c = load("replicas: { peers: ['ray-xds-peers.ray-xds.svc:19000', '10.0.0.2:19000'], poll_interval: 1s }\nsource: { kubernetes: {} }\n").unwrap();
+        assert_eq!(
+            c.replica_peers,
+            ["ray-xds-peers.ray-xds.svc:19000", "10.0.0.2:19000"]
+        );
+        assert_eq!(c.replica_poll_interval, Duration::from_secs(1));
+        let none = load("source: { kubernetes: {} }\n").unwrap();
+        assert!(none.replica_peers.is_empty());
+        assert_eq!(none.replica_poll_interval, Duration::from_millis(500));
+        for bad in [
+            "peers: [nohost]",
+            "peers: [':19000']",
+            "peers: ['h:0']",
+            "peers: ['h:99999']",
+            "poll_interval: 1ms",
+        ] {
+            let e = load(&format!(
+                "replicas: {{ {bad} }}\nsource: {{ kubernetes: {{}} }}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("replicas."), "{bad}: {e}");
+        }
     }
 
     #[test]

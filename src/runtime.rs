@@ -188,6 +188,9 @@ pub fn memory_limit_files(proc_self_cgroup: &str) -> Vec<std::path::PathBuf> {
     files
 }
 
+/// How long a replica peer has to answer.
+const PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Starts ray-xds. A bad source file at start is an error; later bad edits are not.
 pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Result<Running> {
     let metrics = Arc::new(Metrics::new());
@@ -344,12 +347,31 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let (snapshots_tx, snapshots_rx) = watch::channel(Arc::new(Snapshot::default()));
     let (switch_tx, switch_rx) = watch::channel(Arc::new(Switchover::default()));
     let (published_tx, published_rx) = watch::channel::<Option<Arc<Snapshot>>>(None);
+    // The other replicas' switchovers: one writer, the peer poller (none without peers:
+    // the channel says "polled" at once and closes).
+    let (peers_tx, peers_rx) = watch::channel(Arc::new(crate::live::peers::PeerStates {
+        polled: config.replica_peers.is_empty(),
+        ..Default::default()
+    }));
+    if !config.replica_peers.is_empty() {
+        let poller = crate::live::peers::PeerPoller {
+            peers: config.replica_peers.clone(),
+            interval: config.replica_poll_interval,
+            timeout: PEER_TIMEOUT,
+        };
+        let token = shutdown.clone();
+        tasks.spawn(async move {
+            poller.run(peers_tx, token).await;
+            Ok(())
+        });
+    }
     let sources = Sources {
         source: source_rx.clone(),
         models: effective_rx.clone(),
         probes: probes_rx.clone(),
         dashboards: dashboards_rx.clone(),
         prober: heartbeat,
+        peers: peers_rx,
     };
     let sinks = Sinks {
         snapshots: snapshots_tx,
@@ -362,6 +384,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         dashboards: policies.dashboard.first_answer_wait(),
         probes: policies.probe.first_probe_wait(),
         addresses: config.addresses.clone(),
+        peers: PEER_TIMEOUT + std::time::Duration::from_millis(200),
     };
     let (policies_, gateway) = (policies.clone(), config.gateway.clone());
     let (clients_, metrics_, token) = (clients.clone(), metrics.clone(), shutdown.clone());

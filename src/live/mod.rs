@@ -7,12 +7,14 @@
 //!   application status, polled;
 //! - [`discovery`]: the pure step that gives a cluster known only by its dashboard the
 //!   proxies that dashboard lists;
-//! - [`health`]: the pure combination of all of it into each endpoint's health.
+//! - [`health`]: the pure combination of all of it into each endpoint's health;
+//! - [`peers`]: what the other ray-xds replicas say of their switchovers.
 
 pub mod dashboard;
 pub mod dashboards;
 pub mod discovery;
 pub mod health;
+pub mod peers;
 pub mod probe;
 pub mod prober;
 pub mod route_tables;

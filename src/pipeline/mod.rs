@@ -100,6 +100,11 @@ impl Pipeline {
         }
     }
 
+    /// What the other replicas say of their switches, for the next builds.
+    pub fn set_peers(&mut self, peers: Arc<crate::live::peers::PeerStates>) {
+        self.switchover.set_peers(peers);
+    }
+
     /// When the proxies of `model` that the last snapshot lacks stop waiting for their
     /// first probe; `None` when none waits. A caller that just saw the model change may
     /// wait (for probes, at most until then) so that the change goes out once, with

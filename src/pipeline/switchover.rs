@@ -22,6 +22,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
@@ -29,6 +30,7 @@ use serde::Serialize;
 use crate::live::dashboard::AppStatus;
 use crate::live::dashboards::DashboardStates;
 use crate::live::health::HealthMap;
+use crate::live::peers::{to_unix, PeerStates, PeerSwitch, ReplicaView};
 use crate::model::{Model, RayService};
 use crate::policy::switchover::{ShiftMode, SwitchoverPolicy};
 
@@ -101,6 +103,9 @@ impl fmt::Display for Phase {
 pub struct ServiceSwitch {
     /// The cluster traffic belongs to.
     pub serving: String,
+    /// Since when (it was first seen, or traffic moved to it).
+    #[serde(skip)]
+    serving_since: SystemTime,
     /// The cluster traffic is moving (or waiting to move) to.
     pub target: Option<String>,
     pub phase: Phase,
@@ -118,8 +123,11 @@ pub struct ServiceSwitch {
     warm_timeout: Duration,
     #[serde(skip)]
     step: usize,
+    /// When traffic started to move to the target (the first step): each step is due
+    /// an interval after the one before, from here. The earliest start any replica saw
+    /// (`live::peers`) is taken, so replicas step together and a restarted one resumes.
     #[serde(skip)]
-    step_since: Option<SystemTime>,
+    shift_started: Option<SystemTime>,
     /// When the next progressive step is due.
     #[serde(skip)]
     step_due: Option<SystemTime>,
@@ -142,6 +150,8 @@ pub struct Switchover {
     pub services: BTreeMap<String, ServiceSwitch>,
     /// Envoy clusters whose dashboard should be asked again now (a switch began).
     refresh: Vec<String>,
+    /// What the other replicas say of their switches.
+    peers: Arc<PeerStates>,
 }
 
 /// Whether `cluster` of `service` is ready for traffic, and why not.
@@ -221,6 +231,31 @@ impl Switchover {
         }
     }
 
+    /// What the other replicas say, for the next [`Switchover::advance`].
+    pub fn set_peers(&mut self, peers: Arc<PeerStates>) {
+        self.peers = peers;
+    }
+
+    /// This replica's switches as its peers read them (`live::peers`).
+    pub fn replica_view(&self) -> ReplicaView {
+        ReplicaView {
+            services: self
+                .services
+                .iter()
+                .map(|(key, s)| {
+                    let switch = PeerSwitch {
+                        serving: s.serving.clone(),
+                        target: s.target.clone(),
+                        target_since_unix: s.target_since.map(to_unix),
+                        shift_started_unix: s.shift_started.map(to_unix),
+                        serving_since_unix: Some(to_unix(s.serving_since)),
+                    };
+                    (key.clone(), switch)
+                })
+                .collect(),
+        }
+    }
+
     /// Advances every RayService's switchover to `now`; returns what changed.
     pub fn advance(
         &mut self,
@@ -237,6 +272,7 @@ impl Switchover {
             let policy = self.defaults.with(&service.policy.overrides.switchover);
             let mut st = self.services.remove(&key).unwrap_or_else(|| ServiceSwitch {
                 serving: service.active_cluster.clone(),
+                serving_since: now,
                 target: None,
                 phase: Phase::Stable,
                 reason: String::new(),
@@ -245,7 +281,7 @@ impl Switchover {
                 warming_since: None,
                 warm_timeout: policy.warm_timeout,
                 step: 0,
-                step_since: None,
+                shift_started: None,
                 step_due: None,
             });
             st.warm_timeout = policy.warm_timeout;
@@ -254,7 +290,9 @@ impl Switchover {
             if service.cluster(&st.serving).is_none() {
                 // The source removed the cluster we served: nothing to keep serving from.
                 st.serving = service.active_cluster.clone();
+                st.serving_since = now;
                 st.step = 0;
+                st.shift_started = None;
             }
             let previous_target = st.target.clone();
             st.target = match &service.pending_cluster {
@@ -284,16 +322,23 @@ impl Switchover {
                     }
                     st.phase = Phase::Stable;
                     st.step = 0;
+                    st.shift_started = None;
                     st.weights = vec![(st.serving.clone(), 100)];
                 }
                 Some(target) => {
+                    // Dashboard answers count from when the switch began: here, or at a
+                    // peer that saw it earlier (a restarted replica, mid-switch).
+                    let since = match (st.target_since, self.peers.target_since(&key, &target)) {
+                        (Some(own), Some(peer)) => Some(own.min(peer)),
+                        (own, peer) => own.or(peer),
+                    };
                     let ready = readiness(
                         service,
                         &target,
                         health,
                         dashboards,
                         policy.min_ready_proxies,
-                        st.target_since,
+                        since,
                     );
                     let routable =
                         |c: &str| health.cluster(&service.envoy_cluster_name(c)).routable > 0;
@@ -358,6 +403,7 @@ impl Switchover {
                                 rejecting.join(", ")
                             );
                             st.step = 0;
+                            st.shift_started = None;
                             st.warming_since = None;
                             st.weights = vec![(st.serving.clone(), 100)];
                         }
@@ -375,22 +421,31 @@ impl Switchover {
                             st.phase = Phase::Waiting;
                             st.reason = format!("{target} is not ready: {why}");
                             st.step = 0;
+                            st.shift_started = None;
                             st.weights = vec![(st.serving.clone(), 100)];
                         }
                         _ => {
                             let weight = match policy.shift() {
                                 ShiftMode::Atomic => 100,
                                 _ if desperate => 100,
+                                // A peer has moved already: so do we (our own gates passed).
+                                _ if self.peers.completed(&key, &target) => 100,
                                 ShiftMode::Progressive { steps, interval } => {
-                                    let due = st.step_since.is_none_or(|t| {
-                                        now.duration_since(t).unwrap_or_default() >= interval
-                                    });
-                                    if st.step == 0 || (due && st.step < steps.len()) {
-                                        st.step += 1;
-                                        st.step_since = Some(now);
+                                    let mut started = *st.shift_started.get_or_insert(now);
+                                    if let Some(peer) =
+                                        self.peers.shift_started(&key, &st.serving, &target)
+                                    {
+                                        started = started.min(peer);
                                     }
+                                    st.shift_started = Some(started);
+                                    let elapsed = now.duration_since(started).unwrap_or_default();
+                                    let intervals = elapsed.as_nanos() / interval.as_nanos().max(1);
+                                    st.step = usize::try_from(intervals)
+                                        .unwrap_or(usize::MAX)
+                                        .saturating_add(1)
+                                        .min(steps.len());
                                     if st.step < steps.len() {
-                                        st.step_due = st.step_since.map(|t| t + interval);
+                                        st.step_due = Some(started + interval * st.step as u32);
                                     }
                                     steps.get(st.step - 1).copied().unwrap_or(100).min(100)
                                 }
@@ -405,9 +460,11 @@ impl Switchover {
                                     format!("moved to {target}: it is ready{warm_note}")
                                 };
                                 st.serving = target;
+                                st.serving_since = now;
                                 st.target = None;
                                 st.phase = Phase::Stable;
                                 st.step = 0;
+                                st.shift_started = None;
                                 st.step_due = None;
                                 st.weights = vec![(st.serving.clone(), 100)];
                             } else {
@@ -463,6 +520,11 @@ impl Switchover {
                 Phase::Stable | Phase::Waiting | Phase::Rejected => None,
             })
             .min()
+    }
+
+    /// Whether any RayService has a switch under way (a target, ready or not).
+    pub fn in_progress(&self) -> bool {
+        self.services.values().any(|s| s.target.is_some())
     }
 
     /// Whether any RayService waits for Envoys to warm (or stop rejecting) its target:
@@ -1002,5 +1064,168 @@ mod tests {
         let none = DashboardStates::default();
         let health = assess(&plain_model, &world.probes, &none, Facts::default());
         assert!(readiness(&plain, B, &health, &none, 1, None).is_ok());
+    }
+
+    /// What `from` tells its peers, as `live::peers` would deliver it to another replica.
+    fn heard_from(from: &[&Switchover]) -> Arc<PeerStates> {
+        let mut states = PeerStates {
+            polled: true,
+            ..Default::default()
+        };
+        for replica in from {
+            // Through the wire format, as a peer reads it.
+            let json = serde_json::to_vec(&replica.replica_view()).unwrap();
+            let view: ReplicaView = serde_json::from_slice(&json).unwrap();
+            for (key, switch) in view.services {
+                states.services.entry(key).or_default().push(switch);
+            }
+        }
+        Arc::new(states)
+    }
+
+    fn steps_policy() -> SwitchoverOverrides {
+        SwitchoverOverrides {
+            steps: Some(Steps(vec![10, 25, 50, 100])),
+            interval: Some(Duration::from_secs(10)),
+            ..Default::default()
+        }
+    }
+
+    /// Issue 16: replicas fed the same state step together. The second replica finds the
+    /// target ready 400 ms after the first (its probes ran later); alone, it would be a
+    /// step behind for 400 ms after every step; hearing its peer, it takes the earlier
+    /// start and agrees at every step.
+    #[test]
+    fn replicas_that_hear_each_other_step_together() {
+        let world = World::new();
+        let m = model(A, Some(B), steps_policy());
+        let at = |ms: u64| T0 + Duration::from_millis(ms);
+        let (mut one, mut two, mut alone) = (
+            Switchover::default(),
+            Switchover::default(),
+            Switchover::default(),
+        );
+        advance(&mut one, &m, &world, &(), at(0));
+        two.set_peers(heard_from(&[&one]));
+        advance(&mut two, &m, &world, &(), at(400));
+        advance(&mut alone, &m, &world, &(), at(400));
+        let mut disagreed = 0;
+        for t in (500..40_000).step_by(100) {
+            one.set_peers(heard_from(&[&two]));
+            two.set_peers(heard_from(&[&one]));
+            advance(&mut one, &m, &world, &(), at(t));
+            advance(&mut two, &m, &world, &(), at(t));
+            advance(&mut alone, &m, &world, &(), at(t));
+            assert_eq!(weights(&one), weights(&two), "at {t} ms");
+            if weights(&alone) != weights(&one) {
+                disagreed += 1;
+            }
+        }
+        assert_eq!(weights(&two), w(&[(B, 100)]));
+        // Without its peer, the late replica lags each of the 3 steps by 400 ms.
+        assert_eq!(
+            disagreed,
+            3 * 4,
+            "samples of 100 ms where the lone replica differs"
+        );
+    }
+
+    #[test]
+    fn a_restarted_replica_resumes_a_shift_where_its_peer_is() {
+        let world = World::new();
+        let m = model(A, Some(B), steps_policy());
+        let at = |secs: u64| T0 + Duration::from_secs(secs);
+        let mut one = Switchover::default();
+        for t in [0, 10, 20, 25] {
+            advance(&mut one, &m, &world, &(), at(t));
+        }
+        assert_eq!(weights(&one), w(&[(A, 50), (B, 50)]));
+        // A new replica (or this one restarted) hears its peer before its first build.
+        let mut restarted = Switchover::default();
+        restarted.set_peers(heard_from(&[&one]));
+        advance(&mut restarted, &m, &world, &(), at(25));
+        assert_eq!(
+            weights(&restarted),
+            w(&[(A, 50), (B, 50)]),
+            "not back to 10%"
+        );
+        advance(&mut restarted, &m, &world, &(), at(30));
+        assert_eq!(weights(&restarted), w(&[(B, 100)]));
+        // Without a peer it would start over.
+        let mut lone = Switchover::default();
+        advance(&mut lone, &m, &world, &(), at(25));
+        assert_eq!(weights(&lone), w(&[(A, 90), (B, 10)]));
+    }
+
+    #[test]
+    fn a_peer_that_moved_already_is_followed_once_this_replica_s_own_gates_pass() {
+        let mut world = World::new();
+        let m = model(A, Some(B), steps_policy());
+        let mut done = Switchover::default();
+        for t in [0, 10, 20, 30] {
+            advance(&mut done, &m, &world, &(), T0 + Duration::from_secs(t));
+        }
+        assert_eq!(weights(&done), w(&[(B, 100)]));
+        let mut restarted = Switchover::default();
+        restarted.set_peers(heard_from(&[&done]));
+        // Not ready here (its own probes say b1's proxy is down): the peer opens nothing.
+        world.proxy(9000, ProbeState::Unhealthy);
+        advance(
+            &mut restarted,
+            &m,
+            &world,
+            &(),
+            T0 + Duration::from_secs(31),
+        );
+        assert_eq!(weights(&restarted), w(&[(A, 100)]));
+        // Its own Envoy has not warmed b1: still nothing moves.
+        world.proxy(9000, ProbeState::Healthy);
+        let cold = Envoys(vec![("envoy-1", vec![])]);
+        advance(
+            &mut restarted,
+            &m,
+            &world,
+            &cold,
+            T0 + Duration::from_secs(32),
+        );
+        assert_eq!(restarted.services["default/s"].phase, Phase::Warming);
+        assert_eq!(weights(&restarted), w(&[(A, 100)]));
+        // Ready and warm: all of it at once, where the peer is.
+        advance(
+            &mut restarted,
+            &m,
+            &world,
+            &(),
+            T0 + Duration::from_secs(33),
+        );
+        assert_eq!(weights(&restarted), w(&[(B, 100)]));
+    }
+
+    #[test]
+    fn a_peer_s_start_of_another_shift_or_from_the_future_changes_nothing() {
+        let world = World::new();
+        let m = model(A, Some(B), steps_policy());
+        let peer = |serving: &str, target: &str, started: f64| {
+            Arc::new(PeerStates {
+                services: BTreeMap::from([(
+                    "default/s".to_string(),
+                    vec![PeerSwitch {
+                        serving: serving.into(),
+                        target: Some(target.into()),
+                        target_since_unix: Some(started),
+                        shift_started_unix: Some(started),
+                        serving_since_unix: None,
+                    }],
+                )]),
+                polled: true,
+            })
+        };
+        let at = T0 + Duration::from_secs(1000);
+        for heard in [peer(B, A, 0.0), peer(A, "c1", 0.0), peer(A, B, 5000.0)] {
+            let mut s = Switchover::default();
+            s.set_peers(heard);
+            advance(&mut s, &m, &world, &(), at);
+            assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
+        }
     }
 }

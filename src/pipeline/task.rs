@@ -19,6 +19,7 @@ use super::{Event, Inputs, Output, Pipeline};
 use crate::live::dashboards::DashboardStates;
 use crate::live::discovery::discover;
 use crate::live::health::HealthMap;
+use crate::live::peers::PeerStates;
 use crate::live::probe::ProbeState;
 use crate::live::prober::ProbeStates;
 use crate::metrics::{Metrics, StateLabels, WeightLabels};
@@ -38,6 +39,8 @@ pub struct Sources {
     pub dashboards: watch::Receiver<Arc<DashboardStates>>,
     /// The prober's liveness: while it does not beat, no probe result is fresh.
     pub prober: Arc<crate::live::prober::Heartbeat>,
+    /// What the other replicas say of their switchovers (`live::peers`).
+    pub peers: watch::Receiver<Arc<PeerStates>>,
 }
 
 /// The channels the pipeline writes.
@@ -63,6 +66,9 @@ pub struct FirstBuild {
     pub probes: Duration,
     /// The address policy discovery applies (to tell when it has caught up).
     pub addresses: crate::model::AddressPolicy,
+    /// For the replica peers to answer once (when there are peers), so that a restarted
+    /// replica resumes a switch instead of publishing it from its start.
+    pub peers: Duration,
 }
 
 pub async fn run(
@@ -93,9 +99,17 @@ pub async fn run(
         _ = shutdown.cancelled() => return,
         _ = first_probes(&mut probes, &wanted, first.probes) => {}
     }
+    let mut peers = sources.peers.clone();
+    tokio::select! {
+        _ = shutdown.cancelled() => return,
+        _ = tokio::time::timeout(first.peers, peers.wait_for(|p| p.polled)) => {}
+    }
     let mut published: Option<Arc<Snapshot>> = None;
     let mut weights = BTreeSet::new();
+    let mut peers_open = true;
     loop {
+        sources.peers.mark_unchanged();
+        pipeline.set_peers(sources.peers.borrow().clone());
         sources.models.mark_unchanged();
         sources.probes.mark_unchanged();
         sources.dashboards.mark_unchanged();
@@ -202,6 +216,12 @@ pub async fn run(
                 }
                 changed = sources.probes.changed() => if changed.is_err() { return },
                 changed = sources.dashboards.changed() => if changed.is_err() { return },
+                // A peer's view changes only what a switch in progress does.
+                changed = sources.peers.changed(), if peers_open => {
+                    // No peers (their poller ended): nothing more to hear.
+                    if changed.is_err() { peers_open = false; continue }
+                    if !out.switchover.in_progress() { continue }
+                }
                 _ = clients.acked(), if out.wake_on_ack => {}
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {}
             }
@@ -433,6 +453,11 @@ mod freshness_tests {
             probes: probes_rx,
             dashboards,
             prober: heartbeat.clone(),
+            peers: watch::channel(Arc::new(PeerStates {
+                polled: true,
+                ..Default::default()
+            }))
+            .1,
         };
         let (snapshots, _s) = watch::channel(Arc::new(Snapshot::default()));
         let (published, _pb) = watch::channel(None);
@@ -450,6 +475,7 @@ mod freshness_tests {
             dashboards: Duration::from_secs(1),
             probes: Duration::from_secs(1),
             addresses: Default::default(),
+            peers: Duration::from_secs(1),
         };
         let token = CancellationToken::new();
         tokio::spawn(run(

@@ -450,6 +450,8 @@ pub fn test_config(services: &Path, gateway_port: u16) -> Config {
         xds_tls: None,
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         admin_debug_listen: None,
+        replica_peers: Vec::new(),
+        replica_poll_interval: Duration::from_millis(500),
         gateway: GatewaySettings {
             listener_address: "127.0.0.1".parse().unwrap(),
             listener_port: gateway_port,

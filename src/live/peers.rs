@@ -1,0 +1,294 @@
+//! What the other ray-xds replicas say of their switchovers, read from their admin ports
+//! (`GET /replica/switchover`), so that replicas fed the same state give the same weights
+//! and a restarted replica resumes a shift where the others are.
+//!
+//! Each replica decides on its own, from its own probes, dashboards and Envoys; what it
+//! takes from a peer are two facts about a switch both see: when the shift from one
+//! cluster to another started (a progressive schedule runs from the earliest start any
+//! replica saw) and that a peer has completed a move (its serving cluster is our target).
+//! Neither opens a gate: a target this replica does not find ready, or its own Envoys have
+//! not warmed, gets no traffic, whatever a peer says. So a peer that lies can at most
+//! hurry a shift that this replica already finds safe.
+//!
+//! The poller is the single writer of [`PeerStates`]; an unreachable peer, a slow one or
+//! garbage from one is logged (once per change) and left out, never fatal. Replicas'
+//! clocks are compared (unix times): the deployment's nodes run NTP.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// The admin path a replica answers its switchover view on.
+pub const SWITCHOVER_PATH: &str = "/replica/switchover";
+
+/// The largest answer read from a peer (one entry per RayService in a switch).
+pub const MAX_ANSWER_BYTES: usize = 4 * 1024 * 1024;
+
+/// One RayService's switch as a replica sees it: the wire format of
+/// [`SWITCHOVER_PATH`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PeerSwitch {
+    /// The cluster traffic belongs to.
+    pub serving: String,
+    /// The cluster traffic is moving (or waiting to move) to.
+    #[serde(default)]
+    pub target: Option<String>,
+    /// When that replica first saw `target` named (unix seconds).
+    #[serde(default)]
+    pub target_since_unix: Option<f64>,
+    /// When traffic started to move from `serving` to `target` (unix seconds).
+    #[serde(default)]
+    pub shift_started_unix: Option<f64>,
+    /// When `serving` became the cluster traffic belongs to (unix seconds).
+    #[serde(default)]
+    pub serving_since_unix: Option<f64>,
+}
+
+/// A replica's answer: RayService key → its switch.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaView {
+    pub services: BTreeMap<String, PeerSwitch>,
+}
+
+/// What every peer said last, by RayService.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PeerStates {
+    /// RayService key → each answering peer's view of it.
+    pub services: BTreeMap<String, Vec<PeerSwitch>>,
+    /// A first round of asking every peer has ended (answered or not).
+    pub polled: bool,
+}
+
+impl PeerStates {
+    /// The earliest time a peer started shifting `service` from `serving` to `target`.
+    pub fn shift_started(&self, service: &str, serving: &str, target: &str) -> Option<SystemTime> {
+        self.of(service)
+            .filter(|p| p.serving == serving && p.target.as_deref() == Some(target))
+            .filter_map(|p| p.shift_started_unix)
+            .reduce(f64::min)
+            .and_then(from_unix)
+    }
+
+    /// Whether a peer has moved `service` to `target` already (serves it, nothing after).
+    pub fn completed(&self, service: &str, target: &str) -> bool {
+        self.of(service)
+            .any(|p| p.serving == target && p.target.is_none())
+    }
+
+    /// The earliest time a peer saw the switch to `target` begin: when it named it its
+    /// target, or, once it moved, when it did (after it had found it ready itself).
+    pub fn target_since(&self, service: &str, target: &str) -> Option<SystemTime> {
+        self.of(service)
+            .filter_map(|p| {
+                if p.target.as_deref() == Some(target) {
+                    p.target_since_unix
+                } else if p.serving == target && p.target.is_none() {
+                    p.serving_since_unix
+                } else {
+                    None
+                }
+            })
+            .reduce(f64::min)
+            .and_then(from_unix)
+    }
+
+    fn of(&self, service: &str) -> impl Iterator<Item = &PeerSwitch> {
+        self.services.get(service).into_iter().flatten()
+    }
+}
+
+pub fn to_unix(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// A unix time as `SystemTime`; `None` for what no clock says (negative, not finite,
+/// past the year 2^34).
+pub fn from_unix(t: f64) -> Option<SystemTime> {
+    (t.is_finite() && (0.0..17_179_869_184.0).contains(&t))
+        .then(|| SystemTime::UNIX_EPOCH + Duration::from_secs_f64(t))
+}
+
+/// Asks every peer every `interval` (each answer within `timeout`).
+#[derive(Clone, Debug)]
+pub struct PeerPoller {
+    /// `host:port` of the peers' admin ports; a name is resolved at each round and every
+    /// address it has is asked (a headless Service's name gives every replica).
+    pub peers: Vec<String>,
+    pub interval: Duration,
+    pub timeout: Duration,
+}
+
+impl PeerPoller {
+    pub async fn run(self, states: watch::Sender<Arc<PeerStates>>, shutdown: CancellationToken) {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(self.timeout));
+        let client: Client<HttpConnector, Empty<Bytes>> =
+            Client::builder(TokioExecutor::new()).build(connector);
+        let mut failing: BTreeMap<String, String> = BTreeMap::new();
+        loop {
+            let round = self.round(&client, &mut failing);
+            let answered = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                answered = round => answered,
+            };
+            let mut next = PeerStates {
+                polled: true,
+                ..Default::default()
+            };
+            for view in answered {
+                for (service, switch) in view.services {
+                    next.services.entry(service).or_default().push(switch);
+                }
+            }
+            states.send_if_modified(|current| {
+                if **current == next {
+                    return false;
+                }
+                *current = Arc::new(next);
+                true
+            });
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(self.interval) => {}
+            }
+        }
+    }
+
+    /// One round: every address of every peer, at once; the views that came back.
+    async fn round(
+        &self,
+        client: &Client<HttpConnector, Empty<Bytes>>,
+        failing: &mut BTreeMap<String, String>,
+    ) -> Vec<ReplicaView> {
+        let mut asks = Vec::new();
+        for peer in &self.peers {
+            let addresses =
+                match tokio::time::timeout(self.timeout, tokio::net::lookup_host(peer)).await {
+                    Ok(Ok(addresses)) => addresses.collect::<Vec<_>>(),
+                    Ok(Err(e)) => {
+                        note(failing, peer, format!("resolving it: {e}"));
+                        continue;
+                    }
+                    Err(_) => {
+                        note(failing, peer, "resolving it timed out".into());
+                        continue;
+                    }
+                };
+            for address in addresses {
+                let (client, timeout, peer) = (client.clone(), self.timeout, peer.clone());
+                asks.push(async move {
+                    let answer = tokio::time::timeout(timeout, ask(&client, address)).await;
+                    let answer = answer.unwrap_or_else(|_| Err("no answer in time".into()));
+                    (format!("{peer} ({address})"), answer)
+                });
+            }
+        }
+        let mut views = Vec::new();
+        for (who, answer) in futures::future::join_all(asks).await {
+            match answer {
+                Ok(view) => {
+                    if failing.remove(&who).is_some() {
+                        tracing::info!(peer = who, "replica peer answers again");
+                    }
+                    views.push(view);
+                }
+                Err(e) => note(failing, &who, e),
+            }
+        }
+        views
+    }
+}
+
+/// Logs a peer's failure once while it lasts.
+fn note(failing: &mut BTreeMap<String, String>, peer: &str, error: String) {
+    if failing.get(peer) != Some(&error) {
+        tracing::warn!(peer, %error, "replica peer did not answer; its view is left out until it does");
+        failing.insert(peer.to_string(), error);
+    }
+}
+
+async fn ask(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    address: std::net::SocketAddr,
+) -> Result<ReplicaView, String> {
+    let uri: hyper::Uri = format!("http://{address}{SWITCHOVER_PATH}")
+        .parse()
+        .map_err(|e| format!("{e}"))?;
+    let response = client.get(uri).await.map_err(|e| format!("asking: {e}"))?;
+    if response.status() != hyper::StatusCode::OK {
+        return Err(format!("answered HTTP {}", response.status().as_u16()));
+    }
+    let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
+        .collect()
+        .await
+        .map_err(|e| format!("reading the answer (at most {MAX_ANSWER_BYTES} bytes): {e}"))?
+        .to_bytes();
+    serde_json::from_slice(&body).map_err(|e| format!("not a replica's answer: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn switch(serving: &str, target: Option<&str>, started: Option<f64>) -> PeerSwitch {
+        PeerSwitch {
+            serving: serving.into(),
+            target: target.map(str::to_string),
+            target_since_unix: started.map(|s| s - 5.0),
+            shift_started_unix: started,
+            serving_since_unix: Some(1.0),
+        }
+    }
+
+    #[test]
+    fn the_earliest_start_of_the_same_shift_counts_and_nothing_else() {
+        let states = PeerStates {
+            services: BTreeMap::from([(
+                "ns/s".to_string(),
+                vec![
+                    switch("a", Some("b"), Some(200.0)),
+                    switch("a", Some("b"), Some(100.0)),
+                    // Another shift of the same RayService, and garbage times: ignored.
+                    switch("b", Some("a"), Some(50.0)),
+                    switch("a", Some("c"), Some(10.0)),
+                    switch("a", Some("b"), Some(f64::NAN)),
+                ],
+            )]),
+            polled: true,
+        };
+        assert_eq!(
+            states.shift_started("ns/s", "a", "b").map(to_unix),
+            Some(100.0)
+        );
+        assert_eq!(states.shift_started("ns/other", "a", "b"), None);
+        assert_eq!(states.target_since("ns/s", "b").map(to_unix), Some(95.0));
+        assert!(!states.completed("ns/s", "b"));
+        let done = PeerStates {
+            services: BTreeMap::from([("ns/s".to_string(), vec![switch("b", None, None)])]),
+            polled: true,
+        };
+        assert!(done.completed("ns/s", "b"));
+        assert_eq!(done.target_since("ns/s", "b").map(to_unix), Some(1.0));
+        assert!(!done.completed("ns/s", "a"));
+    }
+
+    #[test]
+    fn unix_times_that_no_clock_gives_are_none() {
+        for t in [f64::NAN, f64::INFINITY, -1.0, 1e300] {
+            assert_eq!(from_unix(t), None, "{t}");
+        }
+        assert_eq!(from_unix(1.5).map(to_unix), Some(1.5));
+    }
+}
