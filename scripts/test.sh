@@ -39,6 +39,9 @@ step 10m cargo test --bench chaos -- --protocol grpc --scenario worker-crash --s
     --arm ray-xds --arm baseline-kuberay \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert
 step 35m cargo test --lib --bins --tests -- --skip real_ray_
+# deploy/ against the Kubernetes OpenAPI schema (1.30 and the newest), strict, and the
+# cert-manager objects against the cert-manager v1 fields (kubernetes-validate from PyPI).
+step 5m bash scripts/validate-deploy.sh
 # The container image (scripts/build-image.sh, from scratch, no daemon, no pull) checked
 # and run read-only as user 65532 (podman + runc): the release build is most of it.
 step 15m bash scripts/check-image.sh
