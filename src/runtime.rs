@@ -387,12 +387,14 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         peers: PEER_TIMEOUT + std::time::Duration::from_millis(200),
     };
     let (policies_, gateway) = (policies.clone(), config.gateway.clone());
+    let addresses = config.addresses.clone();
     let (clients_, metrics_, token) = (clients.clone(), metrics.clone(), shutdown.clone());
     let status_rx = source_status.clone();
     tasks.spawn(supervised(&components, "pipeline", &shutdown, move || {
         // A restarted pipeline starts from scratch, as a restarted ray-xds does; the last
         // snapshot keeps being served until it publishes.
-        let pipe = Pipeline::new(policies_.clone(), gateway.clone());
+        let pipe =
+            Pipeline::new(policies_.clone(), gateway.clone()).with_addresses(addresses.clone());
         let (sources, sinks, first) = (sources.clone(), sinks.clone(), first.clone());
         let (clients, metrics, token) = (clients_.clone(), metrics_.clone(), token.clone());
         let mut source_status = source_status.clone();

@@ -147,3 +147,86 @@ async fn two_replicas_publish_the_same_weights_and_a_restarted_one_resumes_the_s
     one.stop().await.unwrap();
     two.stop().await.unwrap();
 }
+
+/// The Envoy clusters in a replica's current snapshot.
+async fn snapshot_clusters(admin: SocketAddr) -> Vec<String> {
+    let Ok((200, text)) = http_get(&format!("http://{admin}/debug/snapshot")).await else {
+        return Vec::new();
+    };
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    v["types"]["cds"]["resources"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| r["name"].as_str().map(str::to_string))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_restarted_while_a_dropped_cluster_drains_keeps_it_draining() {
+    let a = SimCluster::start("a", &[NodeType::Head]).await;
+    let b = SimCluster::start("b", &[NodeType::Head]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("services.yaml");
+    let grace = "    switchover: { drain_grace: 60s }\n";
+    write_atomic(
+        &file,
+        &services_yaml_with("a", &[&a, &b], &format!("{grace}    pending_cluster: b\n")),
+    );
+    let (admin_1, admin_2) = (free_port(), free_port());
+    let one = start(replica_config(&file, admin_1, free_port(), admin_2)).await;
+    let two_config = replica_config(&file, admin_2, free_port(), admin_1);
+    let two = start(two_config.clone()).await;
+    for admin in [one.admin_addr, two.admin_addr] {
+        eventually("b serves", DEADLINE, || async {
+            (weight_b(admin).await == Some(100)).then_some(())
+        })
+        .await;
+    }
+    // The source promotes b and drops a: both replicas keep a, draining.
+    write_atomic(&file, &services_yaml_with("b", &[&b], grace));
+    for admin in [one.admin_addr, two.admin_addr] {
+        eventually(
+            "a is dropped by the source but drains",
+            DEADLINE,
+            || async {
+                let state: serde_json::Value = serde_json::from_str(
+                    &http_get(&format!("http://{admin}/debug/state"))
+                        .await
+                        .ok()?
+                        .1,
+                )
+                .ok()?;
+                let clusters = state["rayservices"][0]["clusters"].as_array()?.len();
+                (clusters == 1
+                    && snapshot_clusters(admin)
+                        .await
+                        .contains(&"default/demo/a".to_string()))
+                .then_some(())
+            },
+        )
+        .await;
+    }
+    // Replica two restarts: it never saw a in its source, and keeps it all the same.
+    two.stop().await.unwrap();
+    let two = start(two_config).await;
+    eventually("the restarted replica is ready", DEADLINE, || async {
+        weight_b(two.admin_addr).await
+    })
+    .await;
+    let clusters = snapshot_clusters(two.admin_addr).await;
+    assert!(
+        clusters.contains(&"default/demo/a".to_string()),
+        "its first snapshot keeps the draining cluster: {clusters:?}"
+    );
+    let view: serde_json::Value = serde_json::from_str(
+        &http_get(&format!("http://{}/replica/switchover", two.admin_addr))
+            .await
+            .unwrap()
+            .1,
+    )
+    .unwrap();
+    assert_eq!(view["departed"][0]["cluster"], "a", "{view}");
+    one.stop().await.unwrap();
+    two.stop().await.unwrap();
+}

@@ -53,10 +53,34 @@ pub struct PeerSwitch {
     pub serving_since_unix: Option<f64>,
 }
 
-/// A replica's answer: RayService key → its switch.
+/// A replica's answer: RayService key → its switch, and the clusters it keeps draining.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ReplicaView {
     pub services: BTreeMap<String, PeerSwitch>,
+    #[serde(default)]
+    pub departed: Vec<DepartedCluster>,
+}
+
+/// A cluster the source dropped that a replica keeps, draining, until `until_unix`: a
+/// replica restarted meanwhile keeps it too, so its Envoys keep the cluster for the
+/// requests in flight on it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DepartedCluster {
+    /// The RayService key (`namespace/name`).
+    pub service: String,
+    pub cluster: String,
+    pub until_unix: f64,
+    pub proxies: Vec<DepartedProxy>,
+}
+
+/// One proxy of a departed cluster: its endpoints (only drained, never sent new work).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DepartedProxy {
+    pub address: std::net::SocketAddr,
+    #[serde(default)]
+    pub grpc: Option<std::net::SocketAddr>,
+    #[serde(default)]
+    pub head: bool,
 }
 
 /// What every peer said last, by RayService.
@@ -64,6 +88,8 @@ pub struct ReplicaView {
 pub struct PeerStates {
     /// RayService key → each answering peer's view of it.
     pub services: BTreeMap<String, Vec<PeerSwitch>>,
+    /// Clusters peers keep draining.
+    pub departed: Vec<DepartedCluster>,
     /// A first round of asking every peer has ended (answered or not).
     pub polled: bool,
 }
@@ -151,6 +177,7 @@ impl PeerPoller {
                 for (service, switch) in view.services {
                     next.services.entry(service).or_default().push(switch);
                 }
+                next.departed.extend(view.departed);
             }
             states.send_if_modified(|current| {
                 if **current == next {
@@ -267,6 +294,7 @@ mod tests {
                 ],
             )]),
             polled: true,
+            ..Default::default()
         };
         assert_eq!(
             states.shift_started("ns/s", "a", "b").map(to_unix),
@@ -278,6 +306,7 @@ mod tests {
         let done = PeerStates {
             services: BTreeMap::from([("ns/s".to_string(), vec![switch("b", None, None)])]),
             polled: true,
+            ..Default::default()
         };
         assert!(done.completed("ns/s", "b"));
         assert_eq!(done.target_since("ns/s", "b").map(to_unix), Some(1.0));

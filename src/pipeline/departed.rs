@@ -6,8 +6,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::SystemTime;
 
-use crate::model::{Model, RayCluster, RayService};
+use crate::live::peers::{from_unix, to_unix, DepartedCluster, DepartedProxy};
+use crate::model::{AddressPolicy, Model, NodeType, Proxy, ProxyOrigin, RayCluster, RayService};
 use crate::policy::switchover::SwitchoverPolicy;
+
+/// The most proxies a cluster taken from a peer may have.
+pub const MAX_ADOPTED_PROXIES: usize = 10_000;
 
 /// Clusters the source dropped, kept for their drain grace period.
 #[derive(Clone, Debug, Default)]
@@ -88,6 +92,100 @@ impl Departed {
             }
         }
         Model::new(all).unwrap_or(with_clusters)
+    }
+
+    /// Takes the clusters peers keep draining that this replica does not know (it
+    /// restarted since the source dropped them): a cluster of a RayService `current` has,
+    /// that `current` lacks, until no later than its drain grace from `now` allows, with
+    /// only the proxies `addresses` lets the source publish. Its endpoints only drain.
+    pub fn adopt(
+        &mut self,
+        peers: &[DepartedCluster],
+        current: &Model,
+        defaults: &SwitchoverPolicy,
+        addresses: &AddressPolicy,
+        now: SystemTime,
+    ) {
+        for peer in peers {
+            let key = (peer.service.clone(), peer.cluster.clone());
+            if self.clusters.contains_key(&key) || peer.proxies.len() > MAX_ADOPTED_PROXIES {
+                continue;
+            }
+            let Some(service) = current.services().iter().find(|s| s.key() == peer.service) else {
+                continue;
+            };
+            let grace = defaults
+                .with(&service.policy.overrides.switchover)
+                .drain_grace;
+            let Some(until) = from_unix(peer.until_unix) else {
+                continue;
+            };
+            if service.cluster(&peer.cluster).is_some() || until <= now || until > now + grace {
+                continue;
+            }
+            let source = |a| addresses.check(a, ProxyOrigin::Source).is_ok();
+            let mut proxies: Vec<Proxy> = peer
+                .proxies
+                .iter()
+                .filter(|p| source(p.address))
+                .map(|p| Proxy {
+                    address: p.address,
+                    grpc: p.grpc.filter(|g| source(*g) && *g != p.address),
+                    node_type: if p.head {
+                        NodeType::Head
+                    } else {
+                        NodeType::Worker
+                    },
+                    draining: true,
+                    host_network: false,
+                })
+                .collect();
+            proxies.sort();
+            proxies.dedup_by_key(|p| p.address);
+            let cluster = RayCluster {
+                name: peer.cluster.clone(),
+                dashboard: None,
+                grpc_port: None,
+                proxies,
+                discover: false,
+            };
+            // Only what keeps the model valid (a name Envoy takes, no address used twice).
+            let mut candidate = service.clone();
+            candidate.clusters.push(cluster.clone());
+            if Model::new(vec![candidate]).is_ok() {
+                self.clusters.insert(key, (cluster, until));
+            }
+        }
+    }
+
+    /// What this replica keeps draining, for its peers.
+    pub fn view(&self) -> Vec<DepartedCluster> {
+        self.clusters
+            .iter()
+            .map(|((service, name), (cluster, until))| DepartedCluster {
+                service: service.clone(),
+                cluster: name.clone(),
+                until_unix: to_unix(*until),
+                proxies: cluster
+                    .proxies
+                    .iter()
+                    .map(|p| DepartedProxy {
+                        address: p.address,
+                        grpc: p.grpc,
+                        head: p.node_type == NodeType::Head,
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// The proxies of departed clusters: never awaiting a first probe (the prober does
+    /// not probe them; they only drain).
+    pub fn addresses(&self) -> BTreeSet<std::net::SocketAddr> {
+        self.clusters
+            .values()
+            .flat_map(|(c, _)| c.proxies.iter().map(|p| p.address))
+            .collect()
     }
 
     /// Whether `cluster` of `service` is draining after the source dropped it.
@@ -236,5 +334,88 @@ mod tests {
         );
         assert_eq!(back, before);
         assert!(d.envoy_cluster_names().is_empty());
+    }
+
+    /// Issue 16: a replica restarted while a dropped cluster drains takes it from a peer,
+    /// with what a peer cannot make it take left out.
+    #[test]
+    fn a_restarted_replica_keeps_draining_what_its_peer_drains() {
+        let before = two_clusters();
+        let mut after = before.services()[0].clone();
+        after.pending_cluster = None;
+        after.clusters.retain(|c| c.name == B);
+        let after = Model::new(vec![after]).unwrap();
+        let mut peer = Departed::default();
+        peer.update(&before, &after, &SwitchoverPolicy::default(), T0);
+        let view = peer.view();
+        assert_eq!(view.len(), 1);
+
+        let at = T0 + Duration::from_secs(10);
+        let policy = SwitchoverPolicy::default();
+        let mut restarted = Departed::default();
+        restarted.adopt(&view, &after, &policy, &AddressPolicy::default(), at);
+        let kept = restarted.update(&after, &after, &policy, at);
+        let a1 = kept.services()[0].cluster(A).expect("a1 drains here too");
+        assert!(a1.proxies.iter().all(|p| p.draining));
+        assert_eq!(
+            a1.proxies,
+            before.services()[0]
+                .cluster(A)
+                .unwrap()
+                .proxies
+                .iter()
+                .cloned()
+                .map(|mut p| {
+                    p.draining = true;
+                    p
+                })
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            restarted.next_expiry(),
+            Some(T0 + Duration::from_secs(30)),
+            "the peer's end, not a new grace"
+        );
+        assert_eq!(restarted.addresses().len(), 1);
+
+        let adopt = |view: &[DepartedCluster], model: &Model, addresses: &AddressPolicy| {
+            let mut d = Departed::default();
+            d.adopt(view, model, &policy, addresses, at);
+            d.contains("default/s", A)
+        };
+        // Not while the source still lists the cluster, nor for a RayService it lacks.
+        assert!(!adopt(&view, &before, &AddressPolicy::default()));
+        assert!(!adopt(&view, &Model::default(), &AddressPolicy::default()));
+        // Not past the grace this replica would give, nor already over, nor garbage times.
+        for until in [at + Duration::from_secs(31), at, T0] {
+            let mut v = view.clone();
+            v[0].until_unix = to_unix(until);
+            assert!(!adopt(&v, &after, &AddressPolicy::default()), "{until:?}");
+        }
+        let mut v = view.clone();
+        v[0].until_unix = f64::NAN;
+        assert!(!adopt(&v, &after, &AddressPolicy::default()));
+        // Proxies the address policy refuses are left out (a metadata address always).
+        let mut v = view.clone();
+        v[0].proxies.push(DepartedProxy {
+            address: "169.254.169.254:80".parse().unwrap(),
+            grpc: None,
+            head: false,
+        });
+        let mut d = Departed::default();
+        d.adopt(&v, &after, &policy, &AddressPolicy::default(), at);
+        assert_eq!(d.addresses().len(), 1);
+        let elsewhere = AddressPolicy {
+            networks: vec!["198.18.0.0/15".parse().unwrap()],
+        };
+        let mut d = Departed::default();
+        d.adopt(&view, &after, &policy, &elsewhere, at);
+        assert_eq!(d.addresses().len(), 0, "outside proxies.networks");
+        // A name that would make the model invalid: left out.
+        let mut v = view.clone();
+        v[0].cluster = "Not_A_Label".into();
+        let mut d = Departed::default();
+        d.adopt(&v, &after, &policy, &AddressPolicy::default(), at);
+        assert!(d.addresses().is_empty());
     }
 }

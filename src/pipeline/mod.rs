@@ -84,6 +84,9 @@ pub struct Pipeline {
     last_source: Arc<Model>,
     fail_open: BTreeSet<String>,
     last: Option<Arc<Snapshot>>,
+    /// What the other replicas say (departed clusters they keep).
+    peers: Arc<crate::live::peers::PeerStates>,
+    addresses: crate::model::AddressPolicy,
 }
 
 impl Pipeline {
@@ -97,12 +100,21 @@ impl Pipeline {
             last_source: Arc::new(Model::default()),
             fail_open: BTreeSet::new(),
             last: None,
+            peers: Arc::default(),
+            addresses: Default::default(),
         }
     }
 
     /// What the other replicas say of their switches, for the next builds.
     pub fn set_peers(&mut self, peers: Arc<crate::live::peers::PeerStates>) {
-        self.switchover.set_peers(peers);
+        self.switchover.set_peers(peers.clone());
+        self.peers = peers;
+    }
+
+    /// The address policy proxies taken from peers (departed clusters) must pass.
+    pub fn with_addresses(mut self, addresses: crate::model::AddressPolicy) -> Pipeline {
+        self.addresses = addresses;
+        self
     }
 
     /// When the proxies of `model` that the last snapshot lacks stop waiting for their
@@ -128,10 +140,11 @@ impl Pipeline {
         now: SystemTime,
     ) -> impl Iterator<Item = (SocketAddr, SystemTime)> + 'a {
         let wait = self.policies.probe.first_probe_wait();
+        let departed = self.departed.addresses();
         model
             .endpoints()
             .map(|(address, _)| address)
-            .filter(|a| !self.published.contains(a))
+            .filter(move |a| !self.published.contains(a) && !departed.contains(a))
             .filter_map(move |address| {
                 let until = match probes.proxies.get(&address) {
                     Some(p) if p.state != ProbeState::Unknown => return None,
@@ -144,6 +157,13 @@ impl Pipeline {
 
     pub fn build(&mut self, inputs: &Inputs<'_>, now: SystemTime) -> Output {
         let source = inputs.model;
+        self.departed.adopt(
+            &self.peers.departed,
+            source,
+            &self.policies.switchover,
+            &self.addresses,
+            now,
+        );
         let model = self
             .departed
             .update(&self.last_source, source, &self.policies.switchover, now);
@@ -211,6 +231,7 @@ impl Pipeline {
         };
         self.last = Some(snapshot.clone());
 
+        self.switchover.set_departed(self.departed.view());
         let wake_at = [
             self.switchover.next_wake(),
             awaiting.iter().map(|(_, until)| *until).min(),

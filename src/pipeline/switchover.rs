@@ -30,7 +30,7 @@ use serde::Serialize;
 use crate::live::dashboard::AppStatus;
 use crate::live::dashboards::DashboardStates;
 use crate::live::health::HealthMap;
-use crate::live::peers::{to_unix, PeerStates, PeerSwitch, ReplicaView};
+use crate::live::peers::{to_unix, DepartedCluster, PeerStates, PeerSwitch, ReplicaView};
 use crate::model::{Model, RayService};
 use crate::policy::switchover::{ShiftMode, SwitchoverPolicy};
 
@@ -152,6 +152,8 @@ pub struct Switchover {
     refresh: Vec<String>,
     /// What the other replicas say of their switches.
     peers: Arc<PeerStates>,
+    /// The clusters this replica keeps draining (for [`Switchover::replica_view`]).
+    departed: Vec<DepartedCluster>,
 }
 
 /// Whether `cluster` of `service` is ready for traffic, and why not.
@@ -236,9 +238,15 @@ impl Switchover {
         self.peers = peers;
     }
 
+    /// The clusters this replica keeps draining, for its peers.
+    pub fn set_departed(&mut self, departed: Vec<DepartedCluster>) {
+        self.departed = departed;
+    }
+
     /// This replica's switches as its peers read them (`live::peers`).
     pub fn replica_view(&self) -> ReplicaView {
         ReplicaView {
+            departed: self.departed.clone(),
             services: self
                 .services
                 .iter()
@@ -1218,6 +1226,7 @@ mod tests {
                     }],
                 )]),
                 polled: true,
+                ..Default::default()
             })
         };
         let at = T0 + Duration::from_secs(1000);
