@@ -1051,10 +1051,17 @@ fn services_and_budgets_select_the_deployments_and_their_ports() {
         xds.spec.as_ref().unwrap().type_.as_deref(),
         Some("ClusterIP")
     );
-    let grpc = port(xds, "grpc-xds");
-    assert_eq!(grpc.port, 18000);
-    assert_eq!(grpc.app_protocol.as_deref(), Some("grpc"));
-    assert_eq!(grpc.target_port, Some(IntOrString::String("xds".into())));
+    // The xDS port carries TLS the clients originate (ray-xds-config.yaml has `xds.tls`):
+    // a mesh must pass it through, not parse it as cleartext gRPC.
+    let config: serde_yaml::Value = serde_yaml::from_str(&ray_xds_config_text(&all)).unwrap();
+    assert!(config["xds"]["tls"].is_mapping());
+    let xds_port = port(xds, "tls-xds");
+    assert_eq!(xds_port.port, 18000);
+    assert_eq!(xds_port.app_protocol.as_deref(), Some("tls"));
+    assert_eq!(
+        xds_port.target_port,
+        Some(IntOrString::String("xds".into()))
+    );
 
     let metrics = service(&all, "ray-xds-metrics");
     let admin = port(metrics, "admin");
