@@ -199,8 +199,15 @@ build_image() {
         --label "org.opencontainers.image.revision=$revision" \
         --created-by "scripts/build-image.sh" \
         "$ctr"
+    local previous
+    previous=$(buildah "${STORAGE[@]}" images --noheading --no-trunc --format '{{.ID}}' "$tag" 2>/dev/null || true)
     buildah "${STORAGE[@]}" commit --quiet --format oci --squash --identity-label=false \
         --timestamp "$epoch" "$ctr" "$tag" >/dev/null
+    # The image this tag named before, now nameless (a rebuild): not kept.
+    if [ -n "$previous" ] && [ "$previous" != "$(buildah "${STORAGE[@]}" images --noheading --no-trunc --format '{{.ID}}' "$tag")" ] &&
+        [ -z "$(buildah "${STORAGE[@]}" images --noheading --format '{{.Name}}' --filter "id=$previous" | grep -v '<none>' || true)" ]; then
+        buildah "${STORAGE[@]}" rmi "$previous" >/dev/null 2>&1 || true
+    fi
     if [ -n "$archive" ]; then
         rm -f "$archive"
         buildah "${STORAGE[@]}" push --quiet "$tag" "oci-archive:$archive:$tag" >/dev/null
