@@ -637,6 +637,7 @@ fn every_manifest_parses_as_its_kubernetes_type_with_nothing_dropped() {
         ("PodDisruptionBudget", "ray-xds"),
         ("Service", "ray-xds"),
         ("Service", "ray-xds-metrics"),
+        ("Service", "ray-xds-peers"),
         ("ConfigMap", "envoy-gateway-bootstrap"),
         ("Deployment", "envoy-gateway"),
         ("PodDisruptionBudget", "envoy-gateway"),
@@ -968,6 +969,27 @@ fn ray_xds_config_in_the_config_map_loads() {
     for path in [&tls.cert, &tls.key, &tls.client_ca] {
         assert!(path.is_absolute(), "{path:?}");
     }
+    // Replicas ask each other through the headless Service, on the admin port.
+    assert_eq!(
+        config.replica_peers,
+        ["ray-xds-peers.ray-xds.svc.cluster.local:19000"]
+    );
+    let peers = service(&all, "ray-xds-peers");
+    let spec = peers.spec.as_ref().unwrap();
+    assert_eq!(
+        spec.cluster_ip.as_deref(),
+        Some("None"),
+        "headless: every replica's IP"
+    );
+    assert_eq!(spec.publish_not_ready_addresses, Some(true));
+    assert!(label_selector_matches(
+        &LabelSelector {
+            match_labels: spec.selector.clone(),
+            ..Default::default()
+        },
+        pod_labels(deployment(&all, "ray-xds"))
+    ));
+    assert_eq!(spec.ports.as_ref().unwrap()[0].port, 19000);
     assert_eq!(config.gateway.listener_port, 10000);
     match &config.source {
         ray_xds::config::SourceConfig::Kubernetes(k) => {
@@ -1663,7 +1685,12 @@ fn network_policy_lets_in_the_gateway_sidecars_and_monitoring_only() {
     let cases: [(&str, &Peer, bool, bool); 10] = [
         // (who, from, may reach xds, may reach admin)
         ("the gateway", &gateway_pod, true, false),
-        ("ray-xds itself", &own_pod, false, false),
+        (
+            "another ray-xds replica (replicas.peers)",
+            &own_pod,
+            false,
+            true,
+        ),
         ("a labelled sidecar", &sidecar, true, false),
         ("a labelled pod in ray-xds", &sidecar_here, true, false),
         (
@@ -1705,7 +1732,7 @@ fn network_policy_lets_in_the_gateway_sidecars_and_monitoring_only() {
     // gRPC proxy 9000, the dashboard 8265 (README, "What ray-xds reads").
     let dns = pod("kube-system", &[("k8s-app", "kube-dns")]);
     let fake_dns = pod("my-app", &[("k8s-app", "kube-dns")]);
-    let cases: [(&str, &Peer, i32, &str, bool); 12] = [
+    let cases: [(&str, &Peer, i32, &str, bool); 14] = [
         ("a Ray pod's serve port", &ray_pod, 8000, "TCP", true),
         ("a Ray pod's gRPC port", &ray_pod, 9000, "TCP", true),
         ("a Ray head's dashboard", &ray_pod, 8265, "TCP", true),
@@ -1724,6 +1751,8 @@ fn network_policy_lets_in_the_gateway_sidecars_and_monitoring_only() {
         ("the API server (6443)", &Peer::Outside, 6443, "TCP", true),
         ("outside, on 80", &Peer::Outside, 80, "TCP", false),
         ("outside, on 8000", &Peer::Outside, 8000, "TCP", false),
+        ("another replica's admin", &own_pod, 19000, "TCP", true),
+        ("another replica's xDS", &own_pod, 18000, "TCP", false),
     ];
     for (what, to, port, protocol, allowed) in cases {
         assert_eq!(
