@@ -9,8 +9,10 @@ async fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
+            // rustls logs a line per malformed handshake: anyone who can reach the xDS
+            // port could fill the log. ray-xds logs failed handshakes itself, rate-limited.
             tracing_subscriber::EnvFilter::try_from_env("RAY_XDS_LOG")
-                .unwrap_or_else(|_| "info".into()),
+                .unwrap_or_else(|_| "info,rustls=error".into()),
         )
         .init();
     // Every proxy probed over a kept-alive connection holds a file descriptor: take all

@@ -431,6 +431,12 @@ fn is_dns_label(s: &str) -> bool {
 
 /// Envoy accepts `*`, a prefix wildcard (`*.example.com`), a suffix wildcard
 /// (`example.*`) or a plain host, optionally with a port.
+/// Whether `host` is a virtual-host domain Envoy takes: a name, `*`, `*.suffix` or
+/// `prefix.*` (ASCII letters, digits, `.`, `-`, `:`, `_`).
+pub fn check_host(host: &str) -> Result<(), String> {
+    validate_host(host)
+}
+
 fn validate_host(host: &str) -> Result<(), String> {
     if host == "*" {
         return Ok(());
@@ -496,12 +502,23 @@ impl HostPolicy {
     /// Whether RayService `namespace/name` may claim `host`.
     pub fn allows(&self, namespace: &str, name: &str, host: &str) -> bool {
         let host = host.to_ascii_lowercase();
-        if host == format!("{name}.{namespace}") || host == format!("{name}.{namespace}.svc") {
+        let own = |ns: &str| {
+            self.namespaces
+                .get(ns)
+                .is_some_and(|patterns| patterns.iter().any(|p| host_within(&host, p)))
+        };
+        if own(namespace) {
             return true;
         }
-        self.namespaces
-            .get(namespace)
-            .is_some_and(|patterns| patterns.iter().any(|p| host_within(&host, p)))
+        if host == format!("{name}.{namespace}") || host == format!("{name}.{namespace}.svc") {
+            // A default name is the RayService's unless the policy gives it to another
+            // namespace (namespace `com`, RayService `example`: `example.com`). A `*`
+            // grant is the catch-all, and gives no name away.
+            return !self.namespaces.iter().any(|(ns, patterns)| {
+                ns != namespace && patterns.iter().any(|p| p != "*" && host_within(&host, p))
+            });
+        }
+        false
     }
 
     /// What `namespace` may claim, for messages.

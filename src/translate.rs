@@ -165,8 +165,11 @@ fn http_listener(gateway: &GatewaySettings, traffic: &TrafficPolicy) -> listener
         // the client's); Envoy makes one up otherwise, and keeps it across retries.
         preserve_external_request_id: true,
         xff_num_trusted_hops: traffic.xff_num_trusted_hops,
-        // `Host: svc.example:10000` matches the virtual host of `svc.example`.
+        // `Host: svc.example:10000` and `Host: svc.example.` (a fully qualified name)
+        // match the virtual host of `svc.example`, never a wildcard another RayService
+        // holds.
         strip_port_mode: Some(hcm::http_connection_manager::StripPortMode::StripAnyHostPort(true)),
+        strip_trailing_host_dot: true,
         route_specifier: Some(hcm::http_connection_manager::RouteSpecifier::Rds(
             hcm::Rds {
                 config_source: Some(ads()),

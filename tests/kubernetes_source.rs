@@ -888,12 +888,17 @@ async fn two_namespaces_contending_for_a_host_the_older_keeps_it_and_none_takes_
     let problems: Vec<String> =
         serde_json::from_value(state["source"]["problems"].clone()).unwrap();
     assert!(
-        problems
-            .iter()
-            .any(|p| p.starts_with("rayservice alpha/rayservice-sample: host \"*\" refused")),
+        problems.iter().any(|p| p
+            .starts_with("rayservice alpha/rayservice-sample: 1 host(s) refused")
+            && p.ends_with("\"*\"")),
         "{problems:#?}"
     );
-    assert!(problems.iter().any(|p| p.starts_with("rayservice alpha/rayservice-sample: host \"shared.example.com\" left to zeta/rayservice-sample")), "{problems:#?}");
+    assert!(
+        problems.iter().any(|p| p
+            .starts_with("rayservice alpha/rayservice-sample: 1 host(s) held by older")
+            && p.contains("\"shared.example.com\" left to zeta/rayservice-sample")),
+        "{problems:#?}"
+    );
     let metrics = admin_get(xds.admin_addr, "/metrics").await;
     for reason in ["host_refused", "host_conflict"] {
         let series = format!(

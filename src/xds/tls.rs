@@ -5,19 +5,20 @@
 //! Invariants:
 //! - a client without a certificate chained to `client_ca` fails the handshake, before
 //!   it can send or read one xDS byte (the listener hands tonic only finished handshakes);
-//! - a reload that fails (a file missing, half written, unparsable, or a key that is not
-//!   the certificate's) changes nothing: the last good configuration goes on serving, and
-//!   the failure is logged and counted;
+//! - a reload that fails (a file missing, half written, unparsable, not a regular file, a
+//!   key that is not the certificate's, a server certificate expired or not yet valid, a
+//!   "CA" that is no CA) changes nothing: the last good configuration goes on serving,
+//!   and each distinct failure is logged and counted once;
 //! - a reload applies to handshakes that start after it: connections already open keep
 //!   their session, so a rotation never drops a stream.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 use sha2::{Digest, Sha256};
@@ -56,13 +57,18 @@ pub enum TlsError {
     Config(String),
 }
 
+/// How far in the future a server certificate's `notBefore` may be (clocks differ a
+/// little between the issuer and this node).
+pub const NOT_BEFORE_SKEW: Duration = Duration::from_secs(300);
+
 /// The server's TLS configuration, swapped whole on a good reload.
 pub struct ServerTls {
     files: TlsFiles,
     current: ArcSwap<ServerConfig>,
-    /// A digest of the three files' bytes that made `current` (or last failed): a reload
-    /// is tried only when the files change.
-    seen: Mutex<[u8; 32]>,
+    /// A digest of the three files' bytes that made `current`: files equal to them are
+    /// unchanged. (Files that failed are tried again at each tick: a certificate not yet
+    /// valid becomes valid without its bytes changing.)
+    serving: Mutex<[u8; 32]>,
 }
 
 impl std::fmt::Debug for ServerTls {
@@ -88,10 +94,10 @@ impl ServerTls {
     /// Reads the files; an error here is fatal at start (there is no last good state).
     pub fn load(files: TlsFiles) -> Result<Arc<ServerTls>, TlsError> {
         let bytes = read_all(&files)?;
-        let config = server_config(&files, &bytes)?;
+        let config = server_config(&files, &bytes, SystemTime::now())?;
         Ok(Arc::new(ServerTls {
             current: ArcSwap::from_pointee(config),
-            seen: Mutex::new(digest(&bytes)),
+            serving: Mutex::new(digest(&bytes)),
             files,
         }))
     }
@@ -114,16 +120,14 @@ impl ServerTls {
             Err(e) => return Reload::Failed(e),
         };
         let sum = digest(&bytes);
-        {
-            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-            if *seen == sum {
-                return Reload::Unchanged;
-            }
-            *seen = sum;
+        let mut serving = self.serving.lock().unwrap_or_else(|e| e.into_inner());
+        if *serving == sum {
+            return Reload::Unchanged;
         }
-        match server_config(&self.files, &bytes) {
+        match server_config(&self.files, &bytes, SystemTime::now()) {
             Ok(config) => {
                 self.current.store(Arc::new(config));
+                *serving = sum;
                 Reload::Reloaded
             }
             Err(e) => Reload::Failed(e),
@@ -142,7 +146,9 @@ pub async fn watch(
     let mut ticks = tokio::time::interval(interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticks.tick().await;
-    let mut failing = false;
+    // The failure last reported: the same one again at the next tick is not news; a
+    // different one is.
+    let mut failing: Option<String> = None;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -153,19 +159,19 @@ pub async fn watch(
             continue;
         };
         match outcome {
-            Reload::Unchanged => failing = false,
+            Reload::Unchanged => failing = None,
             Reload::Reloaded => {
-                failing = false;
+                failing = None;
                 observer.tls_reload(true);
                 tracing::info!("xDS TLS: certificate files changed; new handshakes use them");
             }
             Reload::Failed(e) => {
-                // A missing file fails every tick until it is back: say so once.
-                if !failing {
+                let message = e.to_string();
+                if failing.as_ref() != Some(&message) {
                     observer.tls_reload(false);
-                    tracing::warn!(error = %e, "xDS TLS: certificate files changed but cannot be used; keeping the last good ones");
+                    tracing::warn!(error = %message, "xDS TLS: certificate files changed but cannot be used; keeping the last good ones");
+                    failing = Some(message);
                 }
-                failing = true;
             }
         }
     }
@@ -181,14 +187,26 @@ fn read_all(files: &TlsFiles) -> Result<[Vec<u8>; 3], TlsError> {
 
 fn read_pem(path: &Path) -> Result<Vec<u8>, TlsError> {
     use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
     let read = |source| TlsError::Read {
         file: path.to_path_buf(),
         source,
     };
+    // Non-blocking: opening a FIFO put where a certificate was would otherwise wait for
+    // a writer for ever, and the reloads with it.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(read)?;
+    if !file.metadata().map_err(read)?.is_file() {
+        return Err(TlsError::Pem {
+            file: path.to_path_buf(),
+            message: "not a regular file".into(),
+        });
+    }
     let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .map_err(read)?
-        .take(MAX_PEM_BYTES + 1)
+    file.take(MAX_PEM_BYTES + 1)
         .read_to_end(&mut bytes)
         .map_err(read)?;
     if bytes.len() as u64 > MAX_PEM_BYTES {
@@ -226,23 +244,82 @@ fn certificates(file: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>,
     Ok(certs)
 }
 
-/// The configuration the three files make: TLS 1.2 and 1.3, ALPN `h2` (gRPC), and a
-/// client certificate required and verified against `client_ca`.
+/// Whether the server certificate `der` is valid at `now`: not expired, and valid from no
+/// later than [`NOT_BEFORE_SKEW`] ahead.
+fn check_validity(file: &Path, der: &CertificateDer<'_>, now: SystemTime) -> Result<(), TlsError> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der)
+        .map_err(|e| pem_error(file, format!("the first certificate does not parse: {e}")))?;
+    let now = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    let validity = cert.validity();
+    if validity.not_after.timestamp() < now {
+        return Err(pem_error(
+            file,
+            format!("the certificate expired at {}", validity.not_after),
+        ));
+    }
+    if validity.not_before.timestamp() > now + NOT_BEFORE_SKEW.as_secs() as i64 {
+        return Err(pem_error(
+            file,
+            format!(
+                "the certificate is not valid before {}",
+                validity.not_before
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A trust anchor must be a CA: a leaf here would let whoever has its key mint client
+/// certificates (webpki does not look at an anchor's basic constraints).
+fn check_ca(file: &Path, der: &CertificateDer<'_>) -> Result<(), TlsError> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der)
+        .map_err(|e| pem_error(file, format!("a certificate does not parse: {e}")))?;
+    if cert.is_ca() {
+        Ok(())
+    } else {
+        Err(pem_error(
+            file,
+            format!(
+                "{} is not a CA certificate (no basicConstraints CA:TRUE): client_ca holds the CAs that sign client certificates",
+                cert.subject()
+            ),
+        ))
+    }
+}
+
+/// The configuration the three files make at `now`: TLS 1.2 and 1.3, ALPN `h2` (gRPC),
+/// and a client certificate required and verified against `client_ca` (its CA
+/// certificates, and the CRLs it holds beside them: a revoked client certificate is
+/// refused).
 fn server_config(
     files: &TlsFiles,
     [cert, key, ca]: &[Vec<u8>; 3],
+    now: SystemTime,
 ) -> Result<ServerConfig, TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let chain = certificates(&files.cert, cert)?;
+    check_validity(&files.cert, &chain[0], now)?;
     let key = PrivateKeyDer::from_pem_slice(key)
         .map_err(|e| pem_error(&files.key, format!("no usable private key: {e}")))?;
     let mut roots = RootCertStore::empty();
     for ca_cert in certificates(&files.client_ca, ca)? {
+        check_ca(&files.client_ca, &ca_cert)?;
         roots
             .add(ca_cert)
             .map_err(|e| pem_error(&files.client_ca, format!("not a CA certificate: {e}")))?;
     }
+    let crls = CertificateRevocationListDer::pem_slice_iter(ca)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| pem_error(&files.client_ca, format!("a CRL does not parse: {e}")))?;
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .with_crls(crls)
+        // A CRL covers the client certificates of its own CA; a chain through another
+        // CA without one is not refused for that.
+        .only_check_end_entity_revocation()
+        .allow_unknown_revocation_status()
         .build()
         .map_err(|e| pem_error(&files.client_ca, e))?;
     let mut config = ServerConfig::builder_with_provider(provider)
@@ -448,8 +525,8 @@ mod tests {
             Arc::ptr_eq(&second, &served(&tls)),
             "a failed reload changed nothing"
         );
-        // Reported once per change, not every tick.
-        assert!(matches!(tls.reload_if_changed(), Reload::Unchanged));
+        // Tried again at each tick (the watcher reports each distinct failure once).
+        assert!(matches!(tls.reload_if_changed(), Reload::Failed(_)));
         // The key arrives: the pair is served.
         std::fs::write(&f.files.key, next_key).unwrap();
         assert!(matches!(tls.reload_if_changed(), Reload::Reloaded));
@@ -465,5 +542,59 @@ mod tests {
         assert!(Arc::ptr_eq(&third, &served(&tls)));
         std::fs::write(&f.files.client_ca, f.ca.pem()).unwrap();
         assert!(matches!(tls.reload_if_changed(), Reload::Unchanged));
+
+        // A FIFO where the certificate was: refused at once, not waited on.
+        std::fs::remove_file(&f.files.cert).unwrap();
+        let fifo = std::ffi::CString::new(f.files.cert.to_str().unwrap()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        let e = match tls.reload_if_changed() {
+            Reload::Failed(e) => e.to_string(),
+            other => panic!("{other:?}"),
+        };
+        assert!(e.contains("not a regular file"), "{e}");
+        assert!(Arc::ptr_eq(&third, &served(&tls)));
+    }
+
+    #[test]
+    fn an_expired_or_future_server_certificate_is_not_served() {
+        let f = files();
+        let tls = ServerTls::load(f.files.clone()).unwrap();
+        let serving = served(&tls);
+        let dated = |not_before: (i32, u8, u8), not_after: (i32, u8, u8)| {
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+            params.not_before = rcgen::date_time_ymd(not_before.0, not_before.1, not_before.2);
+            params.not_after = rcgen::date_time_ymd(not_after.0, not_after.1, not_after.2);
+            let cert = params.signed_by(&key, &f.ca).unwrap();
+            (cert.pem(), key.serialize_pem())
+        };
+        for ((cert, key), why) in [
+            (dated((2000, 1, 1), (2001, 1, 1)), "expired"),
+            (dated((2999, 1, 1), (3000, 1, 1)), "not valid before"),
+        ] {
+            std::fs::write(&f.files.cert, &cert).unwrap();
+            std::fs::write(&f.files.key, &key).unwrap();
+            let e = match tls.reload_if_changed() {
+                Reload::Failed(e) => e.to_string(),
+                other => panic!("{other:?}"),
+            };
+            assert!(e.contains(why) && e.contains("tls.crt"), "{e}");
+            assert!(Arc::ptr_eq(&serving, &served(&tls)));
+            // At start: refused too, naming the file.
+            let e = ServerTls::load(f.files.clone()).unwrap_err().to_string();
+            assert!(e.contains(why), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_client_ca_file_must_hold_cas() {
+        let f = files();
+        let (leaf_cert, _) = leaf(&f.ca);
+        std::fs::write(&f.files.client_ca, &leaf_cert).unwrap();
+        let e = ServerTls::load(f.files.clone()).unwrap_err().to_string();
+        assert!(
+            e.contains("ca.crt") && e.contains("not a CA certificate"),
+            "{e}"
+        );
     }
 }

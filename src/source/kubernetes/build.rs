@@ -28,7 +28,9 @@ use std::net::SocketAddr;
 
 use super::annotations;
 use super::objects::{PodObject, RayServiceObject};
-use crate::model::{HeadProxy, HostPolicy, Model, NodeType, Proxy, RayCluster, RayService};
+use crate::model::{
+    host_within, HeadProxy, HostPolicy, Model, NodeType, Proxy, RayCluster, RayService,
+};
 
 /// Something in the objects that ray-xds ignored, reported once by the caller.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -69,6 +71,8 @@ pub struct ServiceBuild {
     pub hints: BTreeMap<String, BTreeMap<String, String>>,
     /// When the RayService was created (unix seconds): the older claim of a host wins.
     pub created: Option<i64>,
+    /// The hosts it claims and may (held even while it is not routed yet).
+    pub claims: Vec<String>,
 }
 
 /// The clusters a RayService's status names: active (or a lone pending) and pending.
@@ -99,6 +103,23 @@ pub fn service<'a>(
         created: r.created,
         ..Default::default()
     };
+    let annotated = annotations::read(&r.annotations);
+    for (key, message) in &annotated.problems {
+        built.problems.push(Problem {
+            object: object.clone(),
+            reason: "bad_annotation",
+            message: format!("annotation {key} ignored: {message}"),
+        });
+    }
+    let allowed = claimed_hosts(
+        r,
+        annotated.hosts.as_deref(),
+        hosts,
+        &object,
+        &mut built.problems,
+    );
+    // A RayService not routed yet holds its claims all the same (the older keeps a host).
+    built.claims = allowed.clone();
     let (Some(active), pending) = cluster_names(r) else {
         built.unrouted = true;
         return built;
@@ -115,14 +136,6 @@ pub fn service<'a>(
             );
         }
     }
-    let annotated = annotations::read(&r.annotations);
-    for (key, message) in annotated.problems {
-        built.problems.push(Problem {
-            object: object.clone(),
-            reason: "bad_annotation",
-            message: format!("annotation {key} ignored: {message}"),
-        });
-    }
     let mut policy = annotated.policy;
     if r.exclude_head_pod {
         policy.head_proxy = HeadProxy::Exclude;
@@ -131,26 +144,6 @@ pub fn service<'a>(
         .chain(pending.as_ref())
         .map(|name| cluster(name, &pods_of(name), &object, &mut built.problems))
         .collect();
-    let claimed = annotated.hosts.unwrap_or_else(|| {
-        vec![
-            format!("{}.{}", r.name, r.namespace),
-            format!("{}.{}.svc", r.name, r.namespace),
-        ]
-    });
-    let (allowed, refused): (Vec<String>, Vec<String>) = claimed
-        .into_iter()
-        .partition(|h| hosts.allows(&r.namespace, &r.name, h));
-    for host in &refused {
-        built.problems.push(Problem {
-            object: object.clone(),
-            reason: "host_refused",
-            message: format!(
-                "host {host:?} refused: RayServices of namespace {} may claim {} (source.kubernetes.allowed_hosts)",
-                r.namespace,
-                hosts.describe(&r.namespace, &r.name)
-            ),
-        });
-    }
     if allowed.is_empty() {
         built.problems.push(Problem {
             object,
@@ -171,23 +164,124 @@ pub fn service<'a>(
     // Valid on its own (hosts claimed by others are checked in `assemble`).
     match Model::new(vec![service.clone()]) {
         Ok(_) => built.service = Some(service),
-        Err(e) => built.problems.push(Problem {
-            object,
-            reason: "invalid_rayservice",
-            message: format!("left out: {e}"),
-        }),
+        Err(e) => {
+            built.claims.clear();
+            built.problems.push(Problem {
+                object,
+                reason: "invalid_rayservice",
+                message: format!("left out: {e}"),
+            })
+        }
     }
     built
 }
 
+/// The most hosts one RayService may claim (`ray-xds.io/hosts`); more, and the annotation
+/// is ignored (its default hosts apply).
+pub const MAX_HOSTS: usize = 256;
+
+/// Hosts named in one problem; the rest are counted.
+const HOSTS_NAMED: usize = 5;
+
+/// `"a", "b", "c" (and 7 more)`.
+fn some_hosts(hosts: &[String]) -> String {
+    let named: Vec<String> = hosts
+        .iter()
+        .take(HOSTS_NAMED)
+        .map(|h| format!("{h:?}"))
+        .collect();
+    let more = hosts.len().saturating_sub(HOSTS_NAMED);
+    if more > 0 {
+        format!("{} (and {more} more)", named.join(", "))
+    } else {
+        named.join(", ")
+    }
+}
+
+/// The hosts RayService `r` claims and may: its annotation's (at most [`MAX_HOSTS`]) or
+/// its default ones, each a valid virtual-host domain, once (in any case), within what
+/// its namespace may claim. What is dropped is reported in one problem per reason,
+/// naming a few hosts (so a huge annotation costs little).
+fn claimed_hosts(
+    r: &RayServiceObject,
+    annotated: Option<&[String]>,
+    policy: &HostPolicy,
+    object: &str,
+    problems: &mut Vec<Problem>,
+) -> Vec<String> {
+    let defaults = || {
+        vec![
+            format!("{}.{}", r.name, r.namespace),
+            format!("{}.{}.svc", r.name, r.namespace),
+        ]
+    };
+    let claimed = match annotated {
+        Some(hosts) if hosts.len() > MAX_HOSTS => {
+            problems.push(Problem {
+                object: object.to_string(),
+                reason: "bad_annotation",
+                message: format!(
+                    "annotation ray-xds.io/hosts ignored: {} hosts, at most {MAX_HOSTS}; the default hosts apply",
+                    hosts.len()
+                ),
+            });
+            defaults()
+        }
+        Some(hosts) => hosts.to_vec(),
+        None => defaults(),
+    };
+    let mut seen = BTreeSet::new();
+    let (mut valid, mut invalid) = (Vec::new(), Vec::new());
+    for host in claimed {
+        if crate::model::check_host(&host).is_err() {
+            invalid.push(host);
+        } else if seen.insert(host.to_ascii_lowercase()) {
+            valid.push(host);
+        }
+    }
+    if !invalid.is_empty() {
+        problems.push(Problem {
+            object: object.to_string(),
+            reason: "bad_annotation",
+            message: format!(
+                "{} host(s) of ray-xds.io/hosts ignored, not virtual-host domains (a name, '*', '*.suffix' or 'prefix.*'): {}",
+                invalid.len(),
+                some_hosts(&invalid)
+            ),
+        });
+    }
+    let (allowed, refused): (Vec<String>, Vec<String>) = valid
+        .into_iter()
+        .partition(|h| policy.allows(&r.namespace, &r.name, h));
+    if !refused.is_empty() {
+        problems.push(Problem {
+            object: object.to_string(),
+            reason: "host_refused",
+            message: format!(
+                "{} host(s) refused, outside what RayServices of namespace {} may claim ({}; source.kubernetes.allowed_hosts): {}",
+                refused.len(),
+                r.namespace,
+                policy.describe(&r.namespace, &r.name),
+                some_hosts(&refused)
+            ),
+        });
+    }
+    allowed
+}
+
 /// Puts built RayServices into one model. Hosts go to the oldest claimant (creation time,
-/// then `namespace/name`; one without a creation time counts as the newest): a younger
-/// RayService loses each host an older one holds, is reported, and keeps its others (left
-/// out when none is left).
+/// then `namespace/name`; one without a creation time counts as the newest), routed or
+/// not yet: a younger RayService loses each host an older one holds, and each name inside
+/// a wildcard an older RayService of another namespace holds (Envoy would send that name
+/// to the younger, more specific claim), is reported, and keeps its others (left out when
+/// none is left). A RayService whose proxies clash with an older one's (an address that
+/// is HTTP there and gRPC here) is left out alone.
 pub fn assemble<'a>(built: impl IntoIterator<Item = &'a ServiceBuild>) -> Built {
     let mut out = Built::default();
     let mut services = Vec::new();
+    // Host (lowercase) → the RayService holding it; wildcards also with its namespace.
     let mut claimed: BTreeMap<String, String> = BTreeMap::new();
+    let mut wildcards: Vec<(String, String, String)> = Vec::new();
     let mut built: Vec<&ServiceBuild> = built.into_iter().collect();
     built.sort_by(|a, b| {
         let age = |b: &ServiceBuild| (b.created.is_none(), b.created);
@@ -198,28 +292,57 @@ pub fn assemble<'a>(built: impl IntoIterator<Item = &'a ServiceBuild>) -> Built 
         if b.unrouted {
             out.unrouted.push(b.key.clone());
         }
+        if let Some(service) = &b.service {
+            if !b.hints.is_empty() {
+                out.hints.insert(service.key(), b.hints.clone());
+            }
+        }
+        let namespace = b.key.split('/').next().unwrap_or_default();
+        let object = format!("rayservice {}", b.key);
+        let mut lost: Vec<String> = Vec::new();
+        let mut kept: Vec<String> = Vec::new();
+        for host in &b.claims {
+            let lower = host.to_ascii_lowercase();
+            let holder = claimed.get(&lower).cloned().or_else(|| {
+                wildcards
+                    .iter()
+                    .find(|(w, _, ns)| ns != namespace && host_within(&lower, w))
+                    .map(|(w, owner, _)| format!("{owner} (its {w:?})"))
+            });
+            match holder {
+                Some(holder) if holder != b.key => lost.push(format!("{host:?} left to {holder}")),
+                _ => kept.push(host.clone()),
+            }
+        }
+        for host in &kept {
+            let lower = host.to_ascii_lowercase();
+            if lower != "*" && (lower.starts_with('*') || lower.ends_with('*')) {
+                wildcards.push((lower.clone(), b.key.clone(), namespace.to_string()));
+            }
+            claimed.insert(lower, b.key.clone());
+        }
+        if !lost.is_empty() {
+            let named: Vec<&str> = lost.iter().take(HOSTS_NAMED).map(String::as_str).collect();
+            let more = lost.len().saturating_sub(HOSTS_NAMED);
+            out.problems.push(Problem {
+                object: object.clone(),
+                reason: "host_conflict",
+                message: format!(
+                    "{} host(s) held by older RayServices, which claimed them first: {}{}",
+                    lost.len(),
+                    named.join(", "),
+                    if more > 0 {
+                        format!(" (and {more} more)")
+                    } else {
+                        String::new()
+                    }
+                ),
+            });
+        }
         let Some(service) = &b.service else {
             continue;
         };
-        if !b.hints.is_empty() {
-            out.hints.insert(service.key(), b.hints.clone());
-        }
-        let object = format!("rayservice {}", service.key());
-        let mut service = service.clone();
-        service.hosts.retain(|h| match claimed.get(&h.to_ascii_lowercase()) {
-            None => true,
-            Some(older) => {
-                out.problems.push(Problem {
-                    object: object.clone(),
-                    reason: "host_conflict",
-                    message: format!(
-                        "host {h:?} left to {older}, which claimed it first (the older RayService keeps a host)"
-                    ),
-                });
-                false
-            }
-        });
-        if service.hosts.is_empty() {
+        if kept.is_empty() {
             out.problems.push(Problem {
                 object,
                 reason: "host_conflict",
@@ -227,20 +350,32 @@ pub fn assemble<'a>(built: impl IntoIterator<Item = &'a ServiceBuild>) -> Built 
             });
             continue;
         }
-        for h in &service.hosts {
-            claimed.insert(h.to_ascii_lowercase(), service.key());
-        }
+        let mut service = service.clone();
+        service.hosts = kept;
         services.push(service);
     }
-    match Model::new(services) {
-        Ok(model) => out.model = model,
-        // Every service was checked above; this would be a bug, not bad input.
-        Err(e) => out.problems.push(Problem {
-            object: "model".into(),
-            reason: "invalid_rayservice",
-            message: format!("no RayService routed: {e}"),
-        }),
-    }
+    out.model = match Model::new(services.clone()) {
+        Ok(model) => model,
+        // Each RayService is valid alone; together they are not (two namespaces' pods on
+        // one address, one as HTTP and one as gRPC): keep the older, leave the one that
+        // clashes out, alone.
+        Err(_) => {
+            let mut kept: Vec<RayService> = Vec::new();
+            for service in services {
+                let mut candidate = kept.clone();
+                candidate.push(service.clone());
+                match Model::new(candidate) {
+                    Ok(_) => kept.push(service),
+                    Err(e) => out.problems.push(Problem {
+                        object: format!("rayservice {}", service.key()),
+                        reason: "invalid_rayservice",
+                        message: format!("left out, clashing with an older RayService: {e}"),
+                    }),
+                }
+            }
+            Model::new(kept).unwrap_or_default()
+        }
+    };
     out.unrouted.sort();
     out.problems.sort();
     out.problems.dedup();
@@ -596,7 +731,8 @@ mod tests {
             .iter()
             .map(|p| (p.object.as_str(), p.reason, p.message.as_str()))
             .collect();
-        assert_eq!(problems.len(), 4, "{problems:#?}");
+        // One problem per RayService and reason, naming the hosts.
+        assert_eq!(problems.len(), 3, "{problems:#?}");
         assert!(problems
             .iter()
             .any(|(o, r, m)| *o == "rayservice team-a/llm"
@@ -648,7 +784,9 @@ mod tests {
             assert_eq!(built.problems.len(), 1);
             assert_eq!(built.problems[0].object, "rayservice alpha/a");
             assert_eq!(built.problems[0].reason, "host_conflict");
-            assert!(built.problems[0].message.contains("left to zulu/z"));
+            assert!(built.problems[0]
+                .message
+                .contains("\"shared.example.com\" left to zulu/z"));
         }
         // Created in the same second: namespace/name decides. No timestamp: the newest.
         let mut tie = younger.clone();
