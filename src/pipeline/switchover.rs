@@ -156,6 +156,15 @@ pub struct Switchover {
     departed: Vec<DepartedCluster>,
 }
 
+/// Whether `cluster` of `service` serves gRPC: the source says so, or (proxies discovered
+/// from its dashboard) health has a gRPC cluster for it.
+fn serves_grpc(service: &RayService, cluster: &str, health: &HealthMap) -> bool {
+    service.cluster(cluster).is_some_and(|c| c.serves_grpc())
+        || health
+            .clusters
+            .contains_key(&service.envoy_grpc_cluster_name(cluster))
+}
+
 /// Whether `cluster` of `service` is ready for traffic, and why not.
 pub fn readiness(
     service: &RayService,
@@ -213,7 +222,7 @@ pub fn readiness(
     // gRPC moves with HTTP (one weight per RayCluster): both must be ready. The source
     // says a cluster serves gRPC, or (proxies discovered from its dashboard) health does.
     let grpc_name = service.envoy_grpc_cluster_name(cluster);
-    if c.serves_grpc() || health.clusters.contains_key(&grpc_name) {
+    if serves_grpc(service, cluster, health) {
         let ready = health.cluster(&grpc_name).ready;
         if ready < need {
             return Err(format!(
@@ -370,9 +379,7 @@ impl Switchover {
                     if ready.is_ok() && !desperate && st.step == 0 {
                         cold = envoys.cold_envoys(&service.envoy_cluster_name(&target));
                         let grpc = service.envoy_grpc_cluster_name(&target);
-                        if service.cluster(&target).is_some_and(|c| c.serves_grpc())
-                            || health.clusters.contains_key(&grpc)
-                        {
+                        if serves_grpc(service, &target, health) {
                             for envoy in envoys.cold_envoys(&grpc) {
                                 if !cold.contains(&envoy) {
                                     cold.push(envoy);
