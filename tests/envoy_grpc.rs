@@ -17,46 +17,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ray_serve_sim::grpc::pb::demo::echo_client::EchoClient;
-use ray_serve_sim::grpc::pb::demo::{SayManyRequest, SayRequest, Served};
+use ray_serve_sim::grpc::pb::demo::{SayManyRequest, SayRequest};
 use ray_serve_sim::{NodeType, ProxyMode};
+use support::grpc::*;
 use support::*;
 use tonic::transport::Channel;
 
 const DEADLINE: Duration = Duration::from_secs(30);
 const GRPC_CLUSTER: &str = "default/demo/demo-a/grpc";
-
-/// A gRPC client of Envoy's listener (h2c, one connection, lazily opened).
-fn echo(gateway_port: u16) -> EchoClient<Channel> {
-    let channel =
-        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{gateway_port}"))
-            .unwrap()
-            .connect_lazy();
-    EchoClient::new(channel)
-}
-
-/// One unary call with a client deadline.
-async fn say(client: &EchoClient<Channel>, timeout: Duration) -> Result<Served, tonic::Status> {
-    let mut request = tonic::Request::new(SayRequest { text: "hi".into() });
-    request.set_timeout(timeout);
-    let mut client = client.clone();
-    match tokio::time::timeout(timeout + Duration::from_secs(1), client.say(request)).await {
-        Ok(answer) => answer.map(tonic::Response::into_inner),
-        Err(_) => Err(tonic::Status::deadline_exceeded("client gave up")),
-    }
-}
-
-/// Which gRPC proxies serve `n` calls ("FAILED: <code>" for the others).
-async fn served_by(client: &EchoClient<Channel>, n: usize) -> BTreeMap<String, usize> {
-    let mut out = BTreeMap::new();
-    for _ in 0..n {
-        let who = match say(client, Duration::from_secs(5)).await {
-            Ok(s) => s.proxy,
-            Err(e) => format!("FAILED: {:?}", e.code()),
-        };
-        *out.entry(who).or_default() += 1;
-    }
-    out
-}
 
 /// A stack over one simulated cluster `demo-a` whose nodes run gRPC proxies, with Envoy
 /// carrying gRPC calls.
@@ -81,21 +49,6 @@ async fn start_with(
     .await;
     sim.ledger.clear();
     (stack, sim, client)
-}
-
-/// Hosts Envoy lists in one of its clusters, from its admin `/clusters`.
-async fn envoy_hosts(envoy: &Envoy, cluster: &str) -> Vec<String> {
-    let text = envoy.admin("/clusters").await;
-    let prefix = format!("{cluster}::");
-    let mut hosts: Vec<String> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix(&prefix))
-        .filter_map(|rest| rest.split_once("::").map(|(host, _)| host.to_string()))
-        .filter(|h| h.parse::<SocketAddr>().is_ok())
-        .collect();
-    hosts.sort();
-    hosts.dedup();
-    hosts
 }
 
 async fn wait_gone(envoy: &Envoy, address: SocketAddr, what: &str) {
@@ -161,7 +114,7 @@ impl Caller {
 async fn unary_streaming_and_bidirectional_calls_pass_through_envoy() {
     let (s, sim, client) = start(&[NodeType::Worker, NodeType::Worker], "").await;
     let grpc: Vec<String> = sim.grpc.iter().map(|a| a.to_string()).collect();
-    let by = served_by(&client, 20).await;
+    let by = served_by(&client, 20, Duration::from_secs(5)).await;
     assert!(
         by.keys().all(|p| grpc.contains(p)) && by.len() == 2,
         "every call on a gRPC proxy, both used: {by:?}"
@@ -233,7 +186,7 @@ async fn unary_streaming_and_bidirectional_calls_pass_through_envoy() {
 async fn delta_grpc_calls_pass_through_envoy() {
     let (_s, sim, client) =
         start_with(Bootstrap::Delta, &[NodeType::Worker, NodeType::Worker], "").await;
-    let by = served_by(&client, 10).await;
+    let by = served_by(&client, 10, Duration::from_secs(5)).await;
     let grpc: Vec<String> = sim.grpc.iter().map(|a| a.to_string()).collect();
     assert!(by.keys().all(|p| grpc.contains(p)), "{by:?}");
 }
@@ -257,9 +210,13 @@ async fn ray_s_grpc_status_reaches_the_client_untouched() {
     // where Envoy's retry policy cannot see it: the calls that land there fail with Ray's
     // status (nothing ran), the others are served, and nothing runs twice.
     sim.set_mode(1, ProxyMode::Serving);
-    let by = served_by(&client, 40).await;
+    let by = served_by(&client, 40, Duration::from_secs(5)).await;
     let served = by.get(&sim.grpc[1].to_string()).copied().unwrap_or(0);
-    let refused = by.get("FAILED: ResourceExhausted").copied().unwrap_or(0);
+    let refused: usize = by
+        .iter()
+        .filter(|(k, _)| k.starts_with("FAILED: ResourceExhausted"))
+        .map(|(_, n)| n)
+        .sum();
     assert_eq!(served + refused, 40, "{by:?}");
     assert!(served > 0 && refused > 0, "both proxies take calls: {by:?}");
     assert_eq!(sim.ledger.more_than_once(), BTreeMap::new());
@@ -277,7 +234,7 @@ async fn a_killed_grpc_proxy_fails_no_call() {
     let (ok, errors) = caller.stop().await;
     assert!(ok > 0);
     assert_eq!(errors, Vec::<String>::new(), "{ok} calls succeeded");
-    let by = served_by(&client, 10).await;
+    let by = served_by(&client, 10, Duration::from_secs(5)).await;
     assert_eq!(by.get(&sim.grpc[1].to_string()), Some(&10), "{by:?}");
     // What ray-xds says about it.
     let state = s.state().await;
@@ -300,7 +257,7 @@ async fn a_draining_grpc_proxy_takes_no_new_calls_and_fails_none() {
     let (ok, errors) = caller.stop().await;
     assert!(ok > 0);
     assert_eq!(errors, Vec::<String>::new(), "{ok} calls succeeded");
-    let by = served_by(&client, 10).await;
+    let by = served_by(&client, 10, Duration::from_secs(5)).await;
     assert_eq!(by.get(&sim.grpc[1].to_string()), Some(&10), "{by:?}");
 }
 
@@ -310,7 +267,7 @@ async fn a_hung_grpc_proxy_is_taken_out() {
     sim.set_mode(0, ProxyMode::Hang);
     wait_gone(s.envoy(), sim.grpc[0], "Envoy drops the hung gRPC proxy").await;
     // Calls that start once it is out all succeed.
-    let by = served_by(&client, 20).await;
+    let by = served_by(&client, 20, Duration::from_secs(5)).await;
     assert_eq!(by.get(&sim.grpc[1].to_string()), Some(&20), "{by:?}");
 }
 
@@ -358,7 +315,7 @@ async fn an_upgrade_moves_grpc_calls_only_once_the_new_cluster_s_grpc_proxies_ar
     .await;
     // Long enough for b's HTTP proxy to be probed healthy many times over.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let by = served_by(&client, 10).await;
+    let by = served_by(&client, 10, Duration::from_secs(5)).await;
     assert_eq!(by.get(&a.grpc[0].to_string()), Some(&10), "{by:?}");
     let http = through_envoy(s.gateway_port).await.unwrap();
     assert_eq!(http.cluster, "demo-a", "HTTP waits with gRPC: one weight");
@@ -374,7 +331,7 @@ async fn an_upgrade_moves_grpc_calls_only_once_the_new_cluster_s_grpc_proxies_ar
             .filter(|m| m.cluster == "demo-b")
     })
     .await;
-    let by = served_by(&client, 10).await;
+    let by = served_by(&client, 10, Duration::from_secs(5)).await;
     assert_eq!(by.get(&b.grpc[0].to_string()), Some(&10), "{by:?}");
     assert_eq!(
         through_envoy(s.gateway_port).await.unwrap().cluster,

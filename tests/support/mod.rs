@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 pub mod ads;
 pub mod conformance;
 pub mod fake_apiserver;
+pub mod grpc;
 pub mod real_ray;
 pub mod stack;
 pub mod tamper;
