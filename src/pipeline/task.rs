@@ -216,11 +216,12 @@ pub async fn run(
                 }
                 changed = sources.probes.changed() => if changed.is_err() { return },
                 changed = sources.dashboards.changed() => if changed.is_err() { return },
-                // A peer's view changes only what a switch in progress does.
+                // A peer's view changes only a switch in progress and what drains.
                 changed = sources.peers.changed(), if peers_open => {
                     // No peers (their poller ended): nothing more to hear.
                     if changed.is_err() { peers_open = false; continue }
-                    if !out.switchover.in_progress() { continue }
+                    let departed = !sources.peers.borrow().departed.is_empty();
+                    if !out.switchover.in_progress() && !departed { continue }
                 }
                 _ = clients.acked(), if out.wake_on_ack => {}
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {}
