@@ -81,7 +81,8 @@ fn public_routes() -> Router<AdminState> {
 
 /// This replica's switches, for its peers (`live::peers`).
 async fn replica_switchover(State(state): State<AdminState>) -> Response {
-    let view = state.live.switchover.borrow().replica_view();
+    let mut view = state.live.switchover.borrow().replica_view();
+    view.now_unix = Some(crate::live::peers::to_unix(std::time::SystemTime::now()));
     Json(view).into_response()
 }
 

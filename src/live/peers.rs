@@ -30,8 +30,12 @@ use tokio_util::sync::CancellationToken;
 /// The admin path a replica answers its switchover view on.
 pub const SWITCHOVER_PATH: &str = "/replica/switchover";
 
-/// The largest answer read from a peer (one entry per RayService in a switch).
-pub const MAX_ANSWER_BYTES: usize = 4 * 1024 * 1024;
+/// The largest answer read from a peer (one entry per RayService, and a few departed
+/// clusters).
+pub const MAX_ANSWER_BYTES: usize = 1024 * 1024;
+
+/// The most addresses asked for one peer name (a headless Service gives one per replica).
+pub const MAX_ADDRESSES_PER_PEER: usize = 16;
 
 /// One RayService's switch as a replica sees it: the wire format of
 /// [`SWITCHOVER_PATH`].
@@ -51,6 +55,24 @@ pub struct PeerSwitch {
     /// When `serving` became the cluster traffic belongs to (unix seconds).
     #[serde(default)]
     pub serving_since_unix: Option<f64>,
+    /// Traffic moved to `serving` at that replica (a switch it made, not where it
+    /// started): only such a `serving` is a move done.
+    #[serde(default)]
+    pub moved: bool,
+}
+
+impl PeerSwitch {
+    /// The same, its times moved by `offset` seconds (from the peer's clock to ours).
+    fn shifted(mut self, offset: f64) -> PeerSwitch {
+        for t in [
+            &mut self.target_since_unix,
+            &mut self.shift_started_unix,
+            &mut self.serving_since_unix,
+        ] {
+            *t = t.map(|t| t + offset);
+        }
+        self
+    }
 }
 
 /// A replica's answer: RayService key → its switch, and the clusters it keeps draining.
@@ -59,6 +81,34 @@ pub struct ReplicaView {
     pub services: BTreeMap<String, PeerSwitch>,
     #[serde(default)]
     pub departed: Vec<DepartedCluster>,
+    /// The replica's clock when it answered (unix seconds): the reader moves the view's
+    /// times to its own clock.
+    #[serde(default)]
+    pub now_unix: Option<f64>,
+}
+
+impl ReplicaView {
+    /// The view with its times on the reader's clock, given when it was read there.
+    pub fn on_our_clock(mut self, read_at: SystemTime) -> ReplicaView {
+        let Some(theirs) = self.now_unix.filter(|t| t.is_finite()) else {
+            return self;
+        };
+        let offset = to_unix(read_at) - theirs;
+        // Within the read's own time (1 s at most), clocks agree: move nothing.
+        if offset.abs() <= 1.0 {
+            return self;
+        }
+        self.services = self
+            .services
+            .into_iter()
+            .map(|(k, v)| (k, v.shifted(offset)))
+            .collect();
+        for d in &mut self.departed {
+            d.until_unix += offset;
+        }
+        self.now_unix = Some(theirs + offset);
+        self
+    }
 }
 
 /// A cluster the source dropped that a replica keeps, draining, until `until_unix`: a
@@ -104,10 +154,19 @@ impl PeerStates {
             .and_then(from_unix)
     }
 
-    /// Whether a peer has moved `service` to `target` already (serves it, nothing after).
+    /// Whether a peer has moved `service` to `target` already (a move it made, nothing
+    /// after).
     pub fn completed(&self, service: &str, target: &str) -> bool {
         self.of(service)
-            .any(|p| p.serving == target && p.target.is_none())
+            .any(|p| p.moved && p.serving == target && p.target.is_none())
+    }
+
+    /// The clusters peers serve `service` from.
+    pub fn serving(&self, service: &str) -> Vec<String> {
+        let mut clusters: Vec<String> = self.of(service).map(|p| p.serving.clone()).collect();
+        clusters.sort();
+        clusters.dedup();
+        clusters
     }
 
     /// The earliest time a peer saw the switch to `target` begin: when it named it its
@@ -117,7 +176,7 @@ impl PeerStates {
             .filter_map(|p| {
                 if p.target.as_deref() == Some(target) {
                     p.target_since_unix
-                } else if p.serving == target && p.target.is_none() {
+                } else if p.moved && p.serving == target && p.target.is_none() {
                     p.serving_since_unix
                 } else {
                     None
@@ -203,7 +262,7 @@ impl PeerPoller {
         for peer in &self.peers {
             let addresses =
                 match tokio::time::timeout(self.timeout, tokio::net::lookup_host(peer)).await {
-                    Ok(Ok(addresses)) => addresses.collect::<Vec<_>>(),
+                    Ok(Ok(addresses)) => addresses.take(MAX_ADDRESSES_PER_PEER).collect::<Vec<_>>(),
                     Ok(Err(e)) => {
                         note(failing, peer, format!("resolving it: {e}"));
                         continue;
@@ -262,7 +321,9 @@ async fn ask(
         .await
         .map_err(|e| format!("reading the answer (at most {MAX_ANSWER_BYTES} bytes): {e}"))?
         .to_bytes();
-    serde_json::from_slice(&body).map_err(|e| format!("not a replica's answer: {e}"))
+    let view: ReplicaView =
+        serde_json::from_slice(&body).map_err(|e| format!("not a replica's answer: {e}"))?;
+    Ok(view.on_our_clock(SystemTime::now()))
 }
 
 #[cfg(test)]
@@ -276,6 +337,7 @@ mod tests {
             target_since_unix: started.map(|s| s - 5.0),
             shift_started_unix: started,
             serving_since_unix: Some(1.0),
+            moved: target.is_none(),
         }
     }
 
@@ -319,5 +381,27 @@ mod tests {
             assert_eq!(from_unix(t), None, "{t}");
         }
         assert_eq!(from_unix(1.5).map(to_unix), Some(1.5));
+    }
+
+    #[test]
+    fn a_view_is_moved_to_the_reader_s_clock() {
+        let view = ReplicaView {
+            services: BTreeMap::from([("ns/s".to_string(), switch("a", Some("b"), Some(100.0)))]),
+            departed: vec![],
+            now_unix: Some(1000.0),
+        };
+        // Read at 1000 + 3 h: the peer's clock is 3 h behind.
+        let read_at = from_unix(1000.0 + 10_800.0).unwrap();
+        let ours = view.clone().on_our_clock(read_at);
+        assert_eq!(
+            ours.services["ns/s"].shift_started_unix,
+            Some(100.0 + 10_800.0)
+        );
+        assert_eq!(
+            ours.services["ns/s"].target_since_unix,
+            Some(95.0 + 10_800.0)
+        );
+        // Within a second: as it is.
+        assert_eq!(view.clone().on_our_clock(from_unix(1000.5).unwrap()), view);
     }
 }

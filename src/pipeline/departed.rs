@@ -12,6 +12,10 @@ use crate::policy::switchover::SwitchoverPolicy;
 
 /// The most proxies a cluster taken from a peer may have.
 pub const MAX_ADOPTED_PROXIES: usize = 10_000;
+/// The most departed clusters kept for one RayService, and in all, when taking them from
+/// peers (a RayService leaves one or two behind per upgrade).
+pub const MAX_ADOPTED_PER_SERVICE: usize = 4;
+pub const MAX_ADOPTED: usize = 64;
 
 /// Clusters the source dropped, kept for their drain grace period.
 #[derive(Clone, Debug, Default)]
@@ -106,9 +110,20 @@ impl Departed {
         addresses: &AddressPolicy,
         now: SystemTime,
     ) {
+        // No address the source lists anywhere: a live proxy stays the source's (probed,
+        // withheld until its first probe), whatever a peer says.
+        let live: BTreeSet<std::net::SocketAddr> = current.endpoints().map(|(a, _)| a).collect();
         for peer in peers {
             let key = (peer.service.clone(), peer.cluster.clone());
             if self.clusters.contains_key(&key) || peer.proxies.len() > MAX_ADOPTED_PROXIES {
+                continue;
+            }
+            let of_service = self
+                .clusters
+                .keys()
+                .filter(|(s, _)| *s == peer.service)
+                .count();
+            if self.clusters.len() >= MAX_ADOPTED || of_service >= MAX_ADOPTED_PER_SERVICE {
                 continue;
             }
             let Some(service) = current.services().iter().find(|s| s.key() == peer.service) else {
@@ -123,7 +138,7 @@ impl Departed {
             if service.cluster(&peer.cluster).is_some() || until <= now || until > now + grace {
                 continue;
             }
-            let source = |a| addresses.check(a, ProxyOrigin::Source).is_ok();
+            let source = |a| addresses.check(a, ProxyOrigin::Source).is_ok() && !live.contains(&a);
             let mut proxies: Vec<Proxy> = peer
                 .proxies
                 .iter()
@@ -149,7 +164,7 @@ impl Departed {
                 proxies,
                 discover: false,
             };
-            // Only what keeps the model valid (a name Envoy takes, no address used twice).
+            // Only what keeps the model valid (a name Envoy takes, one protocol per address).
             let mut candidate = service.clone();
             candidate.clusters.push(cluster.clone());
             if Model::new(vec![candidate]).is_ok() {

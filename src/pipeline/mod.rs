@@ -140,7 +140,15 @@ impl Pipeline {
         now: SystemTime,
     ) -> impl Iterator<Item = (SocketAddr, SystemTime)> + 'a {
         let wait = self.policies.probe.first_probe_wait();
-        let departed = self.departed.addresses();
+        // A departed cluster's proxies are not probed: they only drain. (Adopted ones
+        // never share an address with the source: `Departed::adopt`.)
+        let source: BTreeSet<SocketAddr> = self.last_source.endpoints().map(|(a, _)| a).collect();
+        let departed: BTreeSet<SocketAddr> = self
+            .departed
+            .addresses()
+            .into_iter()
+            .filter(|a| !source.contains(a))
+            .collect();
         model
             .endpoints()
             .map(|(address, _)| address)

@@ -106,6 +106,15 @@ pub struct ServiceSwitch {
     /// Since when (it was first seen, or traffic moved to it).
     #[serde(skip)]
     serving_since: SystemTime,
+    /// Traffic moved to `serving` here (a switch this replica made): only then do its
+    /// peers take it as a move done.
+    #[serde(skip)]
+    moved: bool,
+    /// This replica saw the current target named (it knew the RayService before): its
+    /// own `target_since` is when the switch began, and a peer's start much earlier is
+    /// no start any replica could have seen (a skewed clock, or a lie).
+    #[serde(skip)]
+    saw_begin: bool,
     /// The cluster traffic is moving (or waiting to move) to.
     pub target: Option<String>,
     pub phase: Phase,
@@ -155,6 +164,10 @@ pub struct Switchover {
     /// The clusters this replica keeps draining (for [`Switchover::replica_view`]).
     departed: Vec<DepartedCluster>,
 }
+
+/// How much earlier than this replica another may have seen a switch begin (its source
+/// watch, dashboard polls and probes run on their own timers).
+pub const PEER_LAG: Duration = Duration::from_secs(30);
 
 /// Whether `cluster` of `service` serves gRPC: the source says so, or (proxies discovered
 /// from its dashboard) health has a gRPC cluster for it.
@@ -255,6 +268,7 @@ impl Switchover {
     /// This replica's switches as its peers read them (`live::peers`).
     pub fn replica_view(&self) -> ReplicaView {
         ReplicaView {
+            now_unix: None,
             departed: self.departed.clone(),
             services: self
                 .services
@@ -266,6 +280,7 @@ impl Switchover {
                         target_since_unix: s.target_since.map(to_unix),
                         shift_started_unix: s.shift_started.map(to_unix),
                         serving_since_unix: Some(to_unix(s.serving_since)),
+                        moved: s.moved,
                     };
                     (key.clone(), switch)
                 })
@@ -287,9 +302,28 @@ impl Switchover {
         for service in model.services() {
             let key = service.key();
             let policy = self.defaults.with(&service.policy.overrides.switchover);
+            let known = self.services.contains_key(&key);
+            // New here (a start, or a restart mid-switch) while the source names an active
+            // cluster a peer does not serve yet (an early flip): traffic is where the peer
+            // serves it, if the source still lists that cluster and does not name it as
+            // where traffic goes next; the active cluster becomes a target like any other,
+            // gated, not trusted. (Never the pending cluster: that would move traffic on
+            // a peer's word.)
+            let serving = self
+                .peers
+                .serving(&key)
+                .into_iter()
+                .find(|c| {
+                    *c != service.active_cluster
+                        && service.pending_cluster.as_ref() != Some(c)
+                        && service.cluster(c).is_some()
+                })
+                .unwrap_or_else(|| service.active_cluster.clone());
             let mut st = self.services.remove(&key).unwrap_or_else(|| ServiceSwitch {
-                serving: service.active_cluster.clone(),
+                serving,
                 serving_since: now,
+                moved: false,
+                saw_begin: false,
                 target: None,
                 phase: Phase::Stable,
                 reason: String::new(),
@@ -308,6 +342,7 @@ impl Switchover {
                 // The source removed the cluster we served: nothing to keep serving from.
                 st.serving = service.active_cluster.clone();
                 st.serving_since = now;
+                st.moved = false;
                 st.step = 0;
                 st.shift_started = None;
             }
@@ -325,6 +360,7 @@ impl Switchover {
             };
             if st.target != previous_target {
                 st.target_since = st.target.as_ref().map(|_| now);
+                st.saw_begin = known && st.target.is_some();
                 st.warming_since = None;
                 if let Some(t) = &st.target {
                     if service.cluster(t).is_some_and(|c| c.dashboard.is_some()) {
@@ -345,7 +381,12 @@ impl Switchover {
                 Some(target) => {
                     // Dashboard answers count from when the switch began: here, or at a
                     // peer that saw it earlier (a restarted replica, mid-switch).
-                    let since = match (st.target_since, self.peers.target_since(&key, &target)) {
+                    // (Only a replica that came in mid-switch takes it from a peer: one that
+                    // saw the switch begin knows when it did.)
+                    let peer_since = (!st.saw_begin)
+                        .then(|| self.peers.target_since(&key, &target))
+                        .flatten();
+                    let since = match (st.target_since, peer_since) {
                         (Some(own), Some(peer)) => Some(own.min(peer)),
                         (own, peer) => own.or(peer),
                     };
@@ -447,8 +488,16 @@ impl Switchover {
                                 _ if self.peers.completed(&key, &target) => 100,
                                 ShiftMode::Progressive { steps, interval } => {
                                     let mut started = *st.shift_started.get_or_insert(now);
-                                    if let Some(peer) =
-                                        self.peers.shift_started(&key, &st.serving, &target)
+                                    // No earlier than this replica saw the switch begin
+                                    // (less the lag between replicas), when it did.
+                                    let floor = st
+                                        .target_since
+                                        .filter(|_| st.saw_begin)
+                                        .map(|t| t - PEER_LAG);
+                                    if let Some(peer) = self
+                                        .peers
+                                        .shift_started(&key, &st.serving, &target)
+                                        .filter(|p| floor.is_none_or(|f| *p >= f))
                                     {
                                         started = started.min(peer);
                                     }
@@ -476,6 +525,7 @@ impl Switchover {
                                 };
                                 st.serving = target;
                                 st.serving_since = now;
+                                st.moved = true;
                                 st.target = None;
                                 st.phase = Phase::Stable;
                                 st.step = 0;
@@ -1230,6 +1280,7 @@ mod tests {
                         target_since_unix: Some(started),
                         shift_started_unix: Some(started),
                         serving_since_unix: None,
+                        moved: false,
                     }],
                 )]),
                 polled: true,
