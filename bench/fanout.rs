@@ -1,26 +1,40 @@
-//! xDS fan-out benchmark: N simulated ADS clients (state of the world and delta) on a
-//! model of S RayServices × C clusters × P proxies served by a real `ray-xds` process;
-//! one endpoint changes, and we measure how long until every client has it, the
-//! server's CPU per push, and its memory per connected stream.
+//! xDS fan-out benchmark: N simulated ADS clients on a model of S RayServices × C clusters
+//! × P proxies, served by a real `ray-xds` process and, side by side under the same
+//! clients, by a peer: rust-control-plane 0.1.2 (`bench/peer/`, a Rust port of
+//! go-control-plane's snapshot cache and server; state of the world only) serving the
+//! very resources ray-xds served. One endpoint changes, and we measure how long until
+//! every client has it, each server's CPU per push and its memory per connected stream.
 //!
-//! `cargo bench --bench fanout -- --help`
+//! `cargo bench --bench fanout -- --streams 1000` runs both servers and both protocols
+//! at that scale (`--streams` may be repeated); `-- --help` lists the rest.
+//!
+//! The arms differ only in the server. ray-xds reads the services file (inotify, parse,
+//! probe the new proxy, translate); the peer reads a file of the resources ray-xds served
+//! for the same change (inotify, decode, `set_snapshot` for every node), so the peer does
+//! less work per change than ray-xds. Both are timed from their file's write.
 //!
 //! Everything runs on loopback. The clients run in this process, so on a 2-core machine
 //! they compete with the server for CPU: the figures are an upper bound. The model's
 //! proxies do not exist, so ray-xds probes them once and then (by default) not for an
 //! hour: this measures xDS, not probing (see the detection benchmark for that).
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
+use envoy_types::pb::envoy::config::cluster::v3::Cluster;
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+use envoy_types::pb::envoy::config::listener::v3::Listener;
+use envoy_types::pb::envoy::config::route::v3::RouteConfiguration;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, Resource,
+};
+use envoy_types::pb::google::protobuf::Any;
 use prost::Message;
 use ray_xds::xds::snapshot::{
     CLUSTER_TYPE_URL, ENDPOINTS_TYPE_URL, LISTENER_TYPE_URL, ROUTE_TYPE_URL,
@@ -31,23 +45,27 @@ use tonic::transport::Channel;
 
 #[path = "support/mod.rs"]
 mod support;
-use support::{cpu_seconds, free_port, http_get, percentile, rss_kib, write_atomic};
+use support::{cpu_seconds, free_port, ms, percentile, rss_kib, write_atomic};
 
 #[derive(Parser, Debug, Clone)]
 struct Args {
-    /// State-of-the-world streams.
-    #[arg(long, default_value_t = 1000)]
-    sotw: usize,
-    /// Delta streams.
-    #[arg(long, default_value_t = 1000)]
-    delta: usize,
+    /// ADS streams per run (each server and protocol gets a run of its own); repeat the
+    /// flag for several scales.
+    #[arg(long, default_values_t = [1000])]
+    streams: Vec<usize>,
+    /// Servers to run [default: both].
+    #[arg(long, value_enum)]
+    server: Vec<ServerKind>,
+    /// Protocols to run [default: both]. The peer has no delta: its line says so.
+    #[arg(long, value_enum)]
+    protocol: Vec<Protocol>,
     #[arg(long, default_value_t = 100)]
     services: usize,
     #[arg(long, default_value_t = 2)]
     clusters: usize,
     #[arg(long, default_value_t = 20)]
     proxies: usize,
-    /// Endpoint changes to time.
+    /// Endpoint changes to time per run.
     #[arg(long, default_value_t = 20)]
     changes: usize,
     /// ADS streams multiplexed on one HTTP/2 connection.
@@ -56,12 +74,46 @@ struct Args {
     /// The ray-xds binary [default: the one cargo built with this benchmark].
     #[arg(long)]
     ray_xds: Option<PathBuf>,
+    /// The peer's binary [default: built from bench/peer/ with cargo, which needs protoc].
+    #[arg(long)]
+    peer: Option<PathBuf>,
     /// ray-xds's probe interval (the proxies of this model do not exist).
     #[arg(long, default_value = "1h")]
     probe_interval: String,
+    /// Every client (of both servers) sends the same node id, as a fleet of Envoys
+    /// configured alike may. rust-control-plane keys its cache by node id and keeps a copy
+    /// of the snapshot per id (about 7 MB for this model), so with one id per stream the
+    /// peer cannot hold 5,000 streams in 24 GiB; ray-xds serves by subscription, not by
+    /// node id.
+    #[arg(long)]
+    shared_node_id: bool,
+    /// How long every stream may take to sync, and every client to get one change.
+    #[arg(long, default_value_t = 300)]
+    deadline_secs: u64,
     /// Ignored: cargo passes it to every benchmark.
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum ServerKind {
+    RayXds,
+    Peer,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Sotw,
+    Delta,
+}
+
+impl Protocol {
+    fn name(self) -> &'static str {
+        match self {
+            Protocol::Sotw => "sotw",
+            Protocol::Delta => "delta",
+        }
+    }
 }
 
 /// Cluster 0 of service 0: the one whose endpoint changes.
@@ -151,65 +203,146 @@ fn cla_name(bytes: &[u8]) -> String {
         .unwrap_or_default()
 }
 
+/// What a SotW client holds of each type: (version, resources by name). Listeners and
+/// clusters are replaced by each response (full state); a response of endpoints or
+/// routes may carry only the resources that changed, so those are merged by name.
+type Recording = Arc<Mutex<HashMap<String, (String, BTreeMap<String, Any>)>>>;
+
+fn record(recording: &Recording, type_url: &str, version: &str, resources: &[Any]) {
+    let mut held = recording.lock().unwrap();
+    let entry = held.entry(type_url.to_string()).or_default();
+    entry.0 = version.to_string();
+    if matches!(type_url, CLUSTER_TYPE_URL | LISTENER_TYPE_URL) {
+        entry.1.clear();
+    }
+    for any in resources {
+        entry
+            .1
+            .insert(resource_name(type_url, &any.value), any.clone());
+    }
+}
+
+/// The name a resource of `type_url` carries inside its bytes.
+fn resource_name(type_url: &str, bytes: &[u8]) -> String {
+    match type_url {
+        CLUSTER_TYPE_URL => Cluster::decode(bytes).map(|c| c.name),
+        ENDPOINTS_TYPE_URL => ClusterLoadAssignment::decode(bytes).map(|c| c.cluster_name),
+        LISTENER_TYPE_URL => Listener::decode(bytes).map(|l| l.name),
+        ROUTE_TYPE_URL => RouteConfiguration::decode(bytes).map(|r| r.name),
+        _ => Ok(String::new()),
+    }
+    .unwrap_or_default()
+}
+
+/// What the recording client holds, as the peer's resources file: one length-delimited
+/// `DeltaDiscoveryResponse` per type, with the type's version and every named resource.
+fn peer_file(recording: &Recording) -> Vec<u8> {
+    let held = recording.lock().unwrap();
+    let mut out = Vec::new();
+    for ty in [
+        CLUSTER_TYPE_URL,
+        ENDPOINTS_TYPE_URL,
+        LISTENER_TYPE_URL,
+        ROUTE_TYPE_URL,
+    ] {
+        let Some((version, resources)) = held.get(ty) else {
+            continue;
+        };
+        DeltaDiscoveryResponse {
+            type_url: ty.into(),
+            system_version_info: version.clone(),
+            resources: resources
+                .iter()
+                .map(|(name, any)| Resource {
+                    name: name.clone(),
+                    version: version.clone(),
+                    resource: Some(any.clone()),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+        .encode_length_delimited(&mut out)
+        .unwrap();
+    }
+    out
+}
+
+/// The port of the changing proxy in what `recording` holds.
+fn recorded_port(recording: &Recording) -> Option<u32> {
+    let held = recording.lock().unwrap();
+    let (_, resources) = held.get(ENDPOINTS_TYPE_URL)?;
+    target_port(resources.iter().map(|(n, a)| (n.clone(), a.value.clone())))
+}
+
+/// The order a client subscribes in, as Envoy does: clusters, their endpoints, listeners,
+/// their routes; each type once the previous one has its first answer. (rust-control-plane
+/// 0.1.2 loses a type's watch when another type's response is sent before that type is
+/// ACKed: it checks an ACK against the stream's last nonce, not the type's.)
+const TYPES: [&str; 4] = [
+    CLUSTER_TYPE_URL,
+    ENDPOINTS_TYPE_URL,
+    LISTENER_TYPE_URL,
+    ROUTE_TYPE_URL,
+];
+
+/// Set once by `main` from `--shared-node-id`.
+static SHARED_NODE_ID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn node_id(protocol: &str, id: usize) -> String {
+    if SHARED_NODE_ID.load(std::sync::atomic::Ordering::Relaxed) {
+        "fanout".into()
+    } else {
+        format!("{protocol}-{id}")
+    }
+}
+
 async fn sotw_client(
     channel: Channel,
     id: usize,
     eds_names: Arc<Vec<String>>,
     reports: mpsc::UnboundedSender<Report>,
     synced: mpsc::UnboundedSender<()>,
+    recording: Option<Recording>,
 ) {
-    let mut client = AggregatedDiscoveryServiceClient::new(channel);
+    let mut client =
+        AggregatedDiscoveryServiceClient::new(channel).max_decoding_message_size(64 << 20);
     let (tx, rx) = mpsc::channel(8);
-    let mut inbound = client
+    let Ok(inbound) = client
         .stream_aggregated_resources(ReceiverStream::new(rx))
         .await
-        .unwrap()
-        .into_inner();
+    else {
+        return;
+    };
+    let mut inbound = inbound.into_inner();
     let node = Some(Node {
-        id: format!("sotw-{id}"),
+        id: node_id("sotw", id),
         ..Default::default()
     });
-    for ty in [CLUSTER_TYPE_URL, LISTENER_TYPE_URL] {
-        tx.send(DiscoveryRequest {
-            node: node.clone(),
-            type_url: ty.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let names_of = |ty: &str| match ty {
+        ENDPOINTS_TYPE_URL => eds_names.to_vec(),
+        ROUTE_TYPE_URL => vec!["ray-serve-http".into()],
+        _ => vec![],
+    };
+    let subscribe = |ty: &str| DiscoveryRequest {
+        node: node.clone(),
+        type_url: ty.into(),
+        resource_names: names_of(ty),
+        ..Default::default()
+    };
+    if tx.send(subscribe(TYPES[0])).await.is_err() {
+        return;
     }
-    tx.send(DiscoveryRequest {
-        type_url: ENDPOINTS_TYPE_URL.into(),
-        resource_names: eds_names.to_vec(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    tx.send(DiscoveryRequest {
-        type_url: ROUTE_TYPE_URL.into(),
-        resource_names: vec!["ray-serve-http".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
     let mut seen = [false; 4];
     let mut synced = Some(synced);
     while let Ok(Some(r)) = inbound.message().await {
-        let names = match r.type_url.as_str() {
-            ENDPOINTS_TYPE_URL => eds_names.to_vec(),
-            ROUTE_TYPE_URL => vec!["ray-serve-http".into()],
-            _ => vec![],
+        let Some(idx) = TYPES.iter().position(|t| *t == r.type_url) else {
+            return;
         };
-        let idx = [
-            CLUSTER_TYPE_URL,
-            ENDPOINTS_TYPE_URL,
-            LISTENER_TYPE_URL,
-            ROUTE_TYPE_URL,
-        ]
-        .iter()
-        .position(|t| *t == r.type_url)
-        .unwrap();
         seen[idx] = true;
+        if let Some(rec) = &recording {
+            record(rec, &r.type_url, &r.version_info, &r.resources);
+        }
         if r.type_url == ENDPOINTS_TYPE_URL {
             let n = r.resources.len();
             if let Some(port) = target_port(
@@ -220,15 +353,22 @@ async fn sotw_client(
                 let _ = reports.send(((port - 20000) as usize, n, Instant::now()));
             }
         }
-        tx.send(DiscoveryRequest {
+        let ack = DiscoveryRequest {
+            resource_names: names_of(&r.type_url),
             type_url: r.type_url,
-            resource_names: names,
             version_info: r.version_info,
             response_nonce: r.nonce,
             ..Default::default()
-        })
-        .await
-        .unwrap();
+        };
+        if tx.send(ack).await.is_err() {
+            return;
+        }
+        // The next type once the previous one has its first answer.
+        if let Some(next) = TYPES.get(idx + 1).filter(|_| !seen[idx + 1]) {
+            if tx.send(subscribe(next)).await.is_err() {
+                return;
+            }
+        }
         if seen.iter().all(|s| *s) {
             if let Some(s) = synced.take() {
                 let _ = s.send(());
@@ -244,53 +384,39 @@ async fn delta_client(
     reports: mpsc::UnboundedSender<Report>,
     synced: mpsc::UnboundedSender<()>,
 ) {
-    let mut client = AggregatedDiscoveryServiceClient::new(channel);
+    let mut client =
+        AggregatedDiscoveryServiceClient::new(channel).max_decoding_message_size(64 << 20);
     let (tx, rx) = mpsc::channel(8);
-    let mut inbound = client
+    let Ok(inbound) = client
         .delta_aggregated_resources(ReceiverStream::new(rx))
         .await
-        .unwrap()
-        .into_inner();
+    else {
+        return;
+    };
+    let mut inbound = inbound.into_inner();
     let node = Some(Node {
-        id: format!("delta-{id}"),
+        id: node_id("delta", id),
         ..Default::default()
     });
-    for ty in [CLUSTER_TYPE_URL, LISTENER_TYPE_URL] {
-        tx.send(DeltaDiscoveryRequest {
-            node: node.clone(),
-            type_url: ty.into(),
-            resource_names_subscribe: vec!["*".into()],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let subscribe = |ty: &str| DeltaDiscoveryRequest {
+        node: node.clone(),
+        type_url: ty.into(),
+        resource_names_subscribe: match ty {
+            ENDPOINTS_TYPE_URL => eds_names.to_vec(),
+            ROUTE_TYPE_URL => vec!["ray-serve-http".into()],
+            _ => vec!["*".into()],
+        },
+        ..Default::default()
+    };
+    if tx.send(subscribe(TYPES[0])).await.is_err() {
+        return;
     }
-    tx.send(DeltaDiscoveryRequest {
-        type_url: ENDPOINTS_TYPE_URL.into(),
-        resource_names_subscribe: eds_names.to_vec(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    tx.send(DeltaDiscoveryRequest {
-        type_url: ROUTE_TYPE_URL.into(),
-        resource_names_subscribe: vec!["ray-serve-http".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
     let mut seen = [false; 4];
     let mut synced = Some(synced);
     while let Ok(Some(r)) = inbound.message().await {
-        let idx = [
-            CLUSTER_TYPE_URL,
-            ENDPOINTS_TYPE_URL,
-            LISTENER_TYPE_URL,
-            ROUTE_TYPE_URL,
-        ]
-        .iter()
-        .position(|t| *t == r.type_url)
-        .unwrap();
+        let Some(idx) = TYPES.iter().position(|t| *t == r.type_url) else {
+            return;
+        };
         seen[idx] = true;
         if r.type_url == ENDPOINTS_TYPE_URL {
             let n = r.resources.len();
@@ -302,13 +428,20 @@ async fn delta_client(
                 let _ = reports.send(((port - 20000) as usize, n, Instant::now()));
             }
         }
-        tx.send(DeltaDiscoveryRequest {
+        let ack = DeltaDiscoveryRequest {
             type_url: r.type_url,
             response_nonce: r.nonce,
             ..Default::default()
-        })
-        .await
-        .unwrap();
+        };
+        if tx.send(ack).await.is_err() {
+            return;
+        }
+        // The next type once the previous one has its first answer.
+        if let Some(next) = TYPES.get(idx + 1).filter(|_| !seen[idx + 1]) {
+            if tx.send(subscribe(next)).await.is_err() {
+                return;
+            }
+        }
         if seen.iter().all(|s| *s) {
             if let Some(s) = synced.take() {
                 let _ = s.send(());
@@ -317,38 +450,127 @@ async fn delta_client(
     }
 }
 
-#[tokio::main]
-async fn main() {
-    let args = Args::parse();
+/// One server and protocol at one scale.
+struct RunResult {
+    streams: usize,
+    sync: Duration,
+    latencies: Vec<Duration>,
+    cpu_per_change: f64,
+    rss_idle: u64,
+    rss_connected: u64,
+    resources_per_push: BTreeMap<usize, usize>,
+}
+
+impl RunResult {
+    fn rss_per_stream(&self) -> f64 {
+        self.rss_connected.saturating_sub(self.rss_idle) as f64 / self.streams as f64
+    }
+    fn cpu_us_per_push(&self) -> f64 {
+        self.cpu_per_change * 1e6 / self.streams as f64
+    }
+}
+
+/// A server under test: how to start it and how to make change `k`.
+enum Arm<'a> {
+    RayXds {
+        binary: PathBuf,
+    },
+    /// The peer, and what ray-xds served for each change (index = change).
+    Peer {
+        binary: PathBuf,
+        files: &'a [Vec<u8>],
+    },
+}
+
+impl Arm<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Arm::RayXds { .. } => "ray-xds",
+            Arm::Peer { .. } => "peer",
+        }
+    }
+
+    /// The file the server reads, written for change `k`.
+    fn write(&self, args: &Args, path: &Path, k: usize) {
+        match self {
+            Arm::RayXds { .. } => write_atomic(path, &services_yaml(args, k)),
+            Arm::Peer { files, .. } => {
+                let tmp = path.with_extension("tmp~");
+                std::fs::write(&tmp, &files[k]).unwrap();
+                std::fs::rename(&tmp, path).unwrap();
+            }
+        }
+    }
+
+    fn start(&self, args: &Args, path: &Path, port: u16, streams: usize) -> Server {
+        let mut command = match self {
+            Arm::RayXds { binary } => {
+                let mut c = Command::new(binary);
+                c.args(["serve", "--source-file"])
+                    .arg(path)
+                    .args([
+                        "--xds-listen",
+                        &format!("127.0.0.1:{port}"),
+                        "--admin-listen",
+                        &format!("127.0.0.1:{}", free_port()),
+                        // This benchmark measures xDS fan-out: probe each (absent) proxy
+                        // once, then leave them be (the detection bench measures probing).
+                        "--probe-interval",
+                        &args.probe_interval,
+                    ])
+                    .env("RAY_XDS_LOG", "warn");
+                c
+            }
+            Arm::Peer { binary, .. } => {
+                let mut c = Command::new(binary);
+                c.args(["--listen", &format!("127.0.0.1:{port}"), "--resources"])
+                    .arg(path)
+                    .args([
+                        "--expect-nodes",
+                        &if args.shared_node_id { 1 } else { streams }.to_string(),
+                    ]);
+                c
+            }
+        };
+        // The peer's streams panic when a client goes away (rust-control-plane 0.1.2
+        // unwraps the end of a stream): its stderr is not ours to show.
+        let stderr = if matches!(self, Arm::Peer { .. }) {
+            Stdio::null()
+        } else {
+            Stdio::inherit()
+        };
+        Server(
+            command
+                .stdout(Stdio::null())
+                .stderr(stderr)
+                .spawn()
+                .unwrap_or_else(|e| panic!("starting {}: {e}", self.name())),
+        )
+    }
+}
+
+/// Runs `streams` clients of `protocol` against `arm` through every change; with
+/// `record`, client 0 (SotW) also keeps what it was served, and the peer's resources file
+/// for each change is returned.
+async fn run(
+    args: &Args,
+    arm: &Arm<'_>,
+    protocol: Protocol,
+    streams: usize,
+    record: bool,
+) -> (RunResult, Vec<Vec<u8>>) {
     let dir = tempfile::tempdir().unwrap();
-    let services = dir.path().join("services.yaml");
-    write_atomic(&services, &services_yaml(&args, 0));
-    let (xds_port, admin_port) = (free_port(), free_port());
-    let binary = args
-        .ray_xds
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ray-xds")));
-    let server = Server(
-        Command::new(&binary)
-            .args(["serve", "--source-file"])
-            .arg(&services)
-            .args([
-                "--xds-listen",
-                &format!("127.0.0.1:{xds_port}"),
-                "--admin-listen",
-                &format!("127.0.0.1:{admin_port}"),
-                // This benchmark measures xDS fan-out: probe each (absent) proxy once,
-                // then leave them be. Probing costs are measured by the detection bench.
-                "--probe-interval",
-                &args.probe_interval,
-            ])
-            .env("RAY_XDS_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {}: {e}", binary.display())),
-    );
+    let path = dir.path().join(match arm {
+        Arm::RayXds { .. } => "services.yaml",
+        Arm::Peer { .. } => "resources.pb",
+    });
+    arm.write(args, &path, 0);
+    let port = free_port();
+    let server = arm.start(args, &path, port, streams);
     let pid = server.0.id();
-    let endpoint = format!("http://127.0.0.1:{xds_port}");
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let deadline = Duration::from_secs(args.deadline_secs);
+    let started = Instant::now();
     let channel = loop {
         if let Ok(c) = Channel::from_shared(endpoint.clone())
             .unwrap()
@@ -357,6 +579,11 @@ async fn main() {
         {
             break c;
         }
+        assert!(
+            started.elapsed() < deadline,
+            "{} never listened",
+            arm.name()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     drop(channel);
@@ -368,12 +595,13 @@ async fn main() {
             .flat_map(|s| (0..args.clusters).map(move |c| format!("bench/svc-{s}/svc-{s}-c{c}")))
             .collect(),
     );
+    let recording: Option<Recording> = record.then(Recording::default);
     let (report_tx, mut report_rx) = mpsc::unbounded_channel::<Report>();
     let (synced_tx, mut synced_rx) = mpsc::unbounded_channel::<()>();
-    let total = args.sotw + args.delta;
     let connect_started = Instant::now();
     let mut channel = None;
-    for i in 0..total {
+    let mut tasks = Vec::new();
+    for i in 0..streams {
         if i % args.streams_per_connection == 0 {
             channel = Some(
                 Channel::from_shared(endpoint.clone())
@@ -385,79 +613,228 @@ async fn main() {
         }
         let ch = channel.clone().unwrap();
         let (r, s, names) = (report_tx.clone(), synced_tx.clone(), eds_names.clone());
-        if i < args.sotw {
-            tokio::spawn(sotw_client(ch, i, names, r, s));
-        } else {
-            tokio::spawn(delta_client(ch, i, names, r, s));
-        }
+        tasks.push(match protocol {
+            Protocol::Sotw => {
+                let rec = if i == 0 { recording.clone() } else { None };
+                tokio::spawn(sotw_client(ch, i, names, r, s, rec))
+            }
+            Protocol::Delta => tokio::spawn(delta_client(ch, i, names, r, s)),
+        });
     }
     drop(channel);
     drop(synced_tx);
-    for _ in 0..total {
-        tokio::time::timeout(Duration::from_secs(120), synced_rx.recv())
+    for _ in 0..streams {
+        tokio::time::timeout(deadline, synced_rx.recv())
             .await
-            .expect("every stream syncs within 120 s")
+            .unwrap_or_else(|_| {
+                panic!("every stream syncs with {} within the deadline", arm.name())
+            })
             .expect("a client task ended before it synced");
     }
-    let sync_time = connect_started.elapsed();
+    let sync = connect_started.elapsed();
     // Drain the initial sync's reports (change 0).
     tokio::time::sleep(Duration::from_millis(500)).await;
     while report_rx.try_recv().is_ok() {}
     let rss_connected = rss_kib(pid);
-    let clients = http_get(admin_port, "/debug/clients", Duration::from_secs(30))
-        .await
-        .map(|(_, body)| body)
-        .expect("/debug/clients");
-    let own = clients.matches("\"holds_snapshot_set\":false").count();
-    println!("types held resource by resource (not as a shared snapshot set) after sync: {own}");
+    let mut files = Vec::new();
+    if let Some(rec) = &recording {
+        files.push(peer_file(rec));
+    }
 
     let mut latencies: Vec<Duration> = Vec::new();
-    let mut resources_per_delta_push: BTreeMap<usize, usize> = BTreeMap::new();
+    let mut resources_per_push: BTreeMap<usize, usize> = BTreeMap::new();
     let mut cpu_per_change = Vec::new();
     for change in 1..=args.changes {
         let cpu_before = cpu_seconds(pid);
-        let text = services_yaml(&args, change);
         let t0 = Instant::now();
-        write_atomic(&services, &text);
+        arm.write(args, &path, change);
         let mut got = 0;
-        while got < total {
-            let (c, n, at) = tokio::time::timeout(Duration::from_secs(30), report_rx.recv())
+        while got < streams {
+            let (c, n, at) = tokio::time::timeout(deadline, report_rx.recv())
                 .await
-                .expect("every client gets the change within 30 s")
+                .unwrap_or_else(|_| {
+                    panic!("every client gets change {change} from {} within the deadline ({got} of {streams} did)", arm.name())
+                })
                 .unwrap();
             if c != change {
                 continue;
             }
             latencies.push(at - t0);
-            *resources_per_delta_push.entry(n).or_default() += 1;
+            *resources_per_push.entry(n).or_default() += 1;
             got += 1;
         }
         // Let the ACKs land before measuring CPU.
         tokio::time::sleep(Duration::from_millis(200)).await;
         cpu_per_change.push(cpu_seconds(pid) - cpu_before);
+        if let Some(rec) = &recording {
+            // Client 0 has change `change` (all clients do): record it for the peer.
+            assert_eq!(recorded_port(rec), Some(20000 + change as u32));
+            files.push(peer_file(rec));
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     latencies.sort();
-    let cpu_avg = cpu_per_change.iter().sum::<f64>() / cpu_per_change.len() as f64;
-    println!("xds fan-out: {} sotw + {} delta streams, model {} services x {} clusters x {} proxies ({} clusters, {} endpoints)",
-        args.sotw, args.delta, args.services, args.clusters, args.proxies, args.services * args.clusters, args.services * args.clusters * args.proxies);
-    println!("initial sync of all streams: {:.2?}", sync_time);
-    println!("change one endpoint -> every client has it ({} changes x {} clients): p50 {:.1?}  p99 {:.1?}  max {:.1?}",
-        args.changes, total, percentile(&latencies, 0.5), percentile(&latencies, 0.99), latencies.last().copied().unwrap_or_default());
-    println!(
-        "server CPU per change: {:.1} ms ({:.1} us per push)",
-        cpu_avg * 1000.0,
-        cpu_avg * 1e6 / total as f64
-    );
-    println!(
-        "server RSS: {} KiB idle, {} KiB with {} streams -> {:.1} KiB per stream",
+    drop(server);
+    for t in tasks {
+        t.abort();
+    }
+    let result = RunResult {
+        streams,
+        sync,
+        latencies,
+        cpu_per_change: cpu_per_change.iter().sum::<f64>() / cpu_per_change.len().max(1) as f64,
         rss_idle,
         rss_connected,
-        total,
-        (rss_connected.saturating_sub(rss_idle)) as f64 / total as f64
-    );
+        resources_per_push,
+    };
+    (result, files)
+}
+
+fn describe(server: &str, protocol: Protocol, r: &RunResult) {
+    let l = &r.latencies;
     println!(
-        "resources per EDS push carrying the change (count: pushes): {resources_per_delta_push:?}"
+        "{server} {}: {} streams synced in {:.2?}; change -> every client: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms; CPU {:.1} ms per change ({:.1} us per push); RSS {} KiB idle, {} KiB connected ({:.1} KiB per stream); resources per EDS push carrying the change (count: pushes): {:?}",
+        protocol.name(),
+        r.streams,
+        r.sync,
+        ms(percentile(l, 0.5)),
+        ms(percentile(l, 0.99)),
+        ms(l.last().copied().unwrap_or_default()),
+        r.cpu_per_change * 1000.0,
+        r.cpu_us_per_push(),
+        r.rss_idle,
+        r.rss_connected,
+        r.rss_per_stream(),
+        r.resources_per_push,
     );
-    drop(server);
+}
+
+/// Builds the peer from bench/peer/ (its own workspace and target folder).
+fn build_peer() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/peer");
+    let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["build", "--release", "--quiet", "--manifest-path"])
+        .arg(dir.join("Cargo.toml"))
+        .env_remove("CARGO_TARGET_DIR")
+        .env_remove("RUSTFLAGS")
+        .status()
+        .expect("running cargo to build the peer");
+    assert!(
+        status.success(),
+        "building the peer (bench/peer/) failed: it needs protoc (scripts/install-protoc.sh)"
+    );
+    dir.join("target/release/rcp-peer")
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    SHARED_NODE_ID.store(args.shared_node_id, std::sync::atomic::Ordering::Relaxed);
+    let servers = if args.server.is_empty() {
+        vec![ServerKind::RayXds, ServerKind::Peer]
+    } else {
+        args.server.clone()
+    };
+    let protocols = if args.protocol.is_empty() {
+        vec![Protocol::Sotw, Protocol::Delta]
+    } else {
+        args.protocol.clone()
+    };
+    let ray_xds = Arm::RayXds {
+        binary: args
+            .ray_xds
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ray-xds"))),
+    };
+    let peer_binary = servers
+        .contains(&ServerKind::Peer)
+        .then(|| args.peer.clone().unwrap_or_else(build_peer));
+    println!(
+        "xds fan-out: model {} services x {} clusters x {} proxies ({} clusters, {} endpoints), {} changes per run, {} streams per connection, {}; clients and server share this machine's {} cores",
+        args.services,
+        args.clusters,
+        args.proxies,
+        args.services * args.clusters,
+        args.services * args.clusters * args.proxies,
+        args.changes,
+        args.streams_per_connection,
+        if args.shared_node_id {
+            "one node id for all streams"
+        } else {
+            "a node id per stream"
+        },
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+    );
+    let mut lines = Vec::new();
+    for &streams in &args.streams {
+        let mut results: BTreeMap<(&str, &str), RunResult> = BTreeMap::new();
+        // ray-xds's SotW run records what it served, for the peer.
+        let mut files = Vec::new();
+        if servers.contains(&ServerKind::RayXds) || peer_binary.is_some() {
+            let wanted =
+                servers.contains(&ServerKind::RayXds) && protocols.contains(&Protocol::Sotw);
+            let n = if wanted { streams } else { 1 };
+            let (r, f) = run(&args, &ray_xds, Protocol::Sotw, n, peer_binary.is_some()).await;
+            files = f;
+            if wanted {
+                describe("ray-xds", Protocol::Sotw, &r);
+                results.insert(("ray-xds", "sotw"), r);
+            }
+        }
+        if servers.contains(&ServerKind::RayXds) && protocols.contains(&Protocol::Delta) {
+            let (r, _) = run(&args, &ray_xds, Protocol::Delta, streams, false).await;
+            describe("ray-xds", Protocol::Delta, &r);
+            results.insert(("ray-xds", "delta"), r);
+        }
+        if let Some(binary) = &peer_binary {
+            if protocols.contains(&Protocol::Sotw) {
+                let peer = Arm::Peer {
+                    binary: binary.clone(),
+                    files: &files,
+                };
+                let (r, _) = run(&args, &peer, Protocol::Sotw, streams, false).await;
+                describe("peer", Protocol::Sotw, &r);
+                results.insert(("peer", "sotw"), r);
+            }
+        }
+        if let (Some(ours), Some(theirs)) = (
+            results.get(&("ray-xds", "sotw")),
+            results.get(&("peer", "sotw")),
+        ) {
+            let ratio = |a: f64, b: f64| if a > 0.0 { b / a } else { f64::NAN };
+            let (lo, lt) = (&ours.latencies, &theirs.latencies);
+            println!(
+                "peer / ray-xds (sotw, {streams} streams; above 1 means ray-xds is ahead): sync {:.2}, p50 {:.2}, p99 {:.2}, max {:.2}, CPU per push {:.2}, RSS per stream {:.2}",
+                ratio(ours.sync.as_secs_f64(), theirs.sync.as_secs_f64()),
+                ratio(ms(percentile(lo, 0.5)), ms(percentile(lt, 0.5))),
+                ratio(ms(percentile(lo, 0.99)), ms(percentile(lt, 0.99))),
+                ratio(ms(*lo.last().unwrap()), ms(*lt.last().unwrap())),
+                ratio(ours.cpu_us_per_push(), theirs.cpu_us_per_push()),
+                ratio(ours.rss_per_stream(), theirs.rss_per_stream()),
+            );
+        }
+        for server in ["ray-xds", "peer"] {
+            for protocol in ["sotw", "delta"] {
+                if let Some(r) = results.get(&(server, protocol)) {
+                    lines.push(format!(
+                        "fanout server={server} protocol={protocol} streams={streams} p50_ms={:.1} p99_ms={:.1} rss_kib_per_stream={:.1}",
+                        ms(percentile(&r.latencies, 0.5)),
+                        ms(percentile(&r.latencies, 0.99)),
+                        r.rss_per_stream()
+                    ));
+                } else if server == "peer"
+                    && protocol == "delta"
+                    && peer_binary.is_some()
+                    && protocols.contains(&Protocol::Delta)
+                {
+                    lines.push(format!(
+                        "fanout server=peer protocol=delta streams={streams} p50_ms=- p99_ms=- rss_kib_per_stream=- (rust-control-plane 0.1.2 has no delta xDS)"
+                    ));
+                }
+            }
+        }
+    }
+    for l in lines {
+        println!("{l}");
+    }
 }

@@ -8,6 +8,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/install-envoy.sh >/dev/null
 bash scripts/install-ray.sh >/dev/null
+bash scripts/install-protoc.sh
 # Every step has a deadline of its own, so a hang fails the step that hung (and says
 # which) instead of running into CI's overall limit.
 step() {
@@ -21,10 +22,15 @@ step() {
 }
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings
-# The fan-out benchmark, small and unoptimized: a smoke test that it still runs.
-step 12m cargo test --bench fanout -- --sotw 20 --delta 20 --changes 2
+# The fan-out benchmark, small and unoptimized: a smoke test that it still runs, both
+# servers (the peer, rust-control-plane, is built from bench/peer/ the first time) and
+# both protocols; it fails when a client misses a change.
+step 20m cargo test --bench fanout -- --streams 20 --changes 2
 step 8m cargo test --bench soak -- --duration 20
 step 8m cargo test --bench scale -- --proxies 300 --steady 4 --edits 2
+# The detection benchmark, tiny (about 10 s once built): a killed, a hung and a slow but
+# live proxy still go end to end, through real Envoys.
+step 5m cargo test --bench detection -- --trials 3 --lanes 3 --cost-proxies 0 --slow-window 2
 # One short chaos scenario per fault family (a proxy dies, a proxy hangs, a proxy drains,
 # a cluster is upgraded, the control plane is down while a proxy dies or hangs): fails
 # when ray-xds loses a request or runs one twice; the baseline's count is printed, not

@@ -3,8 +3,10 @@
 //!
 //! The file is watched with inotify (through `notify`, watching the folder so editors'
 //! atomic renames and ConfigMap symlink swaps are seen) and re-read on a poll interval as
-//! a fallback. A change is read once it has stopped changing (a write in progress is not
-//! taken), then parsed into a [`Model`]; a parse or validation failure is logged with its
+//! a fallback. A change is read once it is whole: at once when inotify says a file was
+//! renamed into place (an atomic replace, a ConfigMap's `..data` swap), else once it has
+//! stopped changing (a write in place is not taken while in progress, nor after its
+//! first `close` when a script writes it in several steps); then it is parsed into a [`Model`]; a parse or validation failure is logged with its
 //! reason and counted, and the last good model keeps being served. An empty file, or one
 //! without `rayservices:`, is such a failure: the source never withdraws everything by
 //! accident (`rayservices: []` is how to say "none").
@@ -13,6 +15,7 @@
 //! dashboard (`live::discovery`); `proxies: []` means none.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -321,8 +324,9 @@ impl FileSource {
         shutdown: CancellationToken,
     ) {
         let (tx, mut changed) = mpsc::channel::<()>(1);
+        let whole = Arc::new(AtomicBool::new(false));
         // Keep the watcher alive for as long as we run; without it the poll still works.
-        let _watcher = self.watch_folder(tx);
+        let _watcher = self.watch_folder(tx, whole.clone());
         let mut poll = tokio::time::interval(self.poll_interval);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -331,7 +335,11 @@ impl FileSource {
                 _ = poll.tick() => {}
                 Some(()) = changed.recv() => {}
             }
+            // Taken before the read: a rename or close seen by then happened before it.
+            let whole_now = whole.swap(false, Ordering::SeqCst);
             let bytes = match read_bounded(&self.path).await {
+                // Renamed into place: whole.
+                Ok(b) if b != last_bytes && whole_now => b,
                 // A change: wait until the writer is done before taking it.
                 Ok(b) if b != last_bytes => match read_settled(&self.path).await {
                     Ok(b) => b,
@@ -396,20 +404,30 @@ impl FileSource {
         });
     }
 
-    fn watch_folder(&self, tx: mpsc::Sender<()>) -> Option<notify::RecommendedWatcher> {
+    /// Wakes `tx` on any change in the file's folder, and sets `whole` first when the
+    /// change is a rename onto the file or onto a `..` name (a ConfigMap's `..data`
+    /// swap): a rename replaces a whole file at once.
+    fn watch_folder(
+        &self,
+        tx: mpsc::Sender<()>,
+        whole: Arc<AtomicBool>,
+    ) -> Option<notify::RecommendedWatcher> {
         use notify::Watcher;
         let folder = match self.path.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
+        let file_name = self.path.file_name().map(|n| n.to_os_string());
         let handler = move |event: notify::Result<notify::Event>| {
-            if let Ok(event) = event {
-                // Any change in the folder may matter (ConfigMaps swap a `..data` symlink);
-                // re-reading is cheap and deduplicated by content.
-                if !event.kind.is_access() {
-                    let _ = tx.try_send(());
-                }
+            let Ok(event) = event else { return };
+            match folder_event(&event, file_name.as_deref()) {
+                FolderEvent::Ignored => return,
+                FolderEvent::Changed => {}
+                FolderEvent::Renamed => whole.store(true, Ordering::SeqCst),
             }
+            // Any change in the folder may matter (ConfigMaps swap a `..data` symlink);
+            // re-reading is cheap and deduplicated by content.
+            let _ = tx.try_send(());
         };
         let mut watcher = match notify::recommended_watcher(handler) {
             Ok(w) => w,
@@ -426,9 +444,95 @@ impl FileSource {
     }
 }
 
+/// What an event in the services file's folder says about the file.
+#[derive(Debug, PartialEq, Eq)]
+enum FolderEvent {
+    /// A read, an open or a close: nothing changed.
+    Ignored,
+    /// Something changed (the file may be half written).
+    Changed,
+    /// A file was renamed onto the services file, or onto a `..` name (a ConfigMap's
+    /// `..data` swap): what the path names now was whole before the event.
+    Renamed,
+}
+
+fn folder_event(event: &notify::Event, file_name: Option<&std::ffi::OsStr>) -> FolderEvent {
+    use notify::event::{EventKind, ModifyKind};
+    let mut names = event.paths.iter().filter_map(|p| p.file_name());
+    match event.kind {
+        EventKind::Access(_) => FolderEvent::Ignored,
+        EventKind::Modify(ModifyKind::Name(_))
+            if names.any(|n| Some(n) == file_name || n.as_encoded_bytes().starts_with(b"..")) =>
+        {
+            FolderEvent::Renamed
+        }
+        _ => FolderEvent::Changed,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only a rename onto the file (or a ConfigMap's `..data` swap) lets a change be taken
+    /// without waiting for it to settle: an edit in place, a new file beside it or a
+    /// rename of another file waits.
+    #[test]
+    fn only_renames_onto_the_file_are_taken_at_once() {
+        use notify::event::{
+            AccessKind, AccessMode, CreateKind, DataChange, EventKind, ModifyKind, RenameMode,
+        };
+        let event = |kind, paths: &[&str]| notify::Event {
+            kind,
+            paths: paths.iter().map(PathBuf::from).collect(),
+            attrs: Default::default(),
+        };
+        let name = Some(std::ffi::OsStr::new("services.yaml"));
+        let rename = |mode| EventKind::Modify(ModifyKind::Name(mode));
+        for (kind, paths, want) in [
+            (
+                rename(RenameMode::To),
+                &["/d/services.yaml"][..],
+                FolderEvent::Renamed,
+            ),
+            (
+                rename(RenameMode::Both),
+                &["/d/services.tmp~", "/d/services.yaml"],
+                FolderEvent::Renamed,
+            ),
+            (
+                rename(RenameMode::To),
+                &["/etc/ray-xds/..data"],
+                FolderEvent::Renamed,
+            ),
+            (
+                rename(RenameMode::To),
+                &["/d/other.yaml"],
+                FolderEvent::Changed,
+            ),
+            (
+                EventKind::Modify(ModifyKind::Data(DataChange::Any)),
+                &["/d/services.yaml"],
+                FolderEvent::Changed,
+            ),
+            (
+                EventKind::Create(CreateKind::File),
+                &["/d/services.yaml"],
+                FolderEvent::Changed,
+            ),
+            (
+                EventKind::Access(AccessKind::Close(AccessMode::Write)),
+                &["/d/services.yaml"],
+                FolderEvent::Ignored,
+            ),
+        ] {
+            assert_eq!(
+                folder_event(&event(kind, paths), name),
+                want,
+                "{kind:?} {paths:?}"
+            );
+        }
+    }
 
     const EXAMPLE: &str = r#"
 rayservices:
