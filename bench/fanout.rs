@@ -533,15 +533,16 @@ impl Arm<'_> {
             }
         };
         // The peer's streams panic when a client goes away (rust-control-plane 0.1.2
-        // unwraps the end of a stream): its stderr is not ours to show.
-        let stderr = if matches!(self, Arm::Peer { .. }) {
-            Stdio::null()
+        // unwraps the end of a stream): its stderr is not ours to show. Its stdout is one
+        // line: the bytes its protos dropped from what ray-xds served.
+        let (stdout, stderr) = if matches!(self, Arm::Peer { .. }) {
+            (Stdio::inherit(), Stdio::null())
         } else {
-            Stdio::inherit()
+            (Stdio::null(), Stdio::inherit())
         };
         Server(
             command
-                .stdout(Stdio::null())
+                .stdout(stdout)
                 .stderr(stderr)
                 .spawn()
                 .unwrap_or_else(|e| panic!("starting {}: {e}", self.name())),
