@@ -19,7 +19,7 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 
 use super::ordering::{
     changed_from, desired, intern, is_whole_set, learn_bodies, retain_names, same_names_change,
-    take_budget, ClientHolds, Desired, Held, Holding, Rejections, RESPONSE_BUDGET_BYTES,
+    take_budget, ClientHolds, Desired, Held, Holding, NameSet, Rejections, RESPONSE_BUDGET_BYTES,
 };
 use super::snapshot::{ResourceMap, ResourceType, Snapshot};
 use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
@@ -45,7 +45,8 @@ struct InFlight {
 struct TypeState {
     subscribed: bool,
     wildcard: bool,
-    names: BTreeSet<Arc<str>>,
+    /// Shared with every stream subscribed to the same names.
+    names: NameSet,
     /// Subscribed names that do not exist and that the client was told so (in
     /// `removed_resources`), once each.
     told_absent: BTreeSet<Arc<str>>,
@@ -348,6 +349,7 @@ impl DeltaStream {
 
 impl AdsProtocol for DeltaStream {
     type Request = DeltaDiscoveryRequest;
+    type Wire = DeltaDiscoveryRequest;
     type Response = DeltaDiscoveryResponse;
     const NAME: &'static str = "delta";
 
@@ -424,12 +426,26 @@ impl AdsProtocol for DeltaStream {
         for name in &subscribed {
             st.told_absent.remove(name);
         }
-        st.names.extend(subscribed);
+        let unsubscribed = || {
+            req.resource_names_unsubscribe
+                .iter()
+                .filter(|n| *n != "*")
+                .map(String::as_str)
+        };
+        if subscribed.iter().any(|n| !st.names.contains(n))
+            || unsubscribed().any(|n| st.names.contains(n))
+        {
+            st.names.update(|names| {
+                names.extend(subscribed);
+                for name in unsubscribed() {
+                    names.remove(name);
+                }
+            });
+        }
         for name in &req.resource_names_unsubscribe {
             if name == "*" {
                 st.wildcard = false;
             } else {
-                st.names.remove(name.as_str());
                 st.told_absent.remove(name.as_str());
             }
             // The client forgets it; a later subscribe must send it again. One it still
@@ -495,6 +511,10 @@ impl AdsProtocol for DeltaStream {
                 Event::Ack { ty, version }
             }
         })
+    }
+
+    fn on_wire(&mut self, request: DeltaDiscoveryRequest) -> Result<Event, ProtocolError> {
+        self.on_request(request)
     }
 
     fn poll_type(

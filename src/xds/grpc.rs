@@ -11,7 +11,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
+use envoy_types::pb::envoy::service::discovery::v3::DeltaDiscoveryRequest;
 use http_body::Frame;
 use tokio::sync::mpsc;
 use tonic::server::NamedService;
@@ -85,7 +85,7 @@ impl tower::Service<http::Request<tonic::body::Body>> for AdsService {
         let body = request.into_body();
         match path.as_str() {
             SOTW_PATH => {
-                let inbound = self.decode::<DiscoveryRequest>(body, peer);
+                let inbound = self.decode::<super::sotw::WireRequest>(body, peer);
                 self.server
                     .spawn_stream::<SotwStream>(SotwStream::new(), inbound, tx);
             }

@@ -97,10 +97,10 @@ pub enum ProtocolError {
 pub const MAX_NAME_BYTES: usize = 1024;
 
 /// Refuses a request naming a resource longer than [`MAX_NAME_BYTES`].
-pub fn check_name_lengths<'a>(
-    names: impl IntoIterator<Item = &'a String>,
+pub fn check_name_lengths<'a, S: AsRef<str> + 'a>(
+    names: impl IntoIterator<Item = &'a S>,
 ) -> Result<(), ProtocolError> {
-    match names.into_iter().map(String::len).max() {
+    match names.into_iter().map(|n| n.as_ref().len()).max() {
         Some(len) if len > MAX_NAME_BYTES => Err(ProtocolError::NameTooLong(len)),
         _ => Ok(()),
     }
@@ -198,10 +198,15 @@ pub struct TypeStatus {
 /// A protocol state machine driven by the stream task in [`server`].
 pub trait AdsProtocol: Send + 'static {
     type Request: prost::Message + Default + Send + 'static;
+    /// The request as the server decodes it: the same message on the wire, perhaps
+    /// lighter to decode than `Request`.
+    type Wire: prost::Message + Default + Send + From<Self::Request> + 'static;
     type Response: prost::Message + Send + 'static;
     const NAME: &'static str;
 
     fn on_request(&mut self, request: Self::Request) -> Result<Event, ProtocolError>;
+    /// [`AdsProtocol::on_request`] for a request as the server decoded it.
+    fn on_wire(&mut self, request: Self::Wire) -> Result<Event, ProtocolError>;
     /// The response to send now for one type, if any, with the number of resources it
     /// carries.
     fn poll_type(

@@ -74,7 +74,7 @@ impl AdsServer {
     pub fn spawn_stream<P>(
         &self,
         machine: P,
-        inbound: RequestStream<P::Request>,
+        inbound: RequestStream<P::Wire>,
         tx: mpsc::Sender<Result<Bytes, Status>>,
     ) where
         P: AdsProtocol,
@@ -100,7 +100,7 @@ impl AdsServer {
     async fn run_stream<P>(
         self,
         machine: P,
-        mut inbound: RequestStream<P::Request>,
+        mut inbound: RequestStream<P::Wire>,
         tx: mpsc::Sender<Result<Bytes, Status>>,
     ) where
         P: AdsProtocol,
@@ -138,7 +138,7 @@ impl AdsServer {
                 changed = snapshots.changed() => if changed.is_err() { return },
                 message = inbound.message() => match message {
                     Ok(Some(request)) => {
-                        let result = lock(&machine).on_request(request);
+                        let result = lock(&machine).on_wire(request);
                         match result {
                             Ok(event) => self.record(id, protocol, &event, &mut guard),
                             Err(err) => {

@@ -11,14 +11,14 @@
 //! - `version_info` is a hash of what the Envoy will hold, so a reconnecting Envoy that
 //!   reports the version we would send is sent nothing.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 
 use super::ordering::{
-    changed_from, desired, intern, is_whole_set, learn_bodies, retain_names, same_names_change,
-    take_budget, ClientHolds, Desired, Held, HeldMap, Holding, Rejections, RESPONSE_BUDGET_BYTES,
+    changed_from, desired, is_whole_set, learn_bodies, retain_names, same_names_change,
+    take_budget, ClientHolds, Desired, Held, HeldMap, Holding, Rejections, SharedNames,
+    RESPONSE_BUDGET_BYTES,
 };
 use super::snapshot::{bare_cluster, set_version, ResourceMap, ResourceType, Snapshot};
 use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
@@ -26,22 +26,20 @@ use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Subscription {
     Wildcard,
-    Names(BTreeSet<Arc<str>>),
+    /// Shared with every stream whose client listed the same names.
+    Names(Arc<SharedNames>),
 }
 
 impl Subscription {
-    /// The subscription a request's `resource_names` asks for. Empty is a wildcard only
-    /// while the client has never named a resource of the type on this stream (the
-    /// legacy form); after that it unsubscribes from everything.
-    fn from_names(
-        names: &[String],
-        named_before: bool,
-        intern: impl Fn(&str) -> Arc<str>,
-    ) -> Subscription {
-        if names.iter().any(|n| n == "*") || (names.is_empty() && !named_before) {
+    /// The subscription a request's `resource_names` (`listed`) asks for. Empty is a
+    /// wildcard only while the client has never named a resource of the type on this
+    /// stream (the legacy form); after that it unsubscribes from everything.
+    fn from_names(listed: &Arc<SharedNames>, named_before: bool) -> Subscription {
+        let names = listed.list();
+        if names.iter().any(|n| &**n == "*") || (names.is_empty() && !named_before) {
             Subscription::Wildcard
         } else {
-            Subscription::Names(names.iter().map(|n| intern(n)).collect())
+            Subscription::Names(listed.clone())
         }
     }
 
@@ -53,11 +51,168 @@ impl Subscription {
     }
 }
 
-fn names_hash(names: &[String]) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    names.hash(&mut h);
-    h.finish()
+/// A `DiscoveryRequest` as read off the wire: its resource names are kept one after
+/// another in one string instead of a `String` each. Every ACK of an Envoy repeats its
+/// whole subscription (200 endpoint names here), and allocating, checking, hashing and
+/// freeing them one by one was the largest part of a state-of-the-world stream's work
+/// per push.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WireRequest {
+    /// The request, but for `resource_names` (left empty).
+    pub request: DiscoveryRequest,
+    /// The resource names, one after another: bytes while decoding, then checked UTF-8.
+    raw: Vec<u8>,
+    text: String,
+    /// Where each name ends in `text`.
+    ends: Vec<u32>,
+}
+
+impl WireRequest {
+    /// The resource names, in the request's order.
+    pub fn resource_names(&self) -> impl Iterator<Item = &str> + '_ {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
+        starts.zip(self.ends.iter().copied()).map(|(start, end)| {
+            self.text
+                .get(start as usize..end as usize)
+                .unwrap_or_default()
+        })
+    }
+
+    /// Checks that every name is UTF-8 (as prost does for a `string`), all at once.
+    fn check_names(&mut self) -> Result<(), prost::DecodeError> {
+        match String::from_utf8(std::mem::take(&mut self.raw)) {
+            // Each name is UTF-8 when all are, and each starts and ends on a character.
+            Ok(text) if self.ends.iter().all(|e| text.is_char_boundary(*e as usize)) => {
+                self.text = text;
+                Ok(())
+            }
+            Ok(text) => Err(self.first_not_utf8(text.as_bytes())),
+            Err(e) => Err(self.first_not_utf8(e.as_bytes())),
+        }
+    }
+
+    /// The error for the first of the names in `raw` that is not UTF-8.
+    fn first_not_utf8(&self, raw: &[u8]) -> prost::DecodeError {
+        let mut start = 0;
+        for end in &self.ends {
+            let name = &raw[start..*end as usize];
+            if std::str::from_utf8(name).is_err() {
+                return not_utf8(name);
+            }
+            start = *end as usize;
+        }
+        not_utf8(raw)
+    }
+}
+
+/// The error prost gives a `string` field of a `DiscoveryRequest` that is not UTF-8.
+fn not_utf8(name: &[u8]) -> prost::DecodeError {
+    let mut field = Vec::new();
+    prost::encoding::encode_varint(name.len() as u64, &mut field);
+    field.extend_from_slice(name);
+    let wire_type = prost::encoding::WireType::LengthDelimited;
+    let ctx = prost::encoding::DecodeContext::default();
+    let mut e =
+        match prost::encoding::string::merge(wire_type, &mut String::new(), &mut &field[..], ctx) {
+            Err(e) => e,
+            #[allow(deprecated)] // (never: `name` is not UTF-8)
+            Ok(()) => prost::DecodeError::new("invalid string value: data is not UTF-8 encoded"),
+        };
+    e.push("DiscoveryRequest", "resource_names");
+    e
+}
+
+impl From<DiscoveryRequest> for WireRequest {
+    fn from(mut request: DiscoveryRequest) -> WireRequest {
+        let names = std::mem::take(&mut request.resource_names);
+        let mut wire = WireRequest {
+            request,
+            ..Default::default()
+        };
+        for name in names {
+            wire.text.push_str(&name);
+            wire.ends.push(wire.text.len() as u32);
+        }
+        wire
+    }
+}
+
+/// `resource_names` is field 3 of `DiscoveryRequest`.
+const RESOURCE_NAMES_TAG: u32 = 3;
+
+impl prost::Message for WireRequest {
+    fn encode_raw(&self, buf: &mut impl bytes::BufMut) {
+        use prost::encoding::{encode_key, encode_varint, WireType};
+        self.request.encode_raw(buf);
+        for name in self.resource_names() {
+            encode_key(RESOURCE_NAMES_TAG, WireType::LengthDelimited, buf);
+            encode_varint(name.len() as u64, buf);
+            buf.put_slice(name.as_bytes());
+        }
+    }
+
+    fn merge_field(
+        &mut self,
+        tag: u32,
+        wire_type: prost::encoding::WireType,
+        buf: &mut impl bytes::Buf,
+        ctx: prost::encoding::DecodeContext,
+    ) -> Result<(), prost::DecodeError> {
+        use prost::encoding::{check_wire_type, decode_varint, WireType};
+        if tag != RESOURCE_NAMES_TAG {
+            return self.request.merge_field(tag, wire_type, buf, ctx);
+        }
+        let in_field = |mut e: prost::DecodeError| {
+            e.push("DiscoveryRequest", "resource_names");
+            e
+        };
+        check_wire_type(WireType::LengthDelimited, wire_type).map_err(in_field)?;
+        let len = decode_varint(buf).map_err(in_field)?;
+        if len > buf.remaining() as u64 {
+            #[allow(deprecated)] // prost's own words for it, as its `string` decoder says
+            return Err(in_field(prost::DecodeError::new("buffer underflow")));
+        }
+        // After a `decode`, names from a later `merge` are bytes again until checked.
+        if !self.text.is_empty() && self.raw.is_empty() {
+            self.raw = std::mem::take(&mut self.text).into_bytes();
+        }
+        let mut left = len as usize;
+        while left > 0 {
+            let chunk = buf.chunk();
+            let n = chunk.len().min(left);
+            self.raw.extend_from_slice(&chunk[..n]);
+            buf.advance(n);
+            left -= n;
+        }
+        self.ends.push(self.raw.len() as u32);
+        Ok(())
+    }
+
+    fn encoded_len(&self) -> usize {
+        use prost::encoding::{encoded_len_varint, key_len};
+        self.request.encoded_len()
+            + self
+                .resource_names()
+                .map(|n| key_len(RESOURCE_NAMES_TAG) + encoded_len_varint(n.len() as u64) + n.len())
+                .sum::<usize>()
+    }
+
+    fn clear(&mut self) {
+        self.request.clear();
+        self.raw.clear();
+        self.text.clear();
+        self.ends.clear();
+    }
+
+    fn decode(buf: impl bytes::Buf) -> Result<WireRequest, prost::DecodeError> {
+        let mut request = WireRequest::default();
+        // Room for every name at once (most of an ACK is names, of about 20 bytes each).
+        request.raw.reserve(buf.remaining());
+        request.ends.reserve(buf.remaining() / 16);
+        request.merge(buf)?;
+        request.check_names()?;
+        Ok(request)
+    }
 }
 
 #[derive(Debug)]
@@ -78,9 +233,9 @@ struct InFlight {
 #[derive(Debug, Default)]
 struct TypeState {
     subscription: Option<Subscription>,
-    /// Hash of the `resource_names` list that set the subscription: every ACK repeats
-    /// the list, and comparing a hash is far cheaper than rebuilding the set.
-    subscription_hash: u64,
+    /// The `resource_names` list that set the subscription: every ACK repeats the list,
+    /// and comparing it is far cheaper than building the set again.
+    listed: Option<Arc<SharedNames>>,
     /// The client has named a resource (or `*`) of this type on this stream: from then
     /// on an empty list means "none", not the legacy wildcard.
     named: bool,
@@ -156,10 +311,10 @@ impl SotwStream {
 }
 
 /// Records that a reconnected Envoy holds `names` (versions and bodies unknown).
-fn declare_held(held: &mut Holding, names: &[String]) {
+fn declare_held<S: AsRef<str>>(held: &mut Holding, names: &[S]) {
     let map = held.own();
-    for name in names.iter().filter(|n| *n != "*") {
-        map.entry(name.as_str().into()).or_insert(Held {
+    for name in names.iter().map(AsRef::as_ref).filter(|n| *n != "*") {
+        map.entry(name.into()).or_insert(Held {
             version: "".into(),
             resource: None,
         });
@@ -358,7 +513,7 @@ impl SotwStream {
                 // every one is warm), and state of the world cannot say "there is none".
                 // A stand-in assignment warms it. One the Envoy has keeps what it has
                 // (else, left out of what it holds, it was sent again at every wake).
-                for name in names {
+                for name in names.iter() {
                     let had = st.acked.version_of(name).is_some_and(|v| !v.is_empty());
                     if !wanted.contains_key(name) && !current.contains_key(name) {
                         if had {
@@ -462,16 +617,24 @@ impl SotwStream {
 
 impl AdsProtocol for SotwStream {
     type Request = DiscoveryRequest;
+    type Wire = WireRequest;
     type Response = DiscoveryResponse;
     const NAME: &'static str = "sotw";
 
     fn on_request(&mut self, req: DiscoveryRequest) -> Result<Event, ProtocolError> {
+        self.on_wire(req.into())
+    }
+
+    fn on_wire(&mut self, wire: WireRequest) -> Result<Event, ProtocolError> {
+        let names: Vec<&str> = wire.resource_names().collect();
+        let names = &names[..];
+        let req = &wire.request;
         let ty = ResourceType::from_type_url(&req.type_url)
             .ok_or_else(|| ProtocolError::UnknownType(req.type_url.clone()))?;
-        if req.resource_names.len() > super::MAX_NAMES_PER_TYPE {
-            return Err(ProtocolError::TooManyNames(req.resource_names.len()));
+        if names.len() > super::MAX_NAMES_PER_TYPE {
+            return Err(ProtocolError::TooManyNames(names.len()));
         }
-        super::check_name_lengths(&req.resource_names)?;
+        super::check_name_lengths(names)?;
         if self.node.is_none() {
             if let Some(node) = &req.node {
                 self.node = Some(NodeInfo::from_node(node));
@@ -603,7 +766,7 @@ impl AdsProtocol for SotwStream {
             // It holds the names it asks for (per-name types); which clusters it holds,
             // its EDS request tells (every cluster ray-xds makes is an EDS cluster).
             if !ty.is_full_state() {
-                declare_held(&mut self.types[ty.index()].acked, &req.resource_names);
+                declare_held(&mut self.types[ty.index()].acked, names);
             }
         }
         if ty == ResourceType::Endpoints && self.reconnected {
@@ -611,27 +774,22 @@ impl AdsProtocol for SotwStream {
             // have had endpoints, and reports no version).
             let [clusters, endpoints, ..] = &mut self.types;
             if clusters.last_nonce.is_none() {
-                declare_held(&mut clusters.acked, &req.resource_names);
+                declare_held(&mut clusters.acked, names);
             }
             if endpoints.last_nonce.is_none() {
-                declare_held(&mut endpoints.acked, &req.resource_names);
+                declare_held(&mut endpoints.acked, names);
             }
         }
         // An ACK repeats the subscription; compare before building a new one.
-        let hash = names_hash(&req.resource_names);
         let st = &mut self.types[ty.index()];
-        if st.subscription.is_none() || st.subscription_hash != hash {
+        let same =
+            st.subscription.is_some() && st.listed.as_ref().is_some_and(|l| l.is_list(names));
+        if !same {
             let first = st.subscription.is_none();
-            let named_before = st.named;
-            let subscription = {
-                let holdings: Vec<&Holding> = self.types.iter().map(|t| &t.acked).collect();
-                Subscription::from_names(&req.resource_names, named_before, |n| {
-                    intern(n, holdings.iter().copied())
-                })
-            };
-            let st = &mut self.types[ty.index()];
-            st.subscription_hash = hash;
-            st.named |= !req.resource_names.is_empty();
+            let listed = SharedNames::of_list(names);
+            let subscription = Subscription::from_names(&listed, st.named);
+            st.listed = Some(listed);
+            st.named |= !names.is_empty();
             if let Subscription::Names(_) = &subscription {
                 let before = st.acked.len();
                 st.acked.own().retain(|name, _| subscription.wants(name));
