@@ -91,6 +91,10 @@ impl AdsServer {
             return;
         };
         let this = self.clone();
+        // On the heap before the task starts: a future keeps room for what it was given
+        // for as long as it lives, and the state machine is the largest part of a stream.
+        let machine = Arc::new(Mutex::new(machine));
+        let inbound = Box::new(inbound);
         tokio::spawn(async move {
             this.run_stream(machine, inbound, tx).await;
             drop(permit);
@@ -99,14 +103,13 @@ impl AdsServer {
 
     async fn run_stream<P>(
         self,
-        machine: P,
-        mut inbound: RequestStream<P::Wire>,
+        machine: Arc<Mutex<P>>,
+        mut inbound: Box<RequestStream<P::Wire>>,
         tx: mpsc::Sender<Result<Bytes, Status>>,
     ) where
         P: AdsProtocol,
     {
         let protocol = P::NAME;
-        let machine = Arc::new(Mutex::new(machine));
         let id = self.clients.register(protocol, machine.clone());
         self.observer.stream_opened(protocol);
         let mut guard = StreamGuard {
@@ -117,9 +120,17 @@ impl AdsServer {
             subscribed: [false; 4],
         };
         let mut snapshots = self.snapshots.clone();
+        // Made only while a reconnected Envoy is awaited, and on the heap: an idle stream
+        // does not keep a timer's room in its task.
         let reconnect_deadline = tokio::time::Instant::now() + RECONNECT_WAIT;
+        let mut reconnect: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
         loop {
             let awaiting_reconnect = lock(&machine).awaiting_reconnect();
+            if !awaiting_reconnect {
+                reconnect = None;
+            } else if reconnect.is_none() {
+                reconnect = Some(Box::pin(tokio::time::sleep_until(reconnect_deadline)));
+            }
             let snapshot = snapshots.borrow_and_update().clone();
             let responses = lock(&machine).poll(&snapshot);
             for (ty, count, response) in responses {
@@ -131,7 +142,7 @@ impl AdsServer {
             }
             tokio::select! {
                 _ = self.shutdown.cancelled() => return,
-                _ = tokio::time::sleep_until(reconnect_deadline), if awaiting_reconnect => {
+                _ = futures::future::OptionFuture::from(reconnect.as_mut()), if awaiting_reconnect => {
                     tracing::debug!(stream = id, protocol, "reconnected Envoy did not declare all it holds in time; going ahead");
                     lock(&machine).settle_reconnect();
                 }
