@@ -1252,7 +1252,7 @@ mod tests {
         let c = load("probe: { interval: 1s, unhealthy_threshold: 3 }\ndashboard: { poll_interval: 5s }\nsource: { file: { path: a.yaml } }\n").unwrap();
         assert_eq!(c.policies.probe.interval, Duration::from_secs(1));
         assert_eq!(c.policies.probe.unhealthy_threshold, 3);
-        assert_eq!(c.policies.probe.timeout, Duration::from_millis(250));
+        assert_eq!(c.policies.probe.timeout, Duration::from_millis(300));
         assert_eq!(c.policies.dashboard.poll_interval, Duration::from_secs(5));
         assert!(
             load("probe: { healthy_threshold: 0 }\nsource: { file: { path: a.yaml } }\n").is_err()

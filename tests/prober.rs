@@ -566,3 +566,33 @@ async fn one_clusters_big_dashboard_answer_cannot_crowd_out_another() {
     );
     shutdown.cancel();
 }
+
+/// Issue 17: a live proxy answering every request in 200 ms, with the default timeout
+/// (300 ms) and hedge delay (100 ms), stays healthy across many probes: each probe is
+/// joined by a hedged one (it has not answered within the hedge delay), and the first
+/// answer settles the round, so no failure is ever counted.
+#[tokio::test]
+async fn a_200ms_slow_proxy_stays_healthy_across_many_probes() {
+    let c = SimCluster::start("c", &[NodeType::Head]).await;
+    let a = c.proxies[0].0;
+    let r = run_prober(&c);
+    let defaults = ProbePolicy::default();
+    assert_eq!(defaults.timeout, Duration::from_millis(300));
+    assert!(defaults.hedge_after() < Duration::from_millis(200));
+    wait_state(&r, a, ProbeState::Healthy).await;
+    c.set_mode(0, ProxyMode::Slow(Duration::from_millis(200)));
+    // The only proxy: every probe counted is one of its.
+    let probes = || metric(&r.metrics.render(), "ray_xds_probe_duration_seconds_count");
+    let before = probes();
+    eventually(
+        "30 more probes of the slow proxy",
+        Duration::from_secs(120),
+        || async {
+            assert_eq!(r.states.borrow().proxies[&a].state, ProbeState::Healthy);
+            (probes() >= before + 30.0).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(r.states.borrow().proxies[&a].state, ProbeState::Healthy);
+    assert_eq!(ray_xds_transitions(&r.metrics, "unhealthy"), 0.0);
+}

@@ -4,12 +4,26 @@
 //! `ray.serve.RayServeAPIService/Healthz` over one HTTP/2 connection of its own; both
 //! keyed by address, with the same hysteresis, permits and freshness.
 //!
-//! One task per proxy sleeps its (jittered) interval (a fifth of it after a healthy
-//! proxy's first failure, to confirm quickly), takes a permit from [`ProbePermits`]
-//! (thousands of proxies share a bounded number of probes in flight; first probes and
-//! quick re-probes have permits of their own), and
-//! sends `GET /-/healthz` through one pooled HTTP client (connections are reused). The
-//! outcome goes to the manager, the single writer of the [`ProbeStates`] channel, which
+//! One task per proxy sleeps its (jittered) interval, takes a permit from
+//! [`ProbePermits`] (thousands of proxies share a bounded number of probes in flight;
+//! first probes and the probes that confirm a failure have permits of their own), and
+//! sends `GET /-/healthz` through one pooled HTTP client (connections are reused).
+//!
+//! Confirming a failure quickly (issue 17): while the proxy is healthy as far as its task
+//! knows, a probe that has not answered after [`ProbePolicy::hedge_after`] (a third of the
+//! timeout) is joined by a second, hedged probe (an urgent permit; over HTTP/1.1 a
+//! connection of its own, as the first still holds the pooled one; over gRPC a second
+//! call on the proxy's channel). Each outcome is reported as soon as it is known, failures
+//! in the order they come, so a hung proxy's two failures (the default
+//! `unhealthy_threshold`) arrive `hedge_after + timeout` after the first probe started.
+//! The first answer that is not a failure ends the round and drops the other probe: a
+//! slow but live proxy is marked down only if both probes go over the timeout, and pays a
+//! hedged probe (and a new connection) every round it answers later than the hedge delay.
+//! No hedge is sent when one failure alone reaches the threshold. A failure that comes
+//! before the hedge delay (a fast error) is confirmed instead by a quick re-probe, after a
+//! fifth of the interval, repeated until the threshold is reached.
+//!
+//! Each outcome goes to the manager, the single writer of the [`ProbeStates`] channel, which
 //! feeds each proxy's [`ProxyProbe`] and publishes only when a state (or a proxy's route
 //! list) changes. A proxy's `/-/routes` is read when it answers healthy after not doing so,
 //! and every `routes_interval` while healthy, at most [`ROUTE_READS_AT_ONCE`] at a time
@@ -520,9 +534,9 @@ struct ProbeTask {
 }
 
 /// Probes in flight, at most `max_concurrent` in all. An eighth of the permits is kept
-/// for urgent probes: a proxy's first (a new proxy is withheld from Envoy until it) and
-/// the quick re-probe of a healthy proxy that just failed (how fast a hung proxy is
-/// found). They take whichever permit frees first; routine probes only the rest, so with
+/// for urgent probes: a proxy's first (a new proxy is withheld from Envoy until it), and
+/// the hedged probe and quick re-probe that confirm a healthy proxy's failure (how fast a
+/// hung proxy is found). They take whichever permit frees first; routine probes only the rest, so with
 /// thousands of proxies an urgent probe never waits behind a full round of routine ones.
 #[derive(Clone)]
 struct ProbePermits {
@@ -558,7 +572,14 @@ impl ProbePermits {
 
 impl ProbeTask {
     async fn run(self) {
+        // The last outcome reported was healthy (routes are read on turning healthy).
         let mut last_healthy = false;
+        // The last outcome other than a failure was healthy, and fewer than
+        // `unhealthy_threshold` failures followed it: the proxy is (still) healthy as far
+        // as this task knows, so a failure is worth confirming quickly.
+        let mut trusted = false;
+        // Failures reported since the last other outcome.
+        let mut failures: u32 = 0;
         let mut routes_read: Option<Instant> = None;
         let mut next = Duration::ZERO;
         let mut urgent = true; // the first probe
@@ -570,56 +591,167 @@ impl ProbeTask {
             let Some(permit) = self.permits.acquire(urgent).await else {
                 return;
             };
-            let started = Instant::now();
-            let outcome = match &grpc {
-                None => probe_healthz(&self.client, self.address, self.settings.timeout).await,
-                Some(channel) => probe_grpc_healthz(channel.clone(), self.settings.timeout).await,
-            };
-            let latency = started.elapsed();
-            let healthy = outcome == Outcome::Healthy;
-            // The probe is done: its permit goes back before any route read, so that
-            // reads waiting for a turn never hold up other proxies' probes.
-            drop(permit);
-            let (routes, route_read_turn) = if healthy
-                && grpc.is_none()
-                && (!last_healthy
-                    || routes_read.is_none_or(|t| t.elapsed() >= self.routes_interval))
-            {
-                let turns = &self.permits.route_reads;
-                match turns.take(self.address, self.settings.timeout).await {
-                    Some(turn) => {
-                        routes_read = Some(Instant::now());
-                        let table =
-                            read_routes(&self.client, self.address, self.settings.timeout).await;
-                        (Some(table), Some(turn))
+            // A trusted proxy's probe that has not answered within the hedge delay is
+            // confirmed by a second one sent at once, unless a failure of the first alone
+            // would reach the threshold (then there is nothing to confirm).
+            let hedge = (trusted && failures + 1 < self.settings.unhealthy_threshold)
+                .then(|| self.settings.hedge_after());
+            let mut round = Round::new(self.probe_once(&grpc, Some(permit)), hedge);
+            // Failures are reported as they come (the first never waits for the second);
+            // the first answer that is not a failure ends the round, and a probe still in
+            // flight then is dropped (it could only add a stale failure).
+            let decided = loop {
+                match round.next(|| self.probe_once(&grpc, None)).await {
+                    None => break None,
+                    Some((Outcome::Failed(why), latency)) => {
+                        failures += 1;
+                        trusted &= failures < self.settings.unhealthy_threshold;
+                        last_healthy = false;
+                        let report = Report {
+                            address: self.address,
+                            outcome: Outcome::Failed(why),
+                            latency,
+                            routes: None,
+                            route_read_turn: None,
+                        };
+                        if self.reports.send(report).await.is_err() {
+                            return;
+                        }
                     }
-                    // No turn (its cluster holds its share, or none freed in time): not
-                    // read this time (its last table stays).
-                    None => (None, None),
+                    Some(decided) => break Some(decided),
                 }
-            } else {
-                (None, None)
             };
+            // Whatever is still in flight (and its permit) goes before any route read.
+            drop(round);
+            if let Some((outcome, latency)) = decided {
+                let healthy = outcome == Outcome::Healthy;
+                let (routes, route_read_turn) = if healthy
+                    && grpc.is_none()
+                    && (!last_healthy
+                        || routes_read.is_none_or(|t| t.elapsed() >= self.routes_interval))
+                {
+                    let turns = &self.permits.route_reads;
+                    match turns.take(self.address, self.settings.timeout).await {
+                        Some(turn) => {
+                            routes_read = Some(Instant::now());
+                            let table =
+                                read_routes(&self.client, self.address, self.settings.timeout)
+                                    .await;
+                            (Some(table), Some(turn))
+                        }
+                        // No turn (its cluster holds its share, or none freed in time):
+                        // not read this time (its last table stays).
+                        None => (None, None),
+                    }
+                } else {
+                    (None, None)
+                };
+                failures = 0;
+                trusted = healthy;
+                last_healthy = healthy;
+                let report = Report {
+                    address: self.address,
+                    outcome,
+                    latency,
+                    routes,
+                    route_read_turn,
+                };
+                if self.reports.send(report).await.is_err() {
+                    return;
+                }
+            }
             // ±20% jitter so that proxies added together do not probe in lockstep; a
-            // healthy proxy that just failed is probed again soon, so that a hung proxy
-            // reaches the failure threshold in a fraction of the interval.
-            let suspect = last_healthy && matches!(outcome, Outcome::Failed(_));
+            // trusted proxy that failed (fast, or once with no hedge to confirm it) is
+            // probed again soon, so that it reaches the failure threshold in a fraction
+            // of the interval.
+            let suspect = trusted && failures > 0;
             next = if suspect {
                 self.settings.interval / 5
             } else {
                 self.settings.interval.mul_f64(0.8 + fastrand::f64() * 0.4)
             };
             urgent = suspect;
-            last_healthy = healthy;
-            let report = Report {
-                address: self.address,
-                outcome,
-                latency,
-                routes,
-                route_read_turn,
+        }
+    }
+
+    /// One probe (`GET /-/healthz` or gRPC `Healthz`) and how long it took, under
+    /// `permit` (or, for a hedged probe, an urgent permit taken first).
+    fn probe_once<'a>(
+        &'a self,
+        grpc: &'a Option<tonic::transport::Channel>,
+        permit: Option<tokio::sync::SemaphorePermit<'a>>,
+    ) -> ProbeFuture<'a> {
+        Box::pin(async move {
+            let _permit = match permit {
+                Some(p) => Some(p),
+                None => self.permits.acquire(true).await,
             };
-            if self.reports.send(report).await.is_err() {
-                return;
+            let started = Instant::now();
+            let outcome = match grpc {
+                None => probe_healthz(&self.client, self.address, self.settings.timeout).await,
+                Some(channel) => probe_grpc_healthz(channel.clone(), self.settings.timeout).await,
+            };
+            (outcome, started.elapsed())
+        })
+    }
+}
+
+type ProbeFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = (Outcome, Duration)> + Send + 'a>>;
+
+/// One probe round: the first probe and, when `hedge` is given and the first has not
+/// answered by then, a second probe started alongside it.
+struct Round<'a> {
+    first: Option<ProbeFuture<'a>>,
+    second: Option<ProbeFuture<'a>>,
+    /// When the second probe starts, until it has (or the first has answered).
+    hedge: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<'a> Round<'a> {
+    fn new(first: ProbeFuture<'a>, hedge: Option<Duration>) -> Round<'a> {
+        Round {
+            first: Some(first),
+            second: None,
+            hedge: hedge.map(|d| Box::pin(tokio::time::sleep(d))),
+        }
+    }
+
+    /// The next probe to finish, in the order they finish; `None` once none is left.
+    /// `start` makes the hedged probe when its time comes.
+    async fn next(
+        &mut self,
+        start: impl FnOnce() -> ProbeFuture<'a>,
+    ) -> Option<(Outcome, Duration)> {
+        let mut start = Some(start);
+        loop {
+            let Round {
+                first,
+                second,
+                hedge,
+            } = &mut *self;
+            let (first_left, second_left, hedge_left) =
+                (first.is_some(), second.is_some(), hedge.is_some());
+            if !first_left && !second_left {
+                return None;
+            }
+            tokio::select! {
+                r = async { first.as_mut().unwrap().await }, if first_left => {
+                    *first = None;
+                    // Answered before the hedge delay: nothing to confirm in this round.
+                    *hedge = None;
+                    return Some(r);
+                }
+                r = async { second.as_mut().unwrap().await }, if second_left => {
+                    *second = None;
+                    return Some(r);
+                }
+                _ = async { hedge.as_mut().unwrap().await }, if hedge_left => {
+                    *hedge = None;
+                    if let Some(start) = start.take() {
+                        *second = Some(start());
+                    }
+                }
             }
         }
     }
@@ -1289,6 +1421,215 @@ mod tests {
         assert_eq!(first.outcome, Outcome::Healthy);
         slow_task.abort();
         quick_task.abort();
+    }
+
+    /// A fake proxy for the hedged probe: answers at once, or leaves requests
+    /// unanswered (the next `hang_next` of them, or all while `hang_all`), counting
+    /// `/-/healthz` requests and those it left unanswered.
+    #[derive(Clone, Default)]
+    struct Hanging {
+        hang_next: Arc<std::sync::atomic::AtomicUsize>,
+        hang_all: Arc<std::sync::atomic::AtomicBool>,
+        /// `/-/healthz` requests left unanswered so far.
+        unanswered: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Hanging {
+        async fn start(&self) -> SocketAddr {
+            use std::sync::atomic::Ordering::SeqCst;
+            use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let address = listener.local_addr().unwrap();
+            let me = self.clone();
+            tokio::spawn(async move {
+                while let Ok((stream, _)) = listener.accept().await {
+                    let me = me.clone();
+                    tokio::spawn(async move {
+                        let mut stream = BufReader::new(stream);
+                        loop {
+                            let mut line = String::new();
+                            if stream.read_line(&mut line).await.unwrap_or(0) == 0 {
+                                return;
+                            }
+                            let mut header = String::new();
+                            while stream.read_line(&mut header).await.unwrap_or(0) > 2 {
+                                header.clear();
+                            }
+                            let body = if line.contains("/-/routes") {
+                                r#"{"/":"app"}"#
+                            } else {
+                                let hang = me.hang_all.load(SeqCst)
+                                    || me
+                                        .hang_next
+                                        .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                                        .is_ok();
+                                if hang {
+                                    me.unanswered.fetch_add(1, SeqCst);
+                                    std::future::pending::<()>().await;
+                                }
+                                "success"
+                            };
+                            let answer = format!(
+                                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                                body.len()
+                            );
+                            if stream.get_mut().write_all(answer.as_bytes()).await.is_err() {
+                                return;
+                            }
+                        }
+                    });
+                }
+            });
+            address
+        }
+
+        fn unanswered(&self) -> usize {
+            self.unanswered.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    /// A probe task on `address` with a long timeout (3 s, so the hedge goes at 1 s:
+    /// the test's ordering never depends on how loaded the machine is) and a short
+    /// interval; its reports, each fed to a [`ProxyProbe`] as the manager does.
+    struct HedgeRun {
+        reports: mpsc::Receiver<Report>,
+        probe: ProxyProbe,
+        settings: ProbePolicy,
+        task: JoinHandle<()>,
+    }
+
+    impl HedgeRun {
+        fn start(address: SocketAddr) -> HedgeRun {
+            let settings = ProbePolicy {
+                interval: Duration::from_millis(50),
+                timeout: Duration::from_secs(3),
+                ..Default::default()
+            };
+            assert_eq!(settings.unhealthy_threshold, 2);
+            let (tx, rx) = mpsc::channel(64);
+            let permits = ProbePermits::new(8);
+            permits
+                .route_reads
+                .set_owners(&BTreeMap::from([(address, "c".to_string())]));
+            let client = probe_client(settings.timeout);
+            let task = routes_once_task(address, &settings, &client, &permits, &tx);
+            HedgeRun {
+                reports: rx,
+                probe: ProxyProbe::new(SystemTime::now()),
+                settings,
+                task: tokio::spawn(task.run()),
+            }
+        }
+
+        /// The next report (within a generous minute), applied to the probe state.
+        async fn next(&mut self) -> Outcome {
+            let report = tokio::time::timeout(Duration::from_secs(60), self.reports.recv())
+                .await
+                .expect("a report within a minute")
+                .unwrap();
+            self.probe
+                .observe(&report.outcome, &self.settings, SystemTime::now());
+            report.outcome
+        }
+    }
+
+    /// Issue 17: a hung proxy that was healthy is confirmed by a second probe started
+    /// before the first timed out (hedged), so two failures in a row, and unhealthy, come
+    /// one hedge delay after the first failure instead of a re-probe and a second
+    /// timeout later. The first failure is reported while the second probe is still in
+    /// flight.
+    #[tokio::test]
+    async fn a_hung_proxy_is_confirmed_by_a_hedged_probe_started_before_the_first_timed_out() {
+        let fake = Hanging::default();
+        let address = fake.start().await;
+        let mut run = HedgeRun::start(address);
+        while run.probe.state != ProbeState::Healthy || run.probe.consecutive_successes < 2 {
+            assert_eq!(run.next().await, Outcome::Healthy);
+        }
+        fake.hang_all
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        // Answers already on their way may still come; then the first failure.
+        let first = loop {
+            match run.next().await {
+                Outcome::Healthy => continue,
+                other => break other,
+            }
+        };
+        assert!(
+            matches!(&first, Outcome::Failed(why) if why.contains("no answer within")),
+            "{first:?}"
+        );
+        assert_eq!(
+            fake.unanswered(),
+            2,
+            "when the first probe timed out, a second one was already waiting (hedged)"
+        );
+        assert_eq!(
+            run.probe.state,
+            ProbeState::Healthy,
+            "one failure is not enough"
+        );
+        let second = run.next().await;
+        assert!(matches!(second, Outcome::Failed(_)), "{second:?}");
+        assert_eq!(run.probe.state, ProbeState::Unhealthy);
+        assert_eq!(run.probe.consecutive_failures, 2);
+        run.task.abort();
+    }
+
+    /// Issue 17: one probe left unanswered, with the proxy answering the others at once,
+    /// never flips health: the hedged probe's answer settles the round (the unanswered
+    /// probe is dropped, no failure is even reported), and health stays healthy.
+    #[tokio::test]
+    async fn a_single_slow_answer_among_fast_ones_never_flips_health() {
+        let fake = Hanging::default();
+        let address = fake.start().await;
+        let mut run = HedgeRun::start(address);
+        while run.probe.state != ProbeState::Healthy || run.probe.consecutive_successes < 2 {
+            assert_eq!(run.next().await, Outcome::Healthy);
+        }
+        fake.hang_next.store(1, std::sync::atomic::Ordering::SeqCst);
+        let mut seen = 0;
+        while fake.unanswered() == 0 || seen < 10 {
+            let outcome = run.next().await;
+            assert_eq!(outcome, Outcome::Healthy, "the hedge answered for it");
+            assert_eq!(run.probe.state, ProbeState::Healthy);
+            seen += 1;
+        }
+        assert_eq!(fake.unanswered(), 1);
+        assert_eq!(run.probe.consecutive_failures, 0);
+        run.task.abort();
+    }
+
+    /// With `unhealthy_threshold: 1` one failure decides alone: no hedge is sent.
+    #[tokio::test]
+    async fn no_hedge_when_one_failure_decides() {
+        let fake = Hanging::default();
+        let address = fake.start().await;
+        let mut run = HedgeRun::start(address);
+        run.task.abort();
+        let (tx, rx) = mpsc::channel(64);
+        run.reports = rx;
+        run.settings.unhealthy_threshold = 1;
+        run.settings.timeout = Duration::from_millis(500);
+        // Long enough that no next probe starts before the failure is looked at.
+        run.settings.interval = Duration::from_secs(2);
+        let permits = ProbePermits::new(8);
+        let client = probe_client(run.settings.timeout);
+        let task = routes_once_task(address, &run.settings, &client, &permits, &tx);
+        run.task = tokio::spawn(task.run());
+        assert_eq!(run.next().await, Outcome::Healthy);
+        fake.hang_all
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let failed = loop {
+            match run.next().await {
+                Outcome::Healthy => continue,
+                other => break other,
+            }
+        };
+        assert!(matches!(failed, Outcome::Failed(_)), "{failed:?}");
+        assert_eq!(run.probe.state, ProbeState::Unhealthy);
+        assert_eq!(fake.unanswered(), 1, "no second probe");
+        run.task.abort();
     }
 
     #[test]

@@ -9,12 +9,17 @@ crate::declare_policy! {
     /// How every Ray Serve proxy is probed.
     pub struct ProbePolicy, service ProbeOverrides, global GlobalProbe {
         service {
-            /// How often each proxy is probed, with ±20% jitter. A proxy that fails once
-            /// after being healthy is probed again after a fifth of it.
-            interval: Duration = Duration::from_millis(500),
+            /// How often each proxy is probed, with ±20% jitter. A healthy proxy whose
+            /// probe has not answered within a third of the timeout is probed a second
+            /// time at once, alongside the first ([`ProbePolicy::hedge_after`]); one that
+            /// fails without that (a fast error) is probed again after a fifth of the
+            /// interval, until it reaches the unhealthy threshold.
+            interval: Duration = Duration::from_millis(400),
                 range(Duration::from_millis(50), Duration::from_secs(3600)), flag "probe-interval";
-            /// How long one probe may take.
-            timeout: Duration = Duration::from_millis(250),
+            /// How long one probe may take. A proxy is marked unhealthy only when
+            /// `unhealthy_threshold` probes in a row failed, so a live proxy answering
+            /// slower than this in one probe, but not in the next, stays healthy.
+            timeout: Duration = Duration::from_millis(300),
                 range(Duration::from_millis(10), Duration::from_secs(60)), flag "probe-timeout";
             /// Consecutive failed probes that make a proxy unhealthy (a refused connection counts at once).
             unhealthy_threshold: u32 = 2, range(1, 100), flag "probe-unhealthy-threshold";
@@ -22,7 +27,7 @@ crate::declare_policy! {
             healthy_threshold: u32 = 2, range(1, 100), flag "probe-healthy-threshold";
         }
         global {
-            /// Probes in flight at once, across all proxies; an eighth is kept for a proxy's first probe and the quick re-probe after a healthy proxy's first failure, so neither waits behind a round of routine probes.
+            /// Probes in flight at once, across all proxies; an eighth is kept for a proxy's first probe and the probes that confirm a healthy proxy's failure (the hedged probe and the quick re-probe), so neither waits behind a round of routine probes.
             max_concurrent: usize = 256, range(1, 65_536), flag "probe-max-concurrent";
             /// How often a healthy proxy's `/-/routes` is read again.
             routes_interval: Duration = Duration::from_secs(10),
@@ -40,6 +45,20 @@ impl ProbePolicy {
     pub fn first_probe_wait(&self) -> Duration {
         self.timeout * 2 + Duration::from_millis(200)
     }
+
+    /// How long a healthy proxy's probe may go unanswered before a second probe is sent
+    /// alongside it (a third of the timeout: 100 ms by default). The two run together
+    /// and each outcome is reported as soon as known; two failures in a row (the
+    /// default `unhealthy_threshold`) make the proxy unhealthy. So a hung proxy is found
+    /// `hedge_after + timeout` after its probe starts (400 ms by default, instead of two
+    /// timeouts and a wait between them), and a slow one is marked down only if both
+    /// probes go over the timeout: a proxy answering in 200 ms is healthy, and pays a
+    /// second probe every round (HTTP/1.1: on a connection of its own, dropped when the
+    /// first answers). The hedge is sent only when one failure alone would not reach
+    /// `unhealthy_threshold` (with 1 there is nothing to confirm).
+    pub fn hedge_after(&self) -> Duration {
+        self.timeout / 3
+    }
 }
 
 #[cfg(test)]
@@ -55,7 +74,7 @@ mod tests {
         o.validate().unwrap();
         let p = ProbePolicy::default().with(&o);
         assert_eq!(p.interval, Duration::from_secs(2));
-        assert_eq!(p.timeout, Duration::from_millis(250));
+        assert_eq!(p.timeout, Duration::from_millis(300));
         for bad in [
             ProbeOverrides {
                 interval: Some(Duration::ZERO),
