@@ -8,6 +8,9 @@
 //!   Envoy cannot take (it NACKs it, or never warms it) holds back no other;
 //! - a cluster (and its endpoints) that left the snapshot stays with an Envoy while any
 //!   route it holds or is being sent still names it, and goes once that route is replaced.
+//!
+//! Also shared by both: [`SharedNames`], the subscribed names of every stream whose Envoy
+//! subscribes to the same ones, kept once (an idle stream holds a pointer, not a copy).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
