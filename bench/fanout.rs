@@ -45,7 +45,7 @@ use tonic::transport::Channel;
 
 #[path = "support/mod.rs"]
 mod support;
-use support::{cpu_seconds, free_port, ms, percentile, rss_kib, write_atomic};
+use support::{cpu_seconds, free_port, ms, percentile, rss_kib};
 
 #[derive(Parser, Debug, Clone)]
 struct Args {
@@ -80,13 +80,14 @@ struct Args {
     /// ray-xds's probe interval (the proxies of this model do not exist).
     #[arg(long, default_value = "1h")]
     probe_interval: String,
-    /// Every client (of both servers) sends the same node id, as a fleet of Envoys
-    /// configured alike may. rust-control-plane keys its cache by node id and keeps a copy
-    /// of the snapshot per id (about 7 MB for this model), so with one id per stream the
-    /// peer cannot hold 5,000 streams in 24 GiB; ray-xds serves by subscription, not by
-    /// node id.
+    /// Every client sends a node id of its own (as Envoys usually do) instead of one id
+    /// shared by all (as a fleet of Envoys configured alike may, and the default here).
+    /// rust-control-plane keys its cache by node id, with no way to group ids
+    /// (go-control-plane's `NodeHash`), and keeps a deep copy of the snapshot per id
+    /// (about 7 MB for this model): with an id per stream the peer cannot hold 5,000
+    /// streams in 24 GiB. ray-xds serves by subscription, not by node id.
     #[arg(long)]
-    shared_node_id: bool,
+    node_id_per_stream: bool,
     /// How long every stream may take to sync, and every client to get one change.
     #[arg(long, default_value_t = 300)]
     deadline_secs: u64,
@@ -167,7 +168,9 @@ impl Drop for Server {
 }
 
 /// What a client reports: (change number, resources in that EDS response) when it sees a change.
-type Report = (usize, usize, Instant);
+/// What a client reports when it sees a change: (client, change number, resources in
+/// that EDS response, when).
+type Report = (usize, usize, usize, Instant);
 
 fn target_port(resources: impl Iterator<Item = (String, Vec<u8>)>) -> Option<u32> {
     use envoy_types::pb::envoy::config::core::v3::{address, socket_address};
@@ -286,7 +289,7 @@ const TYPES: [&str; 4] = [
     ROUTE_TYPE_URL,
 ];
 
-/// Set once by `main` from `--shared-node-id`.
+/// Set once by `main`: not `--node-id-per-stream`.
 static SHARED_NODE_ID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn node_id(protocol: &str, id: usize) -> String {
@@ -350,7 +353,7 @@ async fn sotw_client(
                     .into_iter()
                     .map(|a| (cla_name(&a.value), a.value)),
             ) {
-                let _ = reports.send(((port - 20000) as usize, n, Instant::now()));
+                let _ = reports.send((id, (port - 20000) as usize, n, Instant::now()));
             }
         }
         let ack = DiscoveryRequest {
@@ -425,7 +428,7 @@ async fn delta_client(
                 .into_iter()
                 .filter_map(|res| Some((res.name, res.resource?.value)));
             if let Some(port) = target_port(resources) {
-                let _ = reports.send(((port - 20000) as usize, n, Instant::now()));
+                let _ = reports.send((id, (port - 20000) as usize, n, Instant::now()));
             }
         }
         let ack = DeltaDiscoveryRequest {
@@ -490,16 +493,19 @@ impl Arm<'_> {
         }
     }
 
-    /// The file the server reads, written for change `k`.
-    fn write(&self, args: &Args, path: &Path, k: usize) {
+    /// What the server's file holds for change `k`.
+    fn content(&self, args: &Args, k: usize) -> Vec<u8> {
         match self {
-            Arm::RayXds { .. } => write_atomic(path, &services_yaml(args, k)),
-            Arm::Peer { files, .. } => {
-                let tmp = path.with_extension("tmp~");
-                std::fs::write(&tmp, &files[k]).unwrap();
-                std::fs::rename(&tmp, path).unwrap();
-            }
+            Arm::RayXds { .. } => services_yaml(args, k).into_bytes(),
+            Arm::Peer { files, .. } => files[k].clone(),
         }
+    }
+
+    /// Replaces the server's file by a rename, as both servers' watches expect.
+    fn write(path: &Path, content: &[u8]) {
+        let tmp = path.with_extension("tmp~");
+        std::fs::write(&tmp, content).unwrap();
+        std::fs::rename(&tmp, path).unwrap();
     }
 
     fn start(&self, args: &Args, path: &Path, port: u16, streams: usize) -> Server {
@@ -527,7 +533,7 @@ impl Arm<'_> {
                     .arg(path)
                     .args([
                         "--expect-nodes",
-                        &if args.shared_node_id { 1 } else { streams }.to_string(),
+                        &if args.node_id_per_stream { streams } else { 1 }.to_string(),
                     ]);
                 c
             }
@@ -565,29 +571,25 @@ async fn run(
         Arm::RayXds { .. } => "services.yaml",
         Arm::Peer { .. } => "resources.pb",
     });
-    arm.write(args, &path, 0);
+    Arm::write(&path, &arm.content(args, 0));
     let port = free_port();
-    let server = arm.start(args, &path, port, streams);
+    let mut server = arm.start(args, &path, port, streams);
     let pid = server.0.id();
     let endpoint = format!("http://127.0.0.1:{port}");
     let deadline = Duration::from_secs(args.deadline_secs);
     let started = Instant::now();
-    let channel = loop {
-        if let Ok(c) = Channel::from_shared(endpoint.clone())
-            .unwrap()
-            .connect()
-            .await
-        {
-            break c;
+    // Ready once a stream gets its first answer (ray-xds listens before its first build):
+    // idle memory and the sync clock start from a server that serves.
+    loop {
+        if let Some(status) = server.0.try_wait().unwrap() {
+            panic!("{} exited before serving: {status}", arm.name());
         }
-        assert!(
-            started.elapsed() < deadline,
-            "{} never listened",
-            arm.name()
-        );
+        if first_answer(&endpoint).await {
+            break;
+        }
+        assert!(started.elapsed() < deadline, "{} never served", arm.name());
         tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    drop(channel);
+    }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let rss_idle = rss_kib(pid);
 
@@ -624,8 +626,9 @@ async fn run(
     }
     drop(channel);
     drop(synced_tx);
+    let sync_deadline = tokio::time::Instant::now() + deadline;
     for _ in 0..streams {
-        tokio::time::timeout(deadline, synced_rx.recv())
+        tokio::time::timeout_at(sync_deadline, synced_rx.recv())
             .await
             .unwrap_or_else(|_| {
                 panic!("every stream syncs with {} within the deadline", arm.name())
@@ -646,23 +649,29 @@ async fn run(
     let mut resources_per_push: BTreeMap<usize, usize> = BTreeMap::new();
     let mut cpu_per_change = Vec::new();
     for change in 1..=args.changes {
+        let content = arm.content(args, change);
         let cpu_before = cpu_seconds(pid);
         let t0 = Instant::now();
-        arm.write(args, &path, change);
-        let mut got = 0;
-        while got < streams {
-            let (c, n, at) = tokio::time::timeout(deadline, report_rx.recv())
-                .await
-                .unwrap_or_else(|_| {
-                    panic!("every client gets change {change} from {} within the deadline ({got} of {streams} did)", arm.name())
-                })
-                .unwrap();
-            if c != change {
+        Arm::write(&path, &content);
+        let change_deadline = tokio::time::Instant::now() + deadline;
+        // Each client counts once, at its first push carrying the change.
+        let mut got = vec![false; streams];
+        let mut left = streams;
+        while left > 0 {
+            let report = tokio::time::timeout_at(change_deadline, report_rx.recv()).await;
+            let Ok(Some((client, c, n, at))) = report else {
+                panic!(
+                    "every client gets change {change} from {} within the deadline ({} of {streams} did)",
+                    arm.name(),
+                    streams - left
+                );
+            };
+            if c != change || std::mem::replace(&mut got[client], true) {
                 continue;
             }
             latencies.push(at - t0);
             *resources_per_push.entry(n).or_default() += 1;
-            got += 1;
+            left -= 1;
         }
         // Let the ACKs land before measuring CPU.
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -710,6 +719,38 @@ fn describe(server: &str, protocol: Protocol, r: &RunResult) {
     );
 }
 
+/// Whether a SotW stream to `endpoint` gets an answer to a request for clusters.
+async fn first_answer(endpoint: &str) -> bool {
+    use tokio_stream::StreamExt;
+    let attempt = async {
+        let channel = Channel::from_shared(endpoint.to_string())
+            .ok()?
+            .connect()
+            .await
+            .ok()?;
+        let mut client = AggregatedDiscoveryServiceClient::new(channel);
+        let request = DiscoveryRequest {
+            node: Some(Node {
+                id: node_id("sotw", 0),
+                ..Default::default()
+            }),
+            type_url: CLUSTER_TYPE_URL.into(),
+            ..Default::default()
+        };
+        let requests = tokio_stream::iter([request]).chain(tokio_stream::pending());
+        let mut inbound = client
+            .stream_aggregated_resources(requests)
+            .await
+            .ok()?
+            .into_inner();
+        inbound.message().await.ok()?
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(5), attempt).await,
+        Ok(Some(_))
+    )
+}
+
 /// Builds the peer from bench/peer/ (its own workspace and target folder).
 fn build_peer() -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/peer");
@@ -730,7 +771,11 @@ fn build_peer() -> PathBuf {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    SHARED_NODE_ID.store(args.shared_node_id, std::sync::atomic::Ordering::Relaxed);
+    assert!(args.changes > 0, "--changes must be at least 1");
+    SHARED_NODE_ID.store(
+        !args.node_id_per_stream,
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let servers = if args.server.is_empty() {
         vec![ServerKind::RayXds, ServerKind::Peer]
     } else {
@@ -759,10 +804,10 @@ async fn main() {
         args.services * args.clusters * args.proxies,
         args.changes,
         args.streams_per_connection,
-        if args.shared_node_id {
-            "one node id for all streams"
-        } else {
+        if args.node_id_per_stream {
             "a node id per stream"
+        } else {
+            "one node id for all streams"
         },
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );

@@ -298,16 +298,26 @@ pub struct FileSource {
 /// `cat > services.yaml` truncates, then writes, and must not be caught in between.
 pub const SETTLE: Duration = Duration::from_millis(100);
 
+/// How often a settling read looks for a rename onto the file.
+const RENAME_CHECK: Duration = Duration::from_millis(5);
+
 /// How long a file that keeps changing is waited for before it is read anyway.
 const SETTLE_AT_MOST: Duration = Duration::from_secs(5);
 
 /// Reads `path` once its content has stopped changing: two reads `SETTLE` apart that
-/// agree (at most `SETTLE_AT_MOST`).
-async fn read_settled(path: &Path) -> std::io::Result<Vec<u8>> {
+/// agree (at most `SETTLE_AT_MOST`), or at once if a rename onto it is seen meanwhile
+/// (`whole`: the rename that wrote what was just read often arrives just after it).
+async fn read_settled(path: &Path, whole: &AtomicBool) -> std::io::Result<Vec<u8>> {
     let started = std::time::Instant::now();
     let mut bytes = read_bounded(path).await?;
     loop {
-        tokio::time::sleep(SETTLE).await;
+        let until = tokio::time::Instant::now() + SETTLE;
+        while tokio::time::Instant::now() < until {
+            tokio::time::sleep(RENAME_CHECK.min(until - tokio::time::Instant::now())).await;
+            if whole.swap(false, Ordering::SeqCst) {
+                return read_bounded(path).await;
+            }
+        }
         let again = read_bounded(path).await?;
         if again == bytes || started.elapsed() > SETTLE_AT_MOST {
             return Ok(again);
@@ -335,13 +345,15 @@ impl FileSource {
                 _ = poll.tick() => {}
                 Some(()) = changed.recv() => {}
             }
-            // Taken before the read: a rename or close seen by then happened before it.
+            // Taken before the read: a rename seen by then happened before it. (A write in
+            // place between that rename and this read would be taken half done; the
+            // writers this serves, renames and ConfigMap swaps, do not do that.)
             let whole_now = whole.swap(false, Ordering::SeqCst);
             let bytes = match read_bounded(&self.path).await {
                 // Renamed into place: whole.
                 Ok(b) if b != last_bytes && whole_now => b,
                 // A change: wait until the writer is done before taking it.
-                Ok(b) if b != last_bytes => match read_settled(&self.path).await {
+                Ok(b) if b != last_bytes => match read_settled(&self.path, &whole).await {
                     Ok(b) => b,
                     Err(err) => {
                         self.refused(format!("cannot read {}: {err}", self.path.display()));
@@ -405,8 +417,8 @@ impl FileSource {
     }
 
     /// Wakes `tx` on any change in the file's folder, and sets `whole` first when the
-    /// change is a rename onto the file or onto a `..` name (a ConfigMap's `..data`
-    /// swap): a rename replaces a whole file at once.
+    /// change is a rename onto the file or onto `..data` (a ConfigMap's swap): a rename
+    /// replaces a whole file at once.
     fn watch_folder(
         &self,
         tx: mpsc::Sender<()>,
@@ -451,21 +463,25 @@ enum FolderEvent {
     Ignored,
     /// Something changed (the file may be half written).
     Changed,
-    /// A file was renamed onto the services file, or onto a `..` name (a ConfigMap's
-    /// `..data` swap): what the path names now was whole before the event.
+    /// A file was renamed onto the services file, or onto `..data` (a ConfigMap's swap):
+    /// what the path names now was whole before the event.
     Renamed,
 }
 
 fn folder_event(event: &notify::Event, file_name: Option<&std::ffi::OsStr>) -> FolderEvent {
-    use notify::event::{EventKind, ModifyKind};
-    let mut names = event.paths.iter().filter_map(|p| p.file_name());
-    match event.kind {
-        EventKind::Access(_) => FolderEvent::Ignored,
-        EventKind::Modify(ModifyKind::Name(_))
-            if names.any(|n| Some(n) == file_name || n.as_encoded_bytes().starts_with(b"..")) =>
-        {
-            FolderEvent::Renamed
+    use notify::event::{EventKind, ModifyKind, RenameMode};
+    // Only where a rename lands counts: a rename away from the file (vim's and Emacs's
+    // backup on save) is followed by a new file written in place.
+    let destination = match event.kind {
+        EventKind::Access(_) => return FolderEvent::Ignored,
+        EventKind::Modify(ModifyKind::Name(RenameMode::To)) => event.paths.first(),
+        EventKind::Modify(ModifyKind::Name(RenameMode::Both)) if event.paths.len() == 2 => {
+            event.paths.last()
         }
+        _ => return FolderEvent::Changed,
+    };
+    match destination.and_then(|p| p.file_name()) {
+        Some(n) if Some(n) == file_name || n == "..data" => FolderEvent::Renamed,
         _ => FolderEvent::Changed,
     }
 }
@@ -508,6 +524,27 @@ mod tests {
             (
                 rename(RenameMode::To),
                 &["/d/other.yaml"],
+                FolderEvent::Changed,
+            ),
+            // A rename away from the file: vim's and Emacs's backup before writing anew.
+            (
+                rename(RenameMode::From),
+                &["/d/services.yaml"],
+                FolderEvent::Changed,
+            ),
+            (
+                rename(RenameMode::Both),
+                &["/d/services.yaml", "/d/services.yaml~"],
+                FolderEvent::Changed,
+            ),
+            (
+                rename(RenameMode::Any),
+                &["/d/services.yaml"],
+                FolderEvent::Changed,
+            ),
+            (
+                rename(RenameMode::To),
+                &["/etc/ray-xds/..data_tmp"],
                 FolderEvent::Changed,
             ),
             (

@@ -5,14 +5,14 @@
 //!
 //! FILE holds length-delimited `DeltaDiscoveryResponse`s, one per type: `type_url`,
 //! `system_version_info` (the type's version) and every resource with its name. The
-//! benchmark writes what ray-xds served, so both servers serve the same bytes. The file
+//! benchmark writes what ray-xds served, so both servers serve the same resources. The file
 //! is watched with inotify (the folder, as ray-xds watches its services file) and read
 //! again on every change in the folder that is not an access; a changed file becomes a
 //! new `Snapshot`, set for every node the cache knows. That is how rust-control-plane is
 //! used: its cache is keyed by node id (not pluggable), so a fleet of N Envoys holds N
 //! snapshots, and `set_snapshot` clones the snapshot it is given. It has no callback for
 //! a new node (go-control-plane's `OnStreamRequest`), so a task looks for new nodes in
-//! `node_status()` every 50 ms and gives each the current snapshot, until
+//! `node_status()` every 5 ms and gives each the current snapshot, until
 //! `--expect-nodes` are known (then it stops, so it costs nothing while changes are
 //! timed).
 //!
@@ -111,7 +111,7 @@ async fn publish(cache: &Cache, snapshot: &Snapshot) {
 async fn greet_new_nodes(cache: Arc<Cache>, current: Arc<Mutex<Snapshot>>, expect: usize) {
     let mut greeted = BTreeSet::new();
     while greeted.len() < expect {
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         // Hold `current` while setting, so a change cannot be overtaken by an old snapshot.
         let snapshot = current.lock().await;
         for node in cache.node_status().await.into_keys() {
