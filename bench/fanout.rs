@@ -590,7 +590,8 @@ async fn run(
         assert!(started.elapsed() < deadline, "{} never served", arm.name());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // As after the sync below: time to tidy up, so both readings are of a settled heap.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     let rss_idle = rss_kib(pid);
 
     let eds_names: Arc<Vec<String>> = Arc::new(
@@ -636,8 +637,9 @@ async fn run(
             .expect("a client task ended before it synced");
     }
     let sync = connect_started.elapsed();
-    // Drain the initial sync's reports (change 0).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Idle: drain the initial sync's reports (change 0) and give a server that tidies up
+    // after a burst (ray-xds gives freed heap back every second) the time to.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     while report_rx.try_recv().is_ok() {}
     let rss_connected = rss_kib(pid);
     let mut files = Vec::new();

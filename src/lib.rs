@@ -17,6 +17,7 @@
 //!   clusters, withheld proxies), and the task that runs it;
 //! - [`metrics`] and [`admin`]: Prometheus, health, readiness and debug views;
 //! - [`supervisor`]: restarts a component that fails, counts it, shows it down;
+//! - [`memory`]: gives the heap a burst of syncs freed back to the operating system;
 //! - [`runtime`]: wiring, one shutdown token for everything.
 
 pub mod admin;
@@ -24,6 +25,7 @@ pub mod admin_listener;
 pub mod budget;
 pub mod config;
 pub mod live;
+pub mod memory;
 pub mod metrics;
 pub mod model;
 pub mod peer_counts;

@@ -433,6 +433,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             Ok(())
         });
     }
+    let memory_shutdown = shutdown.clone();
+    tasks.spawn(async move {
+        crate::memory::give_back(memory_shutdown).await;
+        Ok(())
+    });
     tasks.spawn(async move {
         tokio::select! {
             _ = token.cancelled() => return Ok(()),

@@ -819,7 +819,8 @@ mod tests {
 
     #[test]
     fn a_large_initial_sync_is_split_and_ends_whole() {
-        let services: Vec<_> = (0..60)
+        // About 600 KB of endpoints: several times the response budget.
+        let services: Vec<_> = (0..300)
             .map(|i| {
                 let mut s = service(&format!("s{i}"), "c", &(8000..8020).collect::<Vec<u16>>());
                 s.hosts = vec![format!("s{i}.example")];
@@ -847,7 +848,7 @@ mod tests {
             responses += 1;
             s.on_request(ack(&r)).unwrap();
         }
-        assert_eq!(received, 60);
+        assert_eq!(received, 300);
         assert!(responses > 1);
         assert!(s.types[1].known.is_whole(&snap, ResourceType::Endpoints));
     }

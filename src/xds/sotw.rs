@@ -1274,7 +1274,7 @@ mod tests {
 
     #[test]
     fn a_large_endpoint_set_is_split_and_ends_whole() {
-        let snap = snapshot_of(many_services(60, 20));
+        let snap = snapshot_of(many_services(300, 20));
         let names: Vec<String> = snap
             .resources(ResourceType::Endpoints)
             .keys()
@@ -1301,7 +1301,7 @@ mod tests {
             responses += 1;
             s.on_request(ack(&r, &refs)).unwrap();
         }
-        assert_eq!(received, 60, "every assignment once");
+        assert_eq!(received, 300, "every assignment once");
         assert!(responses > 1, "split into several responses");
         // The last ACK leaves the stream holding the snapshot's whole set, at its version.
         assert!(s.types[1].acked.is_whole(&snap, ResourceType::Endpoints));
