@@ -565,7 +565,7 @@ async fn run(
     protocol: Protocol,
     streams: usize,
     record: bool,
-) -> (RunResult, Vec<Vec<u8>>) {
+) -> Result<(RunResult, Vec<Vec<u8>>), String> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(match arm {
         Arm::RayXds { .. } => "services.yaml",
@@ -604,7 +604,7 @@ async fn run(
     let (synced_tx, mut synced_rx) = mpsc::unbounded_channel::<()>();
     let connect_started = Instant::now();
     let mut channel = None;
-    let mut tasks = Vec::new();
+    let mut tasks = Aborting(Vec::new());
     for i in 0..streams {
         if i % args.streams_per_connection == 0 {
             channel = Some(
@@ -617,7 +617,7 @@ async fn run(
         }
         let ch = channel.clone().unwrap();
         let (r, s, names) = (report_tx.clone(), synced_tx.clone(), eds_names.clone());
-        tasks.push(match protocol {
+        tasks.0.push(match protocol {
             Protocol::Sotw => {
                 let rec = if i == 0 { recording.clone() } else { None };
                 tokio::spawn(sotw_client(ch, i, names, r, s, rec))
@@ -628,13 +628,16 @@ async fn run(
     drop(channel);
     drop(synced_tx);
     let sync_deadline = tokio::time::Instant::now() + deadline;
-    for _ in 0..streams {
-        tokio::time::timeout_at(sync_deadline, synced_rx.recv())
-            .await
-            .unwrap_or_else(|_| {
-                panic!("every stream syncs with {} within the deadline", arm.name())
-            })
-            .expect("a client task ended before it synced");
+    for synced in 0..streams {
+        match tokio::time::timeout_at(sync_deadline, synced_rx.recv()).await {
+            Ok(Some(())) => {}
+            Ok(None) => return Err("a client's stream ended before it synced".into()),
+            Err(_) => {
+                return Err(format!(
+                    "{synced} of {streams} streams synced within {deadline:?}"
+                ))
+            }
+        }
     }
     let sync = connect_started.elapsed();
     // Idle: drain the initial sync's reports (change 0) and give a server that tidies up
@@ -662,11 +665,15 @@ async fn run(
         while left > 0 {
             let report = tokio::time::timeout_at(change_deadline, report_rx.recv()).await;
             let Ok(Some((client, c, n, at))) = report else {
-                panic!(
-                    "every client gets change {change} from {} within the deadline ({} of {streams} did)",
-                    arm.name(),
-                    streams - left
-                );
+                latencies.sort();
+                return Err(format!(
+                    "{} of {streams} clients got change {change} within {deadline:?}; the {} changes before reached every client: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+                    streams - left,
+                    change - 1,
+                    ms(percentile(&latencies, 0.5)),
+                    ms(percentile(&latencies, 0.99)),
+                    ms(latencies.last().copied().unwrap_or_default()),
+                ));
             };
             if c != change || std::mem::replace(&mut got[client], true) {
                 continue;
@@ -687,9 +694,7 @@ async fn run(
     }
     latencies.sort();
     drop(server);
-    for t in tasks {
-        t.abort();
-    }
+    drop(tasks);
     let result = RunResult {
         streams,
         sync,
@@ -699,7 +704,18 @@ async fn run(
         rss_connected,
         resources_per_push,
     };
-    (result, files)
+    Ok((result, files))
+}
+
+/// Client tasks, stopped when dropped (a run that fails ends its clients too).
+struct Aborting(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for Aborting {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
 }
 
 fn describe(server: &str, protocol: Protocol, r: &RunResult) {
@@ -816,13 +832,16 @@ async fn main() {
     let mut lines = Vec::new();
     for &streams in &args.streams {
         let mut results: BTreeMap<(&str, &str), RunResult> = BTreeMap::new();
+        let mut failed: BTreeMap<&str, String> = BTreeMap::new();
         // ray-xds's SotW run records what it served, for the peer.
         let mut files = Vec::new();
         if servers.contains(&ServerKind::RayXds) || peer_binary.is_some() {
             let wanted =
                 servers.contains(&ServerKind::RayXds) && protocols.contains(&Protocol::Sotw);
             let n = if wanted { streams } else { 1 };
-            let (r, f) = run(&args, &ray_xds, Protocol::Sotw, n, peer_binary.is_some()).await;
+            let (r, f) = run(&args, &ray_xds, Protocol::Sotw, n, peer_binary.is_some())
+                .await
+                .unwrap_or_else(|e| panic!("ray-xds sotw, {n} streams: {e}"));
             files = f;
             if wanted {
                 describe("ray-xds", Protocol::Sotw, &r);
@@ -830,7 +849,9 @@ async fn main() {
             }
         }
         if servers.contains(&ServerKind::RayXds) && protocols.contains(&Protocol::Delta) {
-            let (r, _) = run(&args, &ray_xds, Protocol::Delta, streams, false).await;
+            let (r, _) = run(&args, &ray_xds, Protocol::Delta, streams, false)
+                .await
+                .unwrap_or_else(|e| panic!("ray-xds delta, {streams} streams: {e}"));
             describe("ray-xds", Protocol::Delta, &r);
             results.insert(("ray-xds", "delta"), r);
         }
@@ -840,9 +861,17 @@ async fn main() {
                     binary: binary.clone(),
                     files: &files,
                 };
-                let (r, _) = run(&args, &peer, Protocol::Sotw, streams, false).await;
-                describe("peer", Protocol::Sotw, &r);
-                results.insert(("peer", "sotw"), r);
+                // The peer failing is a result, not the benchmark's failure.
+                match run(&args, &peer, Protocol::Sotw, streams, false).await {
+                    Ok((r, _)) => {
+                        describe("peer", Protocol::Sotw, &r);
+                        results.insert(("peer", "sotw"), r);
+                    }
+                    Err(e) => {
+                        println!("peer sotw: {streams} streams: failed: {e}");
+                        failed.insert("sotw", e);
+                    }
+                }
             }
         }
         if let (Some(ours), Some(theirs)) = (
@@ -869,6 +898,10 @@ async fn main() {
                         ms(percentile(&r.latencies, 0.5)),
                         ms(percentile(&r.latencies, 0.99)),
                         r.rss_per_stream()
+                    ));
+                } else if let Some(why) = failed.get(protocol).filter(|_| server == "peer") {
+                    lines.push(format!(
+                        "fanout server=peer protocol={protocol} streams={streams} p50_ms=- p99_ms=- rss_kib_per_stream=- (failed: {why})"
                     ));
                 } else if server == "peer"
                     && protocol == "delta"

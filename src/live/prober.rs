@@ -11,17 +11,23 @@
 //!
 //! Confirming a failure quickly (issue 17): while the proxy is healthy as far as its task
 //! knows, a probe that has not answered after [`ProbePolicy::hedge_after`] (a third of the
-//! timeout) is joined by a second, hedged probe (an urgent permit; over HTTP/1.1 a
-//! connection of its own, as the first still holds the pooled one; over gRPC a second
-//! call on the proxy's channel). Each outcome is reported as soon as it is known, failures
+//! timeout) is joined by a second, hedged probe over a connection of its own (the first
+//! still holds the pooled one). Hedged probes have a small pool of permits of their own
+//! (a sixteenth of `max_concurrent`), taken only if one is free at once: slow proxies of
+//! one RayService never take the permits of another's probes, and when the pool is used
+//! up a round goes without a hedge, as below. gRPC proxies are not hedged: both calls
+//! would share the proxy's one HTTP/2 connection, and a reset of it would count as two
+//! failures. Each outcome is reported as soon as it is known, failures
 //! in the order they come, so a hung proxy's two failures (the default
 //! `unhealthy_threshold`) arrive `hedge_after + timeout` after the first probe started.
 //! The first answer that is not a failure ends the round and drops the other probe: a
 //! slow but live proxy is marked down only if both probes go over the timeout, and pays a
 //! hedged probe (and a new connection) every round it answers later than the hedge delay.
 //! No hedge is sent when one failure alone reaches the threshold. A failure that comes
-//! before the hedge delay (a fast error) is confirmed instead by a quick re-probe, after a
-//! fifth of the interval, repeated until the threshold is reached.
+//! before the hedge delay (a fast error), or with no hedge, is confirmed instead by a
+//! quick re-probe, after a fifth of the interval, repeated until the threshold is reached.
+//! The price: a proxy (or the path to it) that stalls for about `hedge_after + timeout`
+//! (400 ms with the defaults) fails both probes of one round and is marked down.
 //!
 //! Each outcome goes to the manager, the single writer of the [`ProbeStates`] channel, which
 //! feeds each proxy's [`ProxyProbe`] and publishes only when a state (or a proxy's route
@@ -535,13 +541,15 @@ struct ProbeTask {
 
 /// Probes in flight, at most `max_concurrent` in all. An eighth of the permits is kept
 /// for urgent probes: a proxy's first (a new proxy is withheld from Envoy until it), and
-/// the hedged probe and quick re-probe that confirm a healthy proxy's failure (how fast a
-/// hung proxy is found). They take whichever permit frees first; routine probes only the rest, so with
+/// the quick re-probe that confirms a healthy proxy's failure (how fast a hung proxy is
+/// found). They take whichever permit frees first; routine probes only the rest, so with
 /// thousands of proxies an urgent probe never waits behind a full round of routine ones.
+/// A sixteenth is for hedged probes only, taken if free at once and never waited for.
 #[derive(Clone)]
 struct ProbePermits {
     routine: Arc<Semaphore>,
     urgent: Arc<Semaphore>,
+    hedges: Arc<Semaphore>,
     /// Turns to read `/-/routes` ([`ROUTE_READS_AT_ONCE`], shared between clusters).
     route_reads: Arc<RouteTurns>,
 }
@@ -549,10 +557,11 @@ struct ProbePermits {
 impl ProbePermits {
     fn new(max_concurrent: usize) -> ProbePermits {
         let total = max_concurrent.clamp(1, Semaphore::MAX_PERMITS);
-        let urgent = total / 8;
+        let (urgent, hedges) = (total / 8, total / 16);
         ProbePermits {
-            routine: Arc::new(Semaphore::new(total - urgent)),
+            routine: Arc::new(Semaphore::new(total - urgent - hedges)),
             urgent: Arc::new(Semaphore::new(urgent)),
+            hedges: Arc::new(Semaphore::new(hedges)),
             route_reads: RouteTurns::new(ROUTE_READS_AT_ONCE),
         }
     }
@@ -594,14 +603,19 @@ impl ProbeTask {
             // A trusted proxy's probe that has not answered within the hedge delay is
             // confirmed by a second one sent at once, unless a failure of the first alone
             // would reach the threshold (then there is nothing to confirm).
-            let hedge = (trusted && failures + 1 < self.settings.unhealthy_threshold)
-                .then(|| self.settings.hedge_after());
-            let mut round = Round::new(self.probe_once(&grpc, Some(permit)), hedge);
+            let hedge =
+                (trusted && grpc.is_none() && failures + 1 < self.settings.unhealthy_threshold)
+                    .then(|| self.settings.hedge_after());
+            let mut round = Round::new(self.probe_once(&grpc, permit), hedge);
             // Failures are reported as they come (the first never waits for the second);
             // the first answer that is not a failure ends the round, and a probe still in
             // flight then is dropped (it could only add a stale failure).
             let decided = loop {
-                match round.next(|| self.probe_once(&grpc, None)).await {
+                let hedged = || {
+                    let permit = self.permits.hedges.try_acquire().ok()?;
+                    Some(self.probe_once(&grpc, permit))
+                };
+                match round.next(hedged).await {
                     None => break None,
                     Some((Outcome::Failed(why), latency)) => {
                         failures += 1;
@@ -675,17 +689,14 @@ impl ProbeTask {
     }
 
     /// One probe (`GET /-/healthz` or gRPC `Healthz`) and how long it took, under
-    /// `permit` (or, for a hedged probe, an urgent permit taken first).
+    /// `permit`.
     fn probe_once<'a>(
         &'a self,
         grpc: &'a Option<tonic::transport::Channel>,
-        permit: Option<tokio::sync::SemaphorePermit<'a>>,
+        permit: tokio::sync::SemaphorePermit<'a>,
     ) -> ProbeFuture<'a> {
         Box::pin(async move {
-            let _permit = match permit {
-                Some(p) => Some(p),
-                None => self.permits.acquire(true).await,
-            };
+            let _permit = permit;
             let started = Instant::now();
             let outcome = match grpc {
                 None => probe_healthz(&self.client, self.address, self.settings.timeout).await,
@@ -718,10 +729,11 @@ impl<'a> Round<'a> {
     }
 
     /// The next probe to finish, in the order they finish; `None` once none is left.
-    /// `start` makes the hedged probe when its time comes.
+    /// `start` makes the hedged probe when its time comes (`None`: no permit free, no
+    /// hedge this round).
     async fn next(
         &mut self,
-        start: impl FnOnce() -> ProbeFuture<'a>,
+        start: impl FnOnce() -> Option<ProbeFuture<'a>>,
     ) -> Option<(Outcome, Duration)> {
         let mut start = Some(start);
         loop {
@@ -749,7 +761,7 @@ impl<'a> Round<'a> {
                 _ = async { hedge.as_mut().unwrap().await }, if hedge_left => {
                     *hedge = None;
                     if let Some(start) = start.take() {
-                        *second = Some(start());
+                        *second = start();
                     }
                 }
             }
@@ -1499,7 +1511,12 @@ mod tests {
     }
 
     impl HedgeRun {
+        /// With 16 permits in all: one for hedged probes.
         fn start(address: SocketAddr) -> HedgeRun {
+            HedgeRun::start_with(address, 16)
+        }
+
+        fn start_with(address: SocketAddr, max_concurrent: usize) -> HedgeRun {
             let settings = ProbePolicy {
                 interval: Duration::from_millis(50),
                 timeout: Duration::from_secs(3),
@@ -1507,7 +1524,7 @@ mod tests {
             };
             assert_eq!(settings.unhealthy_threshold, 2);
             let (tx, rx) = mpsc::channel(64);
-            let permits = ProbePermits::new(8);
+            let permits = ProbePermits::new(max_concurrent);
             permits
                 .route_reads
                 .set_owners(&BTreeMap::from([(address, "c".to_string())]));
@@ -1576,6 +1593,38 @@ mod tests {
         run.task.abort();
     }
 
+    /// Hedged probes have permits of their own (a sixteenth): with none (8 in all), a hung
+    /// proxy's probe is not joined by a hedge taken from other probes' permits; its
+    /// failure is confirmed by the quick re-probe instead, and it still goes unhealthy.
+    #[tokio::test]
+    async fn with_no_hedge_permit_a_failure_is_confirmed_by_a_re_probe() {
+        let fake = Hanging::default();
+        let address = fake.start().await;
+        let mut run = HedgeRun::start_with(address, 8);
+        while run.probe.state != ProbeState::Healthy || run.probe.consecutive_successes < 2 {
+            assert_eq!(run.next().await, Outcome::Healthy);
+        }
+        fake.hang_all
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let first = loop {
+            match run.next().await {
+                Outcome::Healthy => continue,
+                other => break other,
+            }
+        };
+        assert!(matches!(first, Outcome::Failed(_)), "{first:?}");
+        assert_eq!(fake.unanswered(), 1, "no hedge: no permit of its own");
+        let second = run.next().await;
+        assert!(matches!(second, Outcome::Failed(_)), "{second:?}");
+        assert_eq!(run.probe.state, ProbeState::Unhealthy);
+        assert_eq!(
+            fake.unanswered(),
+            2,
+            "the re-probe, after the first timed out"
+        );
+        run.task.abort();
+    }
+
     /// Issue 17: one probe left unanswered, with the proxy answering the others at once,
     /// never flips health: the hedged probe's answer settles the round (the unanswered
     /// probe is dropped, no failure is even reported), and health stays healthy.
@@ -1613,7 +1662,7 @@ mod tests {
         run.settings.timeout = Duration::from_millis(500);
         // Long enough that no next probe starts before the failure is looked at.
         run.settings.interval = Duration::from_secs(2);
-        let permits = ProbePermits::new(8);
+        let permits = ProbePermits::new(16);
         let client = probe_client(run.settings.timeout);
         let task = routes_once_task(address, &run.settings, &client, &permits, &tx);
         run.task = tokio::spawn(task.run());

@@ -27,7 +27,7 @@ crate::declare_policy! {
             healthy_threshold: u32 = 2, range(1, 100), flag "probe-healthy-threshold";
         }
         global {
-            /// Probes in flight at once, across all proxies; an eighth is kept for a proxy's first probe and the probes that confirm a healthy proxy's failure (the hedged probe and the quick re-probe), so neither waits behind a round of routine probes.
+            /// Probes in flight at once, across all proxies; an eighth is kept for a proxy's first probe and the quick re-probe that confirms a healthy proxy's failure, so neither waits behind a round of routine probes; a sixteenth is for hedged probes only (taken when free, never waited for).
             max_concurrent: usize = 256, range(1, 65_536), flag "probe-max-concurrent";
             /// How often a healthy proxy's `/-/routes` is read again.
             routes_interval: Duration = Duration::from_secs(10),
