@@ -85,7 +85,10 @@ struct Args {
     /// rust-control-plane keys its cache by node id, with no way to group ids
     /// (go-control-plane's `NodeHash`), and keeps a deep copy of the snapshot per id
     /// (about 7 MB for this model): with an id per stream the peer cannot hold 5,000
-    /// streams in 24 GiB. ray-xds serves by subscription, not by node id.
+    /// streams in 24 GiB. With one id shared it loses changes: a stream cancels its
+    /// watch by a slab index kept after the watch fired, and the slot may hold another
+    /// stream's watch by then (`Cache::cancel_watch`). ray-xds serves by subscription,
+    /// not by node id.
     #[arg(long)]
     node_id_per_stream: bool,
     /// How long every stream may take to sync, and every client to get one change.
