@@ -23,8 +23,7 @@ pub const HELD_FREE_LIMIT: usize = 16 << 20;
 
 /// Resident memory the heap does not use: RSS less the bytes glibc has handed out, from
 /// its arenas and mapped on their own (code, stacks and fragments are in it too, so only
-/// its growth means something). `None`
-/// where that cannot be known.
+/// its growth means something). `None` where that cannot be known.
 pub fn held_free() -> Option<usize> {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
@@ -78,8 +77,12 @@ pub async fn give_back(shutdown: CancellationToken) {
             floor = floor.map(|f| f.min(free));
             continue;
         }
-        let _ = tokio::task::spawn_blocking(trim).await;
-        floor = held_free().or(Some(free));
+        let after = tokio::task::spawn_blocking(|| {
+            trim();
+            held_free()
+        })
+        .await;
+        floor = after.ok().flatten().or(Some(free));
     }
 }
 

@@ -5,8 +5,8 @@
 //! atomic renames and ConfigMap symlink swaps are seen) and re-read on a poll interval as
 //! a fallback. A change is read once it is whole: at once when inotify says a file was
 //! renamed into place (an atomic replace, a ConfigMap's `..data` swap), else once it has
-//! stopped changing (a write in place is not taken while in progress, nor after its
-//! first `close` when a script writes it in several steps); then it is parsed into a [`Model`]; a parse or validation failure is logged with its
+//! stopped changing for `SETTLE` (a write in place is not taken while in progress); then
+//! it is parsed into a [`Model`]; a parse or validation failure is logged with its
 //! reason and counted, and the last good model keeps being served. An empty file, or one
 //! without `rayservices:`, is such a failure: the source never withdraws everything by
 //! accident (`rayservices: []` is how to say "none").
