@@ -28,6 +28,8 @@
 #
 # Sourced (by check-image.sh), it only defines its functions.
 set -euo pipefail
+# A failure inside $(...) (check-image.sh runs `image=$(build_image ...)`) fails the script.
+shopt -s inherit_errexit
 
 image_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 

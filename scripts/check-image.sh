@@ -82,9 +82,9 @@ if [ -z "$image" ]; then
     log "built $image in $((SECONDS - started)) s"
 fi
 package_versions podman runc buildah curl | sed 's/^/check-image: debian /' >&2
-[ -z "$build_only" ] || exit 0
 pm() { podman "${STORAGE[@]}" "$@"; }
 pm image exists "$image" || die "no image $image"
+[ -z "$build_only" ] || exit 0
 
 echo "== $image: config"
 config=$(pm image inspect "$image" --format '{{json .}}')

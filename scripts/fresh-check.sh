@@ -141,10 +141,6 @@ fi
 [ -f /etc/pip.conf ] && cp /etc/pip.conf "$dir/etc/pip.conf"
 mkdir -p "$dir/usr/local/share/ca-certificates"
 cp -r /usr/local/share/ca-certificates/. "$dir/usr/local/share/ca-certificates/" 2>/dev/null || true
-passed_env=()
-while IFS= read -r name; do
-    passed_env+=("$name=${!name}")
-done < <(compgen -e | grep -E '^(PIP_|CARGO_(HTTP|NET|REGISTR)|(http|https|no|HTTP|HTTPS|NO)_PROXY$)' || true)
 
 echo "== fresh-check: the README's prerequisites: ${prerequisites[*]}"
 echo "== fresh-check: the libraries of the mounted Rust and Python link: ${toolchain_packages[*]}"
@@ -152,6 +148,14 @@ chroot "$dir" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND
     sh -c 'apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@" >/dev/null' \
     _ "${prerequisites[@]}" "${toolchain_packages[@]}" ||
     die "installing the prerequisites failed"
+
+# The machine's registry and proxy settings, but for one naming a path the root file
+# system lacks (pip would warn about it on every run).
+passed_env=()
+while IFS= read -r name; do
+    case "${!name}" in /*) [ -e "$dir${!name}" ] || continue ;; esac
+    passed_env+=("$name=${!name}")
+done < <(compgen -e | grep -E '^(PIP_|CARGO_(HTTP|NET|REGISTR)|(http|https|no|HTTP|HTTPS|NO)_PROXY$)' || true)
 
 # Mount points for the toolchains and the project's history (read-only), then the run.
 mkdir -p "$dir$sysroot" "$dir$python_prefix" "$dir/project.git" "$dir/run" "$dir/root/.cargo"
@@ -182,6 +186,9 @@ unshare --mount --propagation private --pid --fork -- /bin/bash -euo pipefail -c
     dir=$1 sysroot=$2 python_prefix=$3 project_git=$4
     shift 4
     ro_bind() { mount --bind "$1" "$2"; mount -o remount,bind,ro "$2"; }
+    # The root a mount point of its own, as a real root is: what remounts / (buildah
+    # unpacking a layer) needs one.
+    mount --bind "$dir" "$dir"
     mount -t proc proc "$dir/proc"
     mount --rbind /sys "$dir/sys"
     mount --rbind /dev "$dir/dev"
