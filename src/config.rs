@@ -131,6 +131,17 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_PROXY_NETWORKS", value_delimiter = ',')]
     pub proxy_networks: Option<Vec<ipnet::IpNet>>,
 
+    /// The ports Ray's direct ingress gives ingress replicas for HTTP, `MIN-MAX` (Ray's
+    /// `RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT`/`_MAX_`): a replica a dashboard lists
+    /// elsewhere is refused [config: proxies.replica_ports.http; default 30000-31000].
+    #[arg(long, env = "RAY_XDS_REPLICA_HTTP_PORTS", value_parser = parse_port_range)]
+    pub replica_http_ports: Option<std::ops::RangeInclusive<u16>>,
+
+    /// The same for gRPC (`RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT`/`_MAX_`) [config:
+    /// proxies.replica_ports.grpc; default 40000-41000].
+    #[arg(long, env = "RAY_XDS_REPLICA_GRPC_PORTS", value_parser = parse_port_range)]
+    pub replica_grpc_ports: Option<std::ops::RangeInclusive<u16>>,
+
     /// Memory (estimated) the Ray dashboards' statuses may hold in all, shared fairly
     /// between clusters; bytes, or with a Ki/Mi/Gi suffix [config: memory.dashboards;
     /// default 64Mi; 1Mi..=16Gi].
@@ -281,6 +292,17 @@ pub const MEMORY_BUDGET_RANGE: std::ops::RangeInclusive<usize> = (1 << 20)..=(16
 
 /// A byte count: digits, optionally followed by a Kubernetes binary suffix (`Ki`, `Mi`,
 /// `Gi`), e.g. `65536`, `64Mi`, `1Gi`.
+/// A range of ports, `MIN-MAX` (1 to 65535, MIN at most MAX).
+pub fn parse_port_range(text: &str) -> Result<std::ops::RangeInclusive<u16>, String> {
+    let bad = || format!("{text:?}: want MIN-MAX, ports 1 to 65535 (e.g. 30000-31000)");
+    let (min, max) = text.trim().split_once('-').ok_or_else(bad)?;
+    let port = |p: &str| p.trim().parse::<u16>().ok().filter(|p| *p > 0);
+    match (port(min), port(max)) {
+        (Some(min), Some(max)) if min <= max => Ok(min..=max),
+        _ => Err(bad()),
+    }
+}
+
 pub fn parse_bytes(text: &str) -> Result<usize, String> {
     let text = text.trim();
     let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
@@ -508,6 +530,14 @@ struct TlsSection {
 #[serde(deny_unknown_fields)]
 struct ProxiesSection {
     networks: Option<Vec<ipnet::IpNet>>,
+    replica_ports: Option<ReplicaPortsSection>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReplicaPortsSection {
+    http: Option<String>,
+    grpc: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -896,8 +926,36 @@ impl Config {
                 networks.len()
             )));
         }
+        let file_ports = file.proxies.replica_ports.unwrap_or_default();
+        let replica_ports = |flag: &Option<std::ops::RangeInclusive<u16>>,
+                             file: Option<String>,
+                             key: &str,
+                             default: std::ops::RangeInclusive<u16>| {
+            match (flag, file) {
+                (Some(range), _) => Ok(range.clone()),
+                (None, Some(text)) => parse_port_range(&text).map_err(|why| {
+                    ConfigError::Invalid(format!("proxies.replica_ports.{key}: {why}"))
+                }),
+                (None, None) => Ok(default),
+            }
+        };
+        let defaults = crate::model::ReplicaPorts::default();
         let addresses = crate::model::AddressPolicy {
             networks: networks.into_iter().map(|n| n.trunc()).collect(),
+            replica_ports: crate::model::ReplicaPorts {
+                http: replica_ports(
+                    &args.replica_http_ports,
+                    file_ports.http,
+                    "http",
+                    defaults.http,
+                )?,
+                grpc: replica_ports(
+                    &args.replica_grpc_ports,
+                    file_ports.grpc,
+                    "grpc",
+                    defaults.grpc,
+                )?,
+            },
         };
         let xds_tls = tls_files(args, file.xds.tls, &base_dir)?;
         let admin_listen = args
@@ -1319,6 +1377,41 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn replica_ports_from_file_and_flag() {
+        let c = load("source: { file: { path: a.yaml } }\n").unwrap();
+        assert_eq!(
+            c.addresses.replica_ports,
+            crate::model::ReplicaPorts::default()
+        );
+        let c = load("proxies: { replica_ports: { http: 31000-31999 } }\nsource: { file: { path: a.yaml } }\n").unwrap();
+        assert_eq!(c.addresses.replica_ports.http, 31000..=31999);
+        assert_eq!(c.addresses.replica_ports.grpc, 40000..=41000);
+        for bad in ["31999-31000", "0-5", "x", "30000", "1-70000"] {
+            let err = load(&format!(
+                "proxies: {{ replica_ports: {{ grpc: \"{bad}\" }} }}\nsource: {{ file: {{ path: a.yaml }} }}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("proxies.replica_ports.grpc"), "{bad}: {err}");
+        }
+        let cli = Cli::try_parse_from([
+            "ray-xds",
+            "serve",
+            "--source-file",
+            "a.yaml",
+            "--replica-grpc-ports",
+            "50000-50010",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command;
+        assert_eq!(
+            Config::load(&args).unwrap().addresses.replica_ports.grpc,
+            50000..=50010
+        );
+        assert!(Cli::try_parse_from(["ray-xds", "serve", "--replica-http-ports", "9-1"]).is_err());
     }
 
     #[test]

@@ -69,6 +69,98 @@ pub struct RayCluster {
     /// the source gives none, and `live::discovery` fills `proxies` from the dashboard's
     /// last answer. Such a cluster always has a `dashboard`.
     pub discover: bool,
+    /// Ray's direct ingress is on in this cluster (its dashboard lists a target group per
+    /// application): an application with ingress replicas is routed to them, one without
+    /// to the proxies. Set by `live::discovery`.
+    pub direct_ingress: bool,
+    /// The cluster's Ray Serve applications, when known (`live::discovery`, from its
+    /// dashboard). Sorted by name; names and route prefixes unique.
+    pub applications: Vec<Application>,
+}
+
+/// A Ray Serve application of a RayCluster, and how its requests reach it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Application {
+    pub name: String,
+    /// Its HTTP route prefix (`/`, `/work`, `/api/`; see [`check_route_prefix`]); `None`:
+    /// it has no HTTP route.
+    pub route_prefix: Option<String>,
+    /// Its ingress replicas' HTTP ports, with direct ingress (sorted): requests for it go
+    /// there while one may take them, else to the proxies.
+    pub http_replicas: Vec<SocketAddr>,
+    /// Its ingress replicas' gRPC ports, with direct ingress (sorted).
+    pub grpc_replicas: Vec<SocketAddr>,
+}
+
+impl Application {
+    pub fn replicas(&self, protocol: Protocol) -> &[SocketAddr] {
+        match protocol {
+            Protocol::Http => &self.http_replicas,
+            Protocol::Grpc => &self.grpc_replicas,
+        }
+    }
+}
+
+/// The longest application name and route prefix a model holds.
+pub const MAX_APPLICATION_NAME_BYTES: usize = 256;
+pub const MAX_ROUTE_PREFIX_BYTES: usize = 1024;
+
+/// Whether `prefix` can be an application's HTTP route: Ray's own rule (it starts with
+/// `/`), and nothing Envoy's path matchers refuse or a path never holds (`?`, `#`,
+/// whitespace, control characters).
+pub fn check_route_prefix(prefix: &str) -> Result<(), String> {
+    if !prefix.starts_with('/') {
+        return Err(format!("route prefix {prefix:?} does not start with '/'"));
+    }
+    if prefix.len() > MAX_ROUTE_PREFIX_BYTES {
+        return Err(format!(
+            "route prefix of {} bytes: at most {MAX_ROUTE_PREFIX_BYTES}",
+            prefix.len()
+        ));
+    }
+    if let Some(c) = prefix
+        .chars()
+        .find(|c| matches!(c, '?' | '#') || c.is_whitespace() || c.is_control())
+    {
+        return Err(format!("route prefix {prefix:?} holds {c:?}"));
+    }
+    Ok(())
+}
+
+/// Whether `name` can be an application's: not empty, at most
+/// [`MAX_APPLICATION_NAME_BYTES`], no control characters (it goes into Envoy cluster
+/// names, encoded by [`encode_name_segment`], and into a header match).
+pub fn check_application_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("an empty application name".into());
+    }
+    if name.len() > MAX_APPLICATION_NAME_BYTES {
+        return Err(format!(
+            "application name of {} bytes: at most {MAX_APPLICATION_NAME_BYTES}",
+            name.len()
+        ));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(format!(
+            "application name {name:?} holds a control character"
+        ));
+    }
+    Ok(())
+}
+
+/// `name` as one segment of an Envoy cluster name: letters, digits, `-`, `_` and `.`
+/// as they are, every other byte `%XX`, so no two names give the same segment and none
+/// holds `/` (stand-in patterns match a segment with `*`).
+pub fn encode_name_segment(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// A Ray Serve proxy: one per Ray node that runs one. Its HTTP endpoint is its identity;
@@ -167,6 +259,23 @@ impl RayService {
         }
     }
 
+    /// The Envoy cluster of an application's ingress replicas in a RayCluster:
+    /// `<namespace>/<name>/<cluster>/app/<application>` for HTTP, `.../grpc` after it for
+    /// gRPC (the application's name encoded as one segment, [`encode_name_segment`]).
+    pub fn envoy_app_cluster_name(&self, cluster: &str, app: &str, protocol: Protocol) -> String {
+        let http = format!(
+            "{}/{}/{}/app/{}",
+            self.namespace,
+            self.name,
+            cluster,
+            encode_name_segment(app)
+        );
+        match protocol {
+            Protocol::Http => http,
+            Protocol::Grpc => http + "/grpc",
+        }
+    }
+
     fn validate(&self) -> Result<(), String> {
         for (what, value) in [("namespace", &self.namespace), ("name", &self.name)] {
             if !is_dns_label(value) {
@@ -219,6 +328,35 @@ impl RayService {
                     ));
                 }
             }
+            let (mut apps, mut prefixes) = (BTreeSet::new(), BTreeSet::new());
+            for app in &cluster.applications {
+                check_application_name(&app.name)
+                    .map_err(|why| format!("cluster {}: {why}", cluster.name))?;
+                if !apps.insert(app.name.as_str()) {
+                    return Err(format!(
+                        "cluster {}: application {:?} is listed twice",
+                        cluster.name, app.name
+                    ));
+                }
+                if let Some(prefix) = &app.route_prefix {
+                    check_route_prefix(prefix)
+                        .map_err(|why| format!("cluster {}: {why}", cluster.name))?;
+                    if !prefixes.insert(prefix.as_str()) {
+                        return Err(format!(
+                            "cluster {}: route prefix {prefix:?} is listed twice",
+                            cluster.name
+                        ));
+                    }
+                }
+                for replica in app.http_replicas.iter().chain(&app.grpc_replicas) {
+                    if !addrs.insert(*replica) {
+                        return Err(format!(
+                            "cluster {}: replica {replica} of {:?} is listed twice, or is also a proxy's",
+                            cluster.name, app.name
+                        ));
+                    }
+                }
+            }
         }
         if self.cluster(&self.active_cluster).is_none() {
             return Err(format!(
@@ -256,6 +394,18 @@ impl RayCluster {
             Protocol::Grpc => p.grpc.map(|g| (g, p)),
         })
     }
+
+    pub fn application(&self, name: &str) -> Option<&Application> {
+        self.applications.iter().find(|a| a.name == name)
+    }
+
+    /// Every ingress replica endpoint of the cluster: (address, protocol).
+    pub fn replica_endpoints(&self) -> impl Iterator<Item = (SocketAddr, Protocol)> + '_ {
+        self.applications.iter().flat_map(|a| {
+            let http = a.http_replicas.iter().map(|r| (*r, Protocol::Http));
+            http.chain(a.grpc_replicas.iter().map(|r| (*r, Protocol::Grpc)))
+        })
+    }
 }
 
 impl Model {
@@ -266,6 +416,11 @@ impl Model {
             service.clusters.sort_by(|a, b| a.name.cmp(&b.name));
             for cluster in &mut service.clusters {
                 cluster.proxies.sort();
+                cluster.applications.sort_by(|a, b| a.name.cmp(&b.name));
+                for app in &mut cluster.applications {
+                    app.http_replicas.sort();
+                    app.grpc_replicas.sort();
+                }
             }
         }
         services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
@@ -296,27 +451,28 @@ impl Model {
             }
         }
         // Probes are keyed by address: one address is one protocol everywhere.
-        let http: BTreeSet<SocketAddr> = services
-            .iter()
-            .flat_map(|s| &s.clusters)
-            .flat_map(|c| &c.proxies)
-            .map(|p| p.address)
-            .collect();
+        let mut protocols: BTreeMap<SocketAddr, Protocol> = BTreeMap::new();
         for service in &services {
             for cluster in &service.clusters {
-                if let Some(grpc) = cluster
-                    .proxies
-                    .iter()
-                    .filter_map(|p| p.grpc)
-                    .find(|g| http.contains(g))
-                {
-                    return Err(ModelError::InvalidService {
-                        service: service.key(),
-                        reason: format!(
-                            "cluster {}: gRPC address {grpc} is also an HTTP proxy's address",
-                            cluster.name
-                        ),
-                    });
+                let endpoints = cluster
+                    .endpoints(Protocol::Http)
+                    .map(|(a, _)| (a, Protocol::Http))
+                    .chain(
+                        cluster
+                            .endpoints(Protocol::Grpc)
+                            .map(|(a, _)| (a, Protocol::Grpc)),
+                    )
+                    .chain(cluster.replica_endpoints());
+                for (address, protocol) in endpoints {
+                    if *protocols.entry(address).or_insert(protocol) != protocol {
+                        return Err(ModelError::InvalidService {
+                            service: service.key(),
+                            reason: format!(
+                                "cluster {}: {address} is both an HTTP and a gRPC endpoint",
+                                cluster.name
+                            ),
+                        });
+                    }
                 }
             }
         }
@@ -394,11 +550,65 @@ impl Model {
     }
 
     /// Every endpoint the prober probes: each proxy's HTTP address, and its gRPC address
-    /// when it has one.
+    /// when it has one; each ingress replica's HTTP and gRPC ports.
     pub fn endpoints(&self) -> impl Iterator<Item = (SocketAddr, Protocol)> + '_ {
-        self.proxies().flat_map(|p| {
+        let proxies = self.proxies().flat_map(|p| {
             std::iter::once((p.address, Protocol::Http)).chain(p.grpc.map(|g| (g, Protocol::Grpc)))
-        })
+        });
+        proxies.chain(
+            self.services
+                .iter()
+                .flat_map(|s| &s.clusters)
+                .flat_map(RayCluster::replica_endpoints),
+        )
+    }
+
+    /// This model with each cluster's applications (and whether Ray's direct ingress is on
+    /// there) replaced by what `applications` gives for it (its Envoy cluster name and the
+    /// cluster), made valid: sorted by name, each name and route prefix once (the first
+    /// stays), an invalid name or prefix dropped (the prefix alone), replicas sorted and
+    /// each address once in the whole model, never a proxy's (`live::discovery` refuses
+    /// such addresses first, with a reason).
+    pub fn with_applications(
+        &self,
+        mut applications: impl FnMut(&str, &RayCluster) -> (bool, Vec<Application>),
+    ) -> Model {
+        let mut m = self.clone();
+        let mut taken: BTreeSet<SocketAddr> = m.endpoints().map(|(a, _)| a).collect();
+        // The replicas a cluster lists are replaced, not added to.
+        for (address, _) in self
+            .services
+            .iter()
+            .flat_map(|s| &s.clusters)
+            .flat_map(RayCluster::replica_endpoints)
+        {
+            taken.remove(&address);
+        }
+        for service in &mut m.services {
+            for i in 0..service.clusters.len() {
+                let name = service.envoy_cluster_name(&service.clusters[i].name);
+                let (direct, mut list) = applications(&name, &service.clusters[i]);
+                list.sort_by(|a, b| a.name.cmp(&b.name));
+                list.dedup_by(|a, b| a.name == b.name);
+                list.retain(|a| check_application_name(&a.name).is_ok());
+                let mut prefixes = BTreeSet::new();
+                for app in &mut list {
+                    if let Some(p) = &app.route_prefix {
+                        if check_route_prefix(p).is_err() || !prefixes.insert(p.clone()) {
+                            app.route_prefix = None;
+                        }
+                    }
+                    for replicas in [&mut app.http_replicas, &mut app.grpc_replicas] {
+                        replicas.sort();
+                        replicas.dedup();
+                        replicas.retain(|r| taken.insert(*r));
+                    }
+                }
+                service.clusters[i].direct_ingress = direct;
+                service.clusters[i].applications = list;
+            }
+        }
+        m
     }
 
     /// This model without the proxies at `addresses` (still valid: removing proxies
@@ -604,6 +814,47 @@ pub fn refused_address(address: std::net::SocketAddr) -> Option<&'static str> {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AddressPolicy {
     pub networks: Vec<ipnet::IpNet>,
+    /// The ports Ray's direct ingress gives ingress replicas ([`AddressPolicy::check_replica`]).
+    pub replica_ports: ReplicaPorts,
+}
+
+/// The ports Ray's direct ingress allocates to ingress replicas, as its environment sets
+/// them (`RAY_SERVE_DIRECT_INGRESS_{MIN,MAX}_{HTTP,GRPC}_PORT`): a replica a dashboard
+/// lists outside them is not published.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaPorts {
+    pub http: std::ops::RangeInclusive<u16>,
+    pub grpc: std::ops::RangeInclusive<u16>,
+}
+
+impl Default for ReplicaPorts {
+    /// Ray 2.60's defaults: HTTP 30000–31000, gRPC 40000–41000.
+    fn default() -> Self {
+        ReplicaPorts {
+            http: 30000..=31000,
+            grpc: 40000..=41000,
+        }
+    }
+}
+
+impl ReplicaPorts {
+    pub fn of(&self, protocol: Protocol) -> &std::ops::RangeInclusive<u16> {
+        match protocol {
+            Protocol::Http => &self.http,
+            Protocol::Grpc => &self.grpc,
+        }
+    }
+}
+
+/// Where an ingress replica a dashboard lists may be.
+#[derive(Debug, Clone, Copy)]
+pub enum ReplicaNodes<'a> {
+    /// On one of these node addresses: the source lists its cluster's nodes (Kubernetes:
+    /// its pods' IPs; services.yaml: its proxies').
+    Listed(&'a BTreeSet<std::net::IpAddr>),
+    /// The cluster's proxies are discovered: only its dashboard speaks for it (its IP,
+    /// when known).
+    Dashboard(Option<std::net::IpAddr>),
 }
 
 /// Where a proxy's address came from.
@@ -633,17 +884,23 @@ pub enum AddressRefusal {
     /// A gRPC address that is an HTTP proxy's too (a dashboard reporting one port for
     /// both): an HTTP/1 proxy is never a gRPC one, and probes are keyed by address.
     ProtocolClash,
+    /// An ingress replica's port outside the range Ray gives them ([`ReplicaPorts`]).
+    OutsideReplicaPorts(Protocol, std::ops::RangeInclusive<u16>),
+    /// An ingress replica on an address that is none of its cluster's nodes.
+    NotAClusterNode,
 }
 
 impl AddressRefusal {
     /// Every [`label`](Self::label), for metrics that show each one, even at 0.
-    pub const LABELS: [&'static str; 6] = [
+    pub const LABELS: [&'static str; 8] = [
         "never_a_proxy",
         "outside_proxy_networks",
         "outside_dashboard_network",
         "dashboard_address_unknown",
         "host_network",
         "protocol_clash",
+        "outside_replica_ports",
+        "not_a_cluster_node",
     ];
 
     /// A short, fixed label (for metrics).
@@ -655,6 +912,8 @@ impl AddressRefusal {
             AddressRefusal::DashboardAddressUnknown => "dashboard_address_unknown",
             AddressRefusal::HostNetwork => "host_network",
             AddressRefusal::ProtocolClash => "protocol_clash",
+            AddressRefusal::OutsideReplicaPorts(..) => "outside_replica_ports",
+            AddressRefusal::NotAClusterNode => "not_a_cluster_node",
         }
     }
 }
@@ -680,6 +939,17 @@ impl std::fmt::Display for AddressRefusal {
             AddressRefusal::ProtocolClash => {
                 write!(f, "a gRPC address that is also an HTTP proxy's")
             }
+            AddressRefusal::OutsideReplicaPorts(protocol, range) => write!(
+                f,
+                "an ingress replica's {} port outside {}-{} (Ray's direct ingress ports; set proxies.replica_ports to match Ray's)",
+                protocol.as_str(),
+                range.start(),
+                range.end()
+            ),
+            AddressRefusal::NotAClusterNode => write!(
+                f,
+                "an ingress replica on none of its cluster's nodes; set proxies.networks to allow it"
+            ),
         }
     }
 }
@@ -720,10 +990,41 @@ impl AddressPolicy {
             }
         }
     }
+
+    /// Whether an ingress replica's `address` for `protocol`, which a dashboard listed,
+    /// may be published: never an address [`refused_address`] refuses; its port in Ray's
+    /// range for the protocol; on one of its cluster's listed nodes, or within
+    /// `networks` when set, or (a cluster whose proxies are discovered, no `networks`) in
+    /// its dashboard's network, as a discovered proxy.
+    pub fn check_replica(
+        &self,
+        address: std::net::SocketAddr,
+        protocol: Protocol,
+        nodes: ReplicaNodes<'_>,
+    ) -> Result<(), AddressRefusal> {
+        if let Some(why) = refused_address(address) {
+            return Err(AddressRefusal::Never(why));
+        }
+        let ports = self.replica_ports.of(protocol);
+        if !ports.contains(&address.port()) {
+            return Err(AddressRefusal::OutsideReplicaPorts(protocol, ports.clone()));
+        }
+        let ip = canonical_ip(address.ip());
+        match nodes {
+            ReplicaNodes::Listed(nodes) if nodes.contains(&ip) => Ok(()),
+            ReplicaNodes::Listed(_) if self.networks.is_empty() => {
+                Err(AddressRefusal::NotAClusterNode)
+            }
+            ReplicaNodes::Listed(_) => self.check(address, ProxyOrigin::Source),
+            ReplicaNodes::Dashboard(dashboard) => {
+                self.check(address, ProxyOrigin::Dashboard(dashboard))
+            }
+        }
+    }
 }
 
 /// An IPv4-mapped IPv6 address as the IPv4 address it maps.
-fn canonical_ip(ip: std::net::IpAddr) -> std::net::IpAddr {
+pub fn canonical_ip(ip: std::net::IpAddr) -> std::net::IpAddr {
     match ip {
         std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map(std::net::IpAddr::V4).unwrap_or(ip),
         v4 => v4,
@@ -747,6 +1048,19 @@ pub fn dashboard_network(dashboard: std::net::IpAddr) -> ipnet::IpNet {
 pub(crate) mod test_support {
     use super::*;
 
+    /// An application at `prefix` with HTTP replicas on 127.0.0.1 at `ports`.
+    pub fn app(name: &str, prefix: Option<&str>, ports: &[u16]) -> Application {
+        Application {
+            name: name.into(),
+            route_prefix: prefix.map(str::to_string),
+            http_replicas: ports
+                .iter()
+                .map(|p| SocketAddr::from(([127, 0, 0, 1], *p)))
+                .collect(),
+            grpc_replicas: Vec::new(),
+        }
+    }
+
     /// A RayService with one cluster of `proxies` ports on 127.0.0.1 (the first is head).
     pub fn service(name: &str, cluster: &str, ports: &[u16]) -> RayService {
         RayService {
@@ -760,6 +1074,8 @@ pub(crate) mod test_support {
                 dashboard: None,
                 grpc_port: None,
                 discover: false,
+                direct_ingress: false,
+                applications: Vec::new(),
                 proxies: ports
                     .iter()
                     .enumerate()
@@ -999,7 +1315,132 @@ mod tests {
         ])
         .unwrap_err()
         .to_string();
-        assert!(err.contains("also an HTTP proxy's address"), "{err}");
+        assert!(err.contains("both an HTTP and a gRPC endpoint"), "{err}");
+    }
+
+    #[test]
+    fn applications_are_made_valid_and_each_replica_address_is_one_endpoint() {
+        use test_support::app;
+        let m = Model::new(vec![
+            service("a", "a1", &[8000]),
+            service("b", "b1", &[9000]),
+        ])
+        .unwrap();
+        let m = m.with_applications(|name, _| {
+            if name != "default/a/a1" {
+                return (true, vec![app("other", Some("/"), &[30009])]);
+            }
+            (
+                true,
+                vec![
+                    app("work", Some("/work"), &[30002, 30001, 30001]),
+                    app("work", Some("/dup-name"), &[]),
+                    app("copy", Some("/work"), &[]),
+                    app("", Some("/empty"), &[]),
+                    app("bad", Some("no-slash"), &[]),
+                    app("proxy", Some("/p"), &[8000, 9000]),
+                    // Another cluster's replica: one address, one endpoint.
+                    app("clash", Some("/c"), &[30009]),
+                ],
+            )
+        });
+        let apps = &m.services()[0].clusters[0].applications;
+        let summary: Vec<(&str, Option<&str>, Vec<u16>)> = apps
+            .iter()
+            .map(|a| {
+                let ports = a.http_replicas.iter().map(|r| r.port()).collect();
+                (a.name.as_str(), a.route_prefix.as_deref(), ports)
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                ("bad", None, vec![]),
+                ("clash", Some("/c"), vec![30009]),
+                ("copy", Some("/work"), vec![]),
+                ("proxy", Some("/p"), vec![]),
+                ("work", None, vec![30001, 30002]),
+            ]
+        );
+        assert!(m.services()[1].clusters[0].applications[0]
+            .http_replicas
+            .is_empty());
+        assert!(Model::new(m.services().to_vec()).is_ok());
+
+        // Model::new refuses what with_applications would have mended.
+        let mut s = service("a", "a1", &[8000]);
+        s.clusters[0].applications = vec![app("x", Some("/x"), &[]), app("y", Some("/x"), &[])];
+        let err = Model::new(vec![s.clone()]).unwrap_err().to_string();
+        assert!(err.contains("route prefix \"/x\" is listed twice"), "{err}");
+        s.clusters[0].applications = vec![app("x", Some("/x?y"), &[])];
+        let err = Model::new(vec![s.clone()]).unwrap_err().to_string();
+        assert!(err.contains("holds '?'"), "{err}");
+        s.clusters[0].applications = vec![app("x", Some("/x"), &[8000])];
+        let err = Model::new(vec![s]).unwrap_err().to_string();
+        assert!(err.contains("also a proxy's"), "{err}");
+    }
+
+    #[test]
+    fn application_names_are_one_cluster_name_segment_each() {
+        assert_eq!(encode_name_segment("work_v2.1-a"), "work_v2.1-a");
+        assert_eq!(encode_name_segment("a/b c%"), "a%2Fb%20c%25");
+        assert_eq!(encode_name_segment("é"), "%C3%A9");
+        assert_ne!(encode_name_segment("a%2F"), encode_name_segment("a/"));
+    }
+
+    #[test]
+    fn a_replica_passes_the_address_policy_by_its_node_and_its_port() {
+        let p = AddressPolicy::default();
+        let nodes: BTreeSet<std::net::IpAddr> = ["10.0.0.1".parse().unwrap()].into();
+        let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let listed = ReplicaNodes::Listed(&nodes);
+        assert_eq!(
+            p.check_replica(at("10.0.0.1:30000"), Protocol::Http, listed),
+            Ok(())
+        );
+        assert_eq!(
+            p.check_replica(at("10.0.0.1:41000"), Protocol::Grpc, listed),
+            Ok(())
+        );
+        assert_eq!(
+            p.check_replica(at("10.0.0.1:40000"), Protocol::Http, listed)
+                .map_err(|e| e.label()),
+            Err("outside_replica_ports")
+        );
+        assert_eq!(
+            p.check_replica(at("10.0.0.2:30000"), Protocol::Http, listed)
+                .map_err(|e| e.label()),
+            Err("not_a_cluster_node")
+        );
+        assert_eq!(
+            p.check_replica(at("169.254.169.254:30000"), Protocol::Http, listed)
+                .map_err(|e| e.label()),
+            Err("never_a_proxy")
+        );
+        let dashboard = ReplicaNodes::Dashboard(Some("10.0.9.9".parse().unwrap()));
+        assert_eq!(
+            p.check_replica(at("10.0.0.2:30000"), Protocol::Http, dashboard),
+            Ok(())
+        );
+        assert_eq!(
+            p.check_replica(at("10.1.0.2:30000"), Protocol::Http, dashboard)
+                .map_err(|e| e.label()),
+            Err("outside_dashboard_network")
+        );
+        let networks = AddressPolicy {
+            networks: vec!["10.0.0.0/24".parse().unwrap()],
+            ..Default::default()
+        };
+        assert_eq!(
+            networks.check_replica(at("10.0.0.2:30000"), Protocol::Http, listed),
+            Ok(())
+        );
+        assert_eq!(
+            networks
+                .check_replica(at("10.0.1.2:30000"), Protocol::Http, listed)
+                .map_err(|e| e.label()),
+            Err("outside_proxy_networks")
+        );
     }
 
     #[test]
@@ -1063,6 +1504,7 @@ mod address_policy_tests {
     fn never_a_proxy_whatever_the_origin_or_networks() {
         let open = AddressPolicy {
             networks: vec!["0.0.0.0/0".parse().unwrap(), "::/0".parse().unwrap()],
+            ..Default::default()
         };
         for bad in [
             "169.254.169.254:80",
@@ -1164,6 +1606,7 @@ mod address_policy_tests {
         );
         let nodes = AddressPolicy {
             networks: vec!["10.0.0.0/24".parse().unwrap()],
+            ..Default::default()
         };
         assert_eq!(
             nodes.check(a("10.0.0.7:8000"), ProxyOrigin::HostNetwork),
@@ -1183,6 +1626,7 @@ mod address_policy_tests {
     fn configured_networks_bind_every_proxy() {
         let p = AddressPolicy {
             networks: vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()],
+            ..Default::default()
         };
         for origin in [
             ProxyOrigin::Source,

@@ -54,6 +54,8 @@ fn cluster(name: &str, ip: [u8; 4]) -> RayCluster {
         dashboard: None,
         grpc_port: None,
         discover: false,
+        direct_ingress: false,
+        applications: Vec::new(),
         proxies: vec![proxy(ip)],
     }
 }

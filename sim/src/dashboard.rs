@@ -30,6 +30,14 @@
 //!   or a port of their own set with [`SimDashboard::set_proxy_grpc_port`]). With gRPC
 //!   off, `grpc_options` is the captures' (`port: 9000`, no servicer functions) and
 //!   there is no gRPC group: Ray reports the port even when no gRPC server runs.
+//! - Direct ingress is off unless [`SimDashboard::set_direct_ingress`] turns it on; then
+//!   `target_groups` is Ray 2.60's with `RAY_SERVE_ENABLE_DIRECT_INGRESS=1`
+//!   (`tests/fixtures/ray-serve-2.60/direct-ingress/`): per application (by name) an HTTP
+//!   group of its ingress replicas ([`SimDashboard::set_app_replicas`],
+//!   `SERVE_REPLICA::<app>#<Deployment>#<id>`) and, with gRPC on, a gRPC group of their
+//!   gRPC ports; an application with no replica gets the proxies' groups instead (Ray's
+//!   fallback); with no application, the proxies' groups as without direct ingress. The
+//!   replicas themselves are simulated proxies serving that one application.
 //! - Clones share one state; [`DashboardMode::Hang`] requests are released when the mode
 //!   changes or when [`SimDashboard::serve`] is shut down, so shutdown never waits forever.
 
@@ -100,6 +108,9 @@ struct SimState {
     /// `grpc_options.grpc_servicer_functions`: gRPC is on when there are some and the
     /// port is not 0, as Ray decides (`is_grpc_enabled`).
     grpc_servicer_functions: Vec<String>,
+    /// Ray's direct ingress (`RAY_SERVE_ENABLE_DIRECT_INGRESS=1`): a target group per
+    /// application and protocol.
+    direct_ingress: bool,
     mode: DashboardMode,
     requests: u64,
 }
@@ -112,6 +123,7 @@ impl Default for SimState {
             http_port: HTTP_PORT,
             grpc_port: GRPC_PORT,
             grpc_servicer_functions: Vec::new(),
+            direct_ingress: false,
             mode: DashboardMode::default(),
             requests: 0,
         }
@@ -134,6 +146,8 @@ struct SimApp {
     /// `(when, status)`: the status the app reports from `when` on.
     settles: Option<(Instant, String)>,
     last_deployed_time_s: f64,
+    /// Its RUNNING ingress replicas, with direct ingress: (HTTP port, gRPC port).
+    replicas: Vec<(SocketAddr, Option<SocketAddr>)>,
 }
 
 impl SimApp {
@@ -181,6 +195,7 @@ impl SimDashboard {
                 status: status.to_string(),
                 settles: None,
                 last_deployed_time_s: unix_now(),
+                replicas: Vec::new(),
             },
         );
     }
@@ -195,8 +210,34 @@ impl SimDashboard {
                 status: "DEPLOYING".to_string(),
                 settles: Some((Instant::now() + deploying_for, then.to_string())),
                 last_deployed_time_s: unix_now(),
+                replicas: Vec::new(),
             },
         );
+    }
+
+    /// Turns Ray's direct ingress on or off (off by default): on, `target_groups` lists a
+    /// group per application and protocol, as `02-running.json` of
+    /// `tests/fixtures/ray-serve-2.60/direct-ingress/` does.
+    pub fn set_direct_ingress(&self, on: bool) {
+        self.state().direct_ingress = on;
+    }
+
+    /// Sets the RUNNING ingress replicas of application `name` (each an HTTP port and,
+    /// with gRPC on, a gRPC port), listed in its target groups with direct ingress on;
+    /// with none, the application is on the proxies' target groups (Ray's fallback).
+    /// False if there is no such application.
+    pub fn set_app_replicas(
+        &self,
+        name: &str,
+        replicas: &[(SocketAddr, Option<SocketAddr>)],
+    ) -> bool {
+        match self.state().apps.get_mut(name) {
+            Some(app) => {
+                app.replicas = replicas.to_vec();
+                true
+            }
+            None => false,
+        }
     }
 
     /// Removes application `name`, if present.
@@ -422,9 +463,55 @@ impl SimDashboard {
                 "ingress_deployment_name": "",
             })
         };
-        let mut target_groups = vec![group(targets, "HTTP")];
+        let mut target_groups = vec![group(targets.clone(), "HTTP")];
         if grpc_enabled {
-            target_groups.push(group(grpc_targets, "gRPC"));
+            target_groups.push(group(grpc_targets.clone(), "gRPC"));
+        }
+        if state.direct_ingress && !state.apps.is_empty() {
+            // Ray's `get_target_groups` with direct ingress: per application its replicas,
+            // or while it has none the proxies (HTTP, and gRPC when on).
+            target_groups.clear();
+            for (name, app) in &state.apps {
+                let app_group = |targets: Vec<Value>, protocol: &str| {
+                    json!({
+                        "targets": targets,
+                        "route_prefix": app.route_prefix,
+                        "protocol": protocol,
+                        "app_name": name,
+                        "ingress_request_router_targets": [],
+                        "ingress_deployment_name": deployment_name(name),
+                    })
+                };
+                if app.replicas.is_empty() {
+                    if !targets.is_empty() {
+                        target_groups.push(app_group(targets.clone(), "HTTP"));
+                    }
+                    if grpc_enabled && !grpc_targets.is_empty() {
+                        target_groups.push(app_group(grpc_targets.clone(), "gRPC"));
+                    }
+                    continue;
+                }
+                // One id per replica (its HTTP port), the same for its gRPC target.
+                let replica = |http: SocketAddr, address: SocketAddr| {
+                    let id = hex_id(&format!("replica/{name}/{http}"), 8);
+                    json!({
+                        "ip": address.ip().to_string(),
+                        "port": address.port(),
+                        "instance_id": "",
+                        "name": format!("SERVE_REPLICA::{name}#{}#{id}", deployment_name(name)),
+                    })
+                };
+                let http = app.replicas.iter().map(|r| replica(r.0, r.0)).collect();
+                target_groups.push(app_group(http, "HTTP"));
+                if grpc_enabled {
+                    let grpc: Vec<Value> = app
+                        .replicas
+                        .iter()
+                        .filter_map(|r| r.1.map(|g| replica(r.0, g)))
+                        .collect();
+                    target_groups.push(app_group(grpc, "gRPC"));
+                }
+            }
         }
 
         json!({

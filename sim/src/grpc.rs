@@ -491,6 +491,7 @@ async fn admit(node: &Node, path: &str, mut request: Request<Incoming>) -> (Admi
     if matches!(path, HEALTHZ_PATH | LIST_APPLICATIONS_PATH) {
         let admission = match mode {
             ProxyMode::Draining => Admission::Answer(status(Code::Unavailable, DRAINING_MESSAGE)),
+            ProxyMode::ReplicaDraining => Admission::Answer(status(Code::Unavailable, "DRAINING")),
             ProxyMode::NotReady => Admission::Answer(status(Code::Unavailable, NO_ROUTES_MESSAGE)),
             ProxyMode::NoReplicas => {
                 Admission::Answer(status(Code::Unavailable, NO_REPLICAS_MESSAGE))

@@ -117,12 +117,16 @@ pub enum ProxyMode {
     /// Reads an application request in full (it runs), then closes the connection
     /// without answering, as a proxy that dies mid-request.
     ResetAfterRead,
+    /// An ingress replica (Ray's direct ingress) that is stopping: `/-/healthz` answers 503
+    /// `DRAINING` (gRPC `Healthz`: `UNAVAILABLE` `DRAINING`), as Ray 2.60's replicas do
+    /// while they finish what they hold; application requests are still served.
+    ReplicaDraining,
 }
 
 impl std::str::FromStr for ProxyMode {
     type Err = String;
     /// `serving`, `draining`, `not-ready`, `no-replicas`, `hang`, `flapping`, `overloaded`,
-    /// `reset-after-read` or `slow:<milliseconds>`.
+    /// `reset-after-read`, `replica-draining` or `slow:<milliseconds>`.
     fn from_str(s: &str) -> Result<Self, String> {
         Ok(match s {
             "serving" => ProxyMode::Serving,
@@ -133,11 +137,12 @@ impl std::str::FromStr for ProxyMode {
             "flapping" => ProxyMode::Flapping,
             "overloaded" => ProxyMode::Overloaded,
             "reset-after-read" => ProxyMode::ResetAfterRead,
+            "replica-draining" => ProxyMode::ReplicaDraining,
             other => match other.strip_prefix("slow:").and_then(|ms| ms.parse().ok()) {
                 Some(ms) => ProxyMode::Slow(std::time::Duration::from_millis(ms)),
                 None => {
                     return Err(format!(
-                        "unknown proxy mode {other:?}: serving, draining, not-ready, no-replicas, hang, flapping, overloaded, reset-after-read or slow:<ms>"
+                        "unknown proxy mode {other:?}: serving, draining, not-ready, no-replicas, hang, flapping, overloaded, reset-after-read, replica-draining or slow:<ms>"
                     ))
                 }
             },
@@ -313,6 +318,8 @@ async fn apply_mode(
         ProxyMode::Serving => next.run(request).await,
         ProxyMode::Draining if health_path => unavailable("This node is being drained."),
         ProxyMode::Draining => next.run(request).await,
+        ProxyMode::ReplicaDraining if health_path => unavailable("DRAINING"),
+        ProxyMode::ReplicaDraining => next.run(request).await,
         ProxyMode::NotReady => unavailable("Route table is not populated yet."),
         // Only health paths get here (application requests waited above).
         ProxyMode::NoReplicas => unavailable("No replicas are available yet."),

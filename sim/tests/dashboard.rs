@@ -453,3 +453,116 @@ async fn lists_its_proxies_as_ray_does() {
         .all(|p| p.status == ProxyStatus::Unhealthy));
     running.stop().await;
 }
+
+/// With direct ingress on, the simulated answer has the shape of a real direct-ingress
+/// cluster's (`direct-ingress/08-grpc-running.json`, `07-grpc-deploying-fallback.json`),
+/// and ray-xds reads the same things from both: each application's replicas per protocol,
+/// the proxies as targets only on the fallback.
+#[tokio::test]
+async fn direct_ingress_looks_like_the_captures_and_reads_the_same() {
+    let sim = SimDashboard::new();
+    sim.set_direct_ingress(true);
+    sim.set_grpc_options(
+        19900,
+        &["ray_xds.demo.echo_pb2_grpc.add_EchoServicer_to_server"],
+    );
+    sim.set_http_port(18800);
+    sim.set_proxy("192.0.2.2", "HEALTHY");
+    sim.set_app("echo", "/", "DEPLOYING");
+    sim.set_app("work", "/work", "DEPLOYING");
+    let running = start(&sim).await;
+
+    // Deploying: both on the proxies' groups, as Ray's fallback.
+    let (_, body) = get_raw(&running.base).await;
+    let served: Value = serde_json::from_slice(&body).unwrap();
+    let real = capture("direct-ingress/07-grpc-deploying-fallback.json");
+    let groups = |v: &Value| -> Vec<(String, String, Vec<u64>)> {
+        v["target_groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| {
+                let ports = g["targets"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t["port"].as_u64().unwrap())
+                    .collect();
+                (
+                    g["app_name"].as_str().unwrap().to_string(),
+                    g["protocol"].as_str().unwrap().to_string(),
+                    ports,
+                )
+            })
+            .collect()
+    };
+    assert_eq!(groups(&served), groups(&real));
+    for (sim_group, real_group) in served["target_groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(real["target_groups"].as_array().unwrap())
+    {
+        assert_superset("target group", sim_group, real_group);
+        assert_eq!(sim_group["route_prefix"], real_group["route_prefix"]);
+    }
+
+    // Running: each application's own replicas (the capture's ports).
+    let ip = |port: u16| SocketAddr::from(([192, 0, 2, 2], port));
+    sim.set_app("echo", "/", "RUNNING");
+    sim.set_app("work", "/work", "RUNNING");
+    assert!(sim.set_app_replicas("echo", &[(ip(30000), Some(ip(40000)))]));
+    assert!(sim.set_app_replicas("work", &[(ip(30001), Some(ip(40001)))]));
+    assert!(!sim.set_app_replicas("nope", &[]));
+    let (_, body) = get_raw(&running.base).await;
+    let served: Value = serde_json::from_slice(&body).unwrap();
+    let real = capture("direct-ingress/08-grpc-running.json");
+    assert_eq!(groups(&served), groups(&real));
+    let (sim_target, real_target) = (
+        &served["target_groups"][0]["targets"][0],
+        &real["target_groups"][0]["targets"][0],
+    );
+    assert_superset("replica target", sim_target, real_target);
+    let name = sim_target["name"].as_str().unwrap();
+    assert!(name.starts_with("SERVE_REPLICA::echo#Echo#"), "{name}");
+    // The HTTP and gRPC targets of one replica carry its one name, as in Ray.
+    assert_eq!(served["target_groups"][1]["targets"][0]["name"], name);
+
+    // What ray-xds reads is the same from both.
+    let (sim_status, real_status) = (parse(&body).unwrap(), {
+        let bytes = serde_json::to_vec(&real).unwrap();
+        parse(&bytes).unwrap()
+    });
+    let replicas =
+        |s: &ray_xds::live::dashboard::ServeStatus| -> Vec<(String, Vec<u16>, Vec<u16>)> {
+            s.ingress
+                .apps
+                .iter()
+                .map(|(n, a)| {
+                    let ports = |r: &[ray_xds::live::target_groups::ReplicaTarget]| {
+                        r.iter().map(|r| r.address.port()).collect()
+                    };
+                    (n.clone(), ports(&a.http), ports(&a.grpc))
+                })
+                .collect()
+        };
+    assert_eq!(replicas(&sim_status), replicas(&real_status));
+    assert!(sim_status.ingress.on && real_status.ingress.on);
+    let proxies = |s: &ray_xds::live::dashboard::ServeStatus| -> Vec<SocketAddr> {
+        s.http_proxies.iter().map(|p| p.address).collect()
+    };
+    assert_eq!(proxies(&sim_status), proxies(&real_status));
+
+    // Off again: one group per protocol, the proxies.
+    sim.set_direct_ingress(false);
+    let (_, body) = get_raw(&running.base).await;
+    let served: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        groups(&served),
+        [
+            ("".to_string(), "HTTP".to_string(), vec![18800]),
+            ("".to_string(), "gRPC".to_string(), vec![19900]),
+        ]
+    );
+    running.stop().await;
+}

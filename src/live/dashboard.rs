@@ -39,7 +39,7 @@
 //!   empty maps, and status strings this version does not know become `Other(..)` instead
 //!   of failing. Only a body that is not a JSON object, whose `applications` or
 //!   `proxies` are present but not objects, or that lists more than [`MAX_PROXIES`]
-//!   proxies or [`MAX_TARGETS`] HTTP targets or over [`MAX_JSON_VALUES`] values in all, is
+//!   proxies or [`MAX_TARGETS`] targets or over [`MAX_JSON_VALUES`] values in all, is
 //!   [`DashboardError::Malformed`] (and, as
 //!   for every failed poll, the last good answer stays).
 //! - [`DashboardClient::fetch`] parses on a blocking thread: a big answer costs a
@@ -85,9 +85,10 @@ pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// `live::dashboards::MEMORY_BUDGET_BYTES` too.)
 pub const MAX_PROXIES: usize = 5_000;
 
-/// The most targets the HTTP `target_groups` of one answer may list, all groups together
-/// (see [`MAX_PROXIES`]).
-pub const MAX_TARGETS: usize = 5_000;
+/// The most targets the `target_groups` of one answer may list, all groups and protocols
+/// together: a proxy per node, and with direct ingress an HTTP and a gRPC target per
+/// ingress replica (see [`MAX_PROXIES`]).
+pub const MAX_TARGETS: usize = 20_000;
 
 /// The most dashboard answers read (and waiting to be parsed) at once, over all
 /// clusters: each buffers up to [`MAX_BODY_BYTES`], so bodies in memory stay under
@@ -128,6 +129,9 @@ pub struct ServeStatus {
     /// The IP address the answer came from (the dashboard's, as connected to): the
     /// network its discovered proxies are expected in. `None` from [`parse`] alone.
     pub answered_from: Option<std::net::IpAddr>,
+    /// Ray's direct ingress: each application's ingress replicas
+    /// (`live::target_groups`).
+    pub ingress: super::target_groups::DirectIngress,
 }
 
 /// A Serve HTTP proxy to send requests to, read from `target_groups` and `proxies`.
@@ -277,7 +281,7 @@ impl ServeStatus {
             .iter()
             .map(|p| ENTRY + p.node_id.len())
             .sum();
-        std::mem::size_of::<Self>() + apps + proxies + http
+        std::mem::size_of::<Self>() + apps + proxies + http + self.ingress.estimated_bytes()
     }
 
     /// True when there is at least one application and every one is `RUNNING`.
@@ -451,10 +455,10 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
             "{listed} proxies listed, over the cap of {MAX_PROXIES}"
         )));
     }
-    let targets = http_targets(&root).count();
+    let targets = super::target_groups::targets(&root).count();
     if targets > MAX_TARGETS {
         return Err(DashboardError::Malformed(format!(
-            "{targets} HTTP targets listed, over the cap of {MAX_TARGETS}"
+            "{targets} targets listed, over the cap of {MAX_TARGETS}"
         )));
     }
     // Node id → the proxy's actor name: a target's `name` says which proxy it is.
@@ -484,6 +488,7 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
         .and_then(|o| o.get("keep_alive_timeout_s"))
         .and_then(Value::as_f64);
     status.http_proxies = http_proxies(&root, &status.proxies, &actor_names);
+    status.ingress = super::target_groups::parse(&root);
     let grpc = root.get("grpc_options");
     let serves_grpc = grpc
         .and_then(|o| o.get("grpc_servicer_functions"))
@@ -522,8 +527,9 @@ enum Shape {
     ArrayOf(&'static Shape, usize, &'static str),
 }
 
-/// The most target groups one answer may list (Ray lists one per protocol).
-const MAX_TARGET_GROUPS: usize = 64;
+/// The most target groups one answer may list: Ray lists one per protocol, and with direct
+/// ingress one per application and protocol.
+const MAX_TARGET_GROUPS: usize = 2 * MAX_APPLICATIONS + 2;
 
 /// The most gRPC servicer functions one answer may list (an application has a few).
 const MAX_SERVICER_FUNCTIONS: usize = 1_000;
@@ -559,6 +565,9 @@ static ROOT: Shape = Shape::Fields(&[
         Shape::ArrayOf(
             &Shape::Fields(&[
                 ("protocol", Shape::Scalar),
+                ("app_name", Shape::Scalar),
+                ("route_prefix", Shape::Scalar),
+                ("ingress_deployment_name", Shape::Scalar),
                 (
                     "targets",
                     Shape::ArrayOf(
@@ -723,18 +732,16 @@ impl<'de> serde::de::Visitor<'de> for PrunedVisitor {
 
 /// Every entry of the `targets` of the HTTP `target_groups` (gRPC groups are skipped),
 /// objects or not.
+/// The HTTP targets that are proxies: with direct ingress, a group's targets are an
+/// application's replicas (`target_groups`), never proxies.
 fn http_targets(root: &Map<String, Value>) -> impl Iterator<Item = &Value> {
-    let groups = root.get("target_groups").and_then(Value::as_array);
-    groups
-        .into_iter()
-        .flatten()
-        .filter(|g| {
-            g.get("protocol")
-                .and_then(Value::as_str)
-                .is_some_and(|p| p.eq_ignore_ascii_case("http"))
+    super::target_groups::targets(root)
+        .filter(|(protocol, _)| *protocol == crate::model::Protocol::Http)
+        .map(|(_, target)| target)
+        .filter(|t| {
+            let name = t.get("name").and_then(Value::as_str).unwrap_or_default();
+            !super::target_groups::is_replica(name)
         })
-        .filter_map(|g| g.get("targets").and_then(Value::as_array))
-        .flatten()
 }
 
 /// Who owns a target, looked up in maps built once from `proxies` (a scan of every proxy
@@ -1649,12 +1656,15 @@ mod tests {
     /// finishes like any other test.
     #[test]
     fn an_answer_at_the_caps_matches_every_target_to_its_proxy() {
+        // Targets past the proxies (direct ingress lists replicas too) are still read.
         let s = parse(&big_answer(MAX_PROXIES, MAX_TARGETS)).unwrap();
+        assert_eq!(s.http_proxies.len(), MAX_TARGETS);
+        let s = parse(&big_answer(MAX_PROXIES, MAX_PROXIES)).unwrap();
         assert_eq!(s.http_proxies.len(), MAX_PROXIES);
         let ip = big_answer_ip;
         let by_address: BTreeMap<SocketAddr, &HttpProxy> =
             s.http_proxies.iter().map(|p| (p.address, p)).collect();
-        for i in 0..MAX_TARGETS {
+        for i in 0..MAX_PROXIES {
             let address: SocketAddr = format!("{}:8000", ip(i)).parse().unwrap();
             let p = by_address[&address];
             assert_eq!(p.node_id, format!("n{i}"));
@@ -1668,9 +1678,9 @@ mod tests {
         }
     }
 
-    /// One proxy or one HTTP target over its cap and the whole answer is refused,
-    /// naming the cap (the poller then keeps the last good answer, as for any
-    /// malformed one). gRPC targets do not count.
+    /// One proxy or one target over its cap and the whole answer is refused, naming the
+    /// cap (the poller then keeps the last good answer, as for any malformed one). gRPC
+    /// targets count too: with direct ingress they are replicas.
     #[test]
     fn an_answer_over_a_cap_is_malformed_naming_it() {
         // Refused as soon as the entry over the cap is read, not after the whole tree.
@@ -1692,14 +1702,20 @@ mod tests {
         v["target_groups"].as_array_mut().unwrap().push(group);
         let why = assert_malformed(v.to_string().as_bytes());
         assert!(
-            why.contains(&format!("{} HTTP targets", 2 * MAX_TARGETS)),
+            why.contains(&format!("{} targets listed", 2 * MAX_TARGETS)),
             "{why}"
         );
-        let mut v: Value = serde_json::from_slice(&big_answer(1, MAX_TARGETS)).unwrap();
+        let mut v: Value = serde_json::from_slice(&big_answer(1, MAX_TARGETS / 2)).unwrap();
         let mut grpc = v["target_groups"][0].clone();
         grpc["protocol"] = "gRPC".into();
-        v["target_groups"].as_array_mut().unwrap().push(grpc);
+        v["target_groups"]
+            .as_array_mut()
+            .unwrap()
+            .push(grpc.clone());
         assert_eq!(parse(v.to_string().as_bytes()).unwrap().proxies.len(), 1);
+        v["target_groups"].as_array_mut().unwrap().push(grpc);
+        let why = assert_malformed(v.to_string().as_bytes());
+        assert!(why.contains("targets listed"), "{why}");
 
         // Many tiny values (the tree, not the body, is what costs): refused before the
         // tree is built; commas inside strings are not values.

@@ -1,13 +1,23 @@
-//! Discovery: the proxies of a cluster given by its dashboard alone.
+//! Discovery: what a cluster's dashboard adds to the source's model.
 //!
 //! [`discover`] is pure: it takes the source's model and what every dashboard last said,
-//! and gives the *effective* model, in which each cluster that discovers its proxies
-//! ([`RayCluster::discover`](crate::model::RayCluster::discover)) has the HTTP proxies of
-//! its dashboard's last answer
-//! ([`ServeStatus::http_proxies`](super::dashboard::ServeStatus::http_proxies): targets
-//! and listed proxies, head or worker by the controller's node). Clusters whose source
-//! lists their proxies are left as they are. The runtime runs it in one task, the single
-//! writer of the effective model ([`run`]).
+//! and gives the *effective* model, in which
+//!
+//! - each cluster that discovers its proxies
+//!   ([`RayCluster::discover`](crate::model::RayCluster::discover)) has the HTTP proxies of
+//!   its dashboard's last answer
+//!   ([`ServeStatus::http_proxies`](super::dashboard::ServeStatus::http_proxies): targets
+//!   and listed proxies, head or worker by the controller's node); clusters whose source
+//!   lists their proxies keep them;
+//! - every cluster with a dashboard has the applications its last answer lists
+//!   ([`RayCluster::applications`](crate::model::RayCluster::applications)), and with
+//!   Ray's direct ingress each application's ingress replicas
+//!   ([`super::target_groups`]), each through the address policy
+//!   ([`AddressPolicy::check_replica`]: Ray's replica ports, and on one of the cluster's
+//!   listed nodes, or within `proxies.networks`, or, for a cluster whose proxies are
+//!   discovered, in its dashboard's network).
+//!
+//! The runtime runs it in one task, the single writer of the effective model ([`run`]).
 //!
 //! Invariants:
 //!
@@ -25,7 +35,7 @@
 //!   group's addresses change; `/debug/state` lists the first [`REFUSED_SHOWN`] and counts
 //!   the rest per reason ([`RefusedSummary`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
@@ -33,9 +43,13 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::dashboard::ServeStatus;
 use super::dashboards::DashboardStates;
 use crate::metrics::Metrics;
-use crate::model::{AddressPolicy, AddressRefusal, Model, Proxy, ProxyOrigin};
+use crate::model::{
+    canonical_ip, AddressPolicy, AddressRefusal, Application, Model, Protocol, Proxy, ProxyOrigin,
+    ReplicaNodes,
+};
 
 /// A proxy left out of the effective model by the [`AddressPolicy`].
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -193,8 +207,7 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
         } else {
             (cluster.proxies.clone(), ProxyOrigin::Source)
         };
-        let http: std::collections::BTreeSet<SocketAddr> =
-            candidates.iter().map(|p| p.address).collect();
+        let http: BTreeSet<SocketAddr> = candidates.iter().map(|p| p.address).collect();
         let mut refuse = |address, origin, why: AddressRefusal, what: &str| {
             refused.push(RefusedProxy {
                 cluster: envoy_cluster.to_string(),
@@ -235,15 +248,84 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
             })
             .collect()
     });
+    let model = model.with_applications(|envoy_cluster, cluster| {
+        let dashboard = dashboards
+            .clusters
+            .get(envoy_cluster)
+            .filter(|d| cluster.dashboard.as_deref() == Some(d.url.as_str()));
+        let Some(status) = dashboard.and_then(|d| d.status.as_ref()) else {
+            return (false, Vec::new());
+        };
+        let listed: BTreeSet<IpAddr> = cluster
+            .proxies
+            .iter()
+            .filter(|p| !p.host_network)
+            .map(|p| canonical_ip(p.address.ip()))
+            .collect();
+        let nodes = if cluster.discover {
+            ReplicaNodes::Dashboard(
+                dashboard.and_then(|d| dashboard_ip(&d.url, status.answered_from)),
+            )
+        } else {
+            ReplicaNodes::Listed(&listed)
+        };
+        let applications = applications(status, |address, protocol| {
+            match policy.check_replica(address, protocol, nodes) {
+                Ok(()) => true,
+                Err(why) => {
+                    refused.push(RefusedProxy {
+                        cluster: envoy_cluster.to_string(),
+                        address,
+                        from: "dashboard",
+                        label: why.label(),
+                        reason: format!("ingress replica ({}): {why}", protocol.as_str()),
+                    });
+                    false
+                }
+            }
+        });
+        (status.ingress.on, applications)
+    });
     refused.sort();
     refused.dedup();
     Discovered { model, refused }
 }
 
+/// The applications a dashboard answer lists, each with the ingress replicas `allowed`
+/// lets through (direct ingress; none without). Routing is Ray's: an application with
+/// no route prefix gets no HTTP route.
+fn applications(
+    status: &ServeStatus,
+    mut allowed: impl FnMut(SocketAddr, Protocol) -> bool,
+) -> Vec<Application> {
+    status
+        .applications
+        .iter()
+        .map(|(name, app)| {
+            let targets = status.ingress.apps.get(name);
+            let mut replicas = |protocol| -> Vec<SocketAddr> {
+                targets
+                    .map(|t| t.replicas(protocol))
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|r| r.address)
+                    .filter(|a| allowed(*a, protocol))
+                    .collect()
+            };
+            Application {
+                name: name.clone(),
+                route_prefix: app.route_prefix.clone(),
+                http_replicas: replicas(Protocol::Http),
+                grpc_replicas: replicas(Protocol::Grpc),
+            }
+        })
+        .collect()
+}
+
 /// The single writer of the effective model and of the refused proxies: the source's
 /// model, with each cluster that discovers its proxies given those its dashboard last
 /// listed, through the address policy ([`discover`]). Re-run when either input changes;
-/// published only on change. When no cluster discovers and the policy refuses nothing,
+/// published only on change. When no cluster has a dashboard and the policy refuses nothing,
 /// the source's model is forwarded as is (the same `Arc`: no copy, and dashboard polls
 /// cost nothing here).
 #[derive(Clone)]
@@ -264,7 +346,13 @@ impl Discovery {
         let mut logged = RefusalGroups::new();
         loop {
             let model = source.borrow_and_update().clone();
-            let discovers = model.discovers();
+            // Dashboards give proxies (discovering clusters) and applications (every
+            // cluster with one).
+            let discovers = model
+                .services()
+                .iter()
+                .flat_map(|s| &s.clusters)
+                .any(|c| c.dashboard.is_some());
             let states = dashboards.borrow_and_update().clone();
             let Discovered {
                 model: next,
@@ -295,7 +383,7 @@ impl Discovery {
                 }
                 changed
             });
-            // Dashboards matter when a cluster discovers (see `discover`).
+            // Dashboards matter when a cluster has one (see `discover`).
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
@@ -536,10 +624,159 @@ mod tests {
         );
         let allowed = AddressPolicy {
             networks: vec!["127.0.0.0/8".parse().unwrap()],
+            ..Default::default()
         };
         let d = discover(&m, &DashboardStates::default(), &allowed);
         assert_eq!(d.model.proxies().count(), 2);
         assert!(d.refused.is_empty());
+    }
+}
+
+#[cfg(test)]
+mod application_tests {
+    use super::*;
+    use crate::live::dashboard::parse;
+    use crate::live::dashboards::ClusterDashboard;
+    use crate::model::test_support::service;
+    use pretty_assertions::assert_eq;
+
+    const URL: &str = "http://192.0.2.2:8265";
+
+    fn capture(name: &str) -> ServeStatus {
+        let path = format!(
+            "{}/tests/fixtures/ray-serve-2.60/direct-ingress/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        parse(&std::fs::read(path).unwrap()).unwrap()
+    }
+
+    fn answered(url: &str, status: ServeStatus) -> ClusterDashboard {
+        let mut d = ClusterDashboard::new(url.into());
+        d.status = Some(std::sync::Arc::new(status));
+        d
+    }
+
+    /// (application, route prefix, HTTP replica ports) of the first cluster.
+    fn apps(m: &Model) -> Vec<(String, Option<String>, Vec<u16>)> {
+        m.services()[0].clusters[0]
+            .applications
+            .iter()
+            .map(|a| {
+                let ports = a.http_replicas.iter().map(|r| r.port()).collect();
+                (a.name.clone(), a.route_prefix.clone(), ports)
+            })
+            .collect()
+    }
+
+    fn app(name: &str, prefix: &str, ports: &[u16]) -> (String, Option<String>, Vec<u16>) {
+        (name.into(), Some(prefix.into()), ports.to_vec())
+    }
+
+    #[test]
+    fn a_discovering_cluster_gets_each_application_s_replicas_and_only_its_proxy() {
+        let mut a = service("a", "a1", &[]);
+        a.clusters[0].discover = true;
+        a.clusters[0].dashboard = Some(URL.into());
+        let m = Model::new(vec![a]).unwrap();
+        let d = DashboardStates {
+            clusters: [(
+                "default/a/a1".to_string(),
+                answered(URL, capture("05-two-replicas-and-failed.json")),
+            )]
+            .into(),
+        };
+        let out = discover(&m, &d, &AddressPolicy::default());
+        assert_eq!(out.refused, []);
+        let c = &out.model.services()[0].clusters[0];
+        assert!(c.direct_ingress);
+        assert_eq!(
+            apps(&out.model),
+            [
+                app("broken", "/broken", &[]),
+                app("echo", "/", &[30001]),
+                app("work", "/work", &[30002, 30003]),
+            ]
+        );
+        let proxies: Vec<u16> = c.proxies.iter().map(|p| p.address.port()).collect();
+        assert_eq!(proxies, [18800]);
+        // Every replica is an endpoint to probe.
+        let endpoints: Vec<u16> = out.model.endpoints().map(|(a, _)| a.port()).collect();
+        assert_eq!(endpoints, [18800, 30001, 30002, 30003]);
+    }
+
+    #[test]
+    fn a_replica_must_be_on_a_listed_node_within_ray_s_ports() {
+        // The source lists the head (192.0.2.2) only: a replica on another node is refused
+        // unless proxies.networks allows it; one outside Ray's ports always.
+        let mut b = service("b", "b1", &[]);
+        b.clusters[0].proxies = vec![crate::model::Proxy {
+            address: "192.0.2.2:18800".parse().unwrap(),
+            grpc: None,
+            node_type: crate::model::NodeType::Head,
+            draining: false,
+            host_network: false,
+        }];
+        b.clusters[0].dashboard = Some(URL.into());
+        let m = Model::new(vec![b]).unwrap();
+        let mut status = capture("05-two-replicas-and-failed.json");
+        let work = status.ingress.apps.get_mut("work").unwrap();
+        work.http[0].address = "192.0.2.3:30002".parse().unwrap();
+        work.http[1].address = "192.0.2.2:8000".parse().unwrap();
+        let d = DashboardStates {
+            clusters: [("default/b/b1".to_string(), answered(URL, status))].into(),
+        };
+        let out = discover(&m, &d, &AddressPolicy::default());
+        assert_eq!(apps(&out.model)[2], app("work", "/work", &[]));
+        let refused: Vec<(String, &str)> = out
+            .refused
+            .iter()
+            .map(|r| (r.address.to_string(), r.label))
+            .collect();
+        assert_eq!(
+            refused,
+            [
+                ("192.0.2.2:8000".to_string(), "outside_replica_ports"),
+                ("192.0.2.3:30002".to_string(), "not_a_cluster_node"),
+            ]
+        );
+        let networks = AddressPolicy {
+            networks: vec!["192.0.2.0/24".parse().unwrap()],
+            replica_ports: crate::model::ReplicaPorts {
+                http: 8000..=31000,
+                grpc: 40000..=41000,
+            },
+        };
+        let out = discover(&m, &d, &networks);
+        assert_eq!(out.refused, []);
+        let work: Vec<String> = out.model.services()[0].clusters[0]
+            .application("work")
+            .unwrap()
+            .http_replicas
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(work, ["192.0.2.2:8000", "192.0.2.3:30002"]);
+    }
+
+    #[test]
+    fn a_stale_dashboard_keeps_its_applications_and_none_without_an_answer() {
+        let mut a = service("a", "a1", &[]);
+        a.clusters[0].discover = true;
+        a.clusters[0].dashboard = Some(URL.into());
+        let m = Model::new(vec![a]).unwrap();
+        let mut d = answered(URL, capture("02-running.json"));
+        d.stale = true;
+        let states = DashboardStates {
+            clusters: [("default/a/a1".to_string(), d)].into(),
+        };
+        let out = discover(&m, &states, &AddressPolicy::default());
+        assert_eq!(
+            apps(&out.model),
+            [app("echo", "/", &[30001]), app("work", "/work", &[30000])]
+        );
+        let none = discover(&m, &DashboardStates::default(), &AddressPolicy::default());
+        assert!(none.model.services()[0].clusters[0].applications.is_empty());
+        assert!(!none.model.services()[0].clusters[0].direct_ingress);
     }
 }
 

@@ -30,10 +30,17 @@
 //! its own (`<cluster>/grpc`): the same rules on its own probe (`Healthz`), the node's
 //! source and dashboard facts, no route-prefix rule (the gRPC proxy picks the application
 //! from the call's `application` metadata), and counts of its own for the switchover.
+//!
+//! With Ray's direct ingress, each application's ingress replicas are endpoints too, per
+//! protocol in an Envoy cluster of the application's
+//! ([`RayService::envoy_app_cluster_name`]): their probe, withheld until the first one,
+//! DRAINING on a node the source says is going away, fail-open, DRAINING in a dropped
+//! cluster; counted like proxies (`ready`: probe healthy), so that `translate` sends an
+//! application to its replicas only while one may take requests.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use serde::Serialize;
 
@@ -41,7 +48,7 @@ use super::dashboard::{AppStatus, ProxyStatus};
 use super::dashboards::DashboardStates;
 use super::probe::ProbeState;
 use super::prober::ProbeStates;
-use crate::model::{HeadProxy, Model, NodeType, Protocol};
+use crate::model::{HeadProxy, Model, NodeType, Protocol, RayCluster, RayService};
 
 /// What Envoy is told about an endpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -221,25 +228,8 @@ pub fn assess(
                 let mut verdicts: Vec<(SocketAddr, NodeType, Verdict)> = Vec::new();
                 for (address, proxy) in cluster.endpoints(protocol) {
                     let probe = probes.proxies.get(&address);
-                    let state = probe.map_or(ProbeState::Unknown, |p| p.state);
-                    let mut v = match state {
-                        ProbeState::Unknown => {
-                            verdict(EndpointHealth::Unknown, Reason::NotProbedYet)
-                        }
-                        ProbeState::Healthy => {
-                            verdict(EndpointHealth::Healthy, Reason::ProbeHealthy)
-                        }
-                        ProbeState::Unhealthy => verdict(
-                            EndpointHealth::Unhealthy,
-                            Reason::ProbeFailed(
-                                probe.map(|p| p.reason.clone()).unwrap_or_default(),
-                            ),
-                        ),
-                        ProbeState::Draining => {
-                            verdict(EndpointHealth::Draining, Reason::ProxyDraining)
-                        }
-                    };
-                    if state == ProbeState::Unknown && withheld(&address) {
+                    let mut v = probe_verdict(probes, &address);
+                    if v.health == EndpointHealth::Unknown && withheld(&address) {
                         v = verdict(EndpointHealth::Withheld, Reason::AwaitingFirstProbe);
                     }
                     if proxy.draining {
@@ -270,27 +260,7 @@ pub fn assess(
                 }
 
                 // Fail-open: every proxy that could serve fails its probe.
-                let mut candidates = verdicts
-                    .iter()
-                    .filter(|(_, _, v)| {
-                        !matches!(
-                            v.health,
-                            EndpointHealth::Draining | EndpointHealth::Withheld
-                        )
-                    })
-                    .peekable();
-                let all_unhealthy = candidates.peek().is_some()
-                    && candidates.all(|(_, _, v)| v.health == EndpointHealth::Unhealthy);
-                if all_unhealthy {
-                    for (_, _, v) in verdicts
-                        .iter_mut()
-                        .filter(|(_, _, v)| v.health == EndpointHealth::Unhealthy)
-                    {
-                        let why = std::mem::replace(&mut v.reason, Reason::NotProbedYet);
-                        *v = verdict(EndpointHealth::Healthy, Reason::FailOpen(Box::new(why)));
-                    }
-                    summary.fail_open = true;
-                }
+                fail_open(verdicts.iter_mut().map(|(_, _, v)| v), &mut summary);
 
                 let worker_up = verdicts.iter().any(|(_, t, v)| {
                     *t == NodeType::Worker
@@ -324,11 +294,7 @@ pub fn assess(
                     if departed && v.health != EndpointHealth::Withheld {
                         v = verdict(EndpointHealth::Draining, Reason::ClusterDeparted);
                     }
-                    let routable =
-                        matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
-                            && !matches!(v.reason, Reason::FailOpen(_));
-                    summary.routable += routable as u32;
-                    summary.awaiting_first_probe += (v.health == EndpointHealth::Withheld) as u32;
+                    count(&v, &mut summary);
                     out.endpoints.insert((name.clone(), address), v);
                 }
                 if departed {
@@ -336,9 +302,123 @@ pub fn assess(
                 }
                 out.clusters.insert(name, summary);
             }
+            assess_replicas(service, cluster, probes, &withheld, facts, &mut out);
         }
     }
     out
+}
+
+/// The ingress replicas of each application of `cluster` (Ray's direct ingress), each
+/// protocol in its application's Envoy cluster: its probe, withheld until the first one,
+/// DRAINING on a node the source says is going away, fail-open when every replica that
+/// could serve fails its probe, DRAINING in a cluster the source dropped. No head or route
+/// rule: a replica serves its one application wherever it runs.
+fn assess_replicas(
+    service: &RayService,
+    cluster: &RayCluster,
+    probes: &ProbeStates,
+    withheld: &dyn Fn(&SocketAddr) -> bool,
+    facts: Facts<'_>,
+    out: &mut HealthMap,
+) {
+    let leaving: BTreeSet<IpAddr> = cluster
+        .proxies
+        .iter()
+        .filter(|p| p.draining)
+        .map(|p| p.address.ip())
+        .collect();
+    let departed = facts
+        .departed
+        .is_some_and(|d| d.contains(&service.envoy_cluster_name(&cluster.name)));
+    for app in &cluster.applications {
+        for protocol in [Protocol::Http, Protocol::Grpc] {
+            let replicas = app.replicas(protocol);
+            if replicas.is_empty() {
+                continue;
+            }
+            let name = service.envoy_app_cluster_name(&cluster.name, &app.name, protocol);
+            let mut summary = ClusterHealth::default();
+            let mut verdicts: Vec<(SocketAddr, Verdict)> = replicas
+                .iter()
+                .map(|address| {
+                    let v = probe_verdict(probes, address);
+                    let v = match v.health {
+                        EndpointHealth::Unknown if withheld(address) => {
+                            verdict(EndpointHealth::Withheld, Reason::AwaitingFirstProbe)
+                        }
+                        _ if leaving.contains(&address.ip()) => {
+                            verdict(EndpointHealth::Draining, Reason::SourceDraining)
+                        }
+                        _ => v,
+                    };
+                    if v.health == EndpointHealth::Healthy {
+                        summary.ready += 1;
+                    }
+                    (*address, v)
+                })
+                .collect();
+            fail_open(verdicts.iter_mut().map(|(_, v)| v), &mut summary);
+            for (address, mut v) in verdicts {
+                if departed && v.health != EndpointHealth::Withheld {
+                    v = verdict(EndpointHealth::Draining, Reason::ClusterDeparted);
+                }
+                count(&v, &mut summary);
+                out.endpoints.insert((name.clone(), address), v);
+            }
+            if departed {
+                summary.ready = 0;
+            }
+            out.clusters.insert(name, summary);
+        }
+    }
+}
+
+/// What an endpoint's probe alone says.
+fn probe_verdict(probes: &ProbeStates, address: &SocketAddr) -> Verdict {
+    let probe = probes.proxies.get(address);
+    match probe.map_or(ProbeState::Unknown, |p| p.state) {
+        ProbeState::Unknown => verdict(EndpointHealth::Unknown, Reason::NotProbedYet),
+        ProbeState::Healthy => verdict(EndpointHealth::Healthy, Reason::ProbeHealthy),
+        ProbeState::Unhealthy => verdict(
+            EndpointHealth::Unhealthy,
+            Reason::ProbeFailed(probe.map(|p| p.reason.clone()).unwrap_or_default()),
+        ),
+        ProbeState::Draining => verdict(EndpointHealth::Draining, Reason::ProxyDraining),
+    }
+}
+
+/// Fail-open: when every endpoint that could serve (neither draining nor withheld) fails
+/// its probe, all of them are published healthy, and the cluster says so.
+fn fail_open<'a>(verdicts: impl Iterator<Item = &'a mut Verdict>, summary: &mut ClusterHealth) {
+    let mut candidates: Vec<&mut Verdict> = verdicts
+        .filter(|v| {
+            !matches!(
+                v.health,
+                EndpointHealth::Draining | EndpointHealth::Withheld
+            )
+        })
+        .collect();
+    if candidates.is_empty()
+        || candidates
+            .iter()
+            .any(|v| v.health != EndpointHealth::Unhealthy)
+    {
+        return;
+    }
+    for v in candidates.iter_mut() {
+        let why = std::mem::replace(&mut v.reason, Reason::NotProbedYet);
+        **v = verdict(EndpointHealth::Healthy, Reason::FailOpen(Box::new(why)));
+    }
+    summary.fail_open = true;
+}
+
+/// Counts a published verdict: routable (healthy or unknown, not by fail-open), or
+/// awaiting its first probe.
+fn count(v: &Verdict, summary: &mut ClusterHealth) {
+    let routable = matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
+        && !matches!(v.reason, Reason::FailOpen(_));
+    summary.routable += routable as u32;
+    summary.awaiting_first_probe += (v.health == EndpointHealth::Withheld) as u32;
 }
 
 fn verdict(health: EndpointHealth, reason: Reason) -> Verdict {
@@ -691,5 +771,95 @@ mod tests {
         let all = probes(&[(8000, P::Healthy), (8001, P::Healthy), (8002, P::Healthy)]);
         let m = assess(&going, &all, &none, Facts::default());
         assert_eq!(m.cluster(CLUSTER).ready, 2);
+    }
+
+    /// Cluster `a1` with direct ingress: `work`'s replicas at 30000..=30002 (HTTP).
+    fn replica_model(draining_node: bool) -> Model {
+        let mut s = service("a", "a1", &[8000]);
+        s.clusters[0].proxies[0].draining = draining_node;
+        s.clusters[0].direct_ingress = true;
+        s.clusters[0].applications = vec![crate::model::test_support::app(
+            "work",
+            Some("/work"),
+            &[30000, 30001, 30002],
+        )];
+        Model::new(vec![s]).unwrap()
+    }
+
+    const WORK: &str = "default/a/a1/app/work";
+
+    #[test]
+    fn replicas_are_judged_on_their_own_probes_in_their_application_s_cluster() {
+        let none = DashboardStates::default();
+        let states = probes(&[
+            (8000, P::Healthy),
+            (30000, P::Healthy),
+            (30001, P::Unhealthy),
+        ]);
+        let withheld = BTreeSet::from([addr(30002)]);
+        let m = assess(
+            &replica_model(false),
+            &states,
+            &none,
+            Facts {
+                withheld: Some(&withheld),
+                departed: None,
+            },
+        );
+        assert_eq!(m.health(WORK, addr(30000)), Healthy);
+        assert_eq!(m.health(WORK, addr(30001)), Unhealthy);
+        assert_eq!(m.health(WORK, addr(30002)), Withheld);
+        let c = m.cluster(WORK);
+        assert_eq!((c.ready, c.routable, c.awaiting_first_probe), (1, 1, 1));
+        // The proxy's cluster is its own: no replica in it.
+        assert_eq!(m.cluster(CLUSTER).ready, 1);
+        assert!(!m
+            .endpoints
+            .contains_key(&(CLUSTER.to_string(), addr(30000))));
+
+        // A replica saying it drains (`DRAINING`), or on a node going away, drains.
+        let states = probes(&[
+            (30000, P::Draining),
+            (30001, P::Healthy),
+            (30002, P::Healthy),
+        ]);
+        let m = assess(&replica_model(true), &states, &none, Facts::default());
+        assert_eq!(m.health(WORK, addr(30000)), Draining);
+        // All three run on 127.0.0.1, the draining node's address.
+        assert_eq!(m.health(WORK, addr(30001)), Draining);
+        assert_eq!(m.cluster(WORK).routable, 0);
+    }
+
+    #[test]
+    fn replicas_fail_open_and_drain_with_a_departed_cluster() {
+        let none = DashboardStates::default();
+        let down = probes(&[
+            (30000, P::Unhealthy),
+            (30001, P::Unhealthy),
+            (30002, P::Unhealthy),
+        ]);
+        let m = assess(&replica_model(false), &down, &none, Facts::default());
+        assert_eq!(m.health(WORK, addr(30000)), Healthy);
+        let c = m.cluster(WORK);
+        assert!(c.fail_open);
+        assert_eq!((c.ready, c.routable), (0, 0));
+
+        let up = probes(&[
+            (30000, P::Healthy),
+            (30001, P::Healthy),
+            (30002, P::Healthy),
+        ]);
+        let departed = BTreeSet::from([CLUSTER.to_string()]);
+        let m = assess(
+            &replica_model(false),
+            &up,
+            &none,
+            Facts {
+                withheld: None,
+                departed: Some(&departed),
+            },
+        );
+        assert_eq!(m.health(WORK, addr(30000)), Draining);
+        assert_eq!(m.cluster(WORK).ready, 0);
     }
 }

@@ -5,8 +5,10 @@
 //!   kept in [`route_tables`] and read in turns from [`route_turns`];
 //! - [`dashboard`] and [`dashboards`]: each cluster's Ray dashboard, the authority on
 //!   application status, polled;
+//! - [`target_groups`]: Ray's direct ingress, each application's ingress replicas, as a
+//!   dashboard answer lists them;
 //! - [`discovery`]: the pure step that gives a cluster known only by its dashboard the
-//!   proxies that dashboard lists;
+//!   proxies that dashboard lists, and every cluster its applications and their replicas;
 //! - [`health`]: the pure combination of all of it into each endpoint's health;
 //! - [`peers`]: what the other ray-xds replicas say of their switchovers.
 
@@ -19,3 +21,4 @@ pub mod probe;
 pub mod prober;
 pub mod route_tables;
 pub mod route_turns;
+pub mod target_groups;

@@ -225,6 +225,7 @@ impl Prober {
                             address: *addr,
                             settings: target.settings.clone(),
                             protocol: target.protocol,
+                            read_routes: target.read_routes,
                             routes_interval: self.policy.routes_interval,
                             client: client.clone(),
                             permits: permits.clone(),
@@ -319,6 +320,7 @@ impl Prober {
                         address: *addr,
                         settings: target.settings.clone(),
                         protocol: target.protocol,
+                        read_routes: target.read_routes,
                         routes_interval: self.policy.routes_interval,
                         client: client.clone(),
                         permits: permits.clone(),
@@ -505,10 +507,13 @@ fn owners(model: &Model) -> BTreeMap<SocketAddr, String> {
 struct Target {
     settings: ProbePolicy,
     protocol: Protocol,
+    /// An HTTP proxy's `/-/routes` is read too; an ingress replica serves one application.
+    read_routes: bool,
 }
 
 /// Every endpoint of the model (each proxy's HTTP address, and its gRPC address when it
-/// serves gRPC) with the probe settings of its RayService.
+/// serves gRPC; each ingress replica's HTTP and gRPC ports) with the probe settings of its
+/// RayService.
 fn targets(model: &Model, defaults: &ProbePolicy) -> BTreeMap<SocketAddr, Target> {
     let mut out = BTreeMap::new();
     for service in model.services() {
@@ -519,8 +524,16 @@ fn targets(model: &Model, defaults: &ProbePolicy) -> BTreeMap<SocketAddr, Target
                     out.entry(address).or_insert_with(|| Target {
                         settings: settings.clone(),
                         protocol,
+                        read_routes: protocol == Protocol::Http,
                     });
                 }
+            }
+            for (address, protocol) in cluster.replica_endpoints() {
+                out.entry(address).or_insert_with(|| Target {
+                    settings: settings.clone(),
+                    protocol,
+                    read_routes: false,
+                });
             }
         }
     }
@@ -533,6 +546,7 @@ struct ProbeTask {
     /// HTTP: `GET /-/healthz` (and `/-/routes`); gRPC: `Healthz` (no routes: the gRPC
     /// proxy picks the application from the call's `application` metadata).
     protocol: Protocol,
+    read_routes: bool,
     routes_interval: Duration,
     client: HttpClient,
     permits: ProbePermits,
@@ -641,6 +655,7 @@ impl ProbeTask {
                 let healthy = outcome == Outcome::Healthy;
                 let (routes, route_read_turn) = if healthy
                     && grpc.is_none()
+                    && self.read_routes
                     && (!last_healthy
                         || routes_read.is_none_or(|t| t.elapsed() >= self.routes_interval))
                 {
@@ -839,13 +854,18 @@ pub const MAX_ROUTES_BODY_BYTES: usize = 256 * 1024;
 /// cluster holds its share) is tried at the next probe.
 pub const ROUTE_READS_AT_ONCE: usize = 16;
 
+/// Whether a 503 (HTTP) or `UNAVAILABLE` (gRPC) health answer says the endpoint drains:
+/// a proxy's `This node is being drained.`, an ingress replica's `DRAINING` (a replica
+/// that stopped being a target and finishes what it holds).
+fn says_draining(message: &str) -> bool {
+    message.contains("being drained") || message.trim() == "DRAINING"
+}
+
 /// One `GET /-/healthz`, classified.
 pub async fn probe_healthz(client: &HttpClient, address: SocketAddr, timeout: Duration) -> Outcome {
     match get(client, address, "/-/healthz", timeout, MAX_PROBE_BODY_BYTES).await {
         Ok((200, body)) if &body[..] == b"success" => Outcome::Healthy,
-        Ok((503, body)) if String::from_utf8_lossy(&body).contains("being drained") => {
-            Outcome::Draining
-        }
+        Ok((503, body)) if says_draining(&String::from_utf8_lossy(&body)) => Outcome::Draining,
         Ok((status, body)) => {
             let text = String::from_utf8_lossy(&body[..body.len().min(120)]).into_owned();
             Outcome::Failed(format!("healthz answered {status}: {text:?}"))
@@ -863,7 +883,8 @@ pub fn grpc_channel(address: SocketAddr) -> tonic::transport::Channel {
 }
 
 /// One `ray.serve.RayServeAPIService/Healthz`, classified like `GET /-/healthz`: OK with
-/// `success` is healthy, `UNAVAILABLE` "This node is being drained." is draining, a
+/// `success` is healthy, `UNAVAILABLE` "This node is being drained." (or a replica's
+/// `DRAINING`) is draining, a
 /// refused connection is refused; anything else (another status or message, no answer
 /// within `timeout`) is a failure.
 pub async fn probe_grpc_healthz(channel: tonic::transport::Channel, timeout: Duration) -> Outcome {
@@ -882,9 +903,7 @@ pub async fn probe_grpc_healthz(channel: tonic::transport::Channel, timeout: Dur
             if refused(&status) {
                 return Outcome::Refused;
             }
-            if status.code() == tonic::Code::Unavailable
-                && status.message().contains("being drained")
-            {
+            if status.code() == tonic::Code::Unavailable && says_draining(status.message()) {
                 return Outcome::Draining;
             }
             let message: String = status.message().chars().take(120).collect();
@@ -1314,6 +1333,7 @@ mod tests {
         Target {
             settings: settings.clone(),
             protocol: Protocol::Http,
+            read_routes: true,
         }
     }
 
@@ -1330,6 +1350,7 @@ mod tests {
             address,
             settings: settings.clone(),
             protocol: Protocol::Http,
+            read_routes: true,
             routes_interval: Duration::from_secs(3600),
             client: client.clone(),
             permits: permits.clone(),

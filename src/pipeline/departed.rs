@@ -163,6 +163,8 @@ impl Departed {
                 grpc_port: None,
                 proxies,
                 discover: false,
+                direct_ingress: false,
+                applications: Vec::new(),
             };
             // Only what keeps the model valid (a name Envoy takes, one protocol per address).
             let mut candidate = service.clone();
@@ -422,6 +424,7 @@ mod tests {
         assert_eq!(d.addresses().len(), 1);
         let elsewhere = AddressPolicy {
             networks: vec!["198.18.0.0/15".parse().unwrap()],
+            ..Default::default()
         };
         let mut d = Departed::default();
         d.adopt(&view, &after, &policy, &elsewhere, at);

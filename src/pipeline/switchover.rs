@@ -31,7 +31,7 @@ use crate::live::dashboard::AppStatus;
 use crate::live::dashboards::DashboardStates;
 use crate::live::health::HealthMap;
 use crate::live::peers::{to_unix, DepartedCluster, PeerStates, PeerSwitch, ReplicaView};
-use crate::model::{Model, RayService};
+use crate::model::{Model, Protocol, RayService};
 use crate::policy::switchover::{ShiftMode, SwitchoverPolicy};
 
 /// Which connected Envoys have not yet warmed (ACKed) a cluster and its endpoints.
@@ -176,6 +176,26 @@ fn serves_grpc(service: &RayService, cluster: &str, health: &HealthMap) -> bool 
         || health
             .clusters
             .contains_key(&service.envoy_grpc_cluster_name(cluster))
+}
+
+/// The Envoy clusters a route may send `cluster`'s traffic to, each of which every Envoy
+/// warms before traffic moves: its HTTP proxies, its gRPC proxies when it serves gRPC, and
+/// with direct ingress each application's replicas (`translate`).
+fn routed_clusters(service: &RayService, cluster: &str, health: &HealthMap) -> Vec<String> {
+    let mut out = vec![service.envoy_cluster_name(cluster)];
+    let grpc = serves_grpc(service, cluster, health);
+    if grpc {
+        out.push(service.envoy_grpc_cluster_name(cluster));
+    }
+    if let Some(c) = service.cluster(cluster).filter(|c| c.direct_ingress) {
+        for app in &c.applications {
+            out.push(service.envoy_app_cluster_name(cluster, &app.name, Protocol::Http));
+            if c.serves_grpc() {
+                out.push(service.envoy_app_cluster_name(cluster, &app.name, Protocol::Grpc));
+            }
+        }
+    }
+    out
 }
 
 /// Whether `cluster` of `service` is ready for traffic, and why not.
@@ -417,11 +437,10 @@ impl Switchover {
                     // Before the first step, wait for every Envoy to warm the target.
                     let mut cold = Vec::new();
                     let mut warm_note = String::new();
+                    let routed = routed_clusters(service, &target, health);
                     if ready.is_ok() && !desperate && st.step == 0 {
-                        cold = envoys.cold_envoys(&service.envoy_cluster_name(&target));
-                        let grpc = service.envoy_grpc_cluster_name(&target);
-                        if serves_grpc(service, &target, health) {
-                            for envoy in envoys.cold_envoys(&grpc) {
+                        for name in &routed {
+                            for envoy in envoys.cold_envoys(name) {
                                 if !cold.contains(&envoy) {
                                     cold.push(envoy);
                                 }
@@ -444,7 +463,14 @@ impl Switchover {
                             }
                         }
                     }
-                    let rejecting = envoys.rejecting_envoys(&service.envoy_cluster_name(&target));
+                    let mut rejecting = Vec::new();
+                    for name in &routed {
+                        for envoy in envoys.rejecting_envoys(name) {
+                            if !rejecting.contains(&envoy) {
+                                rejecting.push(envoy);
+                            }
+                        }
+                    }
                     match ready {
                         // (When the serving cluster has no routable proxy left and the
                         // target has, traffic moves anyway: an Envoy that rejected the

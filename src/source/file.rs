@@ -201,6 +201,8 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
                     .map(|c| RayCluster {
                         name: c.name,
                         discover: c.proxies.is_none() && c.dashboard.is_some(),
+                        direct_ingress: false,
+                        applications: Vec::new(),
                         dashboard: c.dashboard,
                         grpc_port: c.grpc_port,
                         proxies: c

@@ -468,6 +468,8 @@ fn cluster(
         grpc_port: None,
         // The pods are the proxies: Kubernetes knows them before Ray does.
         discover: false,
+        direct_ingress: false,
+        applications: Vec::new(),
     }
 }
 

@@ -31,6 +31,7 @@ use envoy_types::pb::google::protobuf;
 use envoy_types::util::pack_any;
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 
 use crate::config::GatewaySettings;
 use crate::live::health::{EndpointHealth, HealthMap};
@@ -38,6 +39,8 @@ use crate::model::{Model, Protocol, RayService};
 use crate::policy::traffic::TrafficPolicy;
 use crate::xds::Resources;
 use envoy_types::pb::envoy::extensions::retry::host::previous_hosts::v3::PreviousHostsPredicate;
+
+mod applications;
 
 pub const LISTENER_NAME: &str = "ray-serve-http";
 pub const ROUTE_CONFIG_NAME: &str = "ray-serve-http";
@@ -70,8 +73,15 @@ pub fn translate(
                 let name = service.envoy_cluster_name_for(&ray_cluster.name, protocol);
                 out.clusters
                     .push(eds_cluster(&name, gateway, &policy, protocol));
-                out.endpoints
-                    .push(load_assignment(&name, ray_cluster, protocol, health));
+                let proxies = ray_cluster
+                    .endpoints(protocol)
+                    .map(|(address, proxy)| (address, ("node_type", proxy.node_type.as_str())));
+                out.endpoints.push(load_assignment(&name, proxies, health));
+            }
+            for (name, protocol, replicas) in applications::clusters(service, ray_cluster) {
+                out.clusters
+                    .push(eds_cluster(&name, gateway, &policy, protocol));
+                out.endpoints.push(load_assignment(&name, replicas, health));
             }
         }
         let active = [(service.active_cluster.clone(), 100)];
@@ -102,7 +112,9 @@ pub fn translate(
                 service.envoy_grpc_cluster_name(serving),
             );
         }
-        virtual_hosts.push(virtual_host(service, weights, &policy));
+        out.stand_ins
+            .extend(applications::stand_ins(service, weights, health));
+        virtual_hosts.push(virtual_host(service, weights, health, &policy));
     }
     out.routes.push(route::RouteConfiguration {
         name: ROUTE_CONFIG_NAME.into(),
@@ -333,19 +345,20 @@ fn eds_cluster(
     }
 }
 
-fn load_assignment(
+/// The assignment of Envoy cluster `name`: each endpoint that may take new requests, as
+/// `health` decides, with one fact in its metadata (a proxy's node type, a replica's
+/// application).
+fn load_assignment<'a>(
     name: &str,
-    ray_cluster: &crate::model::RayCluster,
-    protocol: Protocol,
+    endpoints: impl Iterator<Item = (SocketAddr, (&'static str, &'a str))>,
     health: &HealthMap,
 ) -> endpoint::ClusterLoadAssignment {
-    let lb_endpoints = ray_cluster
-        .endpoints(protocol)
-        .filter_map(|(address, proxy)| {
-            // Only what may take new requests: a proxy that left (unhealthy, draining,
-            // withheld) is not listed at all. Envoy lets requests in flight on a removed
-            // host finish, and its outlier detection then counts only these proxies, so
-            // below `max_ejection_percent: 100` it never ejects the last of them.
+    let lb_endpoints = endpoints
+        .filter_map(|(address, fact)| {
+            // Only what may take new requests: an endpoint that left (unhealthy,
+            // draining, withheld) is not listed at all. Envoy lets requests in flight on
+            // a removed host finish, and its outlier detection then counts only these
+            // endpoints, so below `max_ejection_percent: 100` it never ejects the last.
             let health = match health.health(name, address) {
                 EndpointHealth::Withheld | EndpointHealth::Unhealthy | EndpointHealth::Draining => {
                     return None
@@ -353,9 +366,9 @@ fn load_assignment(
                 EndpointHealth::Unknown => core::HealthStatus::Unknown,
                 EndpointHealth::Healthy => core::HealthStatus::Healthy,
             };
-            Some((address, proxy, health))
+            Some((address, fact, health))
         })
-        .map(|(address, proxy, health)| endpoint::LbEndpoint {
+        .map(|(address, (key, value), health)| endpoint::LbEndpoint {
             host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(
                 endpoint::Endpoint {
                     address: Some(socket_address(address.ip().to_string(), address.port())),
@@ -369,11 +382,9 @@ fn load_assignment(
                     METADATA_NAMESPACE.to_string(),
                     protobuf::Struct {
                         fields: [(
-                            "node_type".to_string(),
+                            key.to_string(),
                             protobuf::Value {
-                                kind: Some(protobuf::value::Kind::StringValue(
-                                    proxy.node_type.as_str().into(),
-                                )),
+                                kind: Some(protobuf::value::Kind::StringValue(value.into())),
                             },
                         )]
                         .into_iter()
@@ -472,6 +483,7 @@ pub fn grpc_retry_on(policy: &TrafficPolicy) -> String {
 fn virtual_host(
     service: &RayService,
     weights: &[(String, u32)],
+    health: &HealthMap,
     policy: &TrafficPolicy,
 ) -> route::VirtualHost {
     let mut routes = Vec::new();
@@ -483,11 +495,16 @@ fn virtual_host(
         .cloned()
         .collect();
     if !grpc_weights.is_empty() {
-        routes.push(weighted_route(
+        routes.extend(applications::grpc_routes(
             service,
-            "grpc",
-            Some(route::route_match::GrpcRouteMatchOptions {}),
             &grpc_weights,
+            health,
+            policy,
+        ));
+        routes.push(weighted_route(
+            "grpc",
+            any_path(true),
+            proxy_clusters(service, &grpc_weights, Protocol::Grpc),
             Protocol::Grpc,
             policy,
         ));
@@ -518,11 +535,11 @@ fn virtual_host(
             ..Default::default()
         });
     }
+    routes.extend(applications::http_routes(service, weights, health, policy));
     routes.push(weighted_route(
-        service,
         "default",
-        None,
-        weights,
+        any_path(false),
+        proxy_clusters(service, weights, Protocol::Http),
         Protocol::Http,
         policy,
     ));
@@ -534,29 +551,26 @@ fn virtual_host(
     }
 }
 
+/// A route to `clusters` (Envoy cluster names) by weight, with the retry policy and
+/// timeouts of `protocol`.
 fn weighted_route(
-    service: &RayService,
     name: &str,
-    grpc: Option<route::route_match::GrpcRouteMatchOptions>,
-    weights: &[(String, u32)],
+    r#match: route::RouteMatch,
+    clusters: Vec<(String, u32)>,
     protocol: Protocol,
     policy: &TrafficPolicy,
 ) -> route::Route {
     route::Route {
         name: name.into(),
-        r#match: Some(route::RouteMatch {
-            path_specifier: Some(route::route_match::PathSpecifier::Prefix("/".into())),
-            grpc,
-            ..Default::default()
-        }),
+        r#match: Some(r#match),
         action: Some(route::route::Action::Route(route::RouteAction {
             cluster_specifier: Some(route::route_action::ClusterSpecifier::WeightedClusters(
                 route::WeightedCluster {
-                    clusters: weights
-                        .iter()
-                        .map(|(cluster, weight)| route::weighted_cluster::ClusterWeight {
-                            name: service.envoy_cluster_name_for(cluster, protocol),
-                            weight: Some(protobuf::UInt32Value { value: *weight }),
+                    clusters: clusters
+                        .into_iter()
+                        .map(|(name, weight)| route::weighted_cluster::ClusterWeight {
+                            name,
+                            weight: Some(protobuf::UInt32Value { value: weight }),
                             ..Default::default()
                         })
                         .collect(),
@@ -579,12 +593,33 @@ fn weighted_route(
     }
 }
 
+/// Every path (`/` prefix); for gRPC calls only (`content-type: application/grpc`) when
+/// `grpc`.
+fn any_path(grpc: bool) -> route::RouteMatch {
+    route::RouteMatch {
+        path_specifier: Some(route::route_match::PathSpecifier::Prefix("/".into())),
+        grpc: grpc.then_some(route::route_match::GrpcRouteMatchOptions {}),
+        ..Default::default()
+    }
+}
+
+/// `weights` (RayCluster, percent) as the Envoy clusters of `protocol`'s proxies.
+fn proxy_clusters(
+    service: &RayService,
+    weights: &[(String, u32)],
+    protocol: Protocol,
+) -> Vec<(String, u32)> {
+    weights
+        .iter()
+        .map(|(cluster, weight)| (service.envoy_cluster_name_for(cluster, protocol), *weight))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::test_support::service;
     use crate::xds::snapshot::referenced_clusters;
-    use std::net::SocketAddr;
 
     #[test]
     fn one_cluster_and_assignment_per_ray_cluster() {
