@@ -324,6 +324,24 @@ async fn live_state(State(state): State<AdminState>) -> Response {
                 })),
                 "proxies_from": if cluster.discover { "dashboard" } else { "source" },
                 "proxies": proxies,
+                "direct_ingress": cluster.direct_ingress,
+                "applications": cluster.applications.iter().map(|app| {
+                    let replicas = |protocol: crate::model::Protocol| {
+                        let envoy = service.envoy_app_cluster_name(&cluster.name, &app.name, protocol);
+                        let list: Vec<_> = app.replicas(protocol).iter().map(|r| json!({
+                            "address": r.to_string(),
+                            "probe": probes.proxies.get(r),
+                            "endpoint": health.endpoints.get(&(envoy.clone(), *r)),
+                        })).collect();
+                        json!({"envoy_cluster": envoy, "ready": health.cluster(&envoy).ready, "replicas": list})
+                    };
+                    json!({
+                        "name": app.name,
+                        "route_prefix": app.route_prefix,
+                        "http": cluster.direct_ingress.then(|| replicas(crate::model::Protocol::Http)),
+                        "grpc": (cluster.direct_ingress && cluster.serves_grpc()).then(|| replicas(crate::model::Protocol::Grpc)),
+                    })
+                }).collect::<Vec<_>>(),
                 "dashboard": dashboards.clusters.get(&name).map(|d| {
                     let mut d = json!(d);
                     // Polls that change nothing are not published: the time of the last

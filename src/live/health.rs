@@ -78,6 +78,7 @@ pub enum Reason {
     HeadExcluded,
     HeadFallback,
     ClusterDeparted,
+    LeftTargetGroup,
 }
 
 impl fmt::Display for Reason {
@@ -107,6 +108,9 @@ impl fmt::Display for Reason {
             Reason::ClusterDeparted => {
                 f.write_str("its cluster left the source: draining until removed")
             }
+            Reason::LeftTargetGroup => f.write_str(
+                "left its application's target group: published only while the route moves to the proxies",
+            ),
         }
     }
 }
@@ -175,6 +179,9 @@ pub struct Facts<'a> {
     pub withheld: Option<&'a BTreeSet<SocketAddr>>,
     /// Envoy clusters the source dropped, draining for their grace period.
     pub departed: Option<&'a BTreeSet<String>>,
+    /// Ingress replicas that left their application's target group, by application
+    /// Envoy cluster, held while its route moves (`pipeline::leaving`).
+    pub leaving: Option<&'a BTreeMap<String, Vec<SocketAddr>>>,
 }
 
 pub fn assess(
@@ -337,9 +344,14 @@ fn assess_replicas(
                 continue;
             }
             let name = service.envoy_app_cluster_name(&cluster.name, &app.name, protocol);
+            let left = facts
+                .leaving
+                .and_then(|l| l.get(&name))
+                .map_or(&[][..], Vec::as_slice);
             let mut summary = ClusterHealth::default();
             let mut verdicts: Vec<(SocketAddr, Verdict)> = replicas
                 .iter()
+                .filter(|address| !left.contains(address))
                 .map(|address| {
                     let v = probe_verdict(probes, address);
                     let v = match v.health {
@@ -358,6 +370,22 @@ fn assess_replicas(
                 })
                 .collect();
             fail_open(verdicts.iter_mut().map(|(_, v)| v), &mut summary);
+            // Replicas that left: published (serving what Ray lets them finish) only while
+            // the application has no routable replica, so its route moves to the proxies
+            // before they go; never counted.
+            let route_moves = !verdicts.iter().any(|(_, v)| {
+                matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
+            });
+            for address in replicas.iter().filter(|a| left.contains(a)) {
+                let v = match probe_verdict(probes, address) {
+                    v if v.health == EndpointHealth::Unhealthy => v,
+                    _ if route_moves && !departed => {
+                        verdict(EndpointHealth::Healthy, Reason::LeftTargetGroup)
+                    }
+                    _ => verdict(EndpointHealth::Draining, Reason::LeftTargetGroup),
+                };
+                out.endpoints.insert((name.clone(), *address), v);
+            }
             for (address, mut v) in verdicts {
                 if departed && v.health != EndpointHealth::Withheld {
                     v = verdict(EndpointHealth::Draining, Reason::ClusterDeparted);
@@ -713,6 +741,7 @@ mod tests {
         let facts = Facts {
             withheld: Some(&withheld),
             departed: None,
+            leaving: None,
         };
         let m = assess(&model(HeadProxy::Include), &some, &none, facts);
         assert_eq!(health(&m, 8002), Withheld);
@@ -726,6 +755,7 @@ mod tests {
         let facts = Facts {
             withheld: None,
             departed: Some(&departed),
+            leaving: None,
         };
         let m = assess(&model(HeadProxy::Include), &all, &none, facts);
         for port in [8000, 8001, 8002] {
@@ -804,6 +834,7 @@ mod tests {
             Facts {
                 withheld: Some(&withheld),
                 departed: None,
+                leaving: None,
             },
         );
         assert_eq!(m.health(WORK, addr(30000)), Healthy);
@@ -857,6 +888,7 @@ mod tests {
             Facts {
                 withheld: None,
                 departed: Some(&departed),
+                leaving: None,
             },
         );
         assert_eq!(m.health(WORK, addr(30000)), Draining);

@@ -6,6 +6,8 @@
 //!
 //! One build, in order:
 //! 1. clusters the source dropped stay, draining, for their grace period ([`departed`]);
+//!    ingress replicas that left their application stay while its route moves
+//!    ([`leaving`]);
 //! 2. proxies new since the last snapshot are withheld until their first probe (at most
 //!    the probe policy's first-probe wait): Envoy would count them healthy while unknown;
 //! 3. `live::health` decides every endpoint's health (the one authority);
@@ -17,6 +19,7 @@
 //! published) changes only here; nothing here reads a clock or does I/O.
 
 pub mod departed;
+pub mod leaving;
 pub mod switchover;
 pub mod task;
 
@@ -36,6 +39,7 @@ use crate::translate::translate;
 use crate::xds::Snapshot;
 
 use self::departed::Departed;
+use self::leaving::Leaving;
 use self::switchover::{EnvoyWarmth, SwitchEvent, Switchover};
 
 /// What one build reads.
@@ -79,6 +83,9 @@ pub struct Pipeline {
     gateway: GatewaySettings,
     switchover: Switchover,
     departed: Departed,
+    leaving: Leaving,
+    /// The last build's model (departed clusters included), whose replicas may leave.
+    last_model: Arc<Model>,
     /// Proxies the last snapshot had.
     published: BTreeSet<SocketAddr>,
     last_source: Arc<Model>,
@@ -96,6 +103,8 @@ impl Pipeline {
             policies,
             gateway,
             departed: Departed::default(),
+            leaving: Leaving::default(),
+            last_model: Arc::new(Model::default()),
             published: BTreeSet::new(),
             last_source: Arc::new(Model::default()),
             fail_open: BTreeSet::new(),
@@ -176,12 +185,18 @@ impl Pipeline {
             .departed
             .update(&self.last_source, source, &self.policies.switchover, now);
         self.last_source = source.clone();
+        let next = self.leaving.update(&self.last_model, &model, now);
+        // What left is judged against what the source and dashboards list, not against
+        // what is still held.
+        self.last_model = Arc::new(model);
+        let model = next;
 
         let awaiting: Vec<(SocketAddr, SystemTime)> = self
             .awaiting_first_probe(&model, inputs.probes, now)
             .collect();
         let withheld: BTreeSet<SocketAddr> = awaiting.iter().map(|(a, _)| *a).collect();
         let departed = self.departed.envoy_cluster_names();
+        let leaving = self.leaving.held();
         let health = assess(
             &model,
             inputs.probes,
@@ -189,6 +204,7 @@ impl Pipeline {
             Facts {
                 withheld: Some(&withheld),
                 departed: Some(&departed),
+                leaving: Some(&leaving),
             },
         );
         self.published = model
@@ -244,6 +260,7 @@ impl Pipeline {
             self.switchover.next_wake(),
             awaiting.iter().map(|(_, until)| *until).min(),
             self.departed.next_expiry(),
+            self.leaving.next_expiry(),
         ]
         .into_iter()
         .flatten()
@@ -429,6 +446,80 @@ mod tests {
 
     fn one(s: RayService) -> Arc<Model> {
         Arc::new(Model::new(vec![s]).unwrap())
+    }
+
+    /// The first cluster of the route named `route` of RayService `default/<service>`.
+    fn route_to(out: &Output, service: &str, route_name: &str) -> String {
+        let r = &out.snapshot.resources(ResourceType::Route)[crate::translate::ROUTE_CONFIG_NAME];
+        let config = RouteConfiguration::decode(&*r.body.value).unwrap();
+        let vh = config
+            .virtual_hosts
+            .iter()
+            .find(|v| v.name == format!("default/{service}"))
+            .unwrap();
+        let route = vh.routes.iter().find(|r| r.name == route_name).unwrap();
+        let Some(route::Action::Route(action)) = &route.action else {
+            panic!("a route action")
+        };
+        let Some(route_action::ClusterSpecifier::WeightedClusters(w)) = &action.cluster_specifier
+        else {
+            panic!("weighted clusters")
+        };
+        w.clusters[0].name.clone()
+    }
+
+    /// `a1` with direct ingress: `work` at `/work` with replicas on `ports`.
+    fn direct(ports: &[u16]) -> Arc<Model> {
+        let mut s = service("a", "a1", &[8000]);
+        s.clusters[0].direct_ingress = true;
+        s.clusters[0].applications = vec![crate::model::test_support::app(
+            "work",
+            Some("/work"),
+            ports,
+        )];
+        one(s)
+    }
+
+    /// The last replica of an application leaves (a redeploy): its route moves to the
+    /// proxies at once, and it stays published (not routable) for `leaving::HOLD`, so
+    /// no Envoy routes to an empty cluster between the endpoints and the route; one that
+    /// leaves while another serves goes at once.
+    #[test]
+    fn the_last_replica_to_leave_stays_until_its_route_has_moved() {
+        const WORK: &str = "default/a/a1/app/work";
+        let mut p = pipeline();
+        let mut w = World::default();
+        for port in [8000, 30000, 30001] {
+            w.probe(port, ProbeState::Healthy, at(0));
+        }
+        let out = build(&mut p, &direct(&[30000, 30001]), &w, &(), at(0));
+        assert_eq!(route_to(&out, "a", "app/work"), WORK);
+        // One of two leaves: gone at once.
+        let out = build(&mut p, &direct(&[30001]), &w, &(), at(100));
+        assert_eq!(endpoints(&out, WORK).unwrap(), [(30001, healthy())]);
+        assert_eq!(route_to(&out, "a", "app/work"), WORK);
+        // The last leaves: the route moves, the endpoint stays a moment.
+        // (Both that left within the hold, as Ray still serves on them.)
+        let out = build(&mut p, &direct(&[]), &w, &(), at(200));
+        assert_eq!(route_to(&out, "a", "app/work"), "default/a/a1");
+        assert_eq!(
+            endpoints(&out, WORK).unwrap(),
+            [(30000, healthy()), (30001, healthy())]
+        );
+        assert_eq!(out.wake_at, Some(at(100) + leaving::HOLD));
+        let out = build(&mut p, &direct(&[]), &w, &(), at(100) + leaving::HOLD);
+        assert_eq!(endpoints(&out, WORK).unwrap(), [(30001, healthy())]);
+        let out = build(&mut p, &direct(&[]), &w, &(), at(200) + leaving::HOLD);
+        assert_eq!(endpoints(&out, WORK).unwrap(), []);
+        assert_eq!(out.wake_at, None);
+
+        // A dead one (its probe fails) is never published, held or not.
+        let mut p = pipeline();
+        build(&mut p, &direct(&[30000]), &w, &(), at(0));
+        w.probe(30000, ProbeState::Unhealthy, at(50));
+        let out = build(&mut p, &direct(&[]), &w, &(), at(100));
+        assert_eq!(endpoints(&out, WORK).unwrap(), []);
+        assert_eq!(route_to(&out, "a", "app/work"), "default/a/a1");
     }
 
     #[test]

@@ -1,7 +1,8 @@
 """Ray Serve applications the real-Ray tests deploy (tests/real_ray.rs).
 
 - `hello`: answers at once with the cluster it runs in (RAY_XDS_TEST_CLUSTER, set through
-  the application's runtime_env), the node it runs on, and when its replica became ready.
+  the application's runtime_env), the node it runs on, when its replica became ready, its
+  process id, and the application and replica that answered.
 - `slow`: the same, but its constructor takes `delay_s` seconds, so the application stays
   DEPLOYING that long.
 - `broken`: its constructor raises, so the application ends DEPLOY_FAILED.
@@ -31,11 +32,14 @@ class Hello:
 
     async def __call__(self, request: Request) -> dict:
         await request.body()
+        context = serve.get_replica_context()
         return {
             "cluster": self.cluster,
             "node_ip": self.node_ip,
             "ready_at": self.ready_at,
             "pid": os.getpid(),
+            "app": context.app_name,
+            "replica": context.replica_id.unique_id,
         }
 
 
