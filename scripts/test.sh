@@ -127,4 +127,4 @@ step 5m bash scripts/validate-deploy.sh
 # and run read-only as user 65532 (podman + runc): the release build is most of it.
 step 15m bash scripts/check-image.sh
 # Real Ray Serve clusters (about 1 GB and 15 s per node): one test at a time.
-step 20m cargo test --test real_ray -- --test-threads=1
+step 25m cargo test --test real_ray --test real_ray_direct_ingress -- --test-threads=1

@@ -76,6 +76,7 @@ fn serve_binary() -> PathBuf {
 }
 
 /// An application to deploy: `(name, route_prefix, import_path, args)`.
+#[derive(Clone)]
 pub struct App {
     pub name: &'static str,
     pub route_prefix: &'static str,
@@ -231,17 +232,30 @@ pub struct RealRayCluster {
 impl RealRayCluster {
     /// Starts the cluster and waits for its dashboard (about 15 s per node).
     pub async fn start(name: &str, workers: usize) -> RealRayCluster {
-        RealRayCluster::start_with(name, workers, false).await
+        RealRayCluster::start_with(name, workers, false, false).await
+    }
+
+    /// Like [`RealRayCluster::start`] (with gRPC when `grpc`), with Ray's direct ingress
+    /// on (`RAY_SERVE_ENABLE_DIRECT_INGRESS=1` in every node's environment): the Serve
+    /// proxy runs on the head only, and each application's ingress replicas listen on
+    /// ports of their own (HTTP from 30000, gRPC from 40000) on their node.
+    pub async fn start_direct_ingress(name: &str, workers: usize, grpc: bool) -> RealRayCluster {
+        RealRayCluster::start_with(name, workers, grpc, true).await
     }
 
     /// Like [`RealRayCluster::start`], Serve also running its gRPC proxy on every node
     /// (at [`RealRayCluster::grpc_port`]) with `ray_xds.demo.Echo` as its servicer, for
     /// `grpc_apps:*` applications.
     pub async fn start_grpc(name: &str, workers: usize) -> RealRayCluster {
-        RealRayCluster::start_with(name, workers, true).await
+        RealRayCluster::start_with(name, workers, true, false).await
     }
 
-    async fn start_with(name: &str, workers: usize, grpc: bool) -> RealRayCluster {
+    async fn start_with(
+        name: &str,
+        workers: usize,
+        grpc: bool,
+        direct_ingress: bool,
+    ) -> RealRayCluster {
         assert!(workers <= 1, "one worker node at most");
         let ray = ray_binary();
         let subnet = Subnet::create();
@@ -263,6 +277,10 @@ impl RealRayCluster {
             if let Some(stubs) = &pythonpath {
                 // Ray's worker processes (the proxy among them) inherit it.
                 cmd.env("PYTHONPATH", stubs);
+            }
+            if direct_ingress {
+                // The controller and the replicas read it, on every node.
+                cmd.env("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1");
             }
             cmd.args([
                 "--block",
@@ -464,6 +482,54 @@ impl RealRayCluster {
             .arg(&path)
             .arg("-a")
             .arg(self.dashboard_url()));
+    }
+
+    /// The dashboard's answer, as JSON (`Null` if it does not answer).
+    pub async fn serve_status(&self) -> serde_json::Value {
+        let url = format!("{}/api/serve/applications/", self.dashboard_url());
+        match super::http_get(&url).await {
+            Ok((200, body)) => serde_json::from_str(&body).unwrap_or_default(),
+            _ => serde_json::Value::Null,
+        }
+    }
+
+    /// The targets of application `app`'s target group for `protocol` (`HTTP`, `gRPC`)
+    /// that are ingress replicas (direct ingress), sorted.
+    pub async fn replica_targets(&self, app: &str, protocol: &str) -> Vec<SocketAddr> {
+        let status = self.serve_status().await;
+        let mut out: Vec<SocketAddr> = status["target_groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|g| g["app_name"] == app && g["protocol"] == protocol)
+            .flat_map(|g| g["targets"].as_array().cloned().unwrap_or_default())
+            .filter(|t| {
+                t["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("SERVE_REPLICA::"))
+            })
+            .filter_map(|t| format!("{}:{}", t["ip"].as_str()?, t["port"]).parse().ok())
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Waits until application `app` has `n` ingress replicas listed for `protocol`.
+    pub async fn wait_for_replicas(&self, app: &str, protocol: &str, n: usize) -> Vec<SocketAddr> {
+        let started = Instant::now();
+        loop {
+            let targets = self.replica_targets(app, protocol).await;
+            if targets.len() == n {
+                return targets;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(180),
+                "application {app} of {} never had {n} {protocol} replicas listed (now {targets:?}): {}",
+                self.name,
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 
     /// What the dashboard says about application `app` (`None` until it lists it).
