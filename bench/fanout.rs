@@ -792,8 +792,9 @@ fn build_peer() -> PathBuf {
                 "--manifest-path",
             ])
             .arg(dir.join("Cargo.toml"))
-            .args(["--package", package])
-            .env_remove("CARGO_TARGET_DIR")
+            .args(["--package", package, "--target-dir"])
+            .arg(dir.join("target"))
+            .env_remove("CARGO_BUILD_TARGET")
             .env_remove("RUSTFLAGS");
         if let Some(protoc) = protoc {
             command.env("PROTOC", protoc).env_remove("PROTOC_INCLUDE");

@@ -142,6 +142,9 @@ build_image() {
             *) die "unknown argument $1 (see --help)" ;;
         esac
     done
+    # In `$(build_image)` (check-image.sh), the caller's EXIT trap does not see what this
+    # adds to clean up: the subshell cleans up after itself, however it ends.
+    if [ "$BASH_SUBSHELL" -gt 0 ]; then trap run_cleanup EXIT; fi
     local version
     version=$(crate_version)
     [ -n "$version" ] || die "no version in Cargo.toml"
@@ -202,6 +205,8 @@ build_image() {
         log "wrote $archive"
     fi
     log "built $tag ($(buildah "${STORAGE[@]}" images --noheading --format '{{.ID}} {{.Size}}' "$tag"))"
+    # The staging folder and the working container, done with.
+    run_cleanup
     echo "$tag"
 }
 

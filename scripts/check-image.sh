@@ -69,7 +69,8 @@ need_packages scripts/check-image.sh \
     "podman /usr/bin/podman runs the image as Kubernetes would" \
     "runc /usr/sbin/runc is podman's OCI runtime here (crun cannot run on hybrid cgroups)" \
     "curl /usr/bin/curl asks the running image's /healthz and /readyz" \
-    "util-linux /usr/bin/setpriv drops privileges in the runner without podman"
+    "util-linux /usr/bin/setpriv drops privileges in the runner without podman" \
+    "procps /usr/bin/pgrep finds the image's process in the runner without podman"
 started=$SECONDS
 choose_storage
 binary=""

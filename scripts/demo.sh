@@ -32,7 +32,20 @@ cleanup() {
   wait 2>/dev/null || true
   rm -rf "$work"
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+# Waits (at most 60 s) until `proxy_health ADDRESS` says STATE; says so and stops if not.
+wait_health() {
+  local deadline=$((SECONDS + 60))
+  until [ "$(proxy_health "$1")" = "$2" ]; do
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "demo: ray-xds never showed $1 $2 within 60 s; its log: $work/ray-xds.log" >&2
+      tail -n 20 "$work/ray-xds.log" >&2
+      exit 1
+    fi
+    sleep "${3:-0.05}"
+  done
+}
 cp examples/ray-xds.yaml examples/services.yaml "$work/"
 
 say "starting two simulated Ray Serve nodes of cluster demo-a (HTTP proxies 8000 head, 8001 worker; gRPC proxies 9000, 9001), its dashboard (8265) and a fault-injection endpoint (8299)"
@@ -89,7 +102,7 @@ say "one server-streaming gRPC call"
 say "killing the worker proxy (8001): its port now refuses connections"
 curl -s -X POST http://127.0.0.1:8299/proxies/8001/kill >/dev/null
 start=$(date +%s%N)
-until [ "$(proxy_health 127.0.0.1:8001)" = unhealthy ]; do sleep 0.01; done
+wait_health 127.0.0.1:8001 unhealthy 0.01
 echo "ray-xds marked it unhealthy $(ms_since "$start") ms after the kill"
 sleep 0.2
 say "20 requests through Envoy -> served by (the head takes over)"
@@ -99,14 +112,14 @@ send_grpc 20
 
 say "bringing the worker back"
 curl -s -X POST http://127.0.0.1:8299/proxies/8001/start >/dev/null
-until [ "$(proxy_health 127.0.0.1:8001)" = healthy ]; do sleep 0.05; done
+wait_health 127.0.0.1:8001 healthy
 sleep 0.2
 send 20
 
 say "editing services.yaml: head_proxy: include"
 sed -i 's/head_proxy: fallback/head_proxy: include/' "$work/services.yaml"
 start=$(date +%s%N)
-until [ "$(proxy_health 127.0.0.1:8000)" = healthy ]; do sleep 0.01; done
+wait_health 127.0.0.1:8000 healthy 0.01
 echo "ray-xds published the change $(ms_since "$start") ms after the edit"
 sleep 0.3
 say "20 requests through Envoy -> served by"

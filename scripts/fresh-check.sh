@@ -65,8 +65,11 @@ commit=$(git -C "$root" rev-parse HEAD)
 # `apt-get install --no-install-recommends`.
 prereq_line=$(grep -m1 -E '^apt-get install --no-install-recommends ' "$root/README.md") ||
     die "README.md has no 'apt-get install --no-install-recommends ...' line of prerequisites"
+prereq_line=${prereq_line%$'\r'}
 prereq_line=${prereq_line#apt-get install --no-install-recommends }
-read -r -a prerequisites <<<"${prereq_line%%#*}"
+prereq_line=${prereq_line%%#*}
+case "$prereq_line" in *\\*) die "README.md's prerequisites line continues on the next: keep it on one line" ;; esac
+read -r -a prerequisites <<<"$prereq_line"
 
 # This machine's toolchains.
 sysroot=$(rustc --print sysroot)
@@ -75,8 +78,15 @@ python_version=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 for tool in cargo rustc cargo-fmt cargo-clippy; do
     [ -x "$sysroot/bin/$tool" ] || die "$sysroot/bin/$tool is missing: the toolchain needs rustfmt and clippy (rustup component add rustfmt clippy)"
 done
+# A toolchain in a prefix of its own is mounted as it is; one in the system's folders
+# cannot be (it would bring the host's /usr along): a system Python is replaced by
+# Debian's own (python3, python3-venv), a system Rust is refused.
+case "$sysroot" in
+    /usr | /usr/local) die "rustc's sysroot is $sysroot, the system's: this check mounts a toolchain installed in a folder of its own (rustup's)" ;;
+esac
+system_python=""
 case "$python_prefix" in
-    /usr | /usr/local) die "python3 is the system's ($python_prefix): this check mounts a Python installed in a folder of its own (pyenv, a build under /opt)" ;;
+    /usr | /usr/local) system_python=1 ;;
 esac
 
 # The Debian packages holding the shared libraries these files link, as this machine has
@@ -91,10 +101,16 @@ packages_linked_by() {
                 dpkg -S "${lib#/usr}" 2>/dev/null || log "no Debian package has $lib"
         done | cut -d: -f1 | sort -u
 }
-mapfile -t toolchain_packages < <(packages_linked_by \
-    "$sysroot"/bin/* "$sysroot"/lib/*.so* "$sysroot"/libexec/* \
-    "$python_prefix/bin/python$python_version" "$python_prefix"/lib/*.so* \
-    "$python_prefix/lib/python$python_version"/lib-dynload/*.so)
+if [ -n "$system_python" ]; then
+    mapfile -t toolchain_packages < <(packages_linked_by \
+        "$sysroot"/bin/* "$sysroot"/lib/*.so* "$sysroot"/libexec/*)
+    toolchain_packages+=(python3 python3-venv python3-pip)
+else
+    mapfile -t toolchain_packages < <(packages_linked_by \
+        "$sysroot"/bin/* "$sysroot"/lib/*.so* "$sysroot"/libexec/* \
+        "$python_prefix/bin/python$python_version" "$python_prefix"/lib/*.so* \
+        "$python_prefix/lib/python$python_version"/lib-dynload/*.so)
+fi
 
 if [ -z "$dir" ]; then
     dir=$(mktemp -d /var/tmp/ray-xds-fresh-check.XXXXXX)
@@ -105,11 +121,19 @@ mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 # Removes the root file system, but never through a mount: the mounts live in the check's
 # own mount namespace, so none should be left, and if one is, nothing is removed.
+runner=""
 cleanup() {
     local rc=$?
+    if [ -n "$runner" ]; then
+        # The run's PID namespace goes with its first process (--kill-child).
+        kill -TERM "$runner" 2>/dev/null || true
+        wait "$runner" 2>/dev/null || true
+    fi
+    local mounts
+    mounts=$(findmnt -rn -o TARGET || true)
     if [ -n "$keep" ]; then
         log "kept $dir"
-    elif findmnt -rn -o TARGET | grep -q "^$dir"; then
+    elif grep -qF "$dir" <<<"$mounts"; then
         log "something is still mounted under $dir; not removing it"
     else
         rm -rf --one-file-system "$dir"
@@ -117,6 +141,7 @@ cleanup() {
     exit "$rc"
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM HUP
 
 . /etc/os-release
 suite=${VERSION_CODENAME:?no VERSION_CODENAME in /etc/os-release}
@@ -142,26 +167,48 @@ fi
 mkdir -p "$dir/usr/local/share/ca-certificates"
 cp -r /usr/local/share/ca-certificates/. "$dir/usr/local/share/ca-certificates/" 2>/dev/null || true
 
+# The machine's registry and proxy settings (apt, pip, cargo and curl read them).
+machine_env() {
+    compgen -e | grep -E '^(PIP_|CARGO_(HTTP|NET|REGISTR)|(http|https|no|all)_proxy$|(HTTP|HTTPS|NO|ALL)_PROXY$)' || true
+}
+proxy_env=()
+while IFS= read -r name; do
+    case "$name" in *_proxy | *_PROXY) proxy_env+=("$name=${!name}") ;; esac
+done < <(machine_env)
+[ -d /etc/apt/apt.conf.d ] && for f in /etc/apt/apt.conf.d/*proxy*; do
+    [ -f "$f" ] && cp "$f" "$dir/etc/apt/apt.conf.d/"
+done
+
 echo "== fresh-check: the README's prerequisites: ${prerequisites[*]}"
 echo "== fresh-check: the libraries of the mounted Rust and Python link: ${toolchain_packages[*]}"
-chroot "$dir" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive \
+chroot "$dir" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive "${proxy_env[@]}" \
     sh -c 'apt-get update -qq && apt-get install -y -qq --no-install-recommends "$@" >/dev/null' \
     _ "${prerequisites[@]}" "${toolchain_packages[@]}" ||
     die "installing the prerequisites failed"
 
-# The machine's registry and proxy settings, but for one naming a path the root file
-# system lacks (pip would warn about it on every run).
+# The rest of the machine's settings, but for one naming a path the root file system
+# lacks (pip would warn about it on every run).
 passed_env=()
 while IFS= read -r name; do
     case "${!name}" in /*) [ -e "$dir${!name}" ] || continue ;; esac
     passed_env+=("$name=${!name}")
-done < <(compgen -e | grep -E '^(PIP_|CARGO_(HTTP|NET|REGISTR)|(http|https|no|HTTP|HTTPS|NO)_PROXY$)' || true)
+done < <(machine_env)
 
 # Mount points for the toolchains and the project's history (read-only), then the run.
-mkdir -p "$dir$sysroot" "$dir$python_prefix" "$dir/project.git" "$dir/run" "$dir/root/.cargo"
+# Only the machine Python's own commands go on PATH (a prefix may hold other tools, curl
+# or git among them, that would hide a missing install step).
+mkdir -p "$dir$sysroot" "$dir/project.git" "$dir/run" "$dir/root/.cargo" "$dir/opt/machine-python/bin"
+if [ -z "$system_python" ]; then
+    mkdir -p "$dir$python_prefix"
+    for tool in python3 "python$python_version" pip3; do
+        [ -e "$python_prefix/bin/$tool" ] && ln -sf "$python_prefix/bin/$tool" "$dir/opt/machine-python/bin/$tool"
+    done
+fi
 cat >"$dir/fresh-check-inner.sh" <<'EOF'
 set -euo pipefail
 cd /root
+# The project's history belongs to whoever cloned it, not to this root.
+git config --global --add safe.directory '*'
 git clone --quiet /project.git ray-xds
 cd ray-xds
 git -c advice.detachedHead=false checkout --quiet "$COMMIT"
@@ -182,7 +229,7 @@ EOF
 echo "== fresh-check: running in $dir"
 started=$SECONDS
 set +e
-unshare --mount --propagation private --pid --fork -- /bin/bash -euo pipefail -c '
+unshare --mount --propagation private --pid --fork --kill-child -- /bin/bash -euo pipefail -c '
     dir=$1 sysroot=$2 python_prefix=$3 project_git=$4
     shift 4
     ro_bind() { mount --bind "$1" "$2"; mount -o remount,bind,ro "$2"; }
@@ -196,14 +243,18 @@ unshare --mount --propagation private --pid --fork -- /bin/bash -euo pipefail -c
     mount -t tmpfs -o mode=0755,nosuid,nodev run "$dir/run"
     mkdir -p "$dir/run/netns" "$dir/run/lock"
     ro_bind "$sysroot" "$dir$sysroot"
-    ro_bind "$python_prefix" "$dir$python_prefix"
+    [ -d "$dir$python_prefix" ] && [ "$python_prefix" != /usr ] && [ "$python_prefix" != /usr/local ] &&
+        ro_bind "$python_prefix" "$dir$python_prefix"
     ro_bind "$project_git" "$dir/project.git"
     exec chroot "$dir" /usr/bin/env -i "$@" /bin/bash /fresh-check-inner.sh
 ' _ "$dir" "$sysroot" "$python_prefix" "$root/.git" \
     HOME=/root USER=root LANG=C.UTF-8 TERM="${TERM:-dumb}" \
-    PATH="$sysroot/bin:$python_prefix/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
-    CARGO_HOME=/root/.cargo COMMIT="$commit" QUICK="$quick" "${passed_env[@]}"
+    PATH="$sysroot/bin:/opt/machine-python/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+    CARGO_HOME=/root/.cargo COMMIT="$commit" QUICK="$quick" "${passed_env[@]}" &
+runner=$!
+wait "$runner"
 rc=$?
+runner=""
 set -e
 log "the README's commands $([ "$rc" -eq 0 ] && echo passed || echo "FAILED (exit $rc)") in $((SECONDS - started)) s, on a fresh root file system, commit $commit$([ -n "$quick" ] && echo ", --quick")"
 exit "$rc"

@@ -48,11 +48,25 @@ step() {
     if declare -F "$1" >/dev/null; then
         "$@"
     else
-        timeout --kill-after=30 "$limit" "$@" || {
-            local rc=$?
-            if [ "$rc" -ge 124 ]; then echo "test.sh: '$current' did not finish within $limit" >&2; fi
+        # timeout runs the step in a process group of its own, out of reach of the
+        # terminal's Ctrl-C: a signal to this script is passed on to it (timeout signals
+        # its whole group), and the script stops with the step.
+        timeout --kill-after=30 "$limit" "$@" &
+        local child=$! rc=0 interrupted=""
+        trap 'interrupted=1; kill -TERM "$child" 2>/dev/null' INT TERM HUP
+        wait "$child" || rc=$?
+        while kill -0 "$child" 2>/dev/null; do wait "$child" || rc=$?; done
+        trap - INT TERM HUP
+        if [ -n "$interrupted" ]; then
+            echo "test.sh: interrupted during '$current'" >&2
+            exit 130
+        fi
+        if [ "$rc" -ne 0 ]; then
+            if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+                echo "test.sh: '$current' did not finish within $limit" >&2
+            fi
             exit "$rc"
-        }
+        fi
     fi
     timings+=("$(printf '%6ss  ok      %s' "$((SECONDS - step_started))" "$current")")
     echo "-- took $((SECONDS - step_started)) s"

@@ -12,6 +12,9 @@
 //! resolve into the unrelated `envoy.extensions.config`), so here each input is compiled
 //! with a pool of its own (the file and what it imports) and the results are merged by file
 //! name. The merge keeps protoc's order: a file always comes after the files it imports.
+//! (Isolation is per input: an input's imports share its pool, which Envoy's protos never
+//! trip on; a clash there fails loudly, never silently. Custom options on descriptors are
+//! not kept in the merged set; prost-build's generated code does not read them.)
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -28,6 +31,8 @@ struct Args {
 }
 
 fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
+    // protox always allows proto3 `optional`: protoc's flag for it changes nothing here.
+    const IGNORED: &[&str] = &["--experimental_allow_proto3_optional"];
     let mut includes = Vec::new();
     let mut output = None;
     let (mut include_imports, mut include_source_info) = (false, false);
@@ -39,6 +44,7 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
             "-o" | "--descriptor_set_out" => output = Some(PathBuf::from(value(&arg)?)),
             "--include_imports" => include_imports = true,
             "--include_source_info" => include_source_info = true,
+            _ if IGNORED.contains(&arg.as_str()) => {}
             _ if arg.starts_with("-I") => includes.push(PathBuf::from(&arg[2..])),
             _ if arg.starts_with("--proto_path=") => {
                 includes.push(PathBuf::from(&arg["--proto_path=".len()..]))
@@ -87,11 +93,20 @@ fn compile(args: &Args) -> Result<prost_types::FileDescriptorSet, String> {
 }
 
 fn main() -> ExitCode {
-    let result = parse_args(std::env::args().skip(1)).and_then(|args| {
-        let set = compile(&args)?;
-        std::fs::write(&args.output, set.encode_to_vec())
-            .map_err(|e| format!("{}: {e}", args.output.display()))
-    });
+    let args: Result<Vec<String>, _> = std::env::args_os()
+        .skip(1)
+        .map(|a| {
+            a.into_string()
+                .map_err(|a| format!("an argument that is not UTF-8: {a:?}"))
+        })
+        .collect();
+    let result = args
+        .and_then(|a| parse_args(a.into_iter()))
+        .and_then(|args| {
+            let set = compile(&args)?;
+            std::fs::write(&args.output, set.encode_to_vec())
+                .map_err(|e| format!("{}: {e}", args.output.display()))
+        });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
@@ -178,6 +193,8 @@ mod tests {
         assert!(args.include_imports && args.include_source_info);
         assert_eq!(args.files, [PathBuf::from("x.proto")]);
         assert!(parse_args(["--cpp_out=x", "a.proto"].map(String::from).into_iter()).is_err());
+        let ignored = ["--experimental_allow_proto3_optional", "-o", "o", "a.proto"];
+        assert!(parse_args(ignored.map(String::from).into_iter()).is_ok());
         assert!(parse_args(["a.proto"].map(String::from).into_iter()).is_err());
     }
 }
