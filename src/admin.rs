@@ -356,6 +356,14 @@ async fn live_state(State(state): State<AdminState>) -> Response {
         services.push(json!({
             "name": service.key(),
             "switchover": switchover.services.get(&service.key()),
+            // Each application that moves on its own readiness while the RayService's
+            // traffic moves.
+            "application_switchovers": switchover
+                .services
+                .range(crate::translate::app_switch_key(&service.key(), "")..)
+                .take_while(|(k, _)| k.starts_with(&crate::translate::app_switch_key(&service.key(), "")))
+                .map(|(k, v)| (k[service.key().len() + 1..].to_string(), v))
+                .collect::<std::collections::BTreeMap<_, _>>(),
             "head_proxy": format!("{:?}", service.policy.head_proxy).to_lowercase(),
             "clusters": clusters,
         }));

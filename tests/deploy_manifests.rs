@@ -1729,13 +1729,32 @@ fn network_policy_lets_in_the_gateway_sidecars_and_monitoring_only() {
     }
 
     // Out. The Ray ports are the ones ray-xds probes by default: serve 8000, Ray Serve's
-    // gRPC proxy 9000, the dashboard 8265 (README, "What ray-xds reads").
+    // gRPC proxy 9000, the dashboard 8265 (README, "What ray-xds reads"), and with direct
+    // ingress the replicas' ports.
     let dns = pod("kube-system", &[("k8s-app", "kube-dns")]);
     let fake_dns = pod("my-app", &[("k8s-app", "kube-dns")]);
-    let cases: [(&str, &Peer, i32, &str, bool); 14] = [
+    let cases: [(&str, &Peer, i32, &str, bool); 19] = [
         ("a Ray pod's serve port", &ray_pod, 8000, "TCP", true),
         ("a Ray pod's gRPC port", &ray_pod, 9000, "TCP", true),
         ("a Ray head's dashboard", &ray_pod, 8265, "TCP", true),
+        // Direct ingress: ingress replicas' HTTP and gRPC ports (Ray's default ranges).
+        ("a replica's first HTTP port", &ray_pod, 30000, "TCP", true),
+        ("a replica's last gRPC port", &ray_pod, 41000, "TCP", true),
+        ("past the HTTP range", &ray_pod, 31001, "TCP", false),
+        (
+            "a replica port of a pod that is no Ray pod",
+            &unlabelled,
+            30000,
+            "TCP",
+            false,
+        ),
+        (
+            "a replica port outside",
+            &Peer::Outside,
+            40000,
+            "TCP",
+            false,
+        ),
         ("a Ray pod's ssh", &ray_pod, 22, "TCP", false),
         (
             "a pod that is no Ray pod, on 8000",

@@ -20,6 +20,7 @@
 
 pub mod departed;
 pub mod leaving;
+pub mod readiness;
 pub mod switchover;
 pub mod task;
 

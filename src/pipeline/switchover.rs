@@ -27,12 +27,13 @@ use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 
-use crate::live::dashboard::AppStatus;
+use super::readiness::{app_readiness, readiness, routed_clusters, Unit};
 use crate::live::dashboards::DashboardStates;
 use crate::live::health::HealthMap;
 use crate::live::peers::{to_unix, DepartedCluster, PeerStates, PeerSwitch, ReplicaView};
-use crate::model::{Model, Protocol, RayService};
+use crate::model::{Model, RayService};
 use crate::policy::switchover::{ShiftMode, SwitchoverPolicy};
+use crate::translate::app_switch_key;
 
 /// Which connected Envoys have not yet warmed (ACKed) a cluster and its endpoints.
 pub trait EnvoyWarmth {
@@ -169,104 +170,6 @@ pub struct Switchover {
 /// watch, dashboard polls and probes run on their own timers).
 pub const PEER_LAG: Duration = Duration::from_secs(30);
 
-/// Whether `cluster` of `service` serves gRPC: the source says so, or (proxies discovered
-/// from its dashboard) health has a gRPC cluster for it.
-fn serves_grpc(service: &RayService, cluster: &str, health: &HealthMap) -> bool {
-    service.cluster(cluster).is_some_and(|c| c.serves_grpc())
-        || health
-            .clusters
-            .contains_key(&service.envoy_grpc_cluster_name(cluster))
-}
-
-/// The Envoy clusters a route may send `cluster`'s traffic to, each of which every Envoy
-/// warms before traffic moves: its HTTP proxies, its gRPC proxies when it serves gRPC, and
-/// with direct ingress each application's replicas (`translate`).
-fn routed_clusters(service: &RayService, cluster: &str, health: &HealthMap) -> Vec<String> {
-    let mut out = vec![service.envoy_cluster_name(cluster)];
-    let grpc = serves_grpc(service, cluster, health);
-    if grpc {
-        out.push(service.envoy_grpc_cluster_name(cluster));
-    }
-    if let Some(c) = service.cluster(cluster).filter(|c| c.direct_ingress) {
-        for app in &c.applications {
-            out.push(service.envoy_app_cluster_name(cluster, &app.name, Protocol::Http));
-            if c.serves_grpc() {
-                out.push(service.envoy_app_cluster_name(cluster, &app.name, Protocol::Grpc));
-            }
-        }
-    }
-    out
-}
-
-/// Whether `cluster` of `service` is ready for traffic, and why not.
-pub fn readiness(
-    service: &RayService,
-    cluster: &str,
-    health: &HealthMap,
-    dashboards: &DashboardStates,
-    min_ready_proxies: u32,
-    answered_since: Option<SystemTime>,
-) -> Result<(), String> {
-    let Some(c) = service.cluster(cluster) else {
-        return Err(format!("cluster {cluster} is not listed"));
-    };
-    let envoy_name = service.envoy_cluster_name(cluster);
-    if c.dashboard.is_some() {
-        let d = dashboards.clusters.get(&envoy_name);
-        let Some(status) = d.and_then(|d| d.status.as_ref()) else {
-            return Err("its dashboard has not answered yet".into());
-        };
-        if d.is_some_and(|d| d.stale) {
-            return Err("its dashboard does not answer now".into());
-        }
-        if let Some(since) = answered_since {
-            let since = since
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .map(|d| d.as_secs_f64())
-                .unwrap_or(0.0);
-            if d.and_then(|d| d.last_success_unix)
-                .is_none_or(|t| t < since)
-            {
-                return Err("waiting for its dashboard to answer since the switch began".into());
-            }
-        }
-        if !status.all_running() {
-            let waiting: Vec<String> = status
-                .applications
-                .iter()
-                .filter(|(_, a)| a.status != AppStatus::Running)
-                .map(|(n, a)| format!("{n} {}", a.status.as_str()))
-                .collect();
-            return Err(if waiting.is_empty() {
-                "no application deployed yet".into()
-            } else {
-                format!("applications not RUNNING: {}", waiting.join(", "))
-            });
-        }
-    }
-    let ready = health.cluster(&envoy_name).ready;
-    let need = min_ready_proxies.max(1);
-    if ready < need {
-        return Err(format!(
-            "{ready} of {} proxies healthy and serving every route (need {need})",
-            c.proxies.len(),
-        ));
-    }
-    // gRPC moves with HTTP (one weight per RayCluster): both must be ready. The source
-    // says a cluster serves gRPC, or (proxies discovered from its dashboard) health does.
-    let grpc_name = service.envoy_grpc_cluster_name(cluster);
-    if serves_grpc(service, cluster, health) {
-        let ready = health.cluster(&grpc_name).ready;
-        if ready < need {
-            return Err(format!(
-                "{ready} of {} gRPC proxies healthy (need {need})",
-                c.proxies.iter().filter(|p| p.grpc.is_some()).count(),
-            ));
-        }
-    }
-    Ok(())
-}
-
 impl Switchover {
     pub fn new(defaults: SwitchoverPolicy) -> Switchover {
         Switchover {
@@ -308,7 +211,9 @@ impl Switchover {
         }
     }
 
-    /// Advances every RayService's switchover to `now`; returns what changed.
+    /// Advances every RayService's switchover to `now`, and, while a RayService's traffic
+    /// moves, each of its target's applications' own (they move as soon as each is ready
+    /// there, the rest of the traffic waiting for the whole); returns what changed.
     pub fn advance(
         &mut self,
         model: &Model,
@@ -321,7 +226,6 @@ impl Switchover {
         let mut next = BTreeMap::new();
         for service in model.services() {
             let key = service.key();
-            let policy = self.defaults.with(&service.policy.overrides.switchover);
             let known = self.services.contains_key(&key);
             // New here (a start, or a restart mid-switch) while the source names an active
             // cluster a peer does not serve yet (an early flip): traffic is where the peer
@@ -339,248 +243,308 @@ impl Switchover {
                         && service.cluster(c).is_some()
                 })
                 .unwrap_or_else(|| service.active_cluster.clone());
-            let mut st = self.services.remove(&key).unwrap_or_else(|| ServiceSwitch {
+            let st = self.advance_unit(
+                &key,
+                service,
+                Unit::Service,
                 serving,
-                serving_since: now,
-                moved: false,
-                saw_begin: false,
-                target: None,
-                phase: Phase::Stable,
-                reason: String::new(),
-                weights: vec![],
-                target_since: None,
-                warming_since: None,
-                warm_timeout: policy.warm_timeout,
-                step: 0,
-                shift_started: None,
-                step_due: None,
-            });
-            st.warm_timeout = policy.warm_timeout;
-            st.step_due = None;
-            let before = (st.phase, st.weights.clone(), st.reason.clone());
-            if service.cluster(&st.serving).is_none() {
-                // The source removed the cluster we served: nothing to keep serving from.
-                st.serving = service.active_cluster.clone();
-                st.serving_since = now;
-                st.moved = false;
+                known,
+                health,
+                dashboards,
+                envoys,
+                now,
+                &mut events,
+            );
+            let (target, serving) = (st.target.clone(), st.serving.clone());
+            next.insert(key.clone(), st);
+            // Each application of the target moves on its own readiness, from where the
+            // RayService's traffic is.
+            let apps = target.as_deref().and_then(|t| service.cluster(t));
+            for app in apps.into_iter().flat_map(|c| &c.applications) {
+                let app_key = app_switch_key(&key, &app.name);
+                let known = self.services.contains_key(&app_key);
+                let st = self.advance_unit(
+                    &app_key,
+                    service,
+                    Unit::Application(&app.name),
+                    serving.clone(),
+                    known,
+                    health,
+                    dashboards,
+                    envoys,
+                    now,
+                    &mut events,
+                );
+                next.insert(app_key, st);
+            }
+        }
+        self.services = next;
+        events
+    }
+
+    /// Advances one switch (a RayService's, or one application's) keyed `key`; `serving`
+    /// is where its traffic is when this replica did not know it yet.
+    #[allow(clippy::too_many_arguments)]
+    fn advance_unit(
+        &mut self,
+        key: &str,
+        service: &RayService,
+        unit: Unit<'_>,
+        serving: String,
+        known: bool,
+        health: &HealthMap,
+        dashboards: &DashboardStates,
+        envoys: &dyn EnvoyWarmth,
+        now: SystemTime,
+        events: &mut Vec<SwitchEvent>,
+    ) -> ServiceSwitch {
+        let policy = self.defaults.with(&service.policy.overrides.switchover);
+        let mut st = self.services.remove(key).unwrap_or_else(|| ServiceSwitch {
+            serving,
+            serving_since: now,
+            moved: false,
+            saw_begin: false,
+            target: None,
+            phase: Phase::Stable,
+            reason: String::new(),
+            weights: vec![],
+            target_since: None,
+            warming_since: None,
+            warm_timeout: policy.warm_timeout,
+            step: 0,
+            shift_started: None,
+            step_due: None,
+        });
+        st.warm_timeout = policy.warm_timeout;
+        st.step_due = None;
+        let before = (st.phase, st.weights.clone(), st.reason.clone());
+        if service.cluster(&st.serving).is_none() {
+            // The source removed the cluster we served: nothing to keep serving from.
+            st.serving = service.active_cluster.clone();
+            st.serving_since = now;
+            st.moved = false;
+            st.step = 0;
+            st.shift_started = None;
+        }
+        let previous_target = st.target.clone();
+        st.target = match &service.pending_cluster {
+            // Already moved to the pending cluster: stay until the source promotes it.
+            Some(p) if *p == st.serving => None,
+            Some(p) => Some(p.clone()),
+            // The source names an active cluster we do not serve (an early flip, or a
+            // replaced cluster): a switchover like any other.
+            None if service.active_cluster != st.serving => Some(service.active_cluster.clone()),
+            None => None,
+        };
+        if st.target != previous_target {
+            st.target_since = st.target.as_ref().map(|_| now);
+            st.saw_begin = known && st.target.is_some();
+            st.warming_since = None;
+            if let Some(t) = &st.target {
+                if service.cluster(t).is_some_and(|c| c.dashboard.is_some()) {
+                    self.refresh.push(service.envoy_cluster_name(t));
+                }
+            }
+        }
+        match st.target.clone() {
+            None => {
+                if st.phase != Phase::Stable || st.reason.is_empty() {
+                    st.reason = format!("serving {}", st.serving);
+                }
+                st.phase = Phase::Stable;
                 st.step = 0;
                 st.shift_started = None;
+                st.weights = vec![(st.serving.clone(), 100)];
             }
-            let previous_target = st.target.clone();
-            st.target = match &service.pending_cluster {
-                // Already moved to the pending cluster: stay until the source promotes it.
-                Some(p) if *p == st.serving => None,
-                Some(p) => Some(p.clone()),
-                // The source names an active cluster we do not serve (an early flip, or a
-                // replaced cluster): a switchover like any other.
-                None if service.active_cluster != st.serving => {
-                    Some(service.active_cluster.clone())
-                }
-                None => None,
-            };
-            if st.target != previous_target {
-                st.target_since = st.target.as_ref().map(|_| now);
-                st.saw_begin = known && st.target.is_some();
-                st.warming_since = None;
-                if let Some(t) = &st.target {
-                    if service.cluster(t).is_some_and(|c| c.dashboard.is_some()) {
-                        self.refresh.push(service.envoy_cluster_name(t));
-                    }
-                }
-            }
-            match st.target.clone() {
-                None => {
-                    if st.phase != Phase::Stable || st.reason.is_empty() {
-                        st.reason = format!("serving {}", st.serving);
-                    }
-                    st.phase = Phase::Stable;
-                    st.step = 0;
-                    st.shift_started = None;
-                    st.weights = vec![(st.serving.clone(), 100)];
-                }
-                Some(target) => {
-                    // Dashboard answers count from when the switch began: here, or at a
-                    // peer that saw it earlier (a restarted replica, mid-switch).
-                    // (Only a replica that came in mid-switch takes it from a peer: one that
-                    // saw the switch begin knows when it did.)
-                    let peer_since = (!st.saw_begin)
-                        .then(|| self.peers.target_since(&key, &target))
-                        .flatten();
-                    let since = match (st.target_since, peer_since) {
-                        (Some(own), Some(peer)) => Some(own.min(peer)),
-                        (own, peer) => own.or(peer),
-                    };
-                    let ready = readiness(
+            Some(target) => {
+                // Dashboard answers count from when the switch began: here, or at a
+                // peer that saw it earlier (a restarted replica, mid-switch).
+                // (Only a replica that came in mid-switch takes it from a peer: one that
+                // saw the switch begin knows when it did.)
+                let peer_since = (!st.saw_begin)
+                    .then(|| self.peers.target_since(key, &target))
+                    .flatten();
+                let since = match (st.target_since, peer_since) {
+                    (Some(own), Some(peer)) => Some(own.min(peer)),
+                    (own, peer) => own.or(peer),
+                };
+                let ready = match unit {
+                    Unit::Service => readiness(
                         service,
                         &target,
                         health,
                         dashboards,
                         policy.min_ready_proxies,
                         since,
-                    );
-                    let routable =
-                        |c: &str| health.cluster(&service.envoy_cluster_name(c)).routable > 0;
-                    // Proxies still awaiting their first probe (a restart, or new ones) are
-                    // not known to be down: no emergency move on their account, or one
-                    // replica that probed the target first would move to it for good.
-                    let awaiting = |c: &str| {
-                        health
-                            .cluster(&service.envoy_cluster_name(c))
-                            .awaiting_first_probe
-                            > 0
-                    };
-                    let desperate =
-                        !routable(&st.serving) && !awaiting(&st.serving) && routable(&target);
-                    if ready.is_err() {
-                        st.warming_since = None;
-                    }
-                    // Before the first step, wait for every Envoy to warm the target.
-                    let mut cold = Vec::new();
-                    let mut warm_note = String::new();
-                    let routed = routed_clusters(service, &target, health);
-                    if ready.is_ok() && !desperate && st.step == 0 {
-                        for name in &routed {
-                            for envoy in envoys.cold_envoys(name) {
-                                if !cold.contains(&envoy) {
-                                    cold.push(envoy);
-                                }
-                            }
-                        }
-                        if cold.is_empty() {
-                            st.warming_since = None;
-                        } else {
-                            let since = *st.warming_since.get_or_insert(now);
-                            if now.duration_since(since).unwrap_or_default() >= policy.warm_timeout
-                            {
-                                warm_note = format!(
-                                    " ({} Envoy(s) had not warmed it after {:?}: {}; each \
-                                     switches once it has)",
-                                    cold.len(),
-                                    policy.warm_timeout,
-                                    cold.join(", ")
-                                );
-                                cold.clear();
-                            }
-                        }
-                    }
-                    let mut rejecting = Vec::new();
+                    ),
+                    Unit::Application(app) => app_readiness(
+                        service,
+                        &target,
+                        app,
+                        health,
+                        dashboards,
+                        policy.min_ready_proxies,
+                        since,
+                    ),
+                };
+                let routable =
+                    |c: &str| health.cluster(&service.envoy_cluster_name(c)).routable > 0;
+                // Proxies still awaiting their first probe (a restart, or new ones) are
+                // not known to be down: no emergency move on their account, or one
+                // replica that probed the target first would move to it for good.
+                let awaiting = |c: &str| {
+                    health
+                        .cluster(&service.envoy_cluster_name(c))
+                        .awaiting_first_probe
+                        > 0
+                };
+                let desperate =
+                    !routable(&st.serving) && !awaiting(&st.serving) && routable(&target);
+                if ready.is_err() {
+                    st.warming_since = None;
+                }
+                // Before the first step, wait for every Envoy to warm the target.
+                let mut cold = Vec::new();
+                let mut warm_note = String::new();
+                let routed = routed_clusters(service, &target, unit, health);
+                if ready.is_ok() && !desperate && st.step == 0 {
                     for name in &routed {
-                        for envoy in envoys.rejecting_envoys(name) {
-                            if !rejecting.contains(&envoy) {
-                                rejecting.push(envoy);
+                        for envoy in envoys.cold_envoys(name) {
+                            if !cold.contains(&envoy) {
+                                cold.push(envoy);
                             }
                         }
                     }
-                    match ready {
-                        // (When the serving cluster has no routable proxy left and the
-                        // target has, traffic moves anyway: an Envoy that rejected the
-                        // target keeps its own route, merged for it, while every other
-                        // one stops sending to a dead cluster.)
-                        _ if !rejecting.is_empty() && !desperate => {
-                            st.phase = Phase::Rejected;
-                            st.reason = format!(
-                                "{target} was rejected by {} Envoy(s): {}; no traffic moves \
-                                 to it until its configuration changes",
-                                rejecting.len(),
-                                rejecting.join(", ")
-                            );
-                            st.step = 0;
-                            st.shift_started = None;
-                            st.warming_since = None;
-                            st.weights = vec![(st.serving.clone(), 100)];
-                        }
-                        Ok(()) if !cold.is_empty() => {
-                            st.phase = Phase::Warming;
-                            st.reason = format!(
-                                "{target} is ready; waiting for {} Envoy(s) to ACK it and its \
-                                 endpoints: {}",
+                    if cold.is_empty() {
+                        st.warming_since = None;
+                    } else {
+                        let since = *st.warming_since.get_or_insert(now);
+                        if now.duration_since(since).unwrap_or_default() >= policy.warm_timeout {
+                            warm_note = format!(
+                                " ({} Envoy(s) had not warmed it after {:?}: {}; each \
+                                 switches once it has)",
                                 cold.len(),
+                                policy.warm_timeout,
                                 cold.join(", ")
                             );
-                            st.weights = vec![(st.serving.clone(), 100)];
+                            cold.clear();
                         }
-                        Err(why) if !desperate => {
-                            st.phase = Phase::Waiting;
-                            st.reason = format!("{target} is not ready: {why}");
+                    }
+                }
+                let mut rejecting = Vec::new();
+                for name in &routed {
+                    for envoy in envoys.rejecting_envoys(name) {
+                        if !rejecting.contains(&envoy) {
+                            rejecting.push(envoy);
+                        }
+                    }
+                }
+                match ready {
+                    // (When the serving cluster has no routable proxy left and the
+                    // target has, traffic moves anyway: an Envoy that rejected the
+                    // target keeps its own route, merged for it, while every other
+                    // one stops sending to a dead cluster.)
+                    _ if !rejecting.is_empty() && !desperate => {
+                        st.phase = Phase::Rejected;
+                        st.reason = format!(
+                            "{target} was rejected by {} Envoy(s): {}; no traffic moves \
+                             to it until its configuration changes",
+                            rejecting.len(),
+                            rejecting.join(", ")
+                        );
+                        st.step = 0;
+                        st.shift_started = None;
+                        st.warming_since = None;
+                        st.weights = vec![(st.serving.clone(), 100)];
+                    }
+                    Ok(()) if !cold.is_empty() => {
+                        st.phase = Phase::Warming;
+                        st.reason = format!(
+                            "{target} is ready; waiting for {} Envoy(s) to ACK it and its \
+                             endpoints: {}",
+                            cold.len(),
+                            cold.join(", ")
+                        );
+                        st.weights = vec![(st.serving.clone(), 100)];
+                    }
+                    Err(why) if !desperate => {
+                        st.phase = Phase::Waiting;
+                        st.reason = format!("{target} is not ready: {why}");
+                        st.step = 0;
+                        st.shift_started = None;
+                        st.weights = vec![(st.serving.clone(), 100)];
+                    }
+                    _ => {
+                        let weight = match policy.shift() {
+                            ShiftMode::Atomic => 100,
+                            _ if desperate => 100,
+                            // A peer has moved already: so do we (our own gates passed).
+                            _ if self.peers.completed(key, &target) => 100,
+                            ShiftMode::Progressive { steps, interval } => {
+                                let mut started = *st.shift_started.get_or_insert(now);
+                                // No earlier than this replica saw the switch begin
+                                // (less the lag between replicas), when it did.
+                                let floor = st
+                                    .target_since
+                                    .filter(|_| st.saw_begin)
+                                    .map(|t| t - PEER_LAG);
+                                if let Some(peer) = self
+                                    .peers
+                                    .shift_started(key, &st.serving, &target)
+                                    .filter(|p| floor.is_none_or(|f| *p >= f))
+                                {
+                                    started = started.min(peer);
+                                }
+                                st.shift_started = Some(started);
+                                let elapsed = now.duration_since(started).unwrap_or_default();
+                                let intervals = elapsed.as_nanos() / interval.as_nanos().max(1);
+                                st.step = usize::try_from(intervals)
+                                    .unwrap_or(usize::MAX)
+                                    .saturating_add(1)
+                                    .min(steps.len());
+                                if st.step < steps.len() {
+                                    st.step_due = Some(started + interval * st.step as u32);
+                                }
+                                steps.get(st.step - 1).copied().unwrap_or(100).min(100)
+                            }
+                        };
+                        if weight >= 100 {
+                            st.reason = if desperate {
+                                format!(
+                                    "{} has no healthy proxy left; moved to {target}",
+                                    st.serving
+                                )
+                            } else {
+                                format!("moved to {target}: it is ready{warm_note}")
+                            };
+                            st.serving = target;
+                            st.serving_since = now;
+                            st.moved = true;
+                            st.target = None;
+                            st.phase = Phase::Stable;
                             st.step = 0;
                             st.shift_started = None;
+                            st.step_due = None;
                             st.weights = vec![(st.serving.clone(), 100)];
-                        }
-                        _ => {
-                            let weight = match policy.shift() {
-                                ShiftMode::Atomic => 100,
-                                _ if desperate => 100,
-                                // A peer has moved already: so do we (our own gates passed).
-                                _ if self.peers.completed(&key, &target) => 100,
-                                ShiftMode::Progressive { steps, interval } => {
-                                    let mut started = *st.shift_started.get_or_insert(now);
-                                    // No earlier than this replica saw the switch begin
-                                    // (less the lag between replicas), when it did.
-                                    let floor = st
-                                        .target_since
-                                        .filter(|_| st.saw_begin)
-                                        .map(|t| t - PEER_LAG);
-                                    if let Some(peer) = self
-                                        .peers
-                                        .shift_started(&key, &st.serving, &target)
-                                        .filter(|p| floor.is_none_or(|f| *p >= f))
-                                    {
-                                        started = started.min(peer);
-                                    }
-                                    st.shift_started = Some(started);
-                                    let elapsed = now.duration_since(started).unwrap_or_default();
-                                    let intervals = elapsed.as_nanos() / interval.as_nanos().max(1);
-                                    st.step = usize::try_from(intervals)
-                                        .unwrap_or(usize::MAX)
-                                        .saturating_add(1)
-                                        .min(steps.len());
-                                    if st.step < steps.len() {
-                                        st.step_due = Some(started + interval * st.step as u32);
-                                    }
-                                    steps.get(st.step - 1).copied().unwrap_or(100).min(100)
-                                }
-                            };
-                            if weight >= 100 {
-                                st.reason = if desperate {
-                                    format!(
-                                        "{} has no healthy proxy left; moved to {target}",
-                                        st.serving
-                                    )
-                                } else {
-                                    format!("moved to {target}: it is ready{warm_note}")
-                                };
-                                st.serving = target;
-                                st.serving_since = now;
-                                st.moved = true;
-                                st.target = None;
-                                st.phase = Phase::Stable;
-                                st.step = 0;
-                                st.shift_started = None;
-                                st.step_due = None;
-                                st.weights = vec![(st.serving.clone(), 100)];
-                            } else {
-                                st.phase = Phase::Shifting;
-                                st.reason =
-                                    format!("{target} is ready: {weight}% of traffic{warm_note}");
-                                st.weights =
-                                    vec![(st.serving.clone(), 100 - weight), (target, weight)];
-                            }
+                        } else {
+                            st.phase = Phase::Shifting;
+                            st.reason =
+                                format!("{target} is ready: {weight}% of traffic{warm_note}");
+                            st.weights = vec![(st.serving.clone(), 100 - weight), (target, weight)];
                         }
                     }
                 }
             }
-            if (st.phase, &st.weights, &st.reason) != (before.0, &before.1, &before.2) {
-                events.push(SwitchEvent {
-                    service: key.clone(),
-                    phase: st.phase,
-                    reason: st.reason.clone(),
-                    weights: st.weights.clone(),
-                });
-            }
-            next.insert(key, st);
         }
-        self.services = next;
-        events
+        if (st.phase, &st.weights, &st.reason) != (before.0, &before.1, &before.2) {
+            events.push(SwitchEvent {
+                service: key.to_string(),
+                phase: st.phase,
+                reason: st.reason.clone(),
+                weights: st.weights.clone(),
+            });
+        }
+        st
     }
 
     /// Percent of traffic per cluster of every RayService it knows (only clusters with
@@ -737,6 +701,104 @@ mod tests {
     }
 
     const T0: SystemTime = SystemTime::UNIX_EPOCH;
+
+    /// `model` with the applications of `03-deploying.json` (`hello` RUNNING, `slow` and
+    /// `broken` DEPLOYING) listed on b1, as discovery gives them from its dashboard.
+    fn model_with_apps(pending: Option<&str>, direct_ingress: bool) -> Model {
+        let mut s = model(A, pending, SwitchoverOverrides::default()).services()[0].clone();
+        let b = s.clusters.iter_mut().find(|c| c.name == B).unwrap();
+        b.direct_ingress = direct_ingress;
+        b.applications = ["broken", "hello", "slow"]
+            .map(|name| crate::model::test_support::app(name, Some(&format!("/{name}")), &[]))
+            .to_vec();
+        Model::new(vec![s]).unwrap()
+    }
+
+    /// Each application moves on its own readiness: `hello`, RUNNING on b1, moves at once,
+    /// while the RayService's other traffic (and `slow`, still DEPLOYING) waits for the
+    /// whole cluster; once everything runs, the RayService moves and the applications'
+    /// own switches end.
+    #[test]
+    fn an_application_ready_on_the_new_cluster_moves_without_waiting_for_the_others() {
+        let m = model_with_apps(Some(B), false);
+        let mut world = World::new();
+        world.apps("default/s/b1", "03-deploying.json");
+        let mut s = Switchover::new(SwitchoverPolicy::default());
+        let events = advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(A, 100)]));
+        assert_eq!(s.services["default/s"].phase, Phase::Waiting);
+        let all = s.weights();
+        assert_eq!(all["default/s#hello"], w(&[(B, 100)]), "{all:?}");
+        assert_eq!(all["default/s#slow"], w(&[(A, 100)]));
+        assert_eq!(all["default/s#broken"], w(&[(A, 100)]));
+        assert!(
+            s.services["default/s#slow"]
+                .reason
+                .contains("slow is DEPLOYING"),
+            "{:?}",
+            s.services["default/s#slow"]
+        );
+        assert!(events
+            .iter()
+            .any(|e| e.service == "default/s#hello" && e.reason.contains("moved to b1")));
+
+        // A cold Envoy holds an application's move as it holds the RayService's.
+        let mut s = Switchover::new(SwitchoverPolicy::default());
+        let cold = ColdFor(vec!["default/s/b1"]);
+        advance(&mut s, &m, &world, &cold, T0);
+        assert_eq!(s.weights()["default/s#hello"], w(&[(A, 100)]));
+        assert_eq!(s.services["default/s#hello"].phase, Phase::Warming);
+
+        // Everything runs: the RayService moves, the applications' own switches end.
+        let mut s = Switchover::new(SwitchoverPolicy::default());
+        advance(&mut s, &m, &world, &(), T0);
+        world.apps("default/s/b1", "02-running.json");
+        // (02-running lists `hello` only: the others are no longer deployed there.)
+        advance(&mut s, &m, &world, &(), T0 + Duration::from_secs(1));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+        assert_eq!(s.weights().keys().collect::<Vec<_>>(), ["default/s"]);
+    }
+
+    /// An application whose replicas (direct ingress) are ready moves even with no proxy
+    /// ready on the new cluster; one without replicas needs the proxies.
+    #[test]
+    fn an_application_with_ready_replicas_needs_no_ready_proxy() {
+        let mut m = model_with_apps(Some(B), true);
+        let mut svc = m.services()[0].clone();
+        let b = svc.clusters.iter_mut().find(|c| c.name == B).unwrap();
+        b.applications[1].http_replicas = vec![addr(30000)];
+        m = Model::new(vec![svc]).unwrap();
+        let mut world = World::new();
+        world.apps("default/s/b1", "03-deploying.json");
+        world.proxy(9000, ProbeState::Unhealthy);
+        world.proxy(30000, ProbeState::Healthy);
+        let mut s = Switchover::new(SwitchoverPolicy::default());
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(s.weights()["default/s#hello"], w(&[(B, 100)]));
+        world.proxy(30000, ProbeState::Unhealthy);
+        let mut s = Switchover::new(SwitchoverPolicy::default());
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(s.weights()["default/s#hello"], w(&[(A, 100)]));
+        assert!(s.services["default/s#hello"]
+            .reason
+            .contains("proxies healthy"));
+    }
+
+    /// Envoys that have warmed nothing of the clusters listed.
+    struct ColdFor(Vec<&'static str>);
+
+    impl EnvoyWarmth for ColdFor {
+        fn cold_envoys(&self, cluster: &str) -> Vec<String> {
+            if self.0.contains(&cluster) {
+                vec!["envoy-1".into()]
+            } else {
+                Vec::new()
+            }
+        }
+        fn rejecting_envoys(&self, _: &str) -> Vec<String> {
+            Vec::new()
+        }
+    }
 
     #[test]
     fn an_upgrade_waits_for_readiness_then_moves_atomically() {

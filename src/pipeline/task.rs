@@ -269,7 +269,14 @@ fn record(out: &Output, metrics: &Metrics, exported: &mut BTreeSet<WeightLabels>
         .fail_open_clusters
         .set(out.health.fail_open().len() as i64);
     let mut now = BTreeSet::new();
-    for (service, switch) in &out.switchover.services {
+    // RayServices only: an application's own switch is short-lived and may be one of a
+    // thousand (its events are logged).
+    for (service, switch) in out
+        .switchover
+        .services
+        .iter()
+        .filter(|(k, _)| !k.contains('#'))
+    {
         for (cluster, weight) in &switch.weights {
             let labels = WeightLabels {
                 rayservice: service.clone(),

@@ -6,13 +6,15 @@
 //!   ([`RayService::envoy_app_cluster_name`]; gRPC only where the RayCluster serves gRPC),
 //!   there while the application is listed, its replicas or not, so a route can move to
 //!   it and back without a cluster coming and going.
-//! - **Routes.** While some RayCluster taking traffic has direct ingress on, the virtual
-//!   host gets a route per application, before the catch-all route to the proxies:
+//! - **Routes.** While some RayCluster taking traffic has direct ingress on, or some
+//!   application moves to a new RayCluster on its own readiness (weights of its own,
+//!   `pipeline::switchover`), the virtual host gets a route per application, before the
+//!   catch-all route to the proxies:
 //!   HTTP by route prefix, as Ray matches them (`proxy_router.py`, `match_route`: longest
 //!   prefix first; a prefix ending in `/` matches what starts with it, `prefix`; any other
 //!   matches itself or itself followed by `/`, `path_separated_prefix`); gRPC by the
-//!   `application` metadata, as Ray's gRPC proxy routes. Each route carries the
-//!   RayService's weights, each RayCluster's share going to the application's replicas
+//!   `application` metadata, as Ray's gRPC proxy routes. Each route carries its
+//!   application's weights (else the RayService's), each RayCluster's share going to the application's replicas
 //!   there while one may take requests (routable, or fail-open: a failure of ray-xds's
 //!   own probes never takes them away), else to that RayCluster's proxies (Ray's own
 //!   fallback), which also take an application a RayCluster does not list (Ray answers
@@ -26,7 +28,7 @@ use std::net::SocketAddr;
 use envoy_types::pb::envoy::config::route::v3 as route;
 use envoy_types::pb::envoy::r#type::matcher::v3 as matcher;
 
-use super::{weighted_route, TrafficPolicy};
+use super::{weighted_route, ServiceWeights, TrafficPolicy};
 use crate::live::health::HealthMap;
 use crate::model::{encode_name_segment, Application, Protocol, RayCluster, RayService};
 
@@ -82,23 +84,36 @@ fn destination(
     service.envoy_cluster_name_for(&cluster.name, protocol)
 }
 
-/// The applications to route, each with its route prefix, while a RayCluster taking
-/// traffic has direct ingress on: those of the RayClusters with weight, the heaviest
-/// first, so that of two applications claiming one prefix (or one name) in different
-/// RayClusters, the one where most traffic goes keeps it.
-fn routed<'a>(service: &'a RayService, weights: &[(String, u32)]) -> Vec<&'a Application> {
-    let mut by_weight: Vec<(&RayCluster, u32)> = weights
+/// The applications to route: while some RayCluster taking traffic has direct ingress on,
+/// or some application moves on its own (its own weights), those of every RayCluster of
+/// the RayService, the heaviest first, so that of two applications claiming one prefix
+/// (or one name) in different RayClusters, the one where most traffic goes keeps it.
+fn routed<'a>(service: &'a RayService, all: &ServiceWeights<'_>) -> Vec<&'a Application> {
+    let weight = |name: &str| {
+        all.service
+            .iter()
+            .find(|(c, _)| c == name)
+            .map_or(0, |(_, w)| *w)
+    };
+    let taking = |c: &RayCluster| {
+        weight(&c.name) > 0
+            || all
+                .apps
+                .values()
+                .any(|w| w.iter().any(|(n, w)| *n == c.name && *w > 0))
+    };
+    let direct = service
+        .clusters
         .iter()
-        .filter(|(_, w)| *w > 0)
-        .filter_map(|(c, w)| service.cluster(c).map(|c| (c, *w)))
-        .collect();
-    if !by_weight.iter().any(|(c, _)| c.direct_ingress) {
+        .any(|c| c.direct_ingress && taking(c));
+    if !direct && all.apps.is_empty() {
         return Vec::new();
     }
-    by_weight.sort_by_key(|(c, w)| (std::cmp::Reverse(*w), c.name.as_str()));
+    let mut by_weight: Vec<&RayCluster> = service.clusters.iter().collect();
+    by_weight.sort_by_key(|c| (std::cmp::Reverse(weight(&c.name)), c.name.as_str()));
     let (mut names, mut prefixes) = (BTreeSet::new(), BTreeSet::new());
     let mut out = Vec::new();
-    for (cluster, _) in by_weight {
+    for cluster in by_weight {
         for app in &cluster.applications {
             if names.contains(app.name.as_str()) {
                 continue;
@@ -120,8 +135,8 @@ fn routed<'a>(service: &'a RayService, weights: &[(String, u32)]) -> Vec<&'a App
     out
 }
 
-/// The weighted clusters of `app`'s route: each RayCluster's share to
-/// [`destination`].
+/// The weighted clusters of `app`'s route: each RayCluster's share to [`destination`];
+/// for gRPC, only the RayClusters that serve it.
 fn app_clusters(
     service: &RayService,
     weights: &[(String, u32)],
@@ -131,8 +146,12 @@ fn app_clusters(
 ) -> Vec<(String, u32)> {
     weights
         .iter()
+        .filter(|(_, w)| *w > 0)
         .filter_map(|(c, w)| {
             let cluster = service.cluster(c)?;
+            if protocol == Protocol::Grpc && !cluster.serves_grpc() {
+                return None;
+            }
             let name = destination(service, cluster, cluster.application(app), protocol, health);
             Some((name, *w))
         })
@@ -152,11 +171,11 @@ pub fn prefix_match(prefix: &str) -> route::route_match::PathSpecifier {
 /// A route per application with an HTTP route prefix, longest prefix first.
 pub(super) fn http_routes(
     service: &RayService,
-    weights: &[(String, u32)],
+    all: &ServiceWeights<'_>,
     health: &HealthMap,
     policy: &TrafficPolicy,
 ) -> Vec<route::Route> {
-    let mut apps: Vec<(&str, &str)> = routed(service, weights)
+    let mut apps: Vec<(&str, &str)> = routed(service, all)
         .into_iter()
         .filter_map(|a| Some((a.route_prefix.as_deref()?, a.name.as_str())))
         .collect();
@@ -169,7 +188,7 @@ pub(super) fn http_routes(
                     path_specifier: Some(prefix_match(prefix)),
                     ..Default::default()
                 },
-                app_clusters(service, weights, name, Protocol::Http, health),
+                app_clusters(service, all.of(name), name, Protocol::Http, health),
                 Protocol::Http,
                 policy,
             )
@@ -177,17 +196,28 @@ pub(super) fn http_routes(
         .collect()
 }
 
-/// A gRPC route per application, by its name in the call's `application` metadata.
-/// `weights` are those of the RayClusters that serve gRPC.
+/// A gRPC route per application, by its name in the call's `application` metadata, to
+/// the RayClusters that serve gRPC (an application whose weights name none gets no route:
+/// its calls go as the RayService's).
 pub(super) fn grpc_routes(
     service: &RayService,
-    weights: &[(String, u32)],
+    all: &ServiceWeights<'_>,
     health: &HealthMap,
     policy: &TrafficPolicy,
 ) -> Vec<route::Route> {
-    routed(service, weights)
+    routed(service, all)
         .into_iter()
-        .map(|app| {
+        .filter_map(|app| {
+            let clusters = app_clusters(
+                service,
+                all.of(&app.name),
+                &app.name,
+                Protocol::Grpc,
+                health,
+            );
+            (!clusters.is_empty()).then_some((app, clusters))
+        })
+        .map(|(app, clusters)| {
             weighted_route(
                 &format!("grpc/app/{}", encode_name_segment(&app.name)),
                 route::RouteMatch {
@@ -211,7 +241,7 @@ pub(super) fn grpc_routes(
                     }],
                     ..Default::default()
                 },
-                app_clusters(service, weights, &app.name, Protocol::Grpc, health),
+                clusters,
                 Protocol::Grpc,
                 policy,
             )
@@ -487,6 +517,42 @@ mod tests {
                 ("default/a/a2".to_string(), 25)
             ]
         );
+    }
+
+    /// While an application moves on its own (weights of its own), every application gets
+    /// its route, even without direct ingress: the moving one with its own weights, the
+    /// others (and the catch-all) with the RayService's.
+    #[test]
+    fn an_application_moving_on_its_own_gets_its_own_weights() {
+        let mut s = service("a", "a1", &[8000]);
+        s.clusters[0].applications =
+            vec![app("echo", Some("/"), &[]), app("work", Some("/work"), &[])];
+        let mut b = service("a", "b1", &[9000]).clusters.remove(0);
+        b.applications = s.clusters[0].applications.clone();
+        s.clusters.push(b);
+        s.pending_cluster = Some("b1".into());
+        let m = Model::new(vec![s]).unwrap();
+        let weights = Weights::from([
+            ("default/a".to_string(), vec![("a1".to_string(), 100)]),
+            ("default/a#work".to_string(), vec![("b1".to_string(), 100)]),
+        ]);
+        let routes = http_routes_of(&run(&m, &HealthMap::default(), &weights));
+        assert_eq!(
+            routes,
+            [
+                (
+                    "app/work".into(),
+                    "separated /work".into(),
+                    to("default/a/b1")
+                ),
+                ("app/echo".into(), "prefix /".into(), to("default/a/a1")),
+                ("default".into(), "prefix /".into(), to("default/a/a1")),
+            ]
+        );
+        // Without an application of its own, none.
+        let weights = Weights::from([("default/a".to_string(), vec![("a1".to_string(), 100)])]);
+        let routes = http_routes_of(&run(&m, &HealthMap::default(), &weights));
+        assert_eq!(routes.len(), 1);
     }
 
     #[test]

