@@ -336,3 +336,105 @@ async fn real_ray_direct_ingress_replicas_scaled_up_and_down_under_load_fail_not
         "the added replicas served: {replicas:?}"
     );
 }
+
+/// A request's path, when it was sent (unix seconds), and what came back.
+type Answered = (&'static str, f64, Result<Reply, String>);
+
+/// An upgrade to a second direct-ingress cluster, gated per application: `echo` runs on
+/// the new cluster at once, `work` takes 25 s to start there. `echo`'s traffic moves as
+/// soon as it runs and every Envoy has warmed it; `work`'s stays on the old cluster until
+/// `work` runs on the new one; nothing fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ray_direct_ingress_an_upgrade_moves_each_application_once_it_runs() {
+    let a = RealRayCluster::start_direct_ingress("a", 0, false).await;
+    a.deploy(&two_apps(""));
+    a.wait_for_app("work", "RUNNING").await;
+    let b = RealRayCluster::start_direct_ingress("b", 0, false).await;
+    let s = gateway(&[&a, &b], "a", Some("b")).await;
+    wait_direct(&s, "/work", "work", "default/demo/a/app/work").await;
+
+    let log: Arc<Mutex<Vec<Answered>>> = Default::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let port = s.gateway_port;
+    let load = tokio::spawn({
+        let (log, stop) = (log.clone(), stop.clone());
+        async move {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for path in ["/", "/work"] {
+                    let sent = unix_now();
+                    let r = ask(port, path).await;
+                    log.lock().unwrap().push((path, sent, r));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    });
+    b.deploy(&[
+        App {
+            name: "echo",
+            route_prefix: "/",
+            import_path: "apps:hello",
+            extra: "",
+        },
+        App {
+            name: "work",
+            route_prefix: "/work",
+            import_path: "apps:slow",
+            extra: "args: { delay_s: 25 }",
+        },
+    ]);
+    // echo moves while work still deploys on b.
+    eventually(
+        "echo answered by b while work deploys there",
+        DEADLINE,
+        || async {
+            let r = ask(port, "/").await.ok()?;
+            (r.cluster == "b").then_some(())
+        },
+    )
+    .await;
+    assert_eq!(b.app_status("work").await.as_deref(), Some("DEPLOYING"));
+    let work_on_a = ask(port, "/work").await.unwrap();
+    assert_eq!(work_on_a.cluster, "a", "work stays where it runs");
+    b.wait_for_app("work", "RUNNING").await;
+    let work_running = unix_now();
+    eventually("work answered by b", DEADLINE, || async {
+        let r = ask(port, "/work").await.ok()?;
+        (r.cluster == "b").then_some(())
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    load.await.unwrap();
+    let log = log.lock().unwrap();
+    let failed: Vec<String> = log
+        .iter()
+        .filter_map(|(p, _, r)| r.as_ref().err().map(|e| format!("{p}: {e}")))
+        .collect();
+    assert_eq!(failed, Vec::<String>::new(), "of {}", log.len());
+    // No request for work reached b before work ran there.
+    let early: Vec<f64> = log
+        .iter()
+        .filter(|(p, sent, r)| {
+            *p == "/work"
+                && r.as_ref().is_ok_and(|r| r.cluster == "b")
+                && *sent < work_running - 5.0
+        })
+        .map(|(_, sent, _)| *sent)
+        .collect();
+    assert!(
+        early.is_empty(),
+        "work answered by b before it ran there: {early:?}"
+    );
+    // Each answer came from its own application.
+    for (p, _, r) in log.iter() {
+        let want = if *p == "/" { "echo" } else { "work" };
+        assert_eq!(r.as_ref().unwrap().app, want);
+    }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
