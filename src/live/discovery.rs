@@ -253,8 +253,9 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
             .clusters
             .get(envoy_cluster)
             .filter(|d| cluster.dashboard.as_deref() == Some(d.url.as_str()));
+        // Until the dashboard answers, what the source says (Kubernetes: the Serve config).
         let Some(status) = dashboard.and_then(|d| d.status.as_ref()) else {
-            return (false, Vec::new());
+            return (false, cluster.applications.clone());
         };
         let listed: BTreeSet<IpAddr> = cluster
             .proxies
@@ -777,6 +778,35 @@ mod application_tests {
         let none = discover(&m, &DashboardStates::default(), &AddressPolicy::default());
         assert!(none.model.services()[0].clusters[0].applications.is_empty());
         assert!(!none.model.services()[0].clusters[0].direct_ingress);
+    }
+
+    /// Before its dashboard answers, a cluster keeps the applications its source gave
+    /// (Kubernetes: the Serve config), with no replicas; the answer replaces them.
+    #[test]
+    fn the_source_applications_hold_until_the_dashboard_answers() {
+        let mut a = service("a", "a1", &[]);
+        a.clusters[0].discover = true;
+        a.clusters[0].dashboard = Some(URL.into());
+        a.clusters[0].applications = vec![crate::model::test_support::app(
+            "from-config",
+            Some("/cfg"),
+            &[],
+        )];
+        let m = Model::new(vec![a]).unwrap();
+        let before = discover(&m, &DashboardStates::default(), &AddressPolicy::default());
+        assert_eq!(apps(&before.model), [app("from-config", "/cfg", &[])]);
+        let states = DashboardStates {
+            clusters: [(
+                "default/a/a1".to_string(),
+                answered(URL, capture("02-running.json")),
+            )]
+            .into(),
+        };
+        let after = discover(&m, &states, &AddressPolicy::default());
+        assert_eq!(
+            apps(&after.model),
+            [app("echo", "/", &[30001]), app("work", "/work", &[30000])]
+        );
     }
 }
 

@@ -2,7 +2,9 @@
 //! publishes their probe states: each HTTP proxy with `GET /-/healthz`, each gRPC proxy
 //! (a proxy's second endpoint, when it serves gRPC) with Ray's
 //! `ray.serve.RayServeAPIService/Healthz` over one HTTP/2 connection of its own; both
-//! keyed by address, with the same hysteresis, permits and freshness.
+//! keyed by address, with the same hysteresis, permits and freshness. An ingress replica
+//! (Ray's direct ingress) is probed the same way on its HTTP and gRPC ports, its routes
+//! never read (it serves one application).
 //!
 //! One task per proxy sleeps its (jittered) interval, takes a permit from
 //! [`ProbePermits`] (thousands of proxies share a bounded number of probes in flight;

@@ -5,7 +5,7 @@
 //!   says every application is RUNNING; enough of its proxies ready (probe healthy,
 //!   serving every route prefix), and of its gRPC proxies when it serves gRPC.
 //! - One application ([`app_readiness`]): the same dashboard, saying *that* application is
-//!   RUNNING (another may still be deploying); and where its requests would go there
+//!   RUNNING (another may still be deploying, but none has failed); and where its requests would go there
 //!   ready: with direct ingress, a ready ingress replica of it, else enough ready proxies
 //!   (each protocol it is served over).
 //!
@@ -163,7 +163,8 @@ pub fn readiness(
 }
 
 /// Whether application `app` of `service` may move to `cluster`, and why not: its status
-/// there RUNNING (whatever the other applications' are), and where its requests would go
+/// there RUNNING (the others' may still be deploying, but none DEPLOY_FAILED or UNHEALTHY),
+/// and where its requests would go
 /// ready, for each protocol the cluster serves: its ingress replicas (direct ingress: at
 /// least one ready), else the proxies (`min_ready_proxies`).
 pub fn app_readiness(
@@ -180,6 +181,20 @@ pub fn app_readiness(
             Some(a) if a.status == AppStatus::Running => {}
             Some(a) => return Err(format!("{app} is {}", a.status.as_str())),
             None => return Err(format!("{app} is not deployed there")),
+        }
+        // A failed application says the new cluster's configuration is bad (KubeRay never
+        // promotes it): nothing moves to it application by application.
+        let failed: Vec<String> = status
+            .applications
+            .iter()
+            .filter(|(_, a)| matches!(a.status, AppStatus::DeployFailed | AppStatus::Unhealthy))
+            .map(|(n, a)| format!("{n} {}", a.status.as_str()))
+            .collect();
+        if !failed.is_empty() {
+            return Err(format!(
+                "another application failed there: {}",
+                failed.join(", ")
+            ));
         }
     }
     let c = service.cluster(cluster);

@@ -759,6 +759,37 @@ mod tests {
         assert_eq!(s.weights().keys().collect::<Vec<_>>(), ["default/s"]);
     }
 
+    /// A failed application on the new cluster holds every application's move: `hello` and
+    /// `slow` are RUNNING there, `broken` DEPLOY_FAILED, and nothing moves; once `broken`
+    /// is gone from the new cluster's answer, the running ones move.
+    #[test]
+    fn a_failed_application_on_the_new_cluster_holds_every_application() {
+        let m = model_with_apps(Some(B), false);
+        let mut world = World::new();
+        world.apps("default/s/b1", "04-mixed-settled.json");
+        let mut s = Switchover::new(SwitchoverPolicy::default());
+        advance(&mut s, &m, &world, &(), T0);
+        let all = s.weights();
+        for key in [
+            "default/s",
+            "default/s#hello",
+            "default/s#slow",
+            "default/s#broken",
+        ] {
+            assert_eq!(all[key], w(&[(A, 100)]), "{key}: {all:?}");
+        }
+        let hello = &s.services["default/s#hello"];
+        assert_eq!(hello.phase, Phase::Waiting);
+        assert!(
+            hello.reason.contains("broken DEPLOY_FAILED"),
+            "{:?}",
+            hello.reason
+        );
+        world.apps("default/s/b1", "03-deploying.json");
+        advance(&mut s, &m, &world, &(), T0 + Duration::from_secs(1));
+        assert_eq!(s.weights()["default/s#hello"], w(&[(B, 100)]));
+    }
+
     /// An application whose replicas (direct ingress) are ready moves even with no proxy
     /// ready on the new cluster; one without replicas needs the proxies.
     #[test]

@@ -234,6 +234,8 @@ pub struct RealRayCluster {
     /// The generated Python stubs of the demo service, when started with gRPC.
     grpc_stubs: Option<PathBuf>,
     temp_dir: tempfile::TempDir,
+    /// HAProxy's files (a cluster started with [`RealRayCluster::start_haproxy`]).
+    _haproxy_dir: Option<tempfile::TempDir>,
     // Drop order: nodes (workers first), then the watchdog, then the network.
     workers: Vec<RayNode>,
     head: Option<RayNode>,
@@ -294,12 +296,22 @@ impl RealRayCluster {
             PathBuf::from(out.trim())
         });
         let pythonpath = grpc_stubs.clone();
-        let haproxy_dir = temp_dir.path().join("haproxy");
+        // HAProxy's admin socket path holds at most 97 bytes, and Ray puts a hash folder
+        // into it: a short folder of its own.
+        let haproxy_temp = (ingress == Ingress::HaProxy).then(|| {
+            tempfile::Builder::new()
+                .prefix("rxh")
+                .tempdir_in("/tmp")
+                .unwrap()
+        });
+        let haproxy_dir = haproxy_temp.as_ref().map_or_else(
+            || temp_dir.path().join("haproxy"),
+            |d| d.path().to_path_buf(),
+        );
         let ingress_env: Vec<(&str, String)> = match ingress {
             Ingress::Proxies => vec![],
             Ingress::Direct => vec![("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1".into())],
             Ingress::HaProxy => {
-                std::fs::create_dir_all(&haproxy_dir).unwrap();
                 let at = |f: &str| haproxy_dir.join(f).display().to_string();
                 vec![
                     ("RAY_SERVE_ENABLE_HA_PROXY", "1".into()),
@@ -360,6 +372,7 @@ impl RealRayCluster {
             grpc_port,
             grpc_stubs,
             temp_dir,
+            _haproxy_dir: haproxy_temp,
             workers: Vec::new(),
             watchdog: None,
             head: Some(head),

@@ -12,7 +12,9 @@
 //! - `spec.excludeHeadPodFromServeSvc` forces `head_proxy: exclude`; `ray-xds.io/*`
 //!   annotations set hosts and policy overrides.
 //! - KubeRay's application statuses are hints only and do not reach the model: each
-//!   cluster's own dashboard is the authority.
+//!   cluster's own dashboard is the authority. The applications `spec.serveConfigV2`
+//!   deploys (names, route prefixes) go to the newest cluster (the pending one, else the
+//!   active one) until its dashboard answers.
 //!
 //! Hosts: a RayService claims `ray-xds.io/hosts`, or by default `<name>.<namespace>` and
 //! `<name>.<namespace>.svc`. A host outside what its namespace may claim
@@ -140,9 +142,18 @@ pub fn service<'a>(
     if r.exclude_head_pod {
         policy.head_proxy = HeadProxy::Exclude;
     }
+    // The Serve config names the applications the newest cluster runs (or will): a hint
+    // until its dashboard answers (`live::discovery`).
+    let runs_config = pending.as_ref().unwrap_or(&active);
     let clusters = std::iter::once(&active)
         .chain(pending.as_ref())
-        .map(|name| cluster(name, &pods_of(name), &object, &mut built.problems))
+        .map(|name| {
+            let mut c = cluster(name, &pods_of(name), &object, &mut built.problems);
+            if name == runs_config {
+                c.applications = r.applications.clone();
+            }
+            c
+        })
         .collect();
     if allowed.is_empty() {
         built.problems.push(Problem {
@@ -494,6 +505,7 @@ mod tests {
             created: None,
             active: status(active),
             pending: status(pending),
+            applications: Vec::new(),
         }
     }
 
@@ -563,6 +575,37 @@ mod tests {
              hostNetwork one is marked for the address policy"
         );
         assert_eq!(s.cluster("llm-b").unwrap().proxies.len(), 1);
+    }
+
+    /// The Serve config's applications go to the cluster that runs it: the pending one
+    /// during an upgrade (the active one still runs the old config), else the active one.
+    #[test]
+    fn the_serve_config_applications_go_to_the_newest_cluster() {
+        let apps = vec![crate::model::test_support::app("work", Some("/work"), &[])];
+        let mut upgrading = rs("llm", Some("llm-a"), Some("llm-b"));
+        upgrading.applications = apps.clone();
+        let mut steady = rs("tts", Some("tts-a"), None);
+        steady.applications = apps.clone();
+        let pods = [
+            pod("a-head", "llm-a", "10.0.0.1", true),
+            pod("b-head", "llm-b", "10.0.1.1", true),
+            pod("t-head", "tts-a", "10.0.2.1", true),
+        ];
+        let built = build(&[upgrading, steady], &pods, &open());
+        assert_eq!(built.problems, vec![]);
+        let service = |key: &str| {
+            built
+                .model
+                .services()
+                .iter()
+                .find(|s| s.key() == key)
+                .unwrap()
+        };
+        let llm = service("ml/llm");
+        assert!(llm.cluster("llm-a").unwrap().applications.is_empty());
+        assert_eq!(llm.cluster("llm-b").unwrap().applications, apps);
+        let tts = service("ml/tts");
+        assert_eq!(tts.cluster("tts-a").unwrap().applications, apps);
     }
 
     #[test]

@@ -209,6 +209,7 @@ mod tests {
             created: None,
             active: status(active),
             pending: status(pending),
+            applications: Vec::new(),
         }
     }
 

@@ -5,11 +5,13 @@
 //! KubeRay versions decode too, and one malformed object is an `Err` for that object only,
 //! never for the whole list (a typed watch would fail the list and stall).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{PodSpec, PodStatus};
 use kube::api::DynamicObject;
 use serde::Deserialize;
+
+use crate::model::{check_application_name, check_route_prefix, Application};
 
 /// `ray.io/v1` RayService, as far as ray-xds reads it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -23,6 +25,10 @@ pub struct RayServiceObject {
     pub created: Option<i64>,
     pub active: Option<ClusterStatus>,
     pub pending: Option<ClusterStatus>,
+    /// The applications `spec.serveConfigV2` deploys (name, route prefix), known before
+    /// the cluster's dashboard answers; empty when the config names none or cannot be
+    /// read ([`serve_config_applications`]).
+    pub applications: Vec<Application>,
 }
 
 /// `status.activeServiceStatus` or `status.pendingServiceStatus`.
@@ -57,6 +63,9 @@ struct RayServiceData {
 struct RayServiceSpec {
     #[serde(default)]
     exclude_head_pod_from_serve_svc: Option<bool>,
+    /// The Serve config (YAML in a string) KubeRay deploys to the RayService's clusters.
+    #[serde(default, rename = "serveConfigV2")]
+    serve_config_v2: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -90,15 +99,18 @@ impl RayServiceObject {
         let data: RayServiceData =
             serde_json::from_value(obj.data.clone()).map_err(|e| e.to_string())?;
         let status = data.status.unwrap_or_default();
+        let spec = data.spec.unwrap_or_default();
         Ok(RayServiceObject {
             namespace,
             name,
             annotations: obj.metadata.annotations.clone().unwrap_or_default(),
             labels: obj.metadata.labels.clone().unwrap_or_default(),
-            exclude_head_pod: data
-                .spec
-                .and_then(|s| s.exclude_head_pod_from_serve_svc)
-                .unwrap_or(false),
+            exclude_head_pod: spec.exclude_head_pod_from_serve_svc.unwrap_or(false),
+            applications: spec
+                .serve_config_v2
+                .as_deref()
+                .map(serve_config_applications)
+                .unwrap_or_default(),
             created: obj
                 .metadata
                 .creation_timestamp
@@ -112,6 +124,63 @@ impl RayServiceObject {
     pub fn key(&self) -> (String, String) {
         (self.namespace.clone(), self.name.clone())
     }
+}
+
+/// The longest `serveConfigV2` read for its applications (Kubernetes caps a whole object
+/// at about 1.5 MiB).
+pub const MAX_SERVE_CONFIG_BYTES: usize = 1 << 20;
+
+/// The applications a Serve config (`serveConfigV2`, Ray's `ServeDeploySchema` as YAML)
+/// deploys: each entry of `applications`, its `name` (Ray's default `default`) and
+/// `route_prefix` (Ray's default `/`; `null` for none), as Ray would read them. Read
+/// leniently, as a hint until the cluster's dashboard answers: a config that is not YAML,
+/// or over [`MAX_SERVE_CONFIG_BYTES`], gives none; an entry with an invalid name is left
+/// out, an invalid or repeated route prefix dropped; at most 1,000 applications.
+pub fn serve_config_applications(yaml: &str) -> Vec<Application> {
+    if yaml.len() > MAX_SERVE_CONFIG_BYTES {
+        return Vec::new();
+    }
+    let Ok(config) = serde_yaml::from_str::<serde_yaml::Value>(yaml) else {
+        return Vec::new();
+    };
+    let entries = config
+        .get("applications")
+        .and_then(serde_yaml::Value::as_sequence)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let (mut names, mut prefixes) = (BTreeSet::new(), BTreeSet::new());
+    let mut out = Vec::new();
+    for entry in entries
+        .iter()
+        .take(crate::live::dashboard::MAX_APPLICATIONS)
+    {
+        if !entry.is_mapping() {
+            continue;
+        }
+        let name = match entry.get("name") {
+            None => "default",
+            Some(n) => match n.as_str() {
+                Some(n) => n,
+                None => continue,
+            },
+        };
+        if check_application_name(name).is_err() || !names.insert(name.to_string()) {
+            continue;
+        }
+        let prefix = match entry.get("route_prefix") {
+            None => Some("/"),
+            Some(p) => p.as_str(),
+        }
+        .filter(|p| check_route_prefix(p).is_ok() && prefixes.insert(p.to_string()));
+        out.push(Application {
+            name: name.to_string(),
+            route_prefix: prefix.map(str::to_string),
+            http_replicas: Vec::new(),
+            grpc_replicas: Vec::new(),
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
 }
 
 /// A Ray pod, as far as ray-xds reads it.
@@ -236,6 +305,59 @@ mod tests {
         let mut v: serde_json::Value = serde_yaml::from_str(&text).unwrap();
         v["metadata"]["namespace"] = json!("ml");
         v
+    }
+
+    #[test]
+    fn the_serve_config_names_the_applications_as_ray_reads_it() {
+        let r = RayServiceObject::decode(&dynamic(sample_rayservice())).unwrap();
+        let apps: Vec<(&str, Option<&str>)> = r
+            .applications
+            .iter()
+            .map(|a| (a.name.as_str(), a.route_prefix.as_deref()))
+            .collect();
+        assert_eq!(
+            apps,
+            [("fruit_app", Some("/fruit")), ("math_app", Some("/calc"))]
+        );
+        let read = |yaml: &str| -> Vec<(String, Option<String>)> {
+            serve_config_applications(yaml)
+                .into_iter()
+                .map(|a| (a.name, a.route_prefix))
+                .collect()
+        };
+        // Ray's defaults: name `default`, route prefix `/`; `null` is no route.
+        assert_eq!(
+            read("applications: [ { import_path: a:b } ]"),
+            [("default".to_string(), Some("/".to_string()))]
+        );
+        assert_eq!(
+            read("applications: [ { name: x, route_prefix: null } ]"),
+            [("x".to_string(), None)]
+        );
+        // Bad input: nothing, or the bad entry alone.
+        for bad in ["", "[", "applications: 3", "applications: [ 1, 2 ]", "{{{"] {
+            assert!(read(bad).is_empty(), "{bad}");
+        }
+        assert_eq!(
+            read("applications: [ { name: a, route_prefix: no-slash }, { name: [x] }, { name: b, route_prefix: /a }, { name: c, route_prefix: /a }, { name: b } ]"),
+            [
+                ("a".to_string(), None),
+                ("b".to_string(), Some("/a".to_string())),
+                ("c".to_string(), None)
+            ]
+        );
+        assert!(read(&"x".repeat(MAX_SERVE_CONFIG_BYTES + 1)).is_empty());
+        // A billion laughs is refused, not expanded.
+        let laughs =
+            "a: &a [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]\n\
+                      b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n\
+                      d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]\n\
+                      f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]\ng: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]\n\
+                      h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]\ni: &i [*h,*h,*h,*h,*h,*h,*h,*h,*h]\n\
+                      applications: [ { name: x } ]\n";
+        let started = std::time::Instant::now();
+        let _ = read(laughs);
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
     }
 
     #[test]
