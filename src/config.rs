@@ -292,13 +292,14 @@ pub const MEMORY_BUDGET_RANGE: std::ops::RangeInclusive<usize> = (1 << 20)..=(16
 
 /// A byte count: digits, optionally followed by a Kubernetes binary suffix (`Ki`, `Mi`,
 /// `Gi`), e.g. `65536`, `64Mi`, `1Gi`.
-/// A range of ports, `MIN-MAX` (1 to 65535, MIN at most MAX).
+/// A range of ports, `MIN-MAX` (1 to 65535, MIN below MAX), as Ray's settings give them:
+/// ports from MIN up to, not including, MAX.
 pub fn parse_port_range(text: &str) -> Result<std::ops::RangeInclusive<u16>, String> {
     let bad = || format!("{text:?}: want MIN-MAX, ports 1 to 65535 (e.g. 30000-31000)");
     let (min, max) = text.trim().split_once('-').ok_or_else(bad)?;
     let port = |p: &str| p.trim().parse::<u16>().ok().filter(|p| *p > 0);
     match (port(min), port(max)) {
-        (Some(min), Some(max)) if min <= max => Ok(min..=max),
+        (Some(min), Some(max)) if min < max => Ok(min..=max),
         _ => Err(bad()),
     }
 }
@@ -1389,7 +1390,7 @@ mod tests {
         let c = load("proxies: { replica_ports: { http: 31000-31999 } }\nsource: { file: { path: a.yaml } }\n").unwrap();
         assert_eq!(c.addresses.replica_ports.http, 31000..=31999);
         assert_eq!(c.addresses.replica_ports.grpc, 40000..=41000);
-        for bad in ["31999-31000", "0-5", "x", "30000", "1-70000"] {
+        for bad in ["31999-31000", "31000-31000", "0-5", "x", "30000", "1-70000"] {
             let err = load(&format!(
                 "proxies: {{ replica_ports: {{ grpc: \"{bad}\" }} }}\nsource: {{ file: {{ path: a.yaml }} }}\n"
             ))

@@ -101,9 +101,11 @@ impl Application {
     }
 }
 
-/// The longest application name and route prefix a model holds.
+/// The longest application name and route prefix a model holds: shorter than what a
+/// dashboard answer's strings are cut to (`live::dashboard::MAX_STRING_BYTES`, 1,024 bytes,
+/// at a character boundary), so a cut name or prefix is refused, never routed as another.
 pub const MAX_APPLICATION_NAME_BYTES: usize = 256;
-pub const MAX_ROUTE_PREFIX_BYTES: usize = 1024;
+pub const MAX_ROUTE_PREFIX_BYTES: usize = 1000;
 
 /// Whether `prefix` can be an application's HTTP route: Ray's own rule (it starts with
 /// `/`), and nothing Envoy's path matchers refuse or a path never holds (`?`, `#`,
@@ -566,31 +568,42 @@ impl Model {
     /// This model with each cluster's applications (and whether Ray's direct ingress is on
     /// there) replaced by what `applications` gives for it (its Envoy cluster name and the
     /// cluster), made valid: sorted by name, each name and route prefix once (the first
-    /// stays), an invalid name or prefix dropped (the prefix alone), replicas sorted and
-    /// each address once in the whole model, never a proxy's (`live::discovery` refuses
-    /// such addresses first, with a reason).
+    /// stays), an invalid name or prefix dropped (the prefix alone), replicas sorted, never
+    /// a proxy's address, and an address listed twice in the whole model (two applications,
+    /// clusters or RayServices claim it) dropped everywhere: never first come, first
+    /// served, so one RayService's dashboard cannot take another's replica
+    /// (`live::discovery` refuses such addresses first, with a reason).
     pub fn with_applications(
         &self,
         mut applications: impl FnMut(&str, &RayCluster) -> (bool, Vec<Application>),
     ) -> Model {
         let mut m = self.clone();
-        let mut taken: BTreeSet<SocketAddr> = m.endpoints().map(|(a, _)| a).collect();
-        // The replicas a cluster lists are replaced, not added to.
-        for (address, _) in self
-            .services
-            .iter()
-            .flat_map(|s| &s.clusters)
-            .flat_map(RayCluster::replica_endpoints)
-        {
-            taken.remove(&address);
-        }
-        for service in &mut m.services {
-            for i in 0..service.clusters.len() {
-                let name = service.envoy_cluster_name(&service.clusters[i].name);
-                let (direct, mut list) = applications(&name, &service.clusters[i]);
+        let proxies: BTreeSet<SocketAddr> = m
+            .proxies()
+            .flat_map(|p| std::iter::once(p.address).chain(p.grpc))
+            .collect();
+        let mut lists = Vec::new();
+        for service in &m.services {
+            for cluster in &service.clusters {
+                let name = service.envoy_cluster_name(&cluster.name);
+                let (direct, mut list) = applications(&name, cluster);
                 list.sort_by(|a, b| a.name.cmp(&b.name));
                 list.dedup_by(|a, b| a.name == b.name);
                 list.retain(|a| check_application_name(&a.name).is_ok());
+                for app in &mut list {
+                    for replicas in [&mut app.http_replicas, &mut app.grpc_replicas] {
+                        replicas.sort();
+                        replicas.dedup();
+                    }
+                }
+                lists.push((direct, list));
+            }
+        }
+        let contested = contested_replicas(lists.iter().flat_map(|(_, l)| l));
+        let mut lists = lists.into_iter();
+        for service in &mut m.services {
+            for cluster in &mut service.clusters {
+                let (direct, mut list) = lists.next().unwrap_or_default();
                 let mut prefixes = BTreeSet::new();
                 for app in &mut list {
                     if let Some(p) = &app.route_prefix {
@@ -599,13 +612,11 @@ impl Model {
                         }
                     }
                     for replicas in [&mut app.http_replicas, &mut app.grpc_replicas] {
-                        replicas.sort();
-                        replicas.dedup();
-                        replicas.retain(|r| taken.insert(*r));
+                        replicas.retain(|r| !proxies.contains(r) && !contested.contains(r));
                     }
                 }
-                service.clusters[i].direct_ingress = direct;
-                service.clusters[i].applications = list;
+                cluster.direct_ingress = direct;
+                cluster.applications = list;
             }
         }
         m
@@ -622,6 +633,26 @@ impl Model {
         }
         m
     }
+}
+
+/// The replica addresses listed by more than one (application, protocol) of `apps`, in
+/// one cluster or across clusters and RayServices: none of them may have it.
+pub fn contested_replicas<'a>(
+    apps: impl IntoIterator<Item = &'a Application>,
+) -> BTreeSet<SocketAddr> {
+    let mut seen = BTreeSet::new();
+    let mut twice = BTreeSet::new();
+    for app in apps {
+        for replicas in [&app.http_replicas, &app.grpc_replicas] {
+            let own: BTreeSet<SocketAddr> = replicas.iter().copied().collect();
+            for r in own {
+                if !seen.insert(r) {
+                    twice.insert(r);
+                }
+            }
+        }
+    }
+    twice
 }
 
 impl fmt::Display for NodeType {
@@ -828,7 +859,8 @@ pub struct ReplicaPorts {
 }
 
 impl Default for ReplicaPorts {
-    /// Ray 2.60's defaults: HTTP 30000–31000, gRPC 40000–41000.
+    /// Ray 2.60's defaults: HTTP 30000–31000, gRPC 40000–41000, as Ray's `MIN` and `MAX`
+    /// (Ray gives ports from `MIN` up to, not including, `MAX`).
     fn default() -> Self {
         ReplicaPorts {
             http: 30000..=31000,
@@ -888,11 +920,14 @@ pub enum AddressRefusal {
     OutsideReplicaPorts(Protocol, std::ops::RangeInclusive<u16>),
     /// An ingress replica on an address that is none of its cluster's nodes.
     NotAClusterNode,
+    /// An ingress replica's address that another application, cluster or RayService
+    /// lists too, or a proxy's: nobody gets it ([`Model::with_applications`]).
+    ClaimedTwice,
 }
 
 impl AddressRefusal {
     /// Every [`label`](Self::label), for metrics that show each one, even at 0.
-    pub const LABELS: [&'static str; 8] = [
+    pub const LABELS: [&'static str; 9] = [
         "never_a_proxy",
         "outside_proxy_networks",
         "outside_dashboard_network",
@@ -901,6 +936,7 @@ impl AddressRefusal {
         "protocol_clash",
         "outside_replica_ports",
         "not_a_cluster_node",
+        "claimed_twice",
     ];
 
     /// A short, fixed label (for metrics).
@@ -914,6 +950,7 @@ impl AddressRefusal {
             AddressRefusal::ProtocolClash => "protocol_clash",
             AddressRefusal::OutsideReplicaPorts(..) => "outside_replica_ports",
             AddressRefusal::NotAClusterNode => "not_a_cluster_node",
+            AddressRefusal::ClaimedTwice => "claimed_twice",
         }
     }
 }
@@ -941,7 +978,7 @@ impl std::fmt::Display for AddressRefusal {
             }
             AddressRefusal::OutsideReplicaPorts(protocol, range) => write!(
                 f,
-                "an ingress replica's {} port outside {}-{} (Ray's direct ingress ports; set proxies.replica_ports to match Ray's)",
+                "an ingress replica's {} port outside {}-{} (Ray's direct ingress ports, from MIN up to, not including, MAX; set proxies.replica_ports to match Ray's)",
                 protocol.as_str(),
                 range.start(),
                 range.end()
@@ -949,6 +986,10 @@ impl std::fmt::Display for AddressRefusal {
             AddressRefusal::NotAClusterNode => write!(
                 f,
                 "an ingress replica on none of its cluster's nodes; set proxies.networks to allow it"
+            ),
+            AddressRefusal::ClaimedTwice => write!(
+                f,
+                "an ingress replica's address that another application, cluster or RayService lists too, or a proxy's: nobody gets it"
             ),
         }
     }
@@ -1006,7 +1047,8 @@ impl AddressPolicy {
             return Err(AddressRefusal::Never(why));
         }
         let ports = self.replica_ports.of(protocol);
-        if !ports.contains(&address.port()) {
+        // As Ray allocates them: `range(MIN, MAX)`, MAX itself never given.
+        if !(*ports.start() <= address.port() && address.port() < *ports.end()) {
             return Err(AddressRefusal::OutsideReplicaPorts(protocol, ports.clone()));
         }
         let ip = canonical_ip(address.ip());
@@ -1339,7 +1381,8 @@ mod tests {
                     app("", Some("/empty"), &[]),
                     app("bad", Some("no-slash"), &[]),
                     app("proxy", Some("/p"), &[8000, 9000]),
-                    // Another cluster's replica: one address, one endpoint.
+                    // Another RayService's replica too: neither gets it (never first
+                    // come, first served).
                     app("clash", Some("/c"), &[30009]),
                 ],
             )
@@ -1356,7 +1399,7 @@ mod tests {
             summary,
             [
                 ("bad", None, vec![]),
-                ("clash", Some("/c"), vec![30009]),
+                ("clash", Some("/c"), vec![]),
                 ("copy", Some("/work"), vec![]),
                 ("proxy", Some("/p"), vec![]),
                 ("work", None, vec![30001, 30002]),
@@ -1399,9 +1442,21 @@ mod tests {
             Ok(())
         );
         assert_eq!(
-            p.check_replica(at("10.0.0.1:41000"), Protocol::Grpc, listed),
+            p.check_replica(at("10.0.0.1:40999"), Protocol::Grpc, listed),
             Ok(())
         );
+        // Ray gives ports from MIN up to, not including, MAX.
+        for (address, protocol) in [
+            ("10.0.0.1:41000", Protocol::Grpc),
+            ("10.0.0.1:31000", Protocol::Http),
+        ] {
+            assert_eq!(
+                p.check_replica(at(address), protocol, listed)
+                    .map_err(|e| e.label()),
+                Err("outside_replica_ports"),
+                "{address}"
+            );
+        }
         assert_eq!(
             p.check_replica(at("10.0.0.1:40000"), Protocol::Http, listed)
                 .map_err(|e| e.label()),

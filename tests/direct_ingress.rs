@@ -84,6 +84,7 @@ impl Cluster {
         let dashboard = SimDashboard::new();
         dashboard.set_direct_ingress(true);
         dashboard.add_proxy(proxy.address, NodeType::Head, "HEALTHY");
+        dashboard.set_http_port(proxy.address.port());
         dashboard.set_app("echo", "/", "RUNNING");
         dashboard.set_app("work", "/work", "RUNNING");
         let shutdown = CancellationToken::new();
@@ -184,6 +185,7 @@ async fn each_application_is_answered_by_its_own_replicas_only() {
         let gateway = s.gateway_port;
         let work: Vec<SocketAddr> = cluster.work.iter().map(|e| e.address).collect();
         wait_served(gateway, "/work", "work", &work).await;
+        let through_proxy = cluster.proxy.handle.received();
         // Every request for `work` reaches a replica of `work`, both of them in turn;
         // every other path an `echo` replica, as Ray matches prefixes (`/workers` is
         // not under `/work`; `/work/x` is).
@@ -198,7 +200,18 @@ async fn each_application_is_answered_by_its_own_replicas_only() {
             assert_eq!(by, BTreeMap::from([(echo.clone(), 10)]), "{path}");
         }
         // Nothing went through the proxy.
-        assert_eq!(cluster.proxy.handle.received(), 0);
+        assert_eq!(cluster.proxy.handle.received(), through_proxy);
+        // Ray matches the decoded path (`/wor%6B` is `work`'s), Envoy the raw one: a path
+        // with an escape goes to the proxy, never to `echo`'s replica.
+        for path in ["/wor%6B", "/work%2Fx", "/%77ork"] {
+            let by = answered_by(gateway, path, 4).await;
+            let proxy = cluster.proxy.address.to_string();
+            assert!(
+                by.keys().all(|k| k.starts_with(&proxy)),
+                "{path}: {by:?} {}",
+                s.envoy.as_ref().unwrap().admin("/clusters").await
+            );
+        }
         let state = s.state().await;
         let apps = &state["rayservices"][0]["clusters"][0]["applications"];
         assert_eq!(apps.as_array().map(Vec::len), Some(2), "{state}");

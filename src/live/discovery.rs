@@ -47,8 +47,8 @@ use super::dashboard::ServeStatus;
 use super::dashboards::DashboardStates;
 use crate::metrics::Metrics;
 use crate::model::{
-    canonical_ip, AddressPolicy, AddressRefusal, Application, Model, Protocol, Proxy, ProxyOrigin,
-    ReplicaNodes,
+    canonical_ip, contested_replicas, AddressPolicy, AddressRefusal, Application, Model, Protocol,
+    Proxy, ProxyOrigin, ReplicaNodes,
 };
 
 /// A proxy left out of the effective model by the [`AddressPolicy`].
@@ -248,6 +248,7 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
             })
             .collect()
     });
+    let mut given: Vec<(String, Vec<Application>)> = Vec::new();
     let model = model.with_applications(|envoy_cluster, cluster| {
         let dashboard = dashboards
             .clusters
@@ -285,8 +286,40 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
                 }
             }
         });
+        given.push((envoy_cluster.to_string(), applications.clone()));
         (status.ingress.on, applications)
     });
+    // Addresses two lists claim (or a proxy's): `with_applications` gives them to nobody.
+    let contested = contested_replicas(given.iter().flat_map(|(_, l)| l));
+    let proxies: BTreeSet<SocketAddr> = model
+        .proxies()
+        .flat_map(|p| std::iter::once(p.address).chain(p.grpc))
+        .collect();
+    for (cluster, list) in &given {
+        for app in list {
+            for (protocol, replicas) in [
+                (Protocol::Http, &app.http_replicas),
+                (Protocol::Grpc, &app.grpc_replicas),
+            ] {
+                for address in replicas {
+                    if contested.contains(address) || proxies.contains(address) {
+                        let why = AddressRefusal::ClaimedTwice;
+                        refused.push(RefusedProxy {
+                            cluster: cluster.clone(),
+                            address: *address,
+                            from: "dashboard",
+                            label: why.label(),
+                            reason: format!(
+                                "ingress replica ({}) of {}: {why}",
+                                protocol.as_str(),
+                                app.name
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+    }
     refused.sort();
     refused.dedup();
     Discovered { model, refused }
@@ -778,6 +811,46 @@ mod application_tests {
         let none = discover(&m, &DashboardStates::default(), &AddressPolicy::default());
         assert!(none.model.services()[0].clusters[0].applications.is_empty());
         assert!(!none.model.services()[0].clusters[0].direct_ingress);
+    }
+
+    /// Two RayServices whose dashboards list the same replica addresses (a hostile or
+    /// confused one): neither gets them, never the first by name, and each is refused.
+    #[test]
+    fn a_replica_two_rayservices_list_goes_to_neither() {
+        let mut services = Vec::new();
+        for name in ["aaa", "bbb"] {
+            let mut s = service(name, "c1", &[]);
+            s.clusters[0].discover = true;
+            s.clusters[0].dashboard = Some(URL.into());
+            services.push(s);
+        }
+        let m = Model::new(services).unwrap();
+        let mut states = DashboardStates::default();
+        for key in ["default/aaa/c1", "default/bbb/c1"] {
+            states
+                .clusters
+                .insert(key.into(), answered(URL, capture("02-running.json")));
+        }
+        let out = discover(&m, &states, &AddressPolicy::default());
+        for s in out.model.services() {
+            for app in &s.clusters[0].applications {
+                assert!(app.http_replicas.is_empty(), "{}: {app:?}", s.key());
+            }
+        }
+        let claimed: BTreeSet<(&str, SocketAddr)> = out
+            .refused
+            .iter()
+            .filter(|r| r.label == "claimed_twice")
+            .map(|r| (r.cluster.as_str(), r.address))
+            .collect();
+        assert_eq!(claimed.len(), 4, "{:?}", out.refused);
+        // Alone, each would have them.
+        let alone = Model::new(vec![m.services()[0].clone()]).unwrap();
+        let out = discover(&alone, &states, &AddressPolicy::default());
+        assert_eq!(
+            apps(&out.model),
+            [app("echo", "/", &[30001]), app("work", "/work", &[30000])]
+        );
     }
 
     /// Before its dashboard answers, a cluster keeps the applications its source gave

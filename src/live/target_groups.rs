@@ -19,7 +19,8 @@
 //!   with garbage (an `ip` that is not an IP address, a port out of 1..=65535, a target that
 //!   is not an object) is left out alone, as is a group of another protocol;
 //! - an application name or route prefix is cut to `MAX_STRING_BYTES` by the pruning parse,
-//!   like every string of an answer; what may be routed is `model`'s and `discovery`'s call.
+//!   like every string of an answer; what may be routed is `model`'s and `discovery`'s call
+//!   (the model refuses names and prefixes long enough to have been cut).
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -27,6 +28,13 @@ use std::net::{IpAddr, SocketAddr};
 use serde_json::{Map, Value};
 
 use crate::model::Protocol;
+
+// A string the pruning parse cut (to at least MAX_STRING_BYTES - 3 bytes, at a character
+// boundary) is too long for the model: never routed as a shorter prefix.
+const _: () = assert!(
+    crate::model::MAX_ROUTE_PREFIX_BYTES + 4 <= crate::live::dashboard::MAX_STRING_BYTES
+        && crate::model::MAX_APPLICATION_NAME_BYTES + 4 <= crate::live::dashboard::MAX_STRING_BYTES
+);
 
 /// How Ray names a replica's actor, and so its targets: `SERVE_REPLICA::<app>#...`.
 pub const REPLICA_PREFIX: &str = "SERVE_REPLICA::";

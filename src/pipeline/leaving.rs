@@ -62,6 +62,11 @@ impl Leaving {
         if self.held.is_empty() {
             return current.clone();
         }
+        // A held address that is an endpoint again (another application's replica, a
+        // proxy) stays that alone: only what keeps the model valid is added back, each
+        // address once, so one conflict never drops the others.
+        let mut in_use: std::collections::BTreeSet<SocketAddr> =
+            current.endpoints().map(|(a, _)| a).collect();
         let mut services = current.services().to_vec();
         for s in &mut services {
             let service = s.clone();
@@ -80,14 +85,16 @@ impl Leaving {
                             if *cluster != name {
                                 break;
                             }
-                            list.push(*address);
+                            if in_use.insert(*address) {
+                                list.push(*address);
+                            }
                         }
                     }
                 }
             }
         }
-        // Only what keeps the model valid (an address may have become another endpoint).
-        Model::new(services.clone()).unwrap_or_else(|_| current.clone())
+        // (Valid by construction; should it not be, the current model as it is.)
+        Model::new(services).unwrap_or_else(|_| current.clone())
     }
 
     /// The held replicas of each application Envoy cluster.
@@ -102,5 +109,65 @@ impl Leaving {
     /// When the next held replica goes.
     pub fn next_expiry(&self) -> Option<SystemTime> {
         self.held.values().min().copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::test_support::{app, service};
+
+    /// Two RayServices with direct ingress: `aaa` with `work` and `echo`, `bbb` with `y`,
+    /// each application with the replica ports given.
+    fn model(work: &[u16], echo: &[u16], y: &[u16]) -> Model {
+        let mut a = service("aaa", "a1", &[8000]);
+        a.clusters[0].direct_ingress = true;
+        a.clusters[0].applications = vec![
+            app("echo", Some("/"), echo),
+            app("work", Some("/work"), work),
+        ];
+        let mut b = service("bbb", "b1", &[9000]);
+        b.clusters[0].direct_ingress = true;
+        b.clusters[0].applications = vec![app("y", Some("/y"), y)];
+        Model::new(vec![a, b]).unwrap()
+    }
+
+    fn replicas(m: &Model, service: usize, app: &str) -> Vec<u16> {
+        let c = &m.services()[service].clusters[0];
+        let a = c.application(app).unwrap();
+        a.http_replicas.iter().map(|r| r.port()).collect()
+    }
+
+    const T0: SystemTime = SystemTime::UNIX_EPOCH;
+
+    #[test]
+    fn a_replica_that_left_stays_for_the_hold_then_goes() {
+        let mut leaving = Leaving::default();
+        let before = model(&[30000], &[30001], &[30009]);
+        let after = model(&[], &[30001], &[30009]);
+        let out = leaving.update(&before, &after, T0);
+        assert_eq!(replicas(&out, 0, "work"), [30000]);
+        assert_eq!(leaving.next_expiry(), Some(T0 + HOLD));
+        let out = leaving.update(&after, &after, T0 + HOLD);
+        assert!(replicas(&out, 0, "work").is_empty());
+        assert!(leaving.held().is_empty());
+    }
+
+    /// A held replica's port taken by another application within the hold: that one is
+    /// not added back (it is the other's now), and every other held replica still is.
+    #[test]
+    fn a_held_address_in_use_again_is_left_out_alone() {
+        let mut leaving = Leaving::default();
+        let before = model(&[30000], &[30001], &[30009]);
+        // `work`'s last replica left and its port is `echo`'s now; `bbb`'s `y` lost its.
+        let after = model(&[], &[30000, 30001], &[]);
+        let out = leaving.update(&before, &after, T0);
+        assert!(replicas(&out, 0, "work").is_empty());
+        assert_eq!(replicas(&out, 0, "echo"), [30000, 30001]);
+        assert_eq!(
+            replicas(&out, 1, "y"),
+            [30009],
+            "bbb keeps its held replica"
+        );
     }
 }

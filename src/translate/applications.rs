@@ -14,11 +14,13 @@
 //!   prefix first; a prefix ending in `/` matches what starts with it, `prefix`; any other
 //!   matches itself or itself followed by `/`, `path_separated_prefix`); gRPC by the
 //!   `application` metadata, as Ray's gRPC proxy routes. Each route carries its
-//!   application's weights (else the RayService's), each RayCluster's share going to the application's replicas
-//!   there while one may take requests (routable, or fail-open: a failure of ray-xds's
+//!   application's weights (else the RayService's), each RayCluster's share going to the
+//!   replicas of the application with that prefix (gRPC: that name) there while one may
+//!   take requests (routable, or fail-open: a failure of ray-xds's
 //!   own probes never takes them away), else to that RayCluster's proxies (Ray's own
 //!   fallback), which also take an application a RayCluster does not list (Ray answers
-//!   404 there, as without ray-xds).
+//!   404 there, as without ray-xds). A path with a percent escape goes to the proxies
+//!   (`translate::virtual_host`): Ray matches the decoded path, Envoy the raw one.
 //! - **Stand-ins.** An application's cluster an Envoy still holds after a reconnect, and
 //!   that has gone since, stands in as where that application's traffic goes now.
 
@@ -135,12 +137,21 @@ fn routed<'a>(service: &'a RayService, all: &ServiceWeights<'_>) -> Vec<&'a Appl
     out
 }
 
-/// The weighted clusters of `app`'s route: each RayCluster's share to [`destination`];
-/// for gRPC, only the RayClusters that serve it.
+/// Which application of a RayCluster a route's requests reach there: for HTTP the one
+/// with the route's prefix (Ray routes by prefix, and two RayClusters may give one prefix
+/// to applications of different names), for gRPC the one of the route's name.
+#[derive(Clone, Copy)]
+enum Owner<'a> {
+    Prefix(&'a str),
+    Name(&'a str),
+}
+
+/// The weighted clusters of a route: each RayCluster's share to [`destination`] of the
+/// application `owner` picks there; for gRPC, only the RayClusters that serve it.
 fn app_clusters(
     service: &RayService,
     weights: &[(String, u32)],
-    app: &str,
+    owner: Owner<'_>,
     protocol: Protocol,
     health: &HealthMap,
 ) -> Vec<(String, u32)> {
@@ -152,7 +163,14 @@ fn app_clusters(
             if protocol == Protocol::Grpc && !cluster.serves_grpc() {
                 return None;
             }
-            let name = destination(service, cluster, cluster.application(app), protocol, health);
+            let app = match owner {
+                Owner::Name(name) => cluster.application(name),
+                Owner::Prefix(prefix) => cluster
+                    .applications
+                    .iter()
+                    .find(|a| a.route_prefix.as_deref() == Some(prefix)),
+            };
+            let name = destination(service, cluster, app, protocol, health);
             Some((name, *w))
         })
         .collect()
@@ -188,7 +206,13 @@ pub(super) fn http_routes(
                     path_specifier: Some(prefix_match(prefix)),
                     ..Default::default()
                 },
-                app_clusters(service, all.of(name), name, Protocol::Http, health),
+                app_clusters(
+                    service,
+                    all.of(name),
+                    Owner::Prefix(prefix),
+                    Protocol::Http,
+                    health,
+                ),
                 Protocol::Http,
                 policy,
             )
@@ -211,7 +235,7 @@ pub(super) fn grpc_routes(
             let clusters = app_clusters(
                 service,
                 all.of(&app.name),
-                &app.name,
+                Owner::Name(&app.name),
                 Protocol::Grpc,
                 health,
             );
@@ -354,7 +378,15 @@ mod tests {
     /// A route as (name, path matcher, weighted clusters).
     type RouteSummary = (String, String, Vec<(String, u32)>);
 
+    /// The HTTP routes but the one of percent-encoded paths (its own test).
     fn http_routes_of(r: &Resources) -> Vec<RouteSummary> {
+        all_http_routes_of(r)
+            .into_iter()
+            .filter(|(name, _, _)| name != "percent-encoded")
+            .collect()
+    }
+
+    fn all_http_routes_of(r: &Resources) -> Vec<RouteSummary> {
         r.routes[0].virtual_hosts[0]
             .routes
             .iter()
@@ -365,6 +397,9 @@ mod tests {
                     route::route_match::PathSpecifier::Prefix(p) => format!("prefix {p}"),
                     route::route_match::PathSpecifier::PathSeparatedPrefix(p) => {
                         format!("separated {p}")
+                    }
+                    route::route_match::PathSpecifier::SafeRegex(r) => {
+                        format!("regex {}", r.regex)
                     }
                     other => format!("{other:?}"),
                 };
@@ -441,6 +476,71 @@ mod tests {
         assert_eq!(hosts("default/a/a1/app/echo"), ["127.0.0.1:30000"]);
         assert!(hosts("default/a/a1/app/api").is_empty());
         assert_eq!(hosts("default/a/a1"), ["127.0.0.1:8000"]);
+    }
+
+    /// Ray matches the percent-decoded path (`/wor%6B` is `work`'s), Envoy the raw one
+    /// (`/`'s): a path with an escape goes to the proxies, ahead of every application's
+    /// route; without application routes there is no such route.
+    #[test]
+    fn a_percent_encoded_path_goes_to_the_proxies_first() {
+        let m = model();
+        let r = run(&m, &healthy(&m), &Weights::default());
+        let routes = all_http_routes_of(&r);
+        assert_eq!(
+            routes[0],
+            (
+                "percent-encoded".into(),
+                "regex .*%.*".into(),
+                to("default/a/a1")
+            )
+        );
+        assert!(routes[1..].iter().all(|(n, _, _)| n != "percent-encoded"));
+        let mut plain = m.services()[0].clone();
+        plain.clusters[0].direct_ingress = false;
+        let plain = Model::new(vec![plain]).unwrap();
+        let r = run(&plain, &healthy(&plain), &Weights::default());
+        assert_eq!(
+            all_http_routes_of(&r),
+            [("default".into(), "prefix /".into(), to("default/a/a1"))]
+        );
+    }
+
+    /// Two RayClusters giving one prefix to applications of different names (an upgrade
+    /// that swaps them): each RayCluster's share of a prefix goes to the application that
+    /// has it there, as Ray routes there, never to the one of the same name.
+    #[test]
+    fn a_prefix_goes_to_whichever_application_has_it_in_each_cluster() {
+        let mut s = model().services()[0].clone();
+        let mut b = s.clusters[0].clone();
+        b.name = "b1".into();
+        for a in &mut b.applications {
+            if a.name == "work" {
+                a.route_prefix = Some("/api/".into());
+            } else if a.name == "api" {
+                a.route_prefix = Some("/work".into());
+                a.http_replicas = vec![SocketAddr::from(([127, 0, 0, 1], 30009))];
+            }
+        }
+        s.clusters.push(b);
+        s.pending_cluster = Some("b1".into());
+        let m = Model::new(vec![s]).unwrap();
+        let mut weights = Weights::default();
+        weights.insert(
+            "default/a".into(),
+            vec![("a1".into(), 75), ("b1".into(), 25)],
+        );
+        let r = run(&m, &healthy(&m), &weights);
+        let work = http_routes_of(&r)
+            .into_iter()
+            .find(|(_, path, _)| path == "separated /work")
+            .unwrap();
+        assert_eq!(
+            work.2,
+            [
+                ("default/a/a1/app/work".to_string(), 75),
+                ("default/a/b1/app/api".to_string(), 25)
+            ]
+        );
     }
 
     #[test]

@@ -561,7 +561,29 @@ fn virtual_host(
             ..Default::default()
         });
     }
-    routes.extend(applications::http_routes(service, all, health, policy));
+    let app_routes = applications::http_routes(service, all, health, policy);
+    if !app_routes.is_empty() {
+        // Ray matches route prefixes on the percent-decoded path (uvicorn decodes it),
+        // Envoy on the raw one: `/wor%6B` is `work`'s for Ray, `/`'s for a prefix route.
+        // A path with an escape goes to the proxies, which match as Ray does, never to
+        // a replica another application's route would pick.
+        routes.push(weighted_route(
+            "percent-encoded",
+            route::RouteMatch {
+                path_specifier: Some(route::route_match::PathSpecifier::SafeRegex(
+                    envoy_types::pb::envoy::r#type::matcher::v3::RegexMatcher {
+                        regex: ".*%.*".into(),
+                        ..Default::default()
+                    },
+                )),
+                ..Default::default()
+            },
+            proxy_clusters(service, weights, Protocol::Http),
+            Protocol::Http,
+            policy,
+        ));
+    }
+    routes.extend(app_routes);
     routes.push(weighted_route(
         "default",
         any_path(false),
