@@ -235,7 +235,7 @@ pub struct RealRayCluster {
     grpc_stubs: Option<PathBuf>,
     temp_dir: tempfile::TempDir,
     /// HAProxy's files (a cluster started with [`RealRayCluster::start_haproxy`]).
-    _haproxy_dir: Option<tempfile::TempDir>,
+    haproxy_dir: Option<tempfile::TempDir>,
     // Drop order: nodes (workers first), then the watchdog, then the network.
     workers: Vec<RayNode>,
     head: Option<RayNode>,
@@ -372,7 +372,7 @@ impl RealRayCluster {
             grpc_port,
             grpc_stubs,
             temp_dir,
-            _haproxy_dir: haproxy_temp,
+            haproxy_dir: haproxy_temp,
             workers: Vec::new(),
             watchdog: None,
             head: Some(head),
@@ -405,8 +405,16 @@ impl RealRayCluster {
             .chain(&self.workers)
             .map(|n| format!("-{}", n.pgid))
             .collect();
+        // HAProxy (Ray's HAProxy mode) leaves the raylet's process group: found by its
+        // files' folder on its command line.
+        let haproxy = self.haproxy_dir.as_ref().map_or(String::new(), |d| {
+            format!(
+                "for p in /proc/[0-9]*; do grep -qsF -- '{}' $p/cmdline && kill -KILL ${{p#/proc/}}; done; ",
+                d.path().display()
+            )
+        });
         let script = format!(
-            "while kill -0 {test} 2>/dev/null; do sleep 1; done; kill -KILL -- {groups} 2>/dev/null; ip link del {link} 2>/dev/null; ip netns del {ns} 2>/dev/null",
+            "while kill -0 {test} 2>/dev/null; do sleep 1; done; kill -KILL -- {groups} 2>/dev/null; {haproxy}ip link del {link} 2>/dev/null; ip netns del {ns} 2>/dev/null",
             test = std::process::id(),
             groups = groups.join(" "),
             link = self.subnet.host_link,
@@ -678,12 +686,34 @@ impl Drop for RealRayCluster {
         }
         self.workers.clear();
         self.head = None;
+        // HAProxy (Ray's HAProxy mode) is not in the raylet's process group: it would
+        // outlive the cluster, holding its port.
+        if let Some(dir) = &self.haproxy_dir {
+            kill_processes_naming(&dir.path().display().to_string());
+        }
         // Ray's worker processes exit once their raylet is gone; give them a moment
         // before the namespace they may sit in goes.
         std::thread::sleep(Duration::from_millis(300));
         if let Some(mut w) = self.watchdog.take() {
             let _ = w.kill();
             let _ = w.wait();
+        }
+    }
+}
+
+/// SIGKILLs every process whose command line contains `needle`.
+fn kill_processes_naming(needle: &str) {
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(needle) {
+            // SAFETY: kill(2) with a pid read from /proc and a valid signal; a process
+            // gone since is ESRCH, ignored.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
         }
     }
 }
