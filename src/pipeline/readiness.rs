@@ -184,12 +184,7 @@ pub fn app_readiness(
         }
         // A failed application says the new cluster's configuration is bad (KubeRay never
         // promotes it): nothing moves to it application by application.
-        let failed: Vec<String> = status
-            .applications
-            .iter()
-            .filter(|(_, a)| matches!(a.status, AppStatus::DeployFailed | AppStatus::Unhealthy))
-            .map(|(n, a)| format!("{n} {}", a.status.as_str()))
-            .collect();
+        let failed = failed_in(status);
         if !failed.is_empty() {
             return Err(format!(
                 "another application failed there: {}",
@@ -217,4 +212,30 @@ pub fn app_readiness(
         proxies_ready(service, cluster, protocol, health, need)?;
     }
     Ok(())
+}
+
+/// The applications of a dashboard answer that failed (`DEPLOY_FAILED`, `UNHEALTHY`), each
+/// with its status.
+fn failed_in(status: &ServeStatus) -> Vec<String> {
+    status
+        .applications
+        .iter()
+        .filter(|(_, a)| matches!(a.status, AppStatus::DeployFailed | AppStatus::Unhealthy))
+        .map(|(n, a)| format!("{n} {}", a.status.as_str()))
+        .collect()
+}
+
+/// Whether `cluster`'s dashboard, answering now, says an application failed there: its
+/// configuration is bad, and applications that moved to it on their own go back.
+pub fn has_failed_application(
+    service: &RayService,
+    cluster: &str,
+    dashboards: &DashboardStates,
+) -> bool {
+    dashboards
+        .clusters
+        .get(&service.envoy_cluster_name(cluster))
+        .filter(|d| !d.stale)
+        .and_then(|d| d.status.as_deref())
+        .is_some_and(|status| !failed_in(status).is_empty())
 }

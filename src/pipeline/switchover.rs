@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 
-use super::readiness::{app_readiness, readiness, routed_clusters, Unit};
+use super::readiness::{app_readiness, has_failed_application, readiness, routed_clusters, Unit};
 use crate::live::dashboards::DashboardStates;
 use crate::live::health::HealthMap;
 use crate::live::peers::{to_unix, DepartedCluster, PeerStates, PeerSwitch, ReplicaView};
@@ -248,6 +248,7 @@ impl Switchover {
                 service,
                 Unit::Service,
                 serving,
+                None,
                 known,
                 health,
                 dashboards,
@@ -260,6 +261,12 @@ impl Switchover {
             // Each application of the target moves on its own readiness, from where the
             // RayService's traffic is.
             let apps = target.as_deref().and_then(|t| service.cluster(t));
+            // An application that failed on the new cluster sends those that moved there on
+            // their own back to where the RayService's traffic is.
+            let back_to = target
+                .as_deref()
+                .filter(|t| has_failed_application(service, t, dashboards))
+                .map(|_| serving.clone());
             for app in apps.into_iter().flat_map(|c| &c.applications) {
                 let app_key = app_switch_key(&key, &app.name);
                 let known = self.services.contains_key(&app_key);
@@ -268,6 +275,7 @@ impl Switchover {
                     service,
                     Unit::Application(&app.name),
                     serving.clone(),
+                    back_to.as_deref(),
                     known,
                     health,
                     dashboards,
@@ -291,6 +299,7 @@ impl Switchover {
         service: &RayService,
         unit: Unit<'_>,
         serving: String,
+        back_to: Option<&str>,
         known: bool,
         health: &HealthMap,
         dashboards: &DashboardStates,
@@ -328,6 +337,10 @@ impl Switchover {
         }
         let previous_target = st.target.clone();
         st.target = match &service.pending_cluster {
+            // Moved on its own to a pending cluster where an application failed: back.
+            Some(p) if *p == st.serving && back_to.is_some_and(|b| b != p) => {
+                back_to.map(str::to_string)
+            }
             // Already moved to the pending cluster: stay until the source promotes it.
             Some(p) if *p == st.serving => None,
             Some(p) => Some(p.clone()),
@@ -761,7 +774,8 @@ mod tests {
 
     /// A failed application on the new cluster holds every application's move: `hello` and
     /// `slow` are RUNNING there, `broken` DEPLOY_FAILED, and nothing moves; once `broken`
-    /// is gone from the new cluster's answer, the running ones move.
+    /// is gone from the new cluster's answer, the running ones move; and one failing after
+    /// that sends them back.
     #[test]
     fn a_failed_application_on_the_new_cluster_holds_every_application() {
         let m = model_with_apps(Some(B), false);
@@ -788,6 +802,11 @@ mod tests {
         world.apps("default/s/b1", "03-deploying.json");
         advance(&mut s, &m, &world, &(), T0 + Duration::from_secs(1));
         assert_eq!(s.weights()["default/s#hello"], w(&[(B, 100)]));
+        // An application fails there after `hello` moved: `hello` goes back.
+        world.apps("default/s/b1", "04-mixed-settled.json");
+        advance(&mut s, &m, &world, &(), T0 + Duration::from_secs(2));
+        assert_eq!(s.weights()["default/s#hello"], w(&[(A, 100)]));
+        assert_eq!(weights(&s), w(&[(A, 100)]));
     }
 
     /// An application whose replicas (direct ingress) are ready moves even with no proxy
