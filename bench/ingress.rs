@@ -185,19 +185,28 @@ fn role(cmdline: &str) -> &'static str {
 /// load generator).
 fn cpu_by_pid() -> BTreeMap<u32, (&'static str, f64)> {
     let me = std::process::id();
-    let mut out = BTreeMap::new();
+    processes()
+        .into_iter()
+        .map(|(pid, cmdline)| {
+            let role = if pid == me {
+                "load generator"
+            } else {
+                role(&cmdline)
+            };
+            (pid, (role, cpu_seconds(pid)))
+        })
+        .collect()
+}
+
+/// Every process on this machine: its pid and command line (arguments joined by spaces).
+fn processes() -> Vec<(u32, String)> {
+    let mut out = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
             continue;
         };
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        let role = if pid == me {
-            "load generator"
-        } else {
-            role(&cmdline)
-        };
-        out.insert(pid, (role, cpu_seconds(pid)));
+        out.push((pid, String::from_utf8_lossy(&cmdline).replace('\0', " ")));
     }
     out
 }
@@ -510,12 +519,7 @@ fn pin_processes(args: &Args) {
         return;
     };
     let me = std::process::id();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+    for (pid, cmdline) in processes() {
         if pid == me {
             pin(pid, &front);
             continue;

@@ -551,6 +551,13 @@ impl Model {
             .flat_map(|c| &c.proxies)
     }
 
+    /// Every proxy's addresses, HTTP and gRPC: never an ingress replica's.
+    pub fn proxy_addresses(&self) -> BTreeSet<SocketAddr> {
+        self.proxies()
+            .flat_map(|p| std::iter::once(p.address).chain(p.grpc))
+            .collect()
+    }
+
     /// Every endpoint the prober probes: each proxy's HTTP address, and its gRPC address
     /// when it has one; each ingress replica's HTTP and gRPC ports.
     pub fn endpoints(&self) -> impl Iterator<Item = (SocketAddr, Protocol)> + '_ {
@@ -578,10 +585,7 @@ impl Model {
         mut applications: impl FnMut(&str, &RayCluster) -> (bool, Vec<Application>),
     ) -> Model {
         let mut m = self.clone();
-        let proxies: BTreeSet<SocketAddr> = m
-            .proxies()
-            .flat_map(|p| std::iter::once(p.address).chain(p.grpc))
-            .collect();
+        let proxies = m.proxy_addresses();
         let mut lists = Vec::new();
         for service in &m.services {
             for cluster in &service.clusters {

@@ -291,10 +291,7 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
     });
     // Addresses two lists claim (or a proxy's): `with_applications` gives them to nobody.
     let contested = contested_replicas(given.iter().flat_map(|(_, l)| l));
-    let proxies: BTreeSet<SocketAddr> = model
-        .proxies()
-        .flat_map(|p| std::iter::once(p.address).chain(p.grpc))
-        .collect();
+    let proxies = model.proxy_addresses();
     for (cluster, list) in &given {
         for app in list {
             for (protocol, replicas) in [
