@@ -532,6 +532,31 @@ fn pin_processes(args: &Args) {
     }
 }
 
+/// Envoy's connections against its requests over the whole arm: a connection per request
+/// (upstream or downstream) would be the first suspect of a slow front.
+async fn print_connections(envoy: &Envoy, cluster: &str) {
+    let stats = envoy.admin("/stats").await;
+    let stat = |name: &str| -> u64 {
+        stats
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(name)?
+                    .strip_prefix(": ")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0)
+    };
+    println!(
+        "  envoy: {} downstream connections, {} upstream connections for {} upstream requests ({} retried)",
+        stat("http.ray_serve_http.downstream_cx_total"),
+        stat(&format!("cluster.{cluster}.upstream_cx_total")),
+        stat(&format!("cluster.{cluster}.upstream_rq_total")),
+        stat(&format!("cluster.{cluster}.upstream_rq_retry")),
+    );
+}
+
 /// One trial of the arms run on `cluster`s started here, one at a time.
 async fn trial(arms: &[Arm], args: &Args, results: &mut BTreeMap<Arm, Vec<Result_>>) {
     for arm in arms {
@@ -545,6 +570,7 @@ async fn trial(arms: &[Arm], args: &Args, results: &mut BTreeMap<Arm, Vec<Result
                     .await;
                 let g = ray_xds_gateway(&c, "default/demo/direct/app/hello").await;
                 let r = measure(*arm, g.listener, "envoy", args).await;
+                print_connections(&g._envoy, "default/demo/direct/app/hello").await;
                 results.entry(*arm).or_default().push(r);
             }
             Arm::RayXdsProxies | Arm::ServeProxy => {
@@ -554,7 +580,9 @@ async fn trial(arms: &[Arm], args: &Args, results: &mut BTreeMap<Arm, Vec<Result
                 c.wait_for_app("hello", "RUNNING").await;
                 let r = if *arm == Arm::RayXdsProxies {
                     let g = ray_xds_gateway(&c, "default/demo/proxies").await;
-                    measure(*arm, g.listener, "envoy", args).await
+                    let r = measure(*arm, g.listener, "envoy", args).await;
+                    print_connections(&g._envoy, "default/demo/proxies").await;
+                    r
                 } else {
                     // Ray's nodes are on 198.18.0.0/15, on this machine: one local hop,
                     // as Envoy's listener on 127.0.0.1.

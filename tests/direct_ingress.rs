@@ -28,6 +28,16 @@ struct Endpoint {
 impl Endpoint {
     async fn start(routes: &[(&str, &str)], node_type: NodeType, ledger: &Executions) -> Endpoint {
         let listener = TcpListener::bind("127.0.0.2:0").await.unwrap();
+        Endpoint::serve(listener, routes, node_type, ledger)
+    }
+
+    /// An endpoint serving `routes` on `listener`.
+    fn serve(
+        listener: TcpListener,
+        routes: &[(&str, &str)],
+        node_type: NodeType,
+        ledger: &Executions,
+    ) -> Endpoint {
         let address = listener.local_addr().unwrap();
         let handle = ProxyHandle::with_ledger(ledger.clone());
         let shutdown = CancellationToken::new();
@@ -316,4 +326,190 @@ async fn a_killed_replica_costs_at_most_its_requests_in_flight_and_a_draining_on
     assert_eq!(by, BTreeMap::from([(format!("{left} work"), 20)]));
     assert_eq!(cluster.ledger.on(draining), before);
     drop(killed);
+}
+
+/// Direct ingress on the Kubernetes source, the real kube-rs client against the fake API
+/// server: the pods of a RayCluster are its nodes, the head pod's `dashboard` port lists
+/// the applications and their replicas, and a replica is routed only when it is on one of
+/// its cluster's pods. `echo` has a replica on the head pod, `work` two on the worker pod
+/// and one the dashboard lists on an address no pod has (refused `not_a_cluster_node`:
+/// it would answer, and must never be sent a request). Under direct ingress only the
+/// head runs a Serve proxy; the worker pod's `serve` port refuses connections.
+mod kubernetes {
+    use super::*;
+    use ray_xds::config::{KubernetesSourceConfig, SourceConfig};
+    use serde_json::{json, Value};
+    use support::fake_apiserver::FakeApiServer;
+
+    const NS: &str = "default";
+    const NAME: &str = "rayservice-sample";
+    const RAY_CLUSTER: &str = "rs-a";
+
+    /// The KubeRay sample RayService serving `echo` at `/` and `work` at `/work`, routed on
+    /// every host, active on `rs-a`.
+    fn rayservice() -> Value {
+        let text = std::fs::read_to_string(
+            project_root().join("tests/fixtures/kuberay-1.7/ray-service.sample.yaml"),
+        )
+        .unwrap();
+        let mut v: Value = serde_yaml::from_str(&text).unwrap();
+        v["metadata"]["namespace"] = json!(NS);
+        v["metadata"]["annotations"] = json!({"ray-xds.io/hosts": "*"});
+        v["spec"]["serveConfigV2"] = json!(
+            "applications:\n  - name: echo\n    import_path: apps:echo\n    route_prefix: /\n  - name: work\n    import_path: apps:work\n    route_prefix: /work\n"
+        );
+        v["status"] = json!({"activeServiceStatus": {"rayClusterName": RAY_CLUSTER}});
+        v
+    }
+
+    /// A Ray pod of `rs-a` at `ip`, its Serve proxy's port `serve`.
+    fn pod(name: &str, node_type: NodeType, ip: &str, serve: u16, dashboard: u16) -> Value {
+        json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": NS,
+                "labels": {
+                    "ray.io/cluster": RAY_CLUSTER,
+                    "ray.io/node-type": node_type.as_str(),
+                    "ray.io/is-ray-node": "yes",
+                    "ray.io/originated-from-crd": "RayService",
+                    "ray.io/originated-from-cr-name": NAME,
+                },
+            },
+            "spec": {"containers": [{
+                "name": "ray",
+                "image": "rayproject/ray:2.60.0",
+                "ports": [
+                    {"containerPort": dashboard, "name": "dashboard", "protocol": "TCP"},
+                    {"containerPort": serve, "name": "serve", "protocol": "TCP"},
+                ],
+            }]},
+            "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]},
+        })
+    }
+
+    async fn start_on(ip: &str, routes: &[(&str, &str)], ledger: &Executions) -> Endpoint {
+        let listener = TcpListener::bind((ip, 0)).await.unwrap();
+        Endpoint::serve(listener, routes, NodeType::Head, ledger)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_application_is_answered_by_its_own_replicas_on_its_clusters_pods_only() {
+        let (head_ip, worker_ip, no_pod_ip) = ("127.0.0.2", "127.0.0.3", "127.0.0.4");
+        let ledger = Executions::default();
+        let proxy = start_on(head_ip, &[("/", "echo"), ("/work", "work")], &ledger).await;
+        let echo = start_on(head_ip, &[("/", "echo")], &ledger).await;
+        let mut work = Vec::new();
+        for _ in 0..2 {
+            work.push(start_on(worker_ip, &[("/work", "work")], &ledger).await);
+        }
+        let rogue = start_on(no_pod_ip, &[("/work", "work")], &ledger).await;
+        // The worker's `serve` port: nothing listens there.
+        let closed = TcpListener::bind((worker_ip, 0)).await.unwrap();
+        let closed_port = closed.local_addr().unwrap().port();
+        drop(closed);
+
+        let shutdown = CancellationToken::new();
+        let dashboard = SimDashboard::new();
+        dashboard.set_direct_ingress(true);
+        dashboard.add_proxy(proxy.address, NodeType::Head, "HEALTHY");
+        dashboard.set_http_port(proxy.address.port());
+        dashboard.set_app("echo", "/", "RUNNING");
+        dashboard.set_app("work", "/work", "RUNNING");
+        dashboard.set_app_replicas("echo", &[(echo.address, None)]);
+        let mut listed: Vec<(SocketAddr, Option<SocketAddr>)> =
+            work.iter().map(|e| (e.address, None)).collect();
+        listed.push((rogue.address, None));
+        dashboard.set_app_replicas("work", &listed);
+        let listener = TcpListener::bind((head_ip, 0)).await.unwrap();
+        let dashboard_port = listener.local_addr().unwrap().port();
+        tokio::spawn(dashboard.clone().serve(listener, shutdown.clone()));
+
+        let api = FakeApiServer::start().await;
+        api.apply(rayservice());
+        let head_pod = pod(
+            "rs-a-head",
+            NodeType::Head,
+            head_ip,
+            proxy.address.port(),
+            dashboard_port,
+        );
+        api.apply(head_pod);
+        api.apply(pod(
+            "rs-a-worker",
+            NodeType::Worker,
+            worker_ip,
+            closed_port,
+            dashboard_port,
+        ));
+
+        let mut config = test_config(std::path::Path::new("unused"), 0);
+        config.source = SourceConfig::Kubernetes(KubernetesSourceConfig {
+            api_server: Some(api.url()),
+            allowed_hosts: [(NS.to_string(), vec!["*".to_string()])].into(),
+            ..Default::default()
+        });
+        config.policies.dashboard.poll_interval = Duration::from_millis(200);
+        config.policies.dashboard.timeout = Duration::from_secs(10);
+        config.policies.probe.timeout = Duration::from_secs(2);
+        config.addresses.replica_ports.http = 1..=65535;
+        config.addresses.replica_ports.grpc = 1..=65535;
+        let xds = ray_xds::runtime::start(config, shutdown.clone())
+            .await
+            .unwrap();
+        let envoy = Envoy::start(Bootstrap::Delta, xds.xds_addr.port());
+        let gateway = envoy.gateway_port().await;
+
+        let work_addresses: Vec<SocketAddr> = work.iter().map(|e| e.address).collect();
+        wait_served(gateway, "/work", "work", &work_addresses).await;
+        let through_proxy = proxy.handle.received();
+        let by = answered_by(gateway, "/work", 40).await;
+        assert_eq!(
+            by.len(),
+            2,
+            "both pod replicas of work, nothing else: {by:?}"
+        );
+        assert!(by.keys().all(|k| k.ends_with(" work")), "{by:?}");
+        let echo_only = BTreeMap::from([(format!("{} echo", echo.address), 10)]);
+        for path in ["/", "/workers"] {
+            assert_eq!(answered_by(gateway, path, 10).await, echo_only, "{path}");
+        }
+        assert_eq!(
+            rogue.handle.received(),
+            0,
+            "a replica on no pod of rs-a got requests"
+        );
+        assert_eq!(
+            proxy.handle.received(),
+            through_proxy,
+            "every application has replicas"
+        );
+
+        let state: Value =
+            serde_json::from_str(&admin_get(xds.admin_addr, "/debug/state").await).unwrap();
+        let refused: Vec<(String, String)> = state["refused_proxies"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| {
+                let field = |k: &str| r[k].as_str().unwrap_or_default().to_string();
+                (field("address"), field("label"))
+            })
+            .collect();
+        assert!(
+            refused.contains(&(rogue.address.to_string(), "not_a_cluster_node".to_string())),
+            "{refused:?}"
+        );
+        let apps = &state["rayservices"][0]["clusters"][0]["applications"];
+        assert_eq!(apps.as_array().map(Vec::len), Some(2), "{state}");
+
+        // The dashboard stops listing work's replicas (a redeploy): work goes through the
+        // head's proxy, Ray's fallback; echo keeps its replica.
+        dashboard.set_app_replicas("work", &[]);
+        wait_served(gateway, "/work", "work", &[proxy.address]).await;
+        assert_eq!(answered_by(gateway, "/", 10).await, echo_only);
+        shutdown.cancel();
+    }
 }

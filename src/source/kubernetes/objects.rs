@@ -185,9 +185,11 @@ fn too_deep(yaml: &str) -> bool {
 /// The applications a Serve config (`serveConfigV2`, Ray's `ServeDeploySchema` as YAML)
 /// deploys: each entry of `applications`, its `name` (Ray's default `default`) and
 /// `route_prefix` (Ray's default `/`; `null` for none), as Ray would read them. Read
-/// leniently, as a hint until the cluster's dashboard answers: a config that is not YAML,
-/// or over [`MAX_SERVE_CONFIG_BYTES`], gives none; an entry with an invalid name is left
-/// out, an invalid or repeated route prefix dropped; at most 1,000 applications.
+/// leniently, as a hint until the cluster's dashboard answers: a config that is not YAML
+/// (serde_yaml's reading: a repeated key or a merge key makes it none), or over
+/// [`MAX_SERVE_CONFIG_BYTES`], gives none; an integer name is its decimal string, as Ray
+/// coerces it; an entry with another invalid name is left out, an invalid or repeated
+/// route prefix dropped; at most 1,000 applications.
 pub fn serve_config_applications(yaml: &str) -> Vec<Application> {
     if yaml.len() > MAX_SERVE_CONFIG_BYTES || too_deep(yaml) {
         return Vec::new();
@@ -209,14 +211,15 @@ pub fn serve_config_applications(yaml: &str) -> Vec<Application> {
         if !entry.is_mapping() {
             continue;
         }
+        // An integer name reaches Ray as a JSON number (KubeRay converts the YAML), which
+        // Ray's schema coerces to its decimal string; any other non-string is left out.
         let name = match entry.get("name") {
-            None => "default",
-            Some(n) => match n.as_str() {
-                Some(n) => n,
-                None => continue,
-            },
+            None => "default".to_string(),
+            Some(serde_yaml::Value::String(n)) => n.clone(),
+            Some(serde_yaml::Value::Number(n)) if n.is_i64() || n.is_u64() => n.to_string(),
+            Some(_) => continue,
         };
-        if check_application_name(name).is_err() || !names.insert(name.to_string()) {
+        if check_application_name(&name).is_err() || !names.insert(name.clone()) {
             continue;
         }
         let prefix = match entry.get("route_prefix") {
@@ -225,7 +228,7 @@ pub fn serve_config_applications(yaml: &str) -> Vec<Application> {
         }
         .filter(|p| check_route_prefix(p).is_ok() && prefixes.insert(p.to_string()));
         out.push(Application {
-            name: name.to_string(),
+            name,
             route_prefix: prefix.map(str::to_string),
             http_replicas: Vec::new(),
             grpc_replicas: Vec::new(),
@@ -398,6 +401,13 @@ mod tests {
                 ("c".to_string(), None)
             ]
         );
+        // An integer name is Ray's decimal string of it; a float or a boolean is left out.
+        assert_eq!(
+            read("applications: [ { name: 7, route_prefix: /seven }, { name: 1.5 }, { name: true } ]"),
+            [("7".to_string(), Some("/seven".to_string()))]
+        );
+        // What serde_yaml refuses (a repeated key) gives none: the dashboard will say.
+        assert!(read("applications: [ { name: a, name: b } ]").is_empty());
         assert!(read(&"x".repeat(MAX_SERVE_CONFIG_BYTES + 1)).is_empty());
         // A billion laughs is refused, not expanded.
         let laughs =
