@@ -280,12 +280,18 @@ pub struct MemoryBudgets {
 impl Default for MemoryBudgets {
     fn default() -> Self {
         MemoryBudgets {
-            dashboards: crate::live::dashboards::MEMORY_BUDGET_BYTES,
-            route_tables: crate::live::route_tables::MEMORY_BUDGET_BYTES,
+            dashboards: DASHBOARDS_BUDGET_BYTES,
+            route_tables: ROUTE_TABLES_BUDGET_BYTES,
             partial_xds_requests: crate::xds::codec::PARTIAL_REQUESTS_BUDGET_BYTES,
         }
     }
 }
+
+/// What the Ray dashboards' statuses may hold in all by default (`live::dashboards`).
+pub const DASHBOARDS_BUDGET_BYTES: usize = 64 * 1024 * 1024;
+
+/// What the proxies' route tables may hold in all by default (`live::route_tables`).
+pub const ROUTE_TABLES_BUDGET_BYTES: usize = 32 * 1024 * 1024;
 
 /// The range of every memory budget: 1 MiB to 16 GiB.
 pub const MEMORY_BUDGET_RANGE: std::ops::RangeInclusive<usize> = (1 << 20)..=(16 << 30);

@@ -1,6 +1,7 @@
 //! ray-xds: an xDS control plane that keeps Envoy in front of Ray Serve.
 //!
-//! The modules follow the data flow, bottom layer first (no module imports one above it):
+//! The modules follow the data flow, bottom layer first (no module names one above it:
+//! ARCHITECTURE.md's layer table, checked by the `layers` test below):
 //!
 //! - [`policy`]: every tunable setting (probe, dashboard, traffic, switchover), declared
 //!   once, with its default, range, flag and annotation;
@@ -37,3 +38,139 @@ pub mod source;
 pub mod supervisor;
 pub mod translate;
 pub mod xds;
+
+#[cfg(test)]
+mod layers {
+    //! ARCHITECTURE.md's layer table against the code: every `crate::` path in a module's
+    //! code, inline or in a `use` line, tests included, goes to the module's own layer or
+    //! one below; every module of this crate is in the table.
+
+    use std::collections::BTreeMap;
+    use std::path::{Path, PathBuf};
+
+    /// The table's rows `| <n> | `a`, `b` | ...`: module → layer.
+    fn layer_table() -> BTreeMap<String, u32> {
+        let text =
+            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("ARCHITECTURE.md"))
+                .unwrap();
+        let section = text
+            .split("## Layers")
+            .nth(1)
+            .and_then(|s| s.split("\n## ").next())
+            .expect("ARCHITECTURE.md has a Layers section");
+        let mut layers = BTreeMap::new();
+        for row in section.lines().filter(|l| l.starts_with('|')) {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            let Some(Ok(layer)) = cells.get(1).map(|c| c.parse::<u32>()) else {
+                continue;
+            };
+            for module in cells[2].split(',') {
+                let module = module.trim().trim_matches('`');
+                assert!(
+                    layers.insert(module.to_string(), layer).is_none(),
+                    "{module} is in two layers"
+                );
+            }
+        }
+        layers
+    }
+
+    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                rust_files(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+
+    /// The identifiers that follow `crate::` (or `$crate::`) in `code`.
+    fn crate_paths(code: &str) -> Vec<&str> {
+        code.match_indices("crate::")
+            .filter(|(i, _)| {
+                // Not `ray_xds_crate::` or the like: `crate` is a whole word.
+                !code[..*i]
+                    .chars()
+                    .next_back()
+                    .is_some_and(|c| c.is_alphanumeric() || c == '_')
+            })
+            .map(|(i, m)| {
+                let rest = &code[i + m.len()..];
+                let end = rest
+                    .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+                    .unwrap_or(rest.len());
+                &rest[..end]
+            })
+            .collect()
+    }
+
+    #[test]
+    fn crate_paths_are_found_inline_and_in_use_lines() {
+        assert_eq!(
+            crate_paths("use crate::model::Model;\nlet x = crate::live::dashboards::X + $crate::policy::P; my_crate::xds"),
+            ["model", "live", "policy"]
+        );
+    }
+
+    #[test]
+    fn every_crate_path_goes_to_its_own_layer_or_below() {
+        let layers = layer_table();
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let lib = std::fs::read_to_string(src.join("lib.rs")).unwrap();
+        let modules: Vec<&str> = lib
+            .lines()
+            .filter_map(|l| l.strip_prefix("pub mod ")?.strip_suffix(';'))
+            .collect();
+        assert!(modules.len() > 10, "{modules:?}");
+        for module in &modules {
+            assert!(
+                layers.contains_key(*module),
+                "module {module} is in no layer of ARCHITECTURE.md"
+            );
+        }
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        // Macros exported at the crate root belong to the module that defines them.
+        let mut owner: BTreeMap<String, String> = BTreeMap::new();
+        let module_of = |path: &Path| -> Option<String> {
+            let relative = path.strip_prefix(&src).ok()?;
+            let first = relative.components().next()?.as_os_str().to_str()?;
+            Some(first.trim_end_matches(".rs").to_string())
+        };
+        for file in &files {
+            let code = std::fs::read_to_string(file).unwrap();
+            for line in code.lines() {
+                if let Some(rest) = line.trim_start().strip_prefix("macro_rules! ") {
+                    let name = rest.trim_end_matches(|c: char| c == '{' || c.is_whitespace());
+                    owner.insert(name.to_string(), module_of(file).unwrap());
+                }
+            }
+        }
+        let mut checked = 0;
+        let mut violations = Vec::new();
+        for file in &files {
+            let Some(from) = module_of(file).filter(|m| layers.contains_key(m)) else {
+                continue; // lib.rs, main.rs: the crate's roots
+            };
+            let code = std::fs::read_to_string(file).unwrap();
+            for target in crate_paths(&code) {
+                let to = owner.get(target).map(String::as_str).unwrap_or(target);
+                let Some(to_layer) = layers.get(to) else {
+                    panic!("{}: crate::{target} is in no layer", file.display());
+                };
+                checked += 1;
+                if *to_layer > layers[&from] {
+                    violations.push(format!(
+                        "{}: {from} (layer {}) names crate::{target} (layer {to_layer})",
+                        file.display(),
+                        layers[&from]
+                    ));
+                }
+            }
+        }
+        assert!(checked > 100, "only {checked} paths found");
+        assert!(violations.is_empty(), "{}", violations.join("\n"));
+    }
+}

@@ -28,7 +28,7 @@ use crate::model::Model;
 
 /// What the statuses of all clusters may hold in all (estimated by
 /// [`ServeStatus::estimated_bytes`]): 64 MiB, over 20 answers at the proxy caps.
-pub const MEMORY_BUDGET_BYTES: usize = 64 * 1024 * 1024;
+pub const MEMORY_BUDGET_BYTES: usize = crate::config::DASHBOARDS_BUDGET_BYTES;
 
 /// What every cluster's dashboard said, by Envoy cluster name.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -19,7 +19,7 @@ use crate::budget::{FairBudget, OverBudget};
 
 /// What the route tables of all clusters may hold in all (estimated by [`table_bytes`]):
 /// 32 MiB, over 100 tables at the caps (`prober::MAX_ROUTES_BODY_BYTES` of routes).
-pub const MEMORY_BUDGET_BYTES: usize = 32 * 1024 * 1024;
+pub const MEMORY_BUDGET_BYTES: usize = crate::config::ROUTE_TABLES_BUDGET_BYTES;
 
 /// One proxy's route prefixes.
 pub type Table = Arc<BTreeSet<String>>;
