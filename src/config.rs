@@ -1517,7 +1517,7 @@ mod tests {
         }
     }
 
-    /// Issue 13: the memory budgets are settings (file, flag, environment), bounded, in
+    /// The memory budgets are settings (file, flag, environment), bounded, in
     /// bytes or with a Kubernetes binary suffix.
     #[test]
     fn memory_budgets_are_bounded_settings() {

@@ -1638,7 +1638,7 @@ mod address_policy_tests {
         }
     }
 
-    /// Issue 13: a hostNetwork pod's podIP is its node's address; without
+    /// A hostNetwork pod's podIP is its node's address; without
     /// `proxies.networks` it is refused (a RayService owner could otherwise publish a
     /// node's address, any port on it), and with them it is checked like any other.
     #[test]

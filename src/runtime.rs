@@ -541,7 +541,7 @@ mod tests {
         .unwrap()
     }
 
-    /// Issue 13: the open-files limit is checked against what the configured limits may
+    /// The open-files limit is checked against what the configured limits may
     /// hold at once: xDS connections, admin connections, probes, the rest.
     #[test]
     fn the_open_files_needed_follow_the_connection_limits() {
@@ -591,7 +591,7 @@ mod tests {
         assert_eq!(files("garbage\n0::/../../etc\n")[..], roots[..]);
     }
 
-    /// Issue 13: the container's memory limit is checked against the memory budgets:
+    /// The container's memory limit is checked against the memory budgets:
     /// the defaults (64 + 32 + 64 MiB) fit the Deployment's 512 MiB, larger ones warn.
     #[test]
     fn the_memory_needed_follows_the_budgets() {

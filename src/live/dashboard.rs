@@ -1728,7 +1728,7 @@ mod tests {
         assert_eq!(json_values_at_most(br#"[1,{"a":[2,"x,y"]}]"#, 100), 6);
     }
 
-    /// Issue 13 (re-check): bulk in fields ray-xds never reads is skipped unbuilt (an
+    /// Bulk in fields ray-xds never reads is skipped unbuilt (an
     /// answer of 390,000 ignored keys parsed for seconds and queued every other
     /// cluster's); strings are cut, overlong keys and too many applications refused.
     #[test]

@@ -324,7 +324,7 @@ fn dashboards(model: &Model) -> BTreeMap<String, String> {
 mod tests {
     use super::*;
 
-    /// Issue 13 (re-check): `/debug/state` shows a bounded part of a cluster's
+    /// `/debug/state` shows a bounded part of a cluster's
     /// applications (45 clusters of big statuses made 360 MB pages).
     #[test]
     fn the_debug_view_shows_a_bounded_number_of_applications() {

@@ -633,7 +633,7 @@ mod tests {
         );
     }
 
-    /// Issue 13: a proxy the source lists from a hostNetwork pod (its node's address) is
+    /// A proxy the source lists from a hostNetwork pod (its node's address) is
     /// refused unless `proxies.networks` allows it; the pod's own addresses stay trusted.
     #[test]
     fn a_host_network_proxy_is_refused_without_networks() {
@@ -926,7 +926,7 @@ mod refusal_tests {
         text.lines().map(str::to_owned).collect()
     }
 
-    /// Issue F7: 80,000 refusals are one line (with the count and examples), not 80,000,
+    /// 80,000 refusals are one line (with the count and examples), not 80,000,
     /// and nothing is logged again until that cluster's refusals change.
     #[test]
     fn refusals_are_logged_one_line_per_group_only_when_they_change() {
@@ -960,7 +960,7 @@ mod refusal_tests {
         assert!(lines[0].contains("default/a/a1") && lines[0].contains("count=79999"));
     }
 
-    /// Issue F7: `/debug/state` shows at most [`REFUSED_SHOWN`] refusals, and counts all
+    /// `/debug/state` shows at most [`REFUSED_SHOWN`] refusals, and counts all
     /// of them, per reason too.
     #[test]
     fn the_refused_summary_shows_a_few_and_counts_all() {

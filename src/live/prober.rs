@@ -11,7 +11,7 @@
 //! first probes and the probes that confirm a failure have permits of their own), and
 //! sends `GET /-/healthz` through one pooled HTTP client (connections are reused).
 //!
-//! Confirming a failure quickly (issue 17): while the proxy is healthy as far as its task
+//! Confirming a failure quickly: while the proxy is healthy as far as its task
 //! knows, a probe that has not answered after [`ProbePolicy::hedge_after`] (a third of the
 //! timeout) is joined by a second, hedged probe over a connection of its own (the first
 //! still holds the pooled one). Hedged probes have a small pool of permits of their own
@@ -1085,7 +1085,7 @@ mod tests {
         assert!(stale_after(&slow, 100_000, 1) > Duration::from_secs(3600));
     }
 
-    /// Issue 13: a proxy whose probe results stop (its task dead or starved) is not
+    /// A proxy whose probe results stop (its task dead or starved) is not
     /// served as healthy on an old result: it goes back to unknown. A fresh one stays.
     #[tokio::test]
     async fn a_result_nobody_renews_goes_back_to_unknown() {
@@ -1147,7 +1147,7 @@ mod tests {
         serde_json::Value::Object(routes).to_string().into_bytes()
     }
 
-    /// Issue F6: an answer over the route caps is read as a malformed one (routes
+    /// An answer over the route caps is read as a malformed one (routes
     /// unknown), and up to them every route is kept.
     #[test]
     fn routes_over_the_caps_are_unknown_like_malformed_ones() {
@@ -1202,7 +1202,7 @@ mod tests {
         }
     }
 
-    /// Issue 13: proxies of one cluster listing the same routes share one table, and one
+    /// Proxies of one cluster listing the same routes share one table, and one
     /// cluster's many distinct tables cannot take the routes' memory from another: the
     /// hog's tables are dropped (its proxies' routes unknown) when a cluster within its
     /// share needs room, and refused after.
@@ -1360,7 +1360,7 @@ mod tests {
         }
     }
 
-    /// Issue 13: a route read's turn is held until the manager has taken its report, so
+    /// A route read's turn is held until the manager has taken its report, so
     /// tables waiting in the report queue count against `ROUTE_READS_AT_ONCE`: with the
     /// manager stalled, more healthy proxies than turns leave at most that many tables
     /// queued (the rest report their health without a table), and taking the reports
@@ -1424,7 +1424,7 @@ mod tests {
         }
     }
 
-    /// Issue 13 (fourth re-check): a route read that stalls holds its turn, never the
+    /// A route read that stalls holds its turn, never the
     /// probe permit: with one probe in flight at most, another proxy is probed (and
     /// reports) while the first proxy's `/-/routes` hangs.
     #[tokio::test]
@@ -1573,7 +1573,7 @@ mod tests {
         }
     }
 
-    /// Issue 17: a hung proxy that was healthy is confirmed by a second probe started
+    /// A hung proxy that was healthy is confirmed by a second probe started
     /// before the first timed out (hedged), so two failures in a row, and unhealthy, come
     /// one hedge delay after the first failure instead of a re-probe and a second
     /// timeout later. The first failure is reported while the second probe is still in
@@ -1648,7 +1648,7 @@ mod tests {
         run.task.abort();
     }
 
-    /// Issue 17: one probe left unanswered, with the proxy answering the others at once,
+    /// One probe left unanswered, with the proxy answering the others at once,
     /// never flips health: the hedged probe's answer settles the round (the unanswered
     /// probe is dropped, no failure is even reported), and health stays healthy.
     #[tokio::test]

@@ -162,7 +162,7 @@ mod tests {
 
     const NOW: Duration = Duration::ZERO;
 
-    /// Issue 13 (fourth re-check): a thousand proxies of one cluster reading slowly hold
+    /// A thousand proxies of one cluster reading slowly hold
     /// at most its share, and another cluster's read gets a turn at once.
     #[tokio::test]
     async fn a_cluster_with_many_proxies_cannot_hold_every_turn() {

@@ -353,7 +353,7 @@ mod tests {
         assert!(d.envoy_cluster_names().is_empty());
     }
 
-    /// Issue 16: a replica restarted while a dropped cluster drains takes it from a peer,
+    /// A replica restarted while a dropped cluster drains takes it from a peer,
     /// with what a peer cannot make it take left out.
     #[test]
     fn a_restarted_replica_keeps_draining_what_its_peer_drains() {

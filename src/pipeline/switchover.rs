@@ -1294,7 +1294,7 @@ mod tests {
         }
     }
 
-    /// Issue 16: replicas fed the same state step together. The second replica finds the
+    /// Replicas fed the same state step together. The second replica finds the
     /// target ready 400 ms after the first (its probes ran later); alone, it would be a
     /// step behind for 400 ms after every step; hearing its peer, it takes the earlier
     /// start and agrees at every step.

@@ -438,7 +438,7 @@ mod freshness_tests {
     use crate::model::test_support::service;
     use crate::policy::Policies;
 
-    /// Issue 13: a prober that stops beating (wedged) is not served as fresh health: its
+    /// A prober that stops beating (wedged) is not served as fresh health: its
     /// last results become unknown (published, so nothing healthy is removed, and no
     /// longer "healthy" on ray-xds's word), and health comes back once it beats again.
     #[tokio::test(start_paused = true)]

@@ -494,7 +494,7 @@ mod tests {
         assert!(s.buf.capacity() < 4096, "{}", s.buf.capacity());
     }
 
-    /// Issue 13: one client holding the whole bound in trickled requests cannot make an
+    /// One client holding the whole bound in trickled requests cannot make an
     /// Envoy's request fail: the Envoy is within its share, so the hog's streams end to
     /// make room, and the hog cannot take it back while the Envoy holds its part.
     #[tokio::test(start_paused = true)]

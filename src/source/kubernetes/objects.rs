@@ -540,7 +540,7 @@ mod tests {
         assert!(!p.head && !p.running && p.terminating && p.ip.is_none());
     }
 
-    /// Issue 13: a hostNetwork pod's podIP is its node's address; the flag travels with
+    /// A hostNetwork pod's podIP is its node's address; the flag travels with
     /// the pod so that the address policy can refuse it.
     #[test]
     fn decodes_host_network() {
