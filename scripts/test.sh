@@ -100,6 +100,9 @@ package_versions iproute2 openssl | sed 's/^/debian:  /'
 step 5m cargo fmt --check
 step 5m cargo fmt --check --manifest-path bench/peer/Cargo.toml --all
 step 20m cargo clippy --all-targets -- -D warnings
+# The crates are the layers: the xDS server's dependency tree holds nothing of Ray
+# (ray-xds, the simulator) or Kubernetes.
+step 2m bash scripts/check-crate-layers.sh
 if [ -n "$build_only" ]; then
     step 30m cargo test --no-run --all-targets
     step 10m cargo test --no-run --release --locked --manifest-path bench/peer/Cargo.toml -p protox-protoc
@@ -113,7 +116,7 @@ step 10m cargo test --release --locked --manifest-path bench/peer/Cargo.toml -p 
 # The fan-out benchmark, small and unoptimized: a smoke test that it still runs, both
 # servers (the peer, rust-control-plane, is built from bench/peer/ the first time) and
 # both protocols; it fails when a client misses a change from ray-xds. A node id per
-# stream: with one shared, rust-control-plane 0.1.2 loses changes (README, fan-out).
+# stream: with one shared, rust-control-plane 0.1.2 loses changes (docs/benchmarks.md, fan-out).
 step 20m cargo test --bench fanout -- --streams 20 --changes 2 --node-id-per-stream
 step 8m cargo test --bench soak -- --duration 20
 step 8m cargo test --bench scale -- --proxies 300 --steady 4 --edits 2

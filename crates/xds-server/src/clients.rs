@@ -255,8 +255,8 @@ pub(super) fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::xds::fixtures::{service, snapshot_of};
-    use crate::xds::sotw::SotwStream;
+    use crate::fixtures::{service, snapshot_of};
+    use crate::sotw::SotwStream;
     use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
 
     fn request(ty: ResourceType, names: &[&str], version: &str, nonce: &str) -> DiscoveryRequest {
@@ -325,7 +325,7 @@ mod tests {
             ClientResourceStatus::Acked as i32,
             ConfigStatus::Stale as i32
         )));
-        let json = crate::xds::json::message_to_json(&config);
+        let json = crate::json::message_to_json(&config);
         assert_eq!(json["generic_xds_configs"][0]["client_status"], "ACKED");
     }
 }

@@ -606,8 +606,8 @@ impl AdsProtocol for DeltaStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::xds::fixtures::service;
-    use crate::xds::fixtures::snapshot_of;
+    use crate::fixtures::service;
+    use crate::fixtures::snapshot_of;
     use envoy_types::pb::google::rpc::Status;
 
     fn subscribe(ty: ResourceType, names: &[&str]) -> DeltaDiscoveryRequest {
@@ -967,7 +967,7 @@ mod tests {
         let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
         let mut s = DeltaStream::new();
         converge(&mut s, &snap, &[EDS]);
-        let mut resources = crate::xds::fixtures::resources_of(&[service("a", "a1", &[8000])]);
+        let mut resources = crate::fixtures::resources_of(&[service("a", "a1", &[8000])]);
         resources.clusters[0].connect_timeout = Some(envoy_types::pb::google::protobuf::Duration {
             seconds: 3,
             nanos: 0,
@@ -1101,7 +1101,7 @@ mod tests {
 
     #[test]
     fn a_name_is_bounded_in_length() {
-        let long = "n".repeat(crate::xds::MAX_NAME_BYTES + 1);
+        let long = "n".repeat(crate::MAX_NAME_BYTES + 1);
         let err = DeltaStream::new()
             .on_request(subscribe(ResourceType::Endpoints, &[&long]))
             .unwrap_err();
@@ -1111,7 +1111,7 @@ mod tests {
             .insert(long.clone(), "v".into());
         let err = DeltaStream::new().on_request(req).unwrap_err();
         assert_eq!(err, ProtocolError::NameTooLong(long.len()));
-        let fits = "n".repeat(crate::xds::MAX_NAME_BYTES);
+        let fits = "n".repeat(crate::MAX_NAME_BYTES);
         DeltaStream::new()
             .on_request(subscribe(ResourceType::Endpoints, &[&fits]))
             .unwrap();

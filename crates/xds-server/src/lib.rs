@@ -1,4 +1,10 @@
-//! The xDS server: Envoy's Aggregated Discovery Service, state of the world and delta.
+//! An xDS server: Envoy's Aggregated Discovery Service, state of the world and delta.
+//! It knows Envoy and the xDS protocol, nothing of Ray; ray-xds (the crate above it)
+//! builds the snapshots it serves.
+//!
+//! The public API is small: a [`Snapshot`] to serve (from [`Resources`]), an
+//! [`Observer`] to report to, the [`server`] that serves a `watch` of snapshots over
+//! gRPC, and [`Clients`], what every connected Envoy holds. Around it:
 //!
 //! - [`snapshot`]: versioned, shared, encoded resources (what is served);
 //! - [`ordering`]: make-before-break rules shared by both protocols;
@@ -9,12 +15,17 @@
 //!   [`Observer`];
 //! - [`clients`]: the connected streams, what each Envoy holds, which have warmed what;
 //! - [`codec`] and [`grpc`]: gRPC framing and the tower service around the streams;
-//! - [`json`]: Envoy messages as proto JSON, for the debug views.
+//! - [`json`]: Envoy messages as proto JSON, for the debug views;
+//! - [`listener`] and [`tls`]: the xDS port's accepted connections (caps per peer,
+//!   handshake and idle timeouts) and its mTLS;
+//! - [`budget`] and [`peer_counts`]: a memory bound shared fairly between owners, and
+//!   connections per peer address (also used by ray-xds's admin port and live state).
 //!
 //! This layer knows Envoy and the xDS protocol, not Ray: it serves whatever consistent
 //! [`Snapshot`] it is given, and reports through [`Observer`] and [`Clients`] instead of
 //! importing anything of the domain.
 
+pub mod budget;
 pub mod clients;
 pub mod codec;
 pub mod delta;
@@ -26,6 +37,7 @@ pub mod grpc;
 pub mod json;
 pub mod listener;
 pub mod ordering;
+pub mod peer_counts;
 pub mod server;
 pub mod snapshot;
 pub mod sotw;

@@ -559,7 +559,7 @@ mod name_pattern_tests {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::xds::fixtures::{resources_of, service};
+    use crate::fixtures::{resources_of, service};
 
     #[test]
     fn versions_are_content_hashes() {

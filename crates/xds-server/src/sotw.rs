@@ -900,8 +900,8 @@ impl AdsProtocol for SotwStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::xds::fixtures::service;
-    use crate::xds::fixtures::snapshot_of;
+    use crate::fixtures::service;
+    use crate::fixtures::snapshot_of;
     use envoy_types::pb::google::rpc::Status;
 
     fn request(ty: ResourceType, names: &[&str], version: &str, nonce: &str) -> DiscoveryRequest {
@@ -964,12 +964,12 @@ mod tests {
 
     #[test]
     fn names_are_bounded_in_number_and_length() {
-        let long = "n".repeat(crate::xds::MAX_NAME_BYTES + 1);
+        let long = "n".repeat(crate::MAX_NAME_BYTES + 1);
         let err = SotwStream::new()
             .on_request(request(ResourceType::Endpoints, &[&long], "", ""))
             .unwrap_err();
         assert_eq!(err, ProtocolError::NameTooLong(long.len()));
-        let many: Vec<String> = (0..=crate::xds::MAX_NAMES_PER_TYPE)
+        let many: Vec<String> = (0..=crate::MAX_NAMES_PER_TYPE)
             .map(|i| format!("n{i}"))
             .collect();
         let many: Vec<&str> = many.iter().map(String::as_str).collect();
@@ -1261,7 +1261,7 @@ mod tests {
         assert_eq!(out[0].2.resources.len(), 1);
     }
 
-    fn many_services(n: usize, proxies: usize) -> Vec<crate::xds::fixtures::Service> {
+    fn many_services(n: usize, proxies: usize) -> Vec<crate::fixtures::Service> {
         (0..n)
             .map(|i| {
                 let ports: Vec<u16> = (0..proxies as u16).map(|p| 8000 + p).collect();
@@ -1470,7 +1470,7 @@ mod tests {
         s.on_request(request(ResourceType::Endpoints, &[EDS], "", ""))
             .unwrap();
         converge(&mut s, &snap);
-        let mut resources = crate::xds::fixtures::resources_of(&[service("a", "a1", &[8000])]);
+        let mut resources = crate::fixtures::resources_of(&[service("a", "a1", &[8000])]);
         resources.clusters[0].connect_timeout = Some(envoy_types::pb::google::protobuf::Duration {
             seconds: 3,
             nanos: 0,

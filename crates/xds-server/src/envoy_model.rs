@@ -644,7 +644,7 @@ impl_client!(DeltaClient);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::xds::fixtures::{snapshot_of, Cluster as FixtureCluster, Service};
+    use crate::fixtures::{snapshot_of, Cluster as FixtureCluster, Service};
     use proptest::prelude::*;
 
     /// One service as the generator draws it: which of two clusters exist, which is

@@ -534,7 +534,7 @@ pub fn take_budget(changed: ResourceMap, budget: usize) -> (ResourceMap, bool) {
 /// Most bytes of resources carried by one response of a type that may be split. At
 /// 16 KiB a 400 KB endpoint sync took 25 round trips and 1,000 streams synced in 2.4 s;
 /// at 128 KiB it takes 4 and they sync in 1.2 s (the freed burst is given back by
-/// [`crate::memory`]).
+/// ray-xds's `memory`).
 pub const RESPONSE_BUDGET_BYTES: usize = 128 * 1024;
 
 /// What a stream should make the Envoy hold for one type.
@@ -950,7 +950,7 @@ pub fn desired(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::xds::fixtures::{service, snapshot_of};
+    use crate::fixtures::{service, snapshot_of};
 
     fn hold_all(snapshot: &Snapshot, ty: ResourceType) -> Holding {
         Holding::from_resources(snapshot.resources(ty))
@@ -999,7 +999,7 @@ mod tests {
 
     #[test]
     fn each_route_of_a_cold_host_gets_a_stand_in_of_its_own_kind() {
-        use crate::xds::snapshot::name_matches;
+        use crate::snapshot::name_matches;
         let patterns = ["ns/v/*", "ns/v/*/grpc"];
         let warm_held = ["ns/v/old", "ns/v/old/grpc"];
         let fallback = |vhost: &str, own: Option<&str>| {
@@ -1157,7 +1157,7 @@ mod tests {
                 .iter()
                 .find(|v| v.name == name)
                 .unwrap();
-            crate::xds::snapshot::virtual_host_clusters(vh)
+            crate::snapshot::virtual_host_clusters(vh)
         };
         assert_eq!(target("default/a"), ["default/a/a2"], "a moves on");
         assert_eq!(target("default/b"), ["default/b/b1"], "b waits for b2");

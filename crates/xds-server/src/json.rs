@@ -13,7 +13,7 @@ use prost_reflect::{DescriptorPool, DynamicMessage, SerializeOptions};
 use serde_json::{json, Value};
 
 static POOL: LazyLock<Result<DescriptorPool, String>> = LazyLock::new(|| {
-    DescriptorPool::decode(&include_bytes!("../../proto/envoy-descriptors.bin")[..])
+    DescriptorPool::decode(&include_bytes!("../../../proto/envoy-descriptors.bin")[..])
         .map_err(|e| format!("proto/envoy-descriptors.bin: {e}"))
 });
 
@@ -53,8 +53,8 @@ fn to_json(full_name: &str, bytes: &[u8]) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::xds::fixtures::{resources_of, service};
-    use crate::xds::{ResourceType, Snapshot};
+    use crate::fixtures::{resources_of, service};
+    use crate::{ResourceType, Snapshot};
 
     #[test]
     fn every_resource_and_the_configs_inside_it_print_as_proto_json() {
