@@ -144,9 +144,9 @@ fn write_seeds() {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join(format!("seed-{name}")), data).unwrap();
     };
-    let readme = String::from_utf8(read("README.md")).unwrap();
+    let readme = String::from_utf8(read("docs/configuration.md")).unwrap();
 
-    // services.yaml: the example, the golden input, the README's documented shape.
+    // services.yaml: the example, the golden input, the documented shape.
     write("services_yaml", "example", &read("examples/services.yaml"));
     write(
         "services_yaml",
@@ -169,7 +169,7 @@ fn write_seeds() {
         fuzz_bodies::SERVICES_B.as_bytes(),
     );
 
-    // ray-xds.yaml: the example, the README's every field, the Kubernetes ConfigMap's.
+    // ray-xds.yaml: the example, the documented every field, the Kubernetes ConfigMap's.
     write("config_yaml", "example", &read("examples/ray-xds.yaml"));
     write(
         "config_yaml",
@@ -676,6 +676,6 @@ fn yaml_block(markdown: &str, start: &str) -> String {
         .skip(1)
         .filter_map(|b| b.split("```").next())
         .find(|b| b.starts_with(start))
-        .unwrap_or_else(|| panic!("README has no yaml block starting {start:?}"))
+        .unwrap_or_else(|| panic!("docs/configuration.md has no yaml block starting {start:?}"))
         .to_string()
 }

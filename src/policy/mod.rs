@@ -7,7 +7,7 @@
 //! annotation. From that line come the typed policy struct and its default, the override
 //! struct that both `ray-xds.yaml` (the global section) and `services.yaml` (one
 //! RayService's section) deserialize, the flag and its environment variable, the
-//! annotation, the range check and the README's reference rows ([`Field`]).
+//! annotation, the range check and the reference rows of docs/configuration.md ([`Field`]).
 //!
 //! Invariants: a value is checked by the same rule wherever it comes from (flag,
 //! environment, either YAML file, annotation), and an override that passed
@@ -33,7 +33,7 @@ pub enum Scope {
     Global,
 }
 
-/// One setting, as the README's reference tables and `--help` describe it.
+/// One setting, as docs/configuration.md's reference table and `--help` describe it.
 #[derive(Clone, Copy, Debug)]
 pub struct Field {
     /// The YAML section: `probe`, `dashboard`, `traffic`, `switchover`.
@@ -62,13 +62,13 @@ impl Field {
         )
     }
 
-    /// `section.name`, as errors and the README name it.
+    /// `section.name`, as errors and docs/configuration.md name it.
     pub fn path(&self) -> String {
         format!("{}.{}", self.section, self.name)
     }
 }
 
-/// Every setting of every policy, in README order.
+/// Every setting of every policy, in the reference's order.
 pub fn all_fields() -> impl Iterator<Item = &'static Field> {
     probe::ProbePolicy::FIELDS
         .iter()
@@ -263,7 +263,7 @@ macro_rules! declare_policy {
         }
 
         impl $policy {
-            /// Every setting of this policy, for the README and `--help`.
+            /// Every setting of this policy, for docs/configuration.md and `--help`.
             pub const FIELDS: &'static [$crate::policy::Field] = &[
                 $(
                     $crate::policy::Field {
@@ -461,7 +461,7 @@ mod tests {
             );
             assert!(!(f.default)().is_empty());
         }
-        // Each default, written as the README shows it, reads back and passes its own
+        // Each default, written as docs/configuration.md shows it, reads back and passes its own
         // checks.
         for f in all_fields() {
             let mut one = GlobalOverrides::default();

@@ -1,5 +1,5 @@
 //! The kinds of value a setting holds, each read the same way from YAML, a flag, an
-//! environment variable or an annotation, and shown the same way in errors and the README.
+//! environment variable or an annotation, and shown the same way in errors and docs/configuration.md.
 
 use std::fmt::Debug;
 use std::time::Duration;

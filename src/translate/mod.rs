@@ -251,7 +251,7 @@ fn u32_value(value: u32) -> Option<protobuf::UInt32Value> {
 /// Passive health on top of ray-xds's probes: a proxy whose connections fail or whose
 /// tries time out (per-try timeouts: idempotent RayServices only) is ejected before the
 /// next probe notices (Envoy 1.40 does not count a reset after the request was sent as a
-/// local-origin failure: measured, see the README's traffic policy). No HTTP answer
+/// local-origin failure: measured, see docs/behaviour.md, Traffic policy). No HTTP answer
 /// ejects: Ray's 503
 /// is backpressure (the deployment behind every proxy is busy, ejecting one cannot help),
 /// 500 is the application's own error, and Ray's proxy never answers 502 or 504 itself.

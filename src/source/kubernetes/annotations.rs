@@ -23,7 +23,7 @@ pub const OWN: &[(&str, &str, &str)] = &[
 ];
 
 /// Every annotation ray-xds reads: its own, then one per policy setting a RayService may
-/// override (named after the setting's flag), as the README's table lists them.
+/// override (named after the setting's flag), as docs/kubernetes.md's table lists them.
 pub fn documented() -> Vec<String> {
     OWN.iter()
         .map(|(name, _, _)| name.to_string())
