@@ -67,6 +67,9 @@
 //! ray-xds lost a request (or shed one, or one it lost ran), executed one twice, or broke
 //! the other rules of `broken_by`.
 
+// A benchmark run reads top to bottom (set up, measure, report): its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

@@ -30,6 +30,9 @@
 //! `detection fault=<killed|hung|slow-live> trials=<n> p50_ms=<x> p99_ms=<y> false_alarms=<k>`
 //! (p99 is the nearest rank: with 100 trials, the 99th smallest).
 
+// A benchmark run reads top to bottom (set up, measure, report): its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

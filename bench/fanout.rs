@@ -18,6 +18,9 @@
 //! proxies do not exist, so ray-xds probes them once and then (by default) not for an
 //! hour: this measures xDS, not probing (see the detection benchmark for that).
 
+// A benchmark run reads top to bottom (set up, measure, report): its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -38,6 +38,9 @@
 //! (`failed`: not answered 200 at the fixed rate). `--assert` fails the run when the direct
 //! arm lost a request or is behind another arm on any figure (medians).
 
+// A benchmark run reads top to bottom (set up, measure, report): its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 #[path = "support/mod.rs"]
 mod bench_support;
 #[path = "../tests/support/mod.rs"]

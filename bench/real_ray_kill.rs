@@ -9,6 +9,9 @@
 //! polls Envoy's admin `/clusters` every 5 ms until that endpoint is no longer healthy,
 //! then waits for Ray to restart the proxy (about 25 s) before the next trial.
 
+// A benchmark run reads top to bottom (set up, measure, report): its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

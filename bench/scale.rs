@@ -24,6 +24,9 @@
 //! healthz_max_ms=.. edit_p50_ms=.. edit_max_ms=.. cpu_pct=.. rss_mib=..` (healthz over
 //! both phases; CPU over the steady phase).
 
+// A benchmark run reads top to bottom (set up, measure, report): its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};

@@ -24,6 +24,9 @@
 //!   where the Deployment puts them) to simulated Ray Serve proxies; a certificate renewed
 //!   under a running Envoy (the kubelet's `..data` swap) is picked up without a restart.
 
+// A test is a scenario read top to bottom: its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -4,6 +4,9 @@
 //! and a draining one cost no request and run none twice; gRPC calls by their
 //! `application` metadata.
 
+// A test is a scenario read top to bottom: its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 mod support;
 
 use std::collections::BTreeMap;

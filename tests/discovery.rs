@@ -4,6 +4,9 @@
 //! a dashboard that stops answering keeps its endpoints. Also: `ray-serve-sim` lists the
 //! proxies it runs so that ray-xds can discover them.
 
+// A test is a scenario read top to bottom: its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -1,6 +1,9 @@
 //! Real Envoy (1.40, from `scripts/install-envoy.sh`) fed by ray-xds, carrying real
 //! requests to simulated Ray Serve proxies; both bootstraps in `envoy/`.
 
+// A test is a scenario read top to bottom: its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 mod support;
 
 use std::time::{Duration, Instant};

@@ -7,6 +7,9 @@
 //! The seeds made from the project's fixtures are written by
 //! `cargo test --test fuzz_corpus -- --ignored write_seeds`.
 
+// A test is a scenario read top to bottom: its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 #[path = "support/fuzz_bodies.rs"]
 mod fuzz_bodies;
 

@@ -2,6 +2,9 @@
 //! server speaking the real list/watch protocol, simulated Ray Serve proxies and
 //! dashboards, and a real Envoy carrying requests.
 
+// A test is a scenario read top to bottom: its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 mod support;
 
 use std::net::SocketAddr;

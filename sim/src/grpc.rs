@@ -113,12 +113,12 @@ use crate::{ProxyConfig, ProxyHandle, ProxyMode};
 pub mod pb {
     /// Ray Serve's own API, `ray.serve.RayServeAPIService` (`Healthz`,
     /// `ListApplications`), wire-compatible with Ray 2.60.
-    #[allow(clippy::all, missing_docs)]
+    #[allow(clippy::all, clippy::too_many_lines, missing_docs)]
     pub mod ray_serve {
         tonic::include_proto!("ray.serve");
     }
     /// The demo application, `ray_xds.demo.Echo` (`Say`, `SayMany`, `Chat`).
-    #[allow(clippy::all, missing_docs)]
+    #[allow(clippy::all, clippy::too_many_lines, missing_docs)]
     pub mod demo {
         tonic::include_proto!("ray_xds.demo");
     }

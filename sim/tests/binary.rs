@@ -1,6 +1,9 @@
 //! `ray-serve-sim` as demos and benchmarks use it: proxies, dashboard and the control
 //! endpoint that injects faults at run time; what it lists is what ray-xds discovers.
 
+// A test is a scenario read top to bottom: its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 mod common;
 
 use std::collections::BTreeMap;

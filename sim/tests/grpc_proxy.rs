@@ -3,6 +3,9 @@
 //! call, application selection, the ledger, hanging, shutdown, the handle it shares with
 //! the node's HTTP proxy, the dashboard's gRPC report and the binary's `--grpc`.
 
+// A test is a scenario read top to bottom: its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+
 mod common;
 
 use std::collections::BTreeMap;

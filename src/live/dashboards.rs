@@ -157,6 +157,8 @@ impl DashboardPoller {
     /// Polls until `shutdown`. A cluster name received on `refresh` is polled at once and
     /// its answer published even if unchanged: the switchover asks for that when it needs
     /// an answer given after a switch began.
+    // Over the 100 lines a reader can hold; to split along its seams: the poll round, and the publication of its answers.
+    #[allow(clippy::too_many_lines)]
     pub async fn run(
         self,
         mut models: watch::Receiver<Arc<Model>>,

@@ -173,6 +173,8 @@ fn dashboard_ip(url: &str, answered_from: Option<IpAddr>) -> Option<IpAddr> {
 /// The effective model: `model` with every discovering cluster's proxies taken from its
 /// dashboard's last known answer in `dashboards`, and every proxy the address `policy`
 /// refuses left out (and listed in [`Discovered::refused`]).
+// Over the 100 lines a reader can hold; to split along its seams: proxies, then applications and replicas, then the address policy's refusals.
+#[allow(clippy::too_many_lines)]
 pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPolicy) -> Discovered {
     let mut refused = Vec::new();
     let model = model.with_proxies(|envoy_cluster, cluster| {

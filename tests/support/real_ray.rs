@@ -21,6 +21,9 @@
 //! namespace and veth are deleted; and a watchdog process does the same if the test
 //! process dies without unwinding.
 
+// Starting a real Ray cluster is one sequence of steps, read top to bottom.
+#![allow(clippy::too_many_lines)]
+
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};

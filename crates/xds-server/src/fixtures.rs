@@ -3,6 +3,9 @@
 //! host per service, one listener taking it over RDS), built without the domain so the
 //! xDS layer's tests stand on their own.
 
+// Test fixtures: a snapshot is built top to bottom in one function, as Envoy reads it.
+#![allow(clippy::too_many_lines)]
+
 use envoy_types::pb::envoy::config::cluster::v3 as cluster;
 use envoy_types::pb::envoy::config::core::v3 as core;
 use envoy_types::pb::envoy::config::endpoint::v3 as endpoint;
