@@ -24,7 +24,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -33,7 +33,7 @@ use crate::live::dashboards::DashboardStates;
 use crate::live::health::HealthMap;
 use crate::live::prober::ProbeStates;
 use crate::metrics::Metrics;
-use crate::model::Model;
+use crate::model::{Application, Model, Protocol, Proxy, RayCluster, RayService};
 use crate::pipeline::switchover::Switchover;
 use crate::source::SourceStatus;
 use crate::xds::{Clients, ResourceType, Snapshot};
@@ -277,99 +277,129 @@ async fn clients(State(state): State<AdminState>) -> Response {
     Json(json!({"clients": state.clients.report(snapshot.as_deref())})).into_response()
 }
 
-// Over the 100 lines a reader can hold; to split along its seams: a view per RayService, cluster and application.
-#[allow(clippy::too_many_lines)]
-async fn live_state(State(state): State<AdminState>) -> Response {
-    let live = &state.live;
-    let model = live.models.borrow().clone();
-    let probes = live.probes.borrow().clone();
-    let dashboards = live.dashboards.borrow().clone();
-    let health = live.health.borrow().clone();
-    let switchover = live.switchover.borrow().clone();
-    let mut services = Vec::new();
-    for service in model.services() {
-        let mut clusters = Vec::new();
-        for cluster in &service.clusters {
-            let name = service.envoy_cluster_name(&cluster.name);
-            let grpc_name = service.envoy_grpc_cluster_name(&cluster.name);
-            let proxies: Vec<_> = cluster
-                .proxies
-                .iter()
-                .map(|p| {
-                    let mut proxy = json!({
-                        "address": p.address.to_string(),
-                        "node_type": p.node_type.as_str(),
-                        "probe": probes.proxies.get(&p.address),
-                        "endpoint": health.endpoints.get(&(name.clone(), p.address)),
-                    });
-                    // The same node's gRPC proxy: its own probe, its own endpoint.
-                    if let Some(grpc) = p.grpc {
-                        proxy["grpc"] = json!({
-                            "address": grpc.to_string(),
-                            "probe": probes.proxies.get(&grpc),
-                            "endpoint": health.endpoints.get(&(grpc_name.clone(), grpc)),
-                        });
-                    }
-                    proxy
-                })
-                .collect();
-            clusters.push(json!({
-                "name": cluster.name,
-                "envoy_cluster": name,
-                "role": if cluster.name == service.active_cluster { "active" } else if service.pending_cluster.as_deref() == Some(cluster.name.as_str()) { "pending" } else { "other" },
-                "fail_open": health.cluster(&name).fail_open,
-                "ready_proxies": health.cluster(&name).ready,
-                "grpc": cluster.serves_grpc().then(|| json!({
-                    "envoy_cluster": grpc_name,
-                    "fail_open": health.cluster(&grpc_name).fail_open,
-                    "ready_proxies": health.cluster(&grpc_name).ready,
-                })),
-                "proxies_from": if cluster.discover { "dashboard" } else { "source" },
-                "proxies": proxies,
-                "direct_ingress": cluster.direct_ingress,
-                "applications": cluster.applications.iter().map(|app| {
-                    let replicas = |protocol: crate::model::Protocol| {
-                        let envoy = service.envoy_app_cluster_name(&cluster.name, &app.name, protocol);
-                        let list: Vec<_> = app.replicas(protocol).iter().map(|r| json!({
-                            "address": r.to_string(),
-                            "probe": probes.proxies.get(r),
-                            "endpoint": health.endpoints.get(&(envoy.clone(), *r)),
-                        })).collect();
-                        json!({"envoy_cluster": envoy, "ready": health.cluster(&envoy).ready, "replicas": list})
-                    };
-                    json!({
-                        "name": app.name,
-                        "route_prefix": app.route_prefix,
-                        "http": cluster.direct_ingress.then(|| replicas(crate::model::Protocol::Http)),
-                        "grpc": (cluster.direct_ingress && cluster.serves_grpc()).then(|| replicas(crate::model::Protocol::Grpc)),
-                    })
-                }).collect::<Vec<_>>(),
-                "dashboard": dashboards.clusters.get(&name).map(|d| {
-                    let mut d = json!(d);
-                    // Polls that change nothing are not published: the time of the last
-                    // answer comes from the poller itself.
-                    if let Some(at) = live.dashboards_answered.get(&name) {
-                        d["last_success_unix"] = json!(at);
-                    }
-                    d
-                }),
-            }));
+/// The latest value of each live channel, taken once for one `/debug/state` page.
+struct LiveNow<'a> {
+    live: &'a LiveViews,
+    probes: Arc<ProbeStates>,
+    dashboards: Arc<DashboardStates>,
+    health: Arc<HealthMap>,
+}
+
+impl LiveNow<'_> {
+    /// An endpoint (proxy or replica) at `address` in the Envoy cluster `envoy`: its
+    /// probe and its endpoint's health.
+    fn endpoint(&self, envoy: &str, address: std::net::SocketAddr) -> Value {
+        json!({
+            "address": address.to_string(),
+            "probe": self.probes.proxies.get(&address),
+            "endpoint": self.health.endpoints.get(&(envoy.to_string(), address)),
+        })
+    }
+
+    fn proxy(&self, service: &RayService, cluster: &RayCluster, p: &Proxy) -> Value {
+        let mut proxy = self.endpoint(&service.envoy_cluster_name(&cluster.name), p.address);
+        proxy["node_type"] = json!(p.node_type.as_str());
+        // The same node's gRPC proxy: its own probe, its own endpoint.
+        if let Some(grpc) = p.grpc {
+            proxy["grpc"] = self.endpoint(&service.envoy_grpc_cluster_name(&cluster.name), grpc);
         }
-        services.push(json!({
+        proxy
+    }
+
+    fn application(&self, service: &RayService, cluster: &RayCluster, app: &Application) -> Value {
+        let replicas = |protocol: Protocol| {
+            let envoy = service.envoy_app_cluster_name(&cluster.name, &app.name, protocol);
+            let list: Vec<_> = app
+                .replicas(protocol)
+                .iter()
+                .map(|r| self.endpoint(&envoy, *r))
+                .collect();
+            json!({"envoy_cluster": envoy, "ready": self.health.cluster(&envoy).ready, "replicas": list})
+        };
+        json!({
+            "name": app.name,
+            "route_prefix": app.route_prefix,
+            "http": cluster.direct_ingress.then(|| replicas(Protocol::Http)),
+            "grpc": (cluster.direct_ingress && cluster.serves_grpc()).then(|| replicas(Protocol::Grpc)),
+        })
+    }
+
+    fn cluster(&self, service: &RayService, cluster: &RayCluster) -> Value {
+        let name = service.envoy_cluster_name(&cluster.name);
+        let grpc_name = service.envoy_grpc_cluster_name(&cluster.name);
+        let health = &self.health;
+        let role = if cluster.name == service.active_cluster {
+            "active"
+        } else if service.pending_cluster.as_deref() == Some(cluster.name.as_str()) {
+            "pending"
+        } else {
+            "other"
+        };
+        json!({
+            "name": cluster.name,
+            "envoy_cluster": name,
+            "role": role,
+            "fail_open": health.cluster(&name).fail_open,
+            "ready_proxies": health.cluster(&name).ready,
+            "grpc": cluster.serves_grpc().then(|| json!({
+                "envoy_cluster": grpc_name,
+                "fail_open": health.cluster(&grpc_name).fail_open,
+                "ready_proxies": health.cluster(&grpc_name).ready,
+            })),
+            "proxies_from": if cluster.discover { "dashboard" } else { "source" },
+            "proxies": cluster.proxies.iter().map(|p| self.proxy(service, cluster, p)).collect::<Vec<_>>(),
+            "direct_ingress": cluster.direct_ingress,
+            "applications": cluster
+                .applications
+                .iter()
+                .map(|app| self.application(service, cluster, app))
+                .collect::<Vec<_>>(),
+            "dashboard": self.dashboards.clusters.get(&name).map(|d| {
+                let mut d = json!(d);
+                // Polls that change nothing are not published: the time of the last
+                // answer comes from the poller itself.
+                if let Some(at) = self.live.dashboards_answered.get(&name) {
+                    d["last_success_unix"] = json!(at);
+                }
+                d
+            }),
+        })
+    }
+
+    fn service(&self, service: &RayService, switchover: &Switchover) -> Value {
+        let apps_prefix = crate::translate::app_switch_key(&service.key(), "");
+        json!({
             "name": service.key(),
             "switchover": switchover.services.get(&service.key()),
             // Each application that moves on its own readiness while the RayService's
             // traffic moves.
             "application_switchovers": switchover
                 .services
-                .range(crate::translate::app_switch_key(&service.key(), "")..)
-                .take_while(|(k, _)| k.starts_with(&crate::translate::app_switch_key(&service.key(), "")))
+                .range(apps_prefix.clone()..)
+                .take_while(|(k, _)| k.starts_with(&apps_prefix))
                 .map(|(k, v)| (k[service.key().len() + 1..].to_string(), v))
                 .collect::<std::collections::BTreeMap<_, _>>(),
             "head_proxy": format!("{:?}", service.policy.head_proxy).to_lowercase(),
-            "clusters": clusters,
-        }));
+            "clusters": service.clusters.iter().map(|c| self.cluster(service, c)).collect::<Vec<_>>(),
+        })
     }
+}
+
+async fn live_state(State(state): State<AdminState>) -> Response {
+    let live = &state.live;
+    let model = live.models.borrow().clone();
+    let switchover = live.switchover.borrow().clone();
+    let now_views = LiveNow {
+        live,
+        probes: live.probes.borrow().clone(),
+        dashboards: live.dashboards.borrow().clone(),
+        health: live.health.borrow().clone(),
+    };
+    let services: Vec<Value> = model
+        .services()
+        .iter()
+        .map(|service| now_views.service(service, &switchover))
+        .collect();
     let source = live.source.borrow().clone();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::SystemTime::UNIX_EPOCH)
@@ -402,7 +432,7 @@ async fn live_state(State(state): State<AdminState>) -> Response {
         "refused_proxies_shown": refused.shown.len(),
         "refused_proxies_total": refused.total,
         "refused_proxies_by_reason": refused.by_reason,
-        "probes_complete": probes.complete,
+        "probes_complete": now_views.probes.complete,
     }))
     .into_response()
 }
