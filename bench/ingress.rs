@@ -538,25 +538,12 @@ fn pin_processes(args: &Args) {
 /// Envoy's connections against its requests over the whole arm: a connection per request
 /// (upstream or downstream) would be the first suspect of a slow front.
 async fn print_connections(envoy: &Envoy, cluster: &str) {
-    let stats = envoy.admin("/stats").await;
-    let stat = |name: &str| -> u64 {
-        stats
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix(name)?
-                    .strip_prefix(": ")?
-                    .trim()
-                    .parse()
-                    .ok()
-            })
-            .unwrap_or(0)
-    };
     println!(
         "  envoy: {} downstream connections, {} upstream connections for {} upstream requests ({} retried)",
-        stat("http.ray_serve_http.downstream_cx_total"),
-        stat(&format!("cluster.{cluster}.upstream_cx_total")),
-        stat(&format!("cluster.{cluster}.upstream_rq_total")),
-        stat(&format!("cluster.{cluster}.upstream_rq_retry")),
+        envoy.stat("http.ray_serve_http.downstream_cx_total").await,
+        envoy.stat(&format!("cluster.{cluster}.upstream_cx_total")).await,
+        envoy.stat(&format!("cluster.{cluster}.upstream_rq_total")).await,
+        envoy.stat(&format!("cluster.{cluster}.upstream_rq_retry")).await,
     );
 }
 

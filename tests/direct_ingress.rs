@@ -490,21 +490,13 @@ mod kubernetes {
             "every application has replicas"
         );
 
-        let state: Value =
-            serde_json::from_str(&admin_get(xds.admin_addr, "/debug/state").await).unwrap();
-        let refused: Vec<(String, String)> = state["refused_proxies"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|r| {
-                let field = |k: &str| r[k].as_str().unwrap_or_default().to_string();
-                (field("address"), field("label"))
-            })
-            .collect();
+        let refused = refused_proxies(xds.admin_addr).await;
         assert!(
             refused.contains(&(rogue.address.to_string(), "not_a_cluster_node".to_string())),
             "{refused:?}"
         );
+        let state: Value =
+            serde_json::from_str(&admin_get(xds.admin_addr, "/debug/state").await).unwrap();
         let apps = &state["rayservices"][0]["clusters"][0]["applications"];
         assert_eq!(apps.as_array().map(Vec::len), Some(2), "{state}");
 

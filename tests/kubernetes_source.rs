@@ -497,22 +497,6 @@ async fn eds_addresses(admin: SocketAddr) -> Vec<String> {
     out
 }
 
-/// The refused proxies `/debug/state` shows, as `(address, reason label)`.
-async fn refused(admin: SocketAddr) -> Vec<(String, String)> {
-    let state = debug_state(admin).await;
-    let mut out: Vec<(String, String)> = state["refused_proxies"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|r| {
-            let field = |k: &str| r[k].as_str().unwrap_or_default().to_string();
-            (field("address"), field("label"))
-        })
-        .collect();
-    out.sort();
-    out
-}
-
 /// Issue 13: a `hostNetwork` pod's podIP is its node's address, so whoever owns a
 /// RayService could have a node's address (any port on it) published. Without
 /// `proxies.networks` such a pod's proxy is refused: not in EDS, shown in `/debug/state`
@@ -547,7 +531,7 @@ async fn a_host_network_pods_proxy_is_refused_unless_networks_allow_it() {
     eventually(
         "the hostNetwork pod's proxy is refused",
         DEADLINE,
-        || async { (refused(admin).await == want).then_some(()) },
+        || async { (refused_proxies(admin).await == want).then_some(()) },
     )
     .await;
     eventually("the other pod's proxy is in EDS", DEADLINE, || async {
@@ -586,7 +570,7 @@ async fn a_host_network_pods_proxy_is_refused_unless_networks_allow_it() {
         },
     )
     .await;
-    assert_eq!(refused(admin).await, vec![]);
+    assert_eq!(refused_proxies(admin).await, vec![]);
     xds.stop().await.unwrap();
     shutdown.cancel();
 }

@@ -611,3 +611,21 @@ pub async fn admin_get(admin: SocketAddr, path: &str) -> String {
         .map(|(_, b)| b)
         .unwrap_or_default()
 }
+
+/// The refused proxies and replicas `/debug/state` shows, as `(address, reason label)`,
+/// sorted.
+pub async fn refused_proxies(admin: SocketAddr) -> Vec<(String, String)> {
+    let state: serde_json::Value =
+        serde_json::from_str(&admin_get(admin, "/debug/state").await).unwrap_or_default();
+    let mut out: Vec<(String, String)> = state["refused_proxies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            let field = |k: &str| r[k].as_str().unwrap_or_default().to_string();
+            (field("address"), field("label"))
+        })
+        .collect();
+    out.sort();
+    out
+}
