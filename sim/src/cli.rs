@@ -304,8 +304,88 @@ where
     tokio::runtime::Runtime::new()?.block_on(run(args))
 }
 
-// Over the 100 lines a reader can hold; to split along its seams: one function per role the binary can take.
-#[allow(clippy::too_many_lines)]
+/// `--grpc`: each HTTP proxy's gRPC proxy, every one naming a `--proxy`, none twice; the
+/// dashboard told the port Ray's gRPC proxies share.
+fn grpc_proxies(
+    args: &Args,
+    head: Option<&(SocketAddr, NodeType)>,
+    dashboard: &SimDashboard,
+) -> anyhow::Result<HashMap<SocketAddr, SocketAddr>> {
+    let grpc: HashMap<SocketAddr, SocketAddr> = args.grpc.iter().copied().collect();
+    for (proxy, _) in &args.grpc {
+        if !args.proxies.iter().any(|(address, _)| address == proxy) {
+            anyhow::bail!("--grpc {proxy}=...: there is no --proxy {proxy}");
+        }
+    }
+    if grpc.len() != args.grpc.len() {
+        anyhow::bail!("--grpc names a proxy twice");
+    }
+    if !grpc.is_empty() {
+        // Ray's gRPC proxies all listen on `grpc_options.port`: here, the head's (or, if it
+        // has none, the first one given).
+        let port = head
+            .and_then(|(address, _)| grpc.get(address))
+            .or(args.grpc.first().map(|(_, g)| g))
+            .map_or(9000, |g| g.port());
+        dashboard.set_grpc_options(port, &[GRPC_SERVICER_FUNCTION]);
+    }
+    Ok(grpc)
+}
+
+/// Starts the proxy at `address` (with its gRPC proxy, if any) under `control`, listed on
+/// the dashboard as HEALTHY, and says where it listens.
+async fn start_proxy(
+    control: &Control,
+    args: &Args,
+    routes: &BTreeMap<String, String>,
+    address: SocketAddr,
+    node_type: NodeType,
+    grpc: Option<SocketAddr>,
+) -> anyhow::Result<()> {
+    control.dashboard.add_proxy(address, node_type, "HEALTHY");
+    if let Some(grpc) = grpc {
+        control.dashboard.set_proxy_grpc_port(address, grpc.port());
+    }
+    let config = ProxyConfig {
+        cluster: args.cluster.clone(),
+        node_type,
+        routes: routes.clone(),
+    };
+    let proxy = Proxy {
+        address,
+        grpc,
+        config,
+        handle: ProxyHandle::with_ledger(control.executions.clone()),
+        running: None,
+    };
+    control
+        .proxies
+        .lock()
+        .unwrap()
+        .insert(address.port(), proxy);
+    control
+        .start(address.port())
+        .await
+        .map_err(anyhow::Error::msg)?;
+    match grpc {
+        None => println!(
+            "ray-serve-sim: cluster {} {node_type} proxy on {address}",
+            args.cluster
+        ),
+        Some(grpc) => {
+            println!(
+                "ray-serve-sim: cluster {} {node_type} proxy on {address}, gRPC proxy on {grpc}",
+                args.cluster
+            );
+            println!(
+                "ray-serve-sim:   services.yaml: {}",
+                services_yaml_entry(address, node_type, Some(grpc))
+            );
+        }
+    }
+    Ok(())
+}
+
 async fn run(args: Args) -> anyhow::Result<()> {
     let routes: BTreeMap<String, String> = if args.apps.is_empty() {
         [("/".to_string(), "app".to_string())].into()
@@ -333,67 +413,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let Some((address, _)) = head {
         dashboard.set_http_port(address.port());
     }
-    let grpc: HashMap<SocketAddr, SocketAddr> = args.grpc.iter().copied().collect();
-    for (proxy, _) in &args.grpc {
-        if !args.proxies.iter().any(|(address, _)| address == proxy) {
-            anyhow::bail!("--grpc {proxy}=...: there is no --proxy {proxy}");
-        }
-    }
-    if grpc.len() != args.grpc.len() {
-        anyhow::bail!("--grpc names a proxy twice");
-    }
-    if !grpc.is_empty() {
-        // Ray's gRPC proxies all listen on `grpc_options.port`: here, the head's (or, if it
-        // has none, the first one given).
-        let port = head
-            .and_then(|(address, _)| grpc.get(address))
-            .or(args.grpc.first().map(|(_, g)| g))
-            .map_or(9000, |g| g.port());
-        dashboard.set_grpc_options(port, &[GRPC_SERVICER_FUNCTION]);
-    }
+    let grpc = grpc_proxies(&args, head, &dashboard)?;
     for (address, node_type) in &args.proxies {
         let grpc = grpc.get(address).copied();
-        dashboard.add_proxy(*address, *node_type, "HEALTHY");
-        if let Some(grpc) = grpc {
-            dashboard.set_proxy_grpc_port(*address, grpc.port());
-        }
-        let config = ProxyConfig {
-            cluster: args.cluster.clone(),
-            node_type: *node_type,
-            routes: routes.clone(),
-        };
-        let proxy = Proxy {
-            address: *address,
-            grpc,
-            config,
-            handle: ProxyHandle::with_ledger(control.executions.clone()),
-            running: None,
-        };
-        control
-            .proxies
-            .lock()
-            .unwrap()
-            .insert(address.port(), proxy);
-        control
-            .start(address.port())
-            .await
-            .map_err(anyhow::Error::msg)?;
-        match grpc {
-            None => println!(
-                "ray-serve-sim: cluster {} {node_type} proxy on {address}",
-                args.cluster
-            ),
-            Some(grpc) => {
-                println!(
-                    "ray-serve-sim: cluster {} {node_type} proxy on {address}, gRPC proxy on {grpc}",
-                    args.cluster
-                );
-                println!(
-                    "ray-serve-sim:   services.yaml: {}",
-                    services_yaml_entry(*address, *node_type, Some(grpc))
-                );
-            }
-        }
+        start_proxy(&control, &args, &routes, *address, *node_type, grpc).await?;
     }
     let shutdown = CancellationToken::new();
     if let Some(addr) = args.dashboard {
