@@ -376,9 +376,41 @@ impl SimDashboard {
             .await
     }
 
+    /// The controller's health metrics as Ray 2.60 reports them: plausible figures, only
+    /// their shape matters to ray-xds.
+    fn controller_health_metrics(&self, uptime_s: f64, apps: usize) -> Value {
+        let stats = |mean: f64| json!({"mean": mean, "std": mean / 2.0, "min": mean / 10.0, "max": mean * 5.0});
+        json!({
+            "timestamp": unix_now(),
+            "controller_start_time": unix_time(self.shared.started),
+            "uptime_s": uptime_s,
+            "last_control_loop_time": unix_now(),
+            "num_control_loops": (uptime_s * 10.0) as u64,
+            "loop_duration_s": stats(0.006),
+            "loops_per_second": 8.9,
+            "last_sleep_duration_s": 0.1,
+            "expected_sleep_duration_s": 0.1,
+            "event_loop_delay_s": 0.0007,
+            "num_asyncio_tasks": 8 + 2 * apps,
+            "handle_ingest_duration_ms": {},
+            "replica_ingest_duration_ms": {},
+            "metrics_decompress_duration_ms": {},
+            "columnar_decode_duration_ms": {},
+            "handle_reports_received": 0,
+            "replica_reports_received": 0,
+            "ingest_reports_received": 0,
+            "ingest_cpu_fraction": 0.0,
+            "deployment_state_update_duration_s": stats(0.001),
+            "application_state_update_duration_s": stats(0.001),
+            "proxy_state_update_duration_s": stats(0.00006),
+            "node_update_duration_s": stats(0.00005),
+            "handle_metrics_delay_ms": {},
+            "replica_metrics_delay_ms": {},
+            "process_memory_mb": 140.0,
+        })
+    }
+
     /// The Serve status as the dashboard would answer it now.
-    // Over the 100 lines a reader can hold; to split along its seams: applications, proxies and target groups rendered apart.
-    #[allow(clippy::too_many_lines)]
     fn render(&self) -> Value {
         let now = Instant::now();
         let state = self.state();
@@ -392,11 +424,6 @@ impl SimDashboard {
             });
         }
 
-        // A proxy's node: its IP, or `ip:port` for one placed at its own port.
-        let node = |(ip, port): &(String, Option<u16>)| match port {
-            Some(port) => format!("{ip}:{port}"),
-            None => ip.clone(),
-        };
         let (head_key, head_ip) = state
             .proxies
             .iter()
@@ -407,41 +434,7 @@ impl SimDashboard {
         let head_id = node_id_for(&head_key);
 
         let grpc_enabled = state.grpc_port > 0 && !state.grpc_servicer_functions.is_empty();
-        let mut proxies = Map::new();
-        let mut targets = Vec::new();
-        let mut grpc_targets = Vec::new();
-        for (key, proxy) in &state.proxies {
-            let (ip, node_key) = (&key.0, node(key));
-            let node_id = node_id_for(&node_key);
-            let actor_name = format!("SERVE_PROXY_ACTOR-{node_id}");
-            if proxy.status == "HEALTHY" {
-                targets.push(json!({
-                    "ip": ip,
-                    "port": key.1.unwrap_or(state.http_port),
-                    "instance_id": "",
-                    "name": actor_name,
-                }));
-                grpc_targets.push(json!({
-                    "ip": ip,
-                    "port": proxy.grpc_port.unwrap_or(state.grpc_port),
-                    "instance_id": "",
-                    "name": actor_name,
-                }));
-            }
-            proxies.insert(
-                node_id.clone(),
-                json!({
-                    "node_id": node_id,
-                    "node_ip": ip,
-                    "node_instance_id": "",
-                    "actor_id": actor_id_for("proxy", &node_key),
-                    "actor_name": actor_name,
-                    "worker_id": hex_id(&format!("worker/proxy/{node_key}"), 56),
-                    "log_file_path": format!("/serve/proxy_{ip}.log"),
-                    "status": proxy.status,
-                }),
-            );
-        }
+        let (proxies, targets, grpc_targets) = proxy_entries(&state);
 
         let applications: Map<String, Value> = state
             .apps
@@ -453,7 +446,6 @@ impl SimDashboard {
             .duration_since(self.shared.started)
             .unwrap_or_default()
             .as_secs_f64();
-        let stats = |mean: f64| json!({"mean": mean, "std": mean / 2.0, "min": mean / 10.0, "max": mean * 5.0});
         // One group per protocol, HTTP first, as Ray's `get_target_groups`.
         let group = |targets: Vec<Value>, protocol: &str| {
             json!({
@@ -470,50 +462,7 @@ impl SimDashboard {
             target_groups.push(group(grpc_targets.clone(), "gRPC"));
         }
         if state.direct_ingress && !state.apps.is_empty() {
-            // Ray's `get_target_groups` with direct ingress: per application its replicas,
-            // or while it has none the proxies (HTTP, and gRPC when on).
-            target_groups.clear();
-            for (name, app) in &state.apps {
-                let app_group = |targets: Vec<Value>, protocol: &str| {
-                    json!({
-                        "targets": targets,
-                        "route_prefix": app.route_prefix,
-                        "protocol": protocol,
-                        "app_name": name,
-                        "ingress_request_router_targets": [],
-                        "ingress_deployment_name": deployment_name(name),
-                    })
-                };
-                if app.replicas.is_empty() {
-                    if !targets.is_empty() {
-                        target_groups.push(app_group(targets.clone(), "HTTP"));
-                    }
-                    if grpc_enabled && !grpc_targets.is_empty() {
-                        target_groups.push(app_group(grpc_targets.clone(), "gRPC"));
-                    }
-                    continue;
-                }
-                // One id per replica (its HTTP port), the same for its gRPC target.
-                let replica = |http: SocketAddr, address: SocketAddr| {
-                    let id = hex_id(&format!("replica/{name}/{http}"), 8);
-                    json!({
-                        "ip": address.ip().to_string(),
-                        "port": address.port(),
-                        "instance_id": "",
-                        "name": format!("SERVE_REPLICA::{name}#{}#{id}", deployment_name(name)),
-                    })
-                };
-                let http = app.replicas.iter().map(|r| replica(r.0, r.0)).collect();
-                target_groups.push(app_group(http, "HTTP"));
-                if grpc_enabled {
-                    let grpc: Vec<Value> = app
-                        .replicas
-                        .iter()
-                        .filter_map(|r| r.1.map(|g| replica(r.0, g)))
-                        .collect();
-                    target_groups.push(app_group(grpc, "gRPC"));
-                }
-            }
+            target_groups = direct_ingress_groups(&state, &targets, &grpc_targets, grpc_enabled);
         }
 
         json!({
@@ -548,37 +497,111 @@ impl SimDashboard {
             "applications": applications,
             "target_capacity": null,
             "target_groups": target_groups,
-            "controller_health_metrics": {
-                "timestamp": unix_now(),
-                "controller_start_time": unix_time(self.shared.started),
-                "uptime_s": uptime_s,
-                "last_control_loop_time": unix_now(),
-                "num_control_loops": (uptime_s * 10.0) as u64,
-                "loop_duration_s": stats(0.006),
-                "loops_per_second": 8.9,
-                "last_sleep_duration_s": 0.1,
-                "expected_sleep_duration_s": 0.1,
-                "event_loop_delay_s": 0.0007,
-                "num_asyncio_tasks": 8 + 2 * state.apps.len(),
-                "handle_ingest_duration_ms": {},
-                "replica_ingest_duration_ms": {},
-                "metrics_decompress_duration_ms": {},
-                "columnar_decode_duration_ms": {},
-                "handle_reports_received": 0,
-                "replica_reports_received": 0,
-                "ingest_reports_received": 0,
-                "ingest_cpu_fraction": 0.0,
-                "deployment_state_update_duration_s": stats(0.001),
-                "application_state_update_duration_s": stats(0.001),
-                "proxy_state_update_duration_s": stats(0.00006),
-                "node_update_duration_s": stats(0.00005),
-                "handle_metrics_delay_ms": {},
-                "replica_metrics_delay_ms": {},
-                "process_memory_mb": 140.0,
-            },
+            "controller_health_metrics": self.controller_health_metrics(uptime_s, state.apps.len()),
             "restores_unset_config_options": true,
         })
     }
+}
+
+/// A proxy's node: its IP, or `ip:port` for one placed at its own port.
+fn node((ip, port): &(String, Option<u16>)) -> String {
+    match port {
+        Some(port) => format!("{ip}:{port}"),
+        None => ip.clone(),
+    }
+}
+
+/// The `proxies` map, and the HTTP and gRPC targets of the proxies that are HEALTHY.
+fn proxy_entries(state: &SimState) -> (Map<String, Value>, Vec<Value>, Vec<Value>) {
+    let mut proxies = Map::new();
+    let mut targets = Vec::new();
+    let mut grpc_targets = Vec::new();
+    for (key, proxy) in &state.proxies {
+        let (ip, node_key) = (&key.0, node(key));
+        let node_id = node_id_for(&node_key);
+        let actor_name = format!("SERVE_PROXY_ACTOR-{node_id}");
+        if proxy.status == "HEALTHY" {
+            targets.push(json!({
+                "ip": ip,
+                "port": key.1.unwrap_or(state.http_port),
+                "instance_id": "",
+                "name": actor_name,
+            }));
+            grpc_targets.push(json!({
+                "ip": ip,
+                "port": proxy.grpc_port.unwrap_or(state.grpc_port),
+                "instance_id": "",
+                "name": actor_name,
+            }));
+        }
+        proxies.insert(
+            node_id.clone(),
+            json!({
+                "node_id": node_id,
+                "node_ip": ip,
+                "node_instance_id": "",
+                "actor_id": actor_id_for("proxy", &node_key),
+                "actor_name": actor_name,
+                "worker_id": hex_id(&format!("worker/proxy/{node_key}"), 56),
+                "log_file_path": format!("/serve/proxy_{ip}.log"),
+                "status": proxy.status,
+            }),
+        );
+    }
+    (proxies, targets, grpc_targets)
+}
+
+/// Ray's `get_target_groups` with direct ingress: per application its replicas, or while
+/// it has none the proxies' `targets` (HTTP, and `grpc_targets` when gRPC is on).
+fn direct_ingress_groups(
+    state: &SimState,
+    targets: &[Value],
+    grpc_targets: &[Value],
+    grpc_enabled: bool,
+) -> Vec<Value> {
+    let mut target_groups = Vec::new();
+    for (name, app) in &state.apps {
+        let app_group = |targets: Vec<Value>, protocol: &str| {
+            json!({
+                "targets": targets,
+                "route_prefix": app.route_prefix,
+                "protocol": protocol,
+                "app_name": name,
+                "ingress_request_router_targets": [],
+                "ingress_deployment_name": deployment_name(name),
+            })
+        };
+        if app.replicas.is_empty() {
+            if !targets.is_empty() {
+                target_groups.push(app_group(targets.to_vec(), "HTTP"));
+            }
+            if grpc_enabled && !grpc_targets.is_empty() {
+                target_groups.push(app_group(grpc_targets.to_vec(), "gRPC"));
+            }
+            continue;
+        }
+        // One id per replica (its HTTP port), the same for its gRPC target.
+        let replica = |http: SocketAddr, address: SocketAddr| {
+            let id = hex_id(&format!("replica/{name}/{http}"), 8);
+            json!({
+                "ip": address.ip().to_string(),
+                "port": address.port(),
+                "instance_id": "",
+                "name": format!("SERVE_REPLICA::{name}#{}#{id}", deployment_name(name)),
+            })
+        };
+        let http = app.replicas.iter().map(|r| replica(r.0, r.0)).collect();
+        target_groups.push(app_group(http, "HTTP"));
+        if grpc_enabled {
+            let grpc: Vec<Value> = app
+                .replicas
+                .iter()
+                .filter_map(|r| r.1.map(|g| replica(r.0, g)))
+                .collect();
+            target_groups.push(app_group(grpc, "gRPC"));
+        }
+    }
+    target_groups
 }
 
 /// One application entry, with one ingress deployment named after the application
