@@ -232,10 +232,8 @@ pub fn has_failed_application(
     cluster: &str,
     dashboards: &DashboardStates,
 ) -> bool {
-    dashboards
-        .clusters
-        .get(&service.envoy_cluster_name(cluster))
-        .filter(|d| !d.stale)
-        .and_then(|d| d.status.as_deref())
+    fresh_status(service, cluster, dashboards, None)
+        .ok()
+        .flatten()
         .is_some_and(|status| !failed_in(status).is_empty())
 }
