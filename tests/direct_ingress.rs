@@ -343,54 +343,18 @@ mod kubernetes {
     use ray_xds::config::{KubernetesSourceConfig, SourceConfig};
     use serde_json::{json, Value};
     use support::fake_apiserver::FakeApiServer;
+    use support::kuberay::{self, ray_pod};
 
-    const NS: &str = "default";
-    const NAME: &str = "rayservice-sample";
     const RAY_CLUSTER: &str = "rs-a";
 
     /// The KubeRay sample RayService serving `echo` at `/` and `work` at `/work`, routed on
     /// every host, active on `rs-a`.
     fn rayservice() -> Value {
-        let text = std::fs::read_to_string(
-            project_root().join("tests/fixtures/kuberay-1.7/ray-service.sample.yaml"),
-        )
-        .unwrap();
-        let mut v: Value = serde_yaml::from_str(&text).unwrap();
-        v["metadata"]["namespace"] = json!(NS);
-        v["metadata"]["annotations"] = json!({"ray-xds.io/hosts": "*"});
+        let mut v = kuberay::rayservice(Some(RAY_CLUSTER), None);
         v["spec"]["serveConfigV2"] = json!(
             "applications:\n  - name: echo\n    import_path: apps:echo\n    route_prefix: /\n  - name: work\n    import_path: apps:work\n    route_prefix: /work\n"
         );
-        v["status"] = json!({"activeServiceStatus": {"rayClusterName": RAY_CLUSTER}});
         v
-    }
-
-    /// A Ray pod of `rs-a` at `ip`, its Serve proxy's port `serve`.
-    fn pod(name: &str, node_type: NodeType, ip: &str, serve: u16, dashboard: u16) -> Value {
-        json!({
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": name,
-                "namespace": NS,
-                "labels": {
-                    "ray.io/cluster": RAY_CLUSTER,
-                    "ray.io/node-type": node_type.as_str(),
-                    "ray.io/is-ray-node": "yes",
-                    "ray.io/originated-from-crd": "RayService",
-                    "ray.io/originated-from-cr-name": NAME,
-                },
-            },
-            "spec": {"containers": [{
-                "name": "ray",
-                "image": "rayproject/ray:2.60.0",
-                "ports": [
-                    {"containerPort": dashboard, "name": "dashboard", "protocol": "TCP"},
-                    {"containerPort": serve, "name": "serve", "protocol": "TCP"},
-                ],
-            }]},
-            "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]},
-        })
     }
 
     async fn start_on(ip: &str, routes: &[(&str, &str)], ledger: &Executions) -> Endpoint {
@@ -432,26 +396,26 @@ mod kubernetes {
 
         let api = FakeApiServer::start().await;
         api.apply(rayservice());
-        let head_pod = pod(
+        api.apply(ray_pod(
             "rs-a-head",
+            RAY_CLUSTER,
             NodeType::Head,
-            head_ip,
-            proxy.address.port(),
+            proxy.address,
             dashboard_port,
-        );
-        api.apply(head_pod);
-        api.apply(pod(
+        ));
+        let worker_serve = SocketAddr::new(worker_ip.parse().unwrap(), closed_port);
+        api.apply(ray_pod(
             "rs-a-worker",
+            RAY_CLUSTER,
             NodeType::Worker,
-            worker_ip,
-            closed_port,
+            worker_serve,
             dashboard_port,
         ));
 
         let mut config = test_config(std::path::Path::new("unused"), 0);
         config.source = SourceConfig::Kubernetes(KubernetesSourceConfig {
             api_server: Some(api.url()),
-            allowed_hosts: [(NS.to_string(), vec!["*".to_string()])].into(),
+            allowed_hosts: [(kuberay::NAMESPACE.to_string(), vec!["*".to_string()])].into(),
             ..Default::default()
         });
         config.policies.dashboard.poll_interval = Duration::from_millis(200);

@@ -17,66 +17,13 @@ use ray_serve_sim::NodeType;
 use ray_xds::config::{Config, KubernetesSourceConfig, SourceConfig};
 use serde_json::{json, Value};
 use support::fake_apiserver::FakeApiServer;
+use support::kuberay::{self, ray_pod, rayservice};
 use support::*;
 use tokio_util::sync::CancellationToken;
 
 const DEADLINE: Duration = Duration::from_secs(30);
-const NS: &str = "default";
-const NAME: &str = "rayservice-sample";
-
-/// The KubeRay sample RayService, routed on every host, with the given status.
-fn rayservice(active: Option<&str>, pending: Option<&str>) -> Value {
-    let text = std::fs::read_to_string(
-        project_root().join("tests/fixtures/kuberay-1.7/ray-service.sample.yaml"),
-    )
-    .unwrap();
-    let mut v: Value = serde_yaml::from_str(&text).unwrap();
-    v["metadata"]["namespace"] = json!(NS);
-    v["metadata"]["annotations"] = json!({"ray-xds.io/hosts": "*"});
-    let status = |c: Option<&str>| c.map(|c| json!({"rayClusterName": c}));
-    v["status"] = json!({
-        "activeServiceStatus": status(active),
-        "pendingServiceStatus": status(pending),
-    });
-    v
-}
-
-/// A Ray pod as KubeRay makes it: labels, named container ports, Running with an IP.
-fn ray_pod(
-    name: &str,
-    cluster: &str,
-    node_type: NodeType,
-    serve: SocketAddr,
-    dashboard_port: u16,
-) -> Value {
-    json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": NS,
-            "labels": {
-                "ray.io/cluster": cluster,
-                "ray.io/node-type": node_type.as_str(),
-                "ray.io/is-ray-node": "yes",
-                "ray.io/group": if node_type == NodeType::Head { "headgroup" } else { "small-group" },
-                "ray.io/originated-from-crd": "RayService",
-                "ray.io/originated-from-cr-name": NAME,
-            },
-        },
-        "spec": {"containers": [{
-            "name": if node_type == NodeType::Head { "ray-head" } else { "ray-worker" },
-            "image": "rayproject/ray:2.60.0",
-            "ports": [
-                {"containerPort": 6379, "name": "gcs-server", "protocol": "TCP"},
-                {"containerPort": dashboard_port, "name": "dashboard", "protocol": "TCP"},
-                {"containerPort": 10001, "name": "client", "protocol": "TCP"},
-                {"containerPort": serve.port(), "name": "serve", "protocol": "TCP"},
-            ],
-        }]},
-        "status": {"phase": "Running", "podIP": serve.ip().to_string(), "podIPs": [{"ip": serve.ip().to_string()}]},
-    })
-}
+const NS: &str = kuberay::NAMESPACE;
+const NAME: &str = kuberay::NAME;
 
 /// A simulated RayCluster: its proxies, and a dashboard saying `status` for app `hello`.
 struct Cluster {

@@ -22,6 +22,7 @@ pub mod ads;
 pub mod conformance;
 pub mod fake_apiserver;
 pub mod grpc;
+pub mod kuberay;
 pub mod real_ray;
 pub mod stack;
 pub mod tamper;
