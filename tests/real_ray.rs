@@ -344,17 +344,17 @@ async fn real_ray_a_deploy_failed_application_never_gets_traffic() {
     .await;
     b.wait_for_app("broken", "DEPLOY_FAILED").await;
     b.wait_for_app("hello", "RUNNING").await;
+    // Held, and Envoy holds what ray-xds serves since: `hello` may have moved to b on its
+    // own while `broken` was still deploying, and went back when it failed.
     eventually(
-        "ray-xds holds the switch on DEPLOY_FAILED",
+        "ray-xds holds the switch on DEPLOY_FAILED, and Envoy has it",
         DEADLINE,
         || async {
             let state: serde_json::Value =
                 serde_json::from_str(&admin_get(gw.xds.admin_addr, "/debug/state").await).ok()?;
             let sw = &state["rayservices"][0]["switchover"];
-            sw["reason"]
-                .as_str()?
-                .contains("DEPLOY_FAILED")
-                .then_some(())
+            let held = sw["reason"].as_str()?.contains("DEPLOY_FAILED");
+            (held && every_envoy_in_sync(gw.xds.admin_addr).await).then_some(())
         },
     )
     .await;

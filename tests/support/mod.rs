@@ -613,6 +613,16 @@ pub async fn admin_get(admin: SocketAddr, path: &str) -> String {
         .unwrap_or_default()
 }
 
+/// Whether every Envoy connected to the ray-xds whose admin is `admin` holds what it
+/// serves now (`/debug/clients`, `in_sync`): what ray-xds's state says has reached them.
+pub async fn every_envoy_in_sync(admin: SocketAddr) -> bool {
+    let clients: serde_json::Value =
+        serde_json::from_str(&admin_get(admin, "/debug/clients").await).unwrap_or_default();
+    clients["clients"]
+        .as_array()
+        .is_some_and(|c| !c.is_empty() && c.iter().all(|c| c["in_sync"] == true))
+}
+
 /// The refused proxies and replicas `/debug/state` shows, as `(address, reason label)`,
 /// sorted.
 pub async fn refused_proxies(admin: SocketAddr) -> Vec<(String, String)> {
