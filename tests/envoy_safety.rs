@@ -361,15 +361,32 @@ async fn a_websocket_passes_through_envoy() {
     }
 }
 
-/// A stream of server-sent events as long as a long generation: five minutes, an event
-/// a second, through Envoy's listener, route and upstream idle timeouts.
+/// A stream of server-sent events as long as a long generation passes through every
+/// timeout on its way: Envoy's own 15 s route default (ray-xds sets no total deadline by
+/// default), the stream idle timeout and the upstream connection's idle timeout. The idle
+/// timeouts are set to 2 s here, a tenth of the 20 s stream, so the stream outlives each
+/// of them many times over as a five-minute generation outlives the defaults (300 s and
+/// 60 s) without a five-minute test.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_five_minute_event_stream_passes_through_envoy() {
+async fn an_event_stream_outlives_every_timeout_through_envoy() {
     use http_body_util::BodyExt;
-    let (s, _sim) = two_workers("").await;
+    assert_eq!(
+        ray_xds::policy::traffic::TrafficPolicy::default().route_timeout,
+        Duration::ZERO,
+        "a long generation has no total deadline by default"
+    );
+    let sim = SimCluster::start("a", &[NodeType::Worker, NodeType::Worker]).await;
+    let s = Stack::with(services_yaml_with("a", &[&sim], ""))
+        .config(|c| {
+            c.policies.traffic.stream_idle_timeout = Duration::from_secs(2);
+            c.gateway.upstream_idle_timeout = Duration::from_secs(2);
+        })
+        .envoy(Bootstrap::Sotw)
+        .start()
+        .await;
     let request = hyper::Request::builder()
         .uri(format!(
-            "http://127.0.0.1:{}/generate?sse=300&every_ms=1000",
+            "http://127.0.0.1:{}/generate?sse=40&every_ms=500",
             s.gateway_port
         ))
         .header("host", "demo.example")
@@ -389,7 +406,7 @@ async fn a_five_minute_event_stream_passes_through_envoy() {
             events = text.matches("data: ").count();
         }
     }
-    assert_eq!(events, 300, "every event arrived");
-    assert!(text.ends_with("data: 299\n\n"), "in order, to the end");
-    assert!(started.elapsed() >= Duration::from_secs(299));
+    assert_eq!(events, 40, "every event arrived");
+    assert!(text.ends_with("data: 39\n\n"), "in order, to the end");
+    assert!(started.elapsed() >= Duration::from_secs(19));
 }
