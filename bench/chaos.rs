@@ -54,9 +54,10 @@
 //! worker's kubelet probe, the reconcile) start at random points of their periods, so
 //! trials meet every phase of them. With `--trials N` each trial runs every scenario, the
 //! arms taking turns in an order that rotates from trial to trial (noise on the machine
-//! falls on every arm alike). Latency counts from when a request was due. Every trial's
-//! line goes to stderr, prefixed `trial=<i> fault_ms=<t>`. Each scenario ends (in the last
-//! trial) with one line per arm, on stdout:
+//! falls on every arm alike; `--arms-together` runs them at the same time instead).
+//! Latency counts from when a request was due. Every trial's line goes to stderr, prefixed
+//! `trial=<i> fault_ms=<t>`. Each scenario ends (in the last trial) with one line per arm,
+//! on stdout:
 //! `chaos scenario=<name> arm=<arm> requests=<n> failed=<f> executed_twice=<k> p99_ms=<x>
 //! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> shed=<s> failed_ran=<r>
 //! lost_ran=<q> window_ms=<w>
@@ -159,6 +160,12 @@ struct Args {
     /// `http` (POSTs) or `grpc` (unary calls to each node's gRPC proxy).
     #[arg(long, default_value = "http", value_parser = ["http", "grpc"])]
     protocol: String,
+    /// Run the arms of a scenario at the same time instead of in turns (each with its
+    /// own processes and ports, under the same load and fault): the machine's noise
+    /// falls on every arm at once. CI's short run uses it to save time; the published
+    /// tables run the arms in turns.
+    #[arg(long)]
+    arms_together: bool,
     #[arg(long, hide = true)]
     bench: bool,
 }
@@ -1394,10 +1401,23 @@ async fn bench_main() {
             // order rotates from trial to trial.
             let jitter = Duration::from_millis(fastrand::u64(0..args.fault_jitter_ms.max(1)));
             let n = arms[i].len();
-            for k in 0..n {
-                let j = (k + trial) % n;
+            let order: Vec<usize> = (0..n).map(|k| (k + trial) % n).collect();
+            let results: Vec<LoadResult> = if args.arms_together {
+                futures::future::join_all(
+                    order
+                        .iter()
+                        .map(|&j| run(scenario, arms[i][j], &args, jitter)),
+                )
+                .await
+            } else {
+                let mut results = Vec::new();
+                for &j in &order {
+                    results.push(run(scenario, arms[i][j], &args, jitter).await);
+                }
+                results
+            };
+            for (&j, result) in order.iter().zip(results) {
                 let arm = arms[i][j];
-                let result = run(scenario, arm, &args, jitter).await;
                 let one = TrialStats::of(&result);
                 let trial_line = line(scenario, arm, &args.protocol, std::slice::from_ref(&one));
                 eprintln!(

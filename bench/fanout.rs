@@ -779,38 +779,20 @@ async fn first_answer(endpoint: &str) -> bool {
     )
 }
 
-/// Builds the peer from bench/peer/ (its own workspace and target folder): first
-/// `protox-protoc`, the pure-Rust protoc its data-plane-api compiles Envoy's protos with
-/// (named by `PROTOC`), then the peer, so that no system package is needed.
+/// Builds the peer from bench/peer/ (scripts/build-peer.sh, which says how) and returns
+/// the path of its binary.
 fn build_peer() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/peer");
-    let cargo = |package: &str, protoc: Option<&Path>| {
-        let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-        command
-            .args([
-                "build",
-                "--release",
-                "--locked",
-                "--quiet",
-                "--manifest-path",
-            ])
-            .arg(dir.join("Cargo.toml"))
-            .args(["--package", package, "--target-dir"])
-            .arg(dir.join("target"))
-            .env_remove("CARGO_BUILD_TARGET")
-            .env_remove("RUSTFLAGS");
-        if let Some(protoc) = protoc {
-            command.env("PROTOC", protoc).env_remove("PROTOC_INCLUDE");
-        }
-        let status = command.status().expect("running cargo to build the peer");
-        assert!(status.success(), "building {package} (bench/peer/) failed");
-    };
-    cargo("protox-protoc", None);
-    cargo(
-        "ray-xds-bench-peer",
-        Some(&dir.join("target/release/protox-protoc")),
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/build-peer.sh");
+    let output = Command::new("bash")
+        .arg(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("running scripts/build-peer.sh");
+    assert!(
+        output.status.success(),
+        "building the peer (bench/peer/) failed"
     );
-    dir.join("target/release/rcp-peer")
+    PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
 }
 
 #[tokio::main]

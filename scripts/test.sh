@@ -28,6 +28,7 @@ timings=()
 current=""
 summary() {
     local rc=$?
+    stop_background
     [ -n "$current" ] && timings+=("$(printf '%6ss  FAILED  %s' "$((SECONDS - step_started))" "$current")")
     echo
     echo "== test.sh: step durations"
@@ -73,6 +74,60 @@ step() {
     current=""
 }
 
+# Builds that no step needs yet run in the background, at the lowest CPU priority
+# (nice 19): they take the CPU that the steps in front leave idle (a chaos run or a
+# real-Ray test mostly waits) and give it back as soon as a step wants it. Their output
+# goes to a file, shown when the step that needs them awaits them.
+#   background NAME LIMIT COMMAND...   start
+#   await NAME                         wait for it; its output, time and result as a step's
+declare -A bg_pid=() bg_log=()
+background() {
+    local name=$1 limit=$2
+    shift 2
+    bg_log[$name]=$(mktemp "${TMPDIR:-/tmp}/ray-xds-test-sh.XXXXXX")
+    # The subshell appends the command's own duration and status to its output.
+    (
+        since=$SECONDS
+        rc=0
+        nice -n 19 timeout --kill-after=30 "$limit" "$@" || rc=$?
+        echo "== background step ended: status $rc after $((SECONDS - since)) s"
+        exit "$rc"
+    ) >"${bg_log[$name]}" 2>&1 &
+    bg_pid[$name]=$!
+    echo
+    echo "== test.sh: started in the background (nice 19): $name: $*"
+}
+await() {
+    local name=$1 rc=0 took
+    current="$name (background)"
+    step_started=$SECONDS
+    echo
+    echo "== test.sh: awaiting $current"
+    wait "${bg_pid[$name]}" || rc=$?
+    unset "bg_pid[$name]"
+    cat "${bg_log[$name]}"
+    took=$(sed -n 's/^== background step ended: status .* after \([0-9]*\) s$/\1/p' "${bg_log[$name]}")
+    rm -f "${bg_log[$name]}"
+    if [ "$rc" -ne 0 ]; then
+        if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+            echo "test.sh: '$current' did not finish within its limit" >&2
+        fi
+        exit "$rc"
+    fi
+    timings+=("$(printf '%6ss  ok      %s (background; awaited %s s)' "${took:-?}" "$current" "$((SECONDS - step_started))")")
+    echo "-- took ${took:-?} s in the background; awaited $((SECONDS - step_started)) s"
+    current=""
+}
+# However the script ends, the background builds end with it (timeout passes the signal
+# on to its whole process group).
+stop_background() {
+    local pid
+    for pid in "${bg_pid[@]}"; do
+        pkill -TERM -P "$pid" 2>/dev/null || true
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+}
+
 # The Debian packages the tests run (the README's prerequisites aside): each named with
 # the file a test runs and why.
 install_packages() {
@@ -81,6 +136,8 @@ install_packages() {
         "openssl /usr/bin/openssl tests/hardening_hostile.rs makes keys and old-TLS clients with the openssl CLI"
 }
 step 10m install_packages
+# Lints need nothing the next steps install.
+background clippy 20m cargo clippy --all-targets -- -D warnings
 step 10m bash scripts/install-envoy.sh
 step 20m bash scripts/install-ray.sh
 step 10m bash scripts/validate-deploy.sh --install-only
@@ -99,7 +156,7 @@ package_versions iproute2 openssl | sed 's/^/debian:  /'
 
 step 5m cargo fmt --check
 step 5m cargo fmt --check --manifest-path bench/peer/Cargo.toml --all
-step 20m cargo clippy --all-targets -- -D warnings
+await clippy
 # The crates are the layers: the xDS server's dependency tree holds nothing of Ray
 # (ray-xds, the simulator) or Kubernetes.
 step 2m bash scripts/check-crate-layers.sh
@@ -111,13 +168,14 @@ if [ -n "$build_only" ]; then
     step 20m bash scripts/check-image.sh --build-only
     exit 0
 fi
-# The peer's protoc (bench/peer/protoc/): protoc's name resolution, prost-build's arguments.
-step 10m cargo test --release --locked --manifest-path bench/peer/Cargo.toml -p protox-protoc
-# The fan-out benchmark, small and unoptimized: a smoke test that it still runs, both
-# servers (the peer, rust-control-plane, is built from bench/peer/ the first time) and
-# both protocols; it fails when a client misses a change from ray-xds. A node id per
-# stream: with one shared, rust-control-plane 0.1.2 loses changes (docs/benchmarks.md, fan-out).
-step 20m cargo test --bench fanout -- --streams 20 --changes 2 --node-id-per-stream
+# What no step needs yet, built beside the steps: the fan-out benchmark's peer (after the
+# tests of its protoc, bench/peer/protoc/: protoc's name resolution, prost-build's
+# arguments) and the release build the image check packs (scripts/build-image.sh runs the
+# same cargo command, then finds it done).
+background peer 20m bash -c 'cargo test --release --locked --manifest-path bench/peer/Cargo.toml -p protox-protoc && bash scripts/build-peer.sh'
+background release 30m cargo build --release --locked --bin ray-xds
+# Every test and benchmark, built once for the steps below.
+step 30m cargo test --no-run --all-targets
 step 8m cargo test --bench soak -- --duration 20
 step 8m cargo test --bench scale -- --proxies 300 --steady 4 --edits 2
 # The detection benchmark, tiny (about 10 s once built): a killed, a hung and a slow but
@@ -126,22 +184,29 @@ step 5m cargo test --bench detection -- --trials 3 --lanes 3 --cost-proxies 0 --
 # One short chaos scenario per fault family (a proxy dies, a proxy hangs, a proxy drains,
 # a cluster is upgraded, the control plane is down while a proxy dies or hangs): fails
 # when ray-xds loses a request or runs one twice; the baseline's count is printed, not
-# asserted.
+# asserted. The arms run at the same time, each with its own processes.
 step 20m cargo test --bench chaos -- --scenario head-crash --scenario proxy-hang \
     --scenario proxy-drain --scenario upgrade --scenario control-plane-down-crash \
     --scenario control-plane-down-hang \
     --arm ray-xds --arm ray-xds-head-include --arm baseline-kuberay \
-    --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert
+    --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert --arms-together
 # The same rule for gRPC calls (each node's gRPC proxy): a proxy dies, a cluster is upgraded.
 step 10m cargo test --bench chaos -- --protocol grpc --scenario worker-crash --scenario upgrade \
     --arm ray-xds --arm baseline-kuberay \
-    --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert
+    --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert --arms-together
+await peer
+# The fan-out benchmark, small and unoptimized: a smoke test that it still runs, both
+# servers (the peer, rust-control-plane, built above) and both protocols; it fails when a
+# client misses a change from ray-xds. A node id per stream: with one shared,
+# rust-control-plane 0.1.2 loses changes (docs/benchmarks.md, fan-out).
+step 20m cargo test --bench fanout -- --streams 20 --changes 2 --node-id-per-stream
 step 35m cargo test --lib --bins --tests -- --skip real_ray_
 # deploy/ against the Kubernetes OpenAPI schema (1.30 and the newest), strict, and the
 # cert-manager objects against the cert-manager v1 fields (kubernetes-validate from PyPI).
 step 5m bash scripts/validate-deploy.sh
 # The container image (scripts/build-image.sh, from scratch, no daemon, no pull) checked
 # and run read-only as user 65532 (podman + runc): the release build is most of it.
+await release
 step 15m bash scripts/check-image.sh
 # Real Ray Serve clusters (about 1 GB and 15 s per node): one test at a time.
 step 25m cargo test --test real_ray --test real_ray_direct_ingress -- --test-threads=1
