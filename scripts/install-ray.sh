@@ -4,7 +4,7 @@
 # stubs of proto/ray_xds/demo/echo.proto, see tests/ray_apps/gen_grpc_stubs.sh), and
 # prints the path of its `ray` command. About a minute the first time; idempotent
 # afterwards (the Ray version and the grpc_tools import are checked).
-# The real-Ray tests (tests/real_ray.rs) call this.
+# The real-Ray tests (tests/real_ray/serve.rs) call this.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.venv-ray"

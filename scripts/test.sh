@@ -133,7 +133,7 @@ stop_background() {
 install_packages() {
     need_packages scripts/test.sh \
         "iproute2 /bin/ip the real-Ray tests give each Ray worker node its own network namespace and veth pair (ip netns, ip link)" \
-        "openssl /usr/bin/openssl tests/hardening_hostile.rs makes keys and old-TLS clients with the openssl CLI"
+        "openssl /usr/bin/openssl tests/xds/tls_hostile.rs makes keys and old-TLS clients with the openssl CLI"
 }
 step 10m install_packages
 # Lints need nothing the next steps install.
@@ -209,7 +209,7 @@ step 5m bash scripts/validate-deploy.sh
 await release
 step 15m bash scripts/check-image.sh
 # Real Ray Serve clusters (about 1 GB and 15 s per node): one test at a time.
-step 25m cargo test --test real_ray --test real_ray_direct_ingress -- --test-threads=1
+step 25m cargo test --test real_ray -- --test-threads=1
 # The ingress benchmark, short: with direct ingress, Envoy + ray-xds loses nothing and is
 # ahead of the way through the Serve proxies on both figures (HAProxy's arm is left to the
 # full run: on a shared machine the two are within each other's noise).

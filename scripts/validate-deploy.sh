@@ -5,7 +5,7 @@
 # preStop `sleep`) and the newest the validator ships. cert-manager's objects (CRDs, in no
 # Kubernetes schema) are validated against a schema of the cert-manager v1 fields they use,
 # written here, as strict. Envoy's files (bootstraps, SDS) are not Kubernetes objects and
-# are skipped (tests/deploy_manifests.rs runs them through Envoy), as are the
+# are skipped (tests/kubernetes/deploy_manifests.rs runs them through Envoy), as are the
 # kustomizations (the same test renders them with `kubectl kustomize`).
 #
 #   bash scripts/validate-deploy.sh [FILE...]     (default: every YAML file under deploy/)

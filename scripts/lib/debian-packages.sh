@@ -7,7 +7,7 @@
 #   source "$root/scripts/lib/debian-packages.sh"
 #   need_packages "scripts/test.sh" \
 #       "iproute2 /bin/ip the real-Ray tests give each Ray worker a network namespace" \
-#       "openssl /usr/bin/openssl tests/hardening_hostile.rs makes keys with the openssl CLI"
+#       "openssl /usr/bin/openssl tests/xds/tls_hostile.rs makes keys with the openssl CLI"
 #
 # Each argument after the first is "PACKAGE FILE WHY..." (FILE absolute). A package is
 # installed only when its file is missing. Installing needs root and apt-get; without

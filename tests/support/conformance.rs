@@ -1,5 +1,5 @@
 //! One set of assertions about the Ray Serve endpoints ray-xds reads, run against both the
-//! simulator (`tests/sim_conformance.rs`) and real Ray 2.60 (`tests/real_ray.rs`), so the
+//! simulator (`tests/live/sim_conformance.rs`) and real Ray 2.60 (`tests/real_ray/serve.rs`), so the
 //! simulator cannot drift from the real thing unnoticed.
 //!
 //! Each function checks what ray-xds depends on (status codes, bodies, content types, the

@@ -1,6 +1,6 @@
 //! The body of every fuzz target: one function per parser that takes outside input, fed
 //! arbitrary bytes. The cargo-fuzz targets in `fuzz/fuzz_targets/` include this file
-//! (`#[path]`), and `tests/fuzz_corpus.rs` replays every corpus file through the same
+//! (`#[path]`), and `tests/xds/fuzz_corpus.rs` replays every corpus file through the same
 //! functions on the stable toolchain, so what the fuzzers found keeps being checked.
 //!
 //! Each body must never panic, whatever the bytes; it panics only when an invariant it

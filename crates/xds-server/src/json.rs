@@ -2,7 +2,7 @@
 //! `/config_dump` prints them, typed configs inside `Any`s expanded.
 //!
 //! The descriptors come from `proto/envoy-descriptors.bin` (see
-//! `tests/envoy_descriptors.rs` for how it is made and checked), compiled in. A message
+//! `tests/xds/descriptors.rs` for how it is made and checked), compiled in. A message
 //! whose type the descriptors do not know is shown as its type URL and size, never a
 //! panic.
 

@@ -1,0 +1,852 @@
+//! The Kubernetes source end to end: the real kube-rs client in ray-xds against a fake API
+//! server speaking the real list/watch protocol, simulated Ray Serve proxies and
+//! dashboards, and a real Envoy carrying requests.
+
+// A test is a scenario read top to bottom: its steps stay in one function.
+#![allow(clippy::too_many_lines)]
+use crate::support;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ray_serve_sim::dashboard::SimDashboard;
+use ray_serve_sim::NodeType;
+use ray_xds::config::{Config, KubernetesSourceConfig, SourceConfig};
+use serde_json::{json, Value};
+use support::fake_apiserver::FakeApiServer;
+use support::kuberay::{self, ray_pod, rayservice};
+use support::*;
+use tokio_util::sync::CancellationToken;
+
+const DEADLINE: Duration = Duration::from_secs(30);
+const NS: &str = kuberay::NAMESPACE;
+const NAME: &str = kuberay::NAME;
+
+/// A simulated RayCluster: its proxies, and a dashboard saying `status` for app `hello`.
+struct Cluster {
+    sim: SimCluster,
+    dashboard: SimDashboard,
+    dashboard_port: u16,
+}
+
+impl Cluster {
+    async fn start(
+        name: &str,
+        nodes: &[NodeType],
+        status: &str,
+        shutdown: &CancellationToken,
+    ) -> Cluster {
+        let sim = SimCluster::start(name, nodes).await;
+        let dashboard = SimDashboard::new();
+        dashboard.set_app("hello", "/", status);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dashboard_port = listener.local_addr().unwrap().port();
+        tokio::spawn(dashboard.clone().serve(listener, shutdown.clone()));
+        Cluster {
+            sim,
+            dashboard,
+            dashboard_port,
+        }
+    }
+
+    fn pod_name(&self, i: usize) -> String {
+        format!("{}-{}-{i}", self.sim.name, self.sim.proxies[i].1.as_str())
+    }
+
+    fn pod(&self, i: usize) -> Value {
+        let (addr, node_type, _) = &self.sim.proxies[i];
+        ray_pod(
+            &self.pod_name(i),
+            &self.sim.name,
+            *node_type,
+            *addr,
+            self.dashboard_port,
+        )
+    }
+
+    fn apply_pods(&self, api: &FakeApiServer) {
+        for i in 0..self.sim.proxies.len() {
+            api.apply(self.pod(i));
+        }
+    }
+}
+
+fn k8s_config(api: &FakeApiServer) -> Config {
+    let mut c = test_config(std::path::Path::new("unused"), 0);
+    c.source = SourceConfig::Kubernetes(KubernetesSourceConfig {
+        api_server: Some(api.url()),
+        // The sample RayService claims every host ("*"), as a gateway admin's may.
+        allowed_hosts: [(NS.to_string(), vec!["*".to_string()])].into(),
+        ..Default::default()
+    });
+    c
+}
+
+async fn debug_state(admin: SocketAddr) -> Value {
+    serde_json::from_str(&admin_get(admin, "/debug/state").await).unwrap_or(Value::Null)
+}
+
+async fn snapshot_version(admin: SocketAddr) -> String {
+    let text = admin_get(admin, "/metrics").await;
+    text.lines()
+        .find_map(|l| l.strip_prefix("ray_xds_snapshot_info{version=\""))
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// The health flags Envoy shows for one endpoint, once it has it.
+async fn envoy_flags(envoy: &Envoy, cluster: &str, addr: SocketAddr) -> Option<String> {
+    let prefix = format!("{NS}/{NAME}/{cluster}::{addr}::health_flags::");
+    envoy
+        .admin("/clusters")
+        .await
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix).map(str::to_string))
+}
+
+/// Steady requests through Envoy in the background, counting failures and who served.
+struct Load {
+    stop: Arc<AtomicBool>,
+    sent: Arc<AtomicUsize>,
+    failed: Arc<AtomicUsize>,
+    last_cluster: Arc<std::sync::Mutex<String>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Load {
+    fn start(port: u16) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicUsize::new(0));
+        let failed = Arc::new(AtomicUsize::new(0));
+        let last_cluster = Arc::new(std::sync::Mutex::new(String::new()));
+        let task = tokio::spawn({
+            let (stop, sent, failed, last) = (
+                stop.clone(),
+                sent.clone(),
+                failed.clone(),
+                last_cluster.clone(),
+            );
+            async move {
+                while !stop.load(Ordering::Relaxed) {
+                    match through_envoy(port).await {
+                        Some(s) => *last.lock().unwrap() = s.cluster,
+                        None => {
+                            failed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    sent.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        });
+        Load {
+            stop,
+            sent,
+            failed,
+            last_cluster,
+            task,
+        }
+    }
+
+    fn serving(&self) -> String {
+        self.last_cluster.lock().unwrap().clone()
+    }
+
+    async fn stop(self) -> (usize, usize) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await.unwrap();
+        (
+            self.sent.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_come_drain_and_go_and_traffic_follows() {
+    let shutdown = CancellationToken::new();
+    let api = FakeApiServer::start().await;
+    let a = Cluster::start(
+        "rs-a",
+        &[NodeType::Head, NodeType::Worker, NodeType::Worker],
+        "RUNNING",
+        &shutdown,
+    )
+    .await;
+    api.apply(rayservice(Some("rs-a"), None));
+    api.apply(a.pod(0));
+    api.apply(a.pod(1));
+    let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
+        .await
+        .unwrap();
+    let (envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Delta).await;
+    let ready = admin_get(xds.admin_addr, "/readyz").await;
+    assert!(ready.starts_with("ready"), "{ready}");
+
+    // A pod is added: Envoy gets its endpoint.
+    api.apply(a.pod(2));
+    let added = a.sim.proxies[2].0;
+    eventually("the new pod's endpoint reaches Envoy", DEADLINE, || async {
+        envoy_flags(&envoy, "rs-a", added)
+            .await
+            .filter(|f| f == "healthy")
+    })
+    .await;
+
+    // It starts terminating: out of Envoy's rotation at once, while the pod still exists.
+    let load = Load::start(port);
+    api.begin_delete("v1", "Pod", NS, &a.pod_name(2));
+    eventually("the terminating pod leaves Envoy", DEADLINE, || async {
+        envoy_flags(&envoy, "rs-a", added)
+            .await
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    let state = debug_state(xds.admin_addr).await;
+    let proxies = &state["rayservices"][0]["clusters"][0]["proxies"];
+    let endpoint = proxies
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["address"] == added.to_string())
+        .unwrap();
+    assert!(
+        endpoint["endpoint"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("terminating"),
+        "{endpoint}"
+    );
+
+    // The pod goes: so does its endpoint.
+    api.delete("v1", "Pod", NS, &a.pod_name(2));
+    eventually("the deleted pod leaves Envoy", DEADLINE, || async {
+        envoy_flags(&envoy, "rs-a", added)
+            .await
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    let (sent, failed) = load.stop().await;
+    assert!(sent > 0);
+    assert_eq!(failed, 0, "{failed} of {sent} requests failed");
+    shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_through_kuberay_status_loses_no_request() {
+    let shutdown = CancellationToken::new();
+    let api = FakeApiServer::start().await;
+    let a = Cluster::start(
+        "rs-a",
+        &[NodeType::Head, NodeType::Worker],
+        "RUNNING",
+        &shutdown,
+    )
+    .await;
+    let b = Cluster::start(
+        "rs-b",
+        &[NodeType::Head, NodeType::Worker],
+        "DEPLOYING",
+        &shutdown,
+    )
+    .await;
+    api.apply(rayservice(Some("rs-a"), None));
+    a.apply_pods(&api);
+    let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
+        .await
+        .unwrap();
+    let (_envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Sotw).await;
+    let load = Load::start(port);
+
+    // KubeRay brings up the pending cluster; its application is still deploying.
+    api.apply(rayservice(Some("rs-a"), Some("rs-b")));
+    b.apply_pods(&api);
+    eventually("the switchover waits for rs-b", DEADLINE, || async {
+        let s = debug_state(xds.admin_addr).await;
+        let sw = &s["rayservices"][0]["switchover"];
+        (sw["phase"] == "waiting" && sw["reason"].as_str()?.contains("DEPLOYING")).then_some(())
+    })
+    .await;
+    assert_eq!(load.serving(), "rs-a");
+
+    // Its application runs: traffic moves to rs-b.
+    b.dashboard.set_app("hello", "/", "RUNNING");
+    eventually("traffic moves to rs-b", DEADLINE, || async {
+        (load.serving() == "rs-b").then_some(())
+    })
+    .await;
+
+    // KubeRay promotes rs-b, then deletes rs-a's pods (terminating first).
+    api.apply(rayservice(Some("rs-b"), None));
+    for i in 0..a.sim.proxies.len() {
+        api.begin_delete("v1", "Pod", NS, &a.pod_name(i));
+    }
+    for i in 0..a.sim.proxies.len() {
+        api.delete("v1", "Pod", NS, &a.pod_name(i));
+    }
+    drop(a);
+    for _ in 0..20 {
+        assert_eq!(
+            through_envoy(port).await.map(|s| s.cluster).as_deref(),
+            Some("rs-b")
+        );
+    }
+    let (sent, failed) = load.stop().await;
+    assert!(sent > 20, "{sent}");
+    assert_eq!(failed, 0, "{failed} of {sent} requests failed");
+    shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_objects_dropped_watches_410_and_an_absent_api_server_keep_the_served_state() {
+    let shutdown = CancellationToken::new();
+    let api = FakeApiServer::start().await;
+    let a = Cluster::start(
+        "rs-a",
+        &[NodeType::Head, NodeType::Worker],
+        "RUNNING",
+        &shutdown,
+    )
+    .await;
+    api.apply(rayservice(Some("rs-a"), None));
+    a.apply_pods(&api);
+    // A RayService whose status is garbage, in another namespace.
+    api.apply_raw(
+        "ray.io/v1",
+        "RayService",
+        "other",
+        "broken",
+        json!({"apiVersion": "ray.io/v1", "kind": "RayService",
+               "metadata": {"name": "broken", "namespace": "other"},
+               "spec": {"excludeHeadPodFromServeSvc": "maybe"},
+               "status": {"activeServiceStatus": ["not", "an", "object"]}}),
+    );
+    let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
+        .await
+        .unwrap();
+    let (_envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Delta).await;
+    let state = debug_state(xds.admin_addr).await;
+    let problems = state["source"]["problems"].to_string();
+    assert!(
+        problems.contains("rayservice other/broken: malformed"),
+        "{problems}"
+    );
+    assert_eq!(
+        state["rayservices"].as_array().unwrap().len(),
+        1,
+        "the good one is served"
+    );
+    let m = admin_get(xds.admin_addr, "/metrics").await;
+    assert_eq!(
+        metric(&m, "ray_xds_source_objects_skipped_total{source=\"kubernetes\",reason=\"malformed_object\"}"),
+        1.0,
+        "{m}"
+    );
+    let served = snapshot_version(xds.admin_addr).await;
+    assert!(!served.is_empty());
+
+    // Dropped watch connections, then a watch that must re-list after 410 Gone.
+    let (lists, watches) = (api.lists("pods"), api.watches("pods"));
+    api.drop_watches();
+    eventually("the pod watch comes back", DEADLINE, || async {
+        (api.watches("pods") > watches).then_some(())
+    })
+    .await;
+    // While the watches are cut, pods come and go and the history is compacted: the
+    // watches' resource versions are now too old (410 Gone) and they must list again.
+    api.set_unavailable(true);
+    let passing = ray_pod(
+        "passing",
+        "unrelated",
+        NodeType::Worker,
+        "127.0.0.1:1".parse().unwrap(),
+        8265,
+    );
+    api.apply(passing);
+    api.delete("v1", "Pod", NS, "passing");
+    api.expire_history();
+    api.set_unavailable(false);
+    eventually("the pod watch re-lists after 410", DEADLINE, || async {
+        (api.lists("pods") > lists).then_some(())
+    })
+    .await;
+    assert_eq!(
+        snapshot_version(xds.admin_addr).await,
+        served,
+        "nothing changed"
+    );
+    assert!(through_envoy(port).await.is_some());
+
+    // The API server goes away: the last state keeps being served, and it says so.
+    api.set_unavailable(true);
+    let watches = eventually("the watches report failing", DEADLINE, || async {
+        let s = debug_state(xds.admin_addr).await;
+        let w = s["source"]["watches"].as_array()?.clone();
+        w.iter()
+            .any(|w| w["state"] == "retrying" && w["stale_seconds"].is_number())
+            .then_some(w)
+    })
+    .await;
+    assert!(watches.iter().all(|w| w["synced"] == true), "{watches:?}");
+    for _ in 0..10 {
+        assert!(through_envoy(port).await.is_some());
+    }
+    assert_eq!(snapshot_version(xds.admin_addr).await, served);
+    let ready = admin_get(xds.admin_addr, "/readyz").await;
+    assert!(
+        ready.starts_with("ready"),
+        "still serving the last state: {ready}"
+    );
+
+    // It comes back, and a change made meanwhile is seen.
+    api.set_unavailable(false);
+    let b = Cluster::start("rs-b", &[NodeType::Head], "RUNNING", &shutdown).await;
+    api.apply(rayservice(Some("rs-a"), Some("rs-b")));
+    b.apply_pods(&api);
+    eventually(
+        "the change after recovery reaches Envoy",
+        DEADLINE,
+        || async { (through_envoy(port).await?.cluster == "rs-b").then_some(()) },
+    )
+    .await;
+    shutdown.cancel();
+}
+
+/// Every endpoint address (`ip:port`) of the current snapshot's EDS resources.
+async fn eds_addresses(admin: SocketAddr) -> Vec<String> {
+    fn walk(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                if let Some(a) = m.get("socket_address") {
+                    out.push(format!(
+                        "{}:{}",
+                        a["address"].as_str().unwrap_or(""),
+                        a["port_value"]
+                    ));
+                }
+                m.values().for_each(|v| walk(v, out));
+            }
+            Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let snapshot: Value =
+        serde_json::from_str(&admin_get(admin, "/debug/snapshot").await).unwrap_or(Value::Null);
+    let mut out = Vec::new();
+    walk(&snapshot["types"]["eds"], &mut out);
+    out.sort();
+    out
+}
+
+/// Issue 13: a `hostNetwork` pod's podIP is its node's address, so whoever owns a
+/// RayService could have a node's address (any port on it) published. Without
+/// `proxies.networks` such a pod's proxy is refused: not in EDS, shown in `/debug/state`
+/// and counted; the cluster's other pods are served. With networks that hold it, it is
+/// published like any pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_network_pods_proxy_is_refused_unless_networks_allow_it() {
+    let shutdown = CancellationToken::new();
+    let api = FakeApiServer::start().await;
+    let a = Cluster::start(
+        "rs-a",
+        &[NodeType::Head, NodeType::Worker],
+        "RUNNING",
+        &shutdown,
+    )
+    .await;
+    api.apply(rayservice(Some("rs-a"), None));
+    api.apply(a.pod(0));
+    let mut node_pod = a.pod(1);
+    node_pod["spec"]["hostNetwork"] = json!(true);
+    api.apply(node_pod);
+    let (pod_addr, node_addr) = (a.sim.proxies[0].0, a.sim.proxies[1].0);
+    let start = |networks: Vec<ipnet::IpNet>| {
+        let mut config = k8s_config(&api);
+        config.addresses.networks = networks;
+        ray_xds::runtime::start(config, shutdown.child_token())
+    };
+
+    let xds = start(vec![]).await.unwrap();
+    let admin = xds.admin_addr;
+    let want = vec![(node_addr.to_string(), "host_network".to_string())];
+    eventually(
+        "the hostNetwork pod's proxy is refused",
+        DEADLINE,
+        || async { (refused_proxies(admin).await == want).then_some(()) },
+    )
+    .await;
+    eventually("the other pod's proxy is in EDS", DEADLINE, || async {
+        (eds_addresses(admin).await == [pod_addr.to_string()]).then_some(())
+    })
+    .await;
+    let state = debug_state(admin).await;
+    let reason = state["refused_proxies"][0]["reason"].to_string();
+    assert!(
+        reason.contains("hostNetwork") && reason.contains("proxies.networks"),
+        "{reason}"
+    );
+    assert_eq!(
+        state["refused_proxies_by_reason"]["host_network"], 1,
+        "{state}"
+    );
+    let m = admin_get(admin, "/metrics").await;
+    assert_eq!(
+        metric(&m, "ray_xds_proxies_refused{reason=\"host_network\"}"),
+        1.0,
+        "{m}"
+    );
+    xds.stop().await.unwrap();
+
+    // proxies.networks holds the node: the policy checks it like any address, and passes it.
+    let xds = start(vec!["127.0.0.0/8".parse().unwrap()]).await.unwrap();
+    let admin = xds.admin_addr;
+    eventually(
+        "the hostNetwork pod's proxy is in EDS",
+        DEADLINE,
+        || async {
+            eds_addresses(admin)
+                .await
+                .contains(&node_addr.to_string())
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(refused_proxies(admin).await, vec![]);
+    xds.stop().await.unwrap();
+    shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn not_ready_and_nothing_served_until_every_watch_has_listed() {
+    let shutdown = CancellationToken::new();
+    let api = FakeApiServer::start().await;
+    let a = Cluster::start("rs-a", &[NodeType::Head], "RUNNING", &shutdown).await;
+    api.apply(rayservice(Some("rs-a"), None));
+    a.apply_pods(&api);
+    api.set_unavailable(true);
+    let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
+        .await
+        .unwrap();
+    eventually("a watch has failed", DEADLINE, || async {
+        let s = debug_state(xds.admin_addr).await;
+        s["source"]["watches"]
+            .as_array()?
+            .iter()
+            .any(|w| w["errors"].as_u64() > Some(0))
+            .then_some(())
+    })
+    .await;
+    let (code, body) = http_get(&format!("http://{}/readyz", xds.admin_addr))
+        .await
+        .unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("first full state"), "{body}");
+    api.set_unavailable(false);
+    eventually("ready once listed", DEADLINE, || async {
+        let (code, _) = http_get(&format!("http://{}/readyz", xds.admin_addr))
+            .await
+            .ok()?;
+        (code == 200).then_some(())
+    })
+    .await;
+    let (_envoy, _port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Sotw).await;
+    shutdown.cancel();
+}
+
+mod two_replicas {
+    use super::*;
+    use envoy_types::pb::envoy::service::discovery::v3::{
+        DeltaDiscoveryRequest, DeltaDiscoveryResponse,
+    };
+    use ray_xds::xds::snapshot::{CLUSTER_TYPE_URL, ENDPOINTS_TYPE_URL};
+    use std::collections::{BTreeMap, HashMap};
+
+    struct DeltaClient {
+        requests: tokio::sync::mpsc::Sender<DeltaDiscoveryRequest>,
+        responses: tonic::Streaming<DeltaDiscoveryResponse>,
+    }
+
+    impl DeltaClient {
+        async fn connect(xds: SocketAddr) -> DeltaClient {
+            let (requests, responses) = support::ads::delta_stream(xds).await;
+            DeltaClient {
+                requests,
+                responses,
+            }
+        }
+
+        async fn subscribe(
+            &self,
+            type_url: &str,
+            names: Vec<String>,
+            known: HashMap<String, String>,
+        ) {
+            self.requests
+                .send(DeltaDiscoveryRequest {
+                    node: support::ads::node("moving-envoy"),
+                    type_url: type_url.into(),
+                    resource_names_subscribe: names,
+                    initial_resource_versions: known,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        }
+
+        async fn next(&mut self) -> DeltaDiscoveryResponse {
+            support::ads::next(&mut self.responses).await
+        }
+
+        async fn ack(&self, r: &DeltaDiscoveryResponse) {
+            self.requests
+                .send(DeltaDiscoveryRequest {
+                    type_url: r.type_url.clone(),
+                    response_nonce: r.nonce.clone(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        }
+    }
+
+    fn versions(r: &DeltaDiscoveryResponse) -> BTreeMap<String, String> {
+        r.resources
+            .iter()
+            .map(|x| (x.name.clone(), x.version.clone()))
+            .collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_replicas_agree_and_an_envoy_moving_between_them_gets_no_cluster_again() {
+        let shutdown = CancellationToken::new();
+        let api = FakeApiServer::start().await;
+        let a = Cluster::start("rs-a", &[NodeType::Head], "RUNNING", &shutdown).await;
+        let b = Cluster::start(
+            "rs-b",
+            &[NodeType::Head, NodeType::Worker],
+            "DEPLOYING",
+            &shutdown,
+        )
+        .await;
+        api.apply(rayservice(Some("rs-a"), Some("rs-b")));
+        a.apply_pods(&api);
+        api.apply(b.pod(0));
+        let one = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
+            .await
+            .unwrap();
+        let two = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let agreed = loop {
+            let (v1, v2) = (
+                snapshot_version(one.admin_addr).await,
+                snapshot_version(two.admin_addr).await,
+            );
+            if !v1.is_empty() && v1 == v2 {
+                break v1;
+            }
+            if started.elapsed() > DEADLINE {
+                // Say why, for whoever reads a failure: what each replica serves and knows.
+                for (n, a) in [(1, one.admin_addr), (2, two.admin_addr)] {
+                    eprintln!(
+                        "--- replica {n}: /debug/state ---\n{}",
+                        admin_get(a, "/debug/state").await
+                    );
+                    eprintln!(
+                        "--- replica {n}: /debug/snapshot ---\n{}",
+                        admin_get(a, "/debug/snapshot").await
+                    );
+                }
+                panic!("the replicas did not agree within {DEADLINE:?}: {v1:?} vs {v2:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(!agreed.is_empty());
+
+        // An Envoy takes everything from replica one.
+        let mut first = DeltaClient::connect(one.xds_addr).await;
+        first
+            .subscribe(CLUSTER_TYPE_URL, vec![], HashMap::new())
+            .await;
+        let clusters = first.next().await;
+        first.ack(&clusters).await;
+        let cluster_versions = versions(&clusters);
+        let names: Vec<String> = cluster_versions.keys().cloned().collect();
+        assert_eq!(
+            names,
+            [
+                "default/rayservice-sample/rs-a",
+                "default/rayservice-sample/rs-b"
+            ]
+        );
+        first
+            .subscribe(ENDPOINTS_TYPE_URL, names.clone(), HashMap::new())
+            .await;
+        let endpoints = first.next().await;
+        first.ack(&endpoints).await;
+        let endpoint_versions = versions(&endpoints);
+        assert_eq!(endpoint_versions.len(), 2);
+        drop(first);
+
+        // It reconnects to replica two, saying what it holds.
+        let mut moved = DeltaClient::connect(two.xds_addr).await;
+        moved
+            .subscribe(
+                CLUSTER_TYPE_URL,
+                vec![],
+                cluster_versions.clone().into_iter().collect(),
+            )
+            .await;
+        moved
+            .subscribe(
+                ENDPOINTS_TYPE_URL,
+                names,
+                endpoint_versions.clone().into_iter().collect(),
+            )
+            .await;
+        // Replica two sends no cluster again. It sends the endpoints once more whatever
+        // versions the Envoy declared (a cluster the Envoy was warming when its stream
+        // broke waits for an assignment sent after it), unchanged ones included.
+        let r = moved.next().await;
+        assert_eq!(r.type_url, ENDPOINTS_TYPE_URL, "clusters were re-sent");
+        assert_eq!(versions(&r), endpoint_versions, "the same endpoints, once");
+        moved.ack(&r).await;
+        // Then rs-b gains a pod: what comes next is that change alone.
+        api.apply(b.pod(1));
+        let r = moved.next().await;
+        assert_eq!(r.type_url, ENDPOINTS_TYPE_URL, "clusters were re-sent");
+        let changed: Vec<&str> = r.resources.iter().map(|x| x.name.as_str()).collect();
+        assert_eq!(
+            changed,
+            ["default/rayservice-sample/rs-b"],
+            "only what changed"
+        );
+        assert_ne!(
+            r.resources[0].version,
+            endpoint_versions["default/rayservice-sample/rs-b"]
+        );
+        shutdown.cancel();
+    }
+}
+
+/// A RayService in `namespace`, created at `created` (RFC 3339), claiming `hosts`, routed
+/// to `cluster`; with its cluster's pods moved into the namespace.
+fn claimant(namespace: &str, created: &str, hosts: &str, cluster: &Cluster) -> Vec<Value> {
+    let mut r = rayservice(Some(&cluster.sim.name), None);
+    r["metadata"]["namespace"] = json!(namespace);
+    r["metadata"]["creationTimestamp"] = json!(created);
+    r["metadata"]["annotations"] = json!({ "ray-xds.io/hosts": hosts });
+    let mut objects = vec![r];
+    for i in 0..cluster.sim.proxies.len() {
+        let mut pod = cluster.pod(i);
+        pod["metadata"]["namespace"] = json!(namespace);
+        objects.push(pod);
+    }
+    objects
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_namespaces_contending_for_a_host_the_older_keeps_it_and_none_takes_what_the_policy_refuses(
+) {
+    let shutdown = CancellationToken::new();
+    let api = FakeApiServer::start().await;
+    let z = Cluster::start("z-1", &[NodeType::Head], "RUNNING", &shutdown).await;
+    let a = Cluster::start("a-1", &[NodeType::Head], "RUNNING", &shutdown).await;
+    // zeta's RayService is older; alpha's sorts first by name, and also claims "*".
+    for o in claimant("zeta", "2026-01-01T00:00:00Z", "shared.example.com", &z) {
+        api.apply(o);
+    }
+    for o in claimant(
+        "alpha",
+        "2026-06-01T00:00:00Z",
+        "shared.example.com, *, rayservice-sample.alpha",
+        &a,
+    ) {
+        api.apply(o);
+    }
+    let mut config = k8s_config(&api);
+    let SourceConfig::Kubernetes(k) = &mut config.source else {
+        unreachable!()
+    };
+    k.allowed_hosts = [
+        ("zeta".to_string(), vec!["*.example.com".to_string()]),
+        ("alpha".to_string(), vec!["*.example.com".to_string()]),
+    ]
+    .into();
+    let xds = ray_xds::runtime::start(config, shutdown.clone())
+        .await
+        .unwrap();
+    let envoy = Envoy::start(Bootstrap::Delta, xds.xds_addr.port());
+    let port = envoy.gateway_port().await;
+    let served_by =
+        |host: &'static str| async move { through_envoy_to(port, host).await.map(|s| s.cluster) };
+    eventually(
+        "the shared host routes to the older RayService",
+        DEADLINE,
+        || async { served_by("shared.example.com").await.filter(|c| c == "z-1") },
+    )
+    .await;
+    eventually("the younger keeps its own name", DEADLINE, || async {
+        served_by("rayservice-sample.alpha")
+            .await
+            .filter(|c| c == "a-1")
+    })
+    .await;
+    for _ in 0..20 {
+        assert_eq!(
+            served_by("shared.example.com").await.as_deref(),
+            Some("z-1")
+        );
+    }
+    // "*" was refused: nothing routes a host nobody may claim.
+    assert_eq!(served_by("anything.else").await, None);
+    let (status, _) = http_to_host(
+        "POST",
+        &format!("http://127.0.0.1:{port}/hello"),
+        "anything.else",
+        "{}",
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 404);
+
+    // Refused and conflicting claims are shown and counted.
+    let state = debug_state(xds.admin_addr).await;
+    let problems: Vec<String> =
+        serde_json::from_value(state["source"]["problems"].clone()).unwrap();
+    assert!(
+        problems.iter().any(|p| p
+            .starts_with("rayservice alpha/rayservice-sample: 1 host(s) refused")
+            && p.ends_with("\"*\"")),
+        "{problems:#?}"
+    );
+    assert!(
+        problems.iter().any(|p| p
+            .starts_with("rayservice alpha/rayservice-sample: 1 host(s) held by older")
+            && p.contains("\"shared.example.com\" left to zeta/rayservice-sample")),
+        "{problems:#?}"
+    );
+    let metrics = admin_get(xds.admin_addr, "/metrics").await;
+    for reason in ["host_refused", "host_conflict"] {
+        let series = format!(
+            "ray_xds_source_objects_skipped_total{{source=\"kubernetes\",reason=\"{reason}\"}}"
+        );
+        assert!(metric(&metrics, &series) >= 1.0, "{series}\n{metrics}");
+    }
+
+    // The older RayService goes: the host passes to the one claimant left.
+    api.delete("ray.io/v1", "RayService", "zeta", NAME);
+    eventually(
+        "the shared host moves to the remaining claimant",
+        DEADLINE,
+        || async { served_by("shared.example.com").await.filter(|c| c == "a-1") },
+    )
+    .await;
+    shutdown.cancel();
+}

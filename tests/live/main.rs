@@ -1,0 +1,10 @@
+//! Live health and discovery: the prober against real sockets, discovery from the
+//! (simulated) dashboard end to end, and the simulator checked against captures of a real
+//! Ray 2.60 proxy.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod discovery;
+mod prober;
+mod sim_conformance;

@@ -1,0 +1,8 @@
+//! Replicas that agree: two ray-xds replicas through a progressive shift, and peers that
+//! lie, skew, echo, flood or hang.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod agree;
+mod hostile;

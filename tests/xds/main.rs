@@ -1,0 +1,12 @@
+//! The xDS server on its own: the gRPC protocol driven by envoy-types' client (both
+//! protocols, misbehaving clients), mTLS on its port under attack, the golden resources
+//! `translate` produces, the Envoy descriptors `/debug` prints with, and the fuzzers' corpus.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod descriptors;
+mod fuzz_corpus;
+mod golden;
+mod grpc;
+mod tls_hostile;
