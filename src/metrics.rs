@@ -135,8 +135,6 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    // Over the 100 lines a reader can hold; to split along its seams: a registration per component (xDS, probes, dashboards, source, switchover).
-    #[allow(clippy::too_many_lines)]
     pub fn new() -> Metrics {
         let mut m = Metrics {
             streams: Family::default(),
@@ -174,149 +172,192 @@ impl Metrics {
             component_up: Family::default(),
             registry: Registry::with_prefix("ray_xds"),
         };
-        let registry = &mut m.registry;
-        registry.register("xds_streams", "Connected ADS streams", m.streams.clone());
+        m.register_xds();
+        m.register_snapshots();
+        m.register_source();
+        m.register_live();
+        m.register_switchover();
+        m.register_components();
+        m.set_held_bytes("dashboards", 0);
+        m.set_held_bytes("routes", 0);
+        m
+    }
+
+    /// Registers the metrics of the xDS server: streams, subscriptions, pushes, ACKs and NACKs, stream errors, TLS reloads.
+    fn register_xds(&mut self) {
+        let registry = &mut self.registry;
+        registry.register("xds_streams", "Connected ADS streams", self.streams.clone());
         registry.register(
             "xds_subscriptions",
             "Connected ADS streams subscribed to each resource type",
-            m.subscriptions.clone(),
+            self.subscriptions.clone(),
         );
-        registry.register("xds_pushes", "Discovery responses sent", m.pushes.clone());
+        registry.register(
+            "xds_pushes",
+            "Discovery responses sent",
+            self.pushes.clone(),
+        );
         registry.register(
             "xds_pushed_resources",
             "Resources carried by discovery responses",
-            m.pushed_resources.clone(),
+            self.pushed_resources.clone(),
         );
-        registry.register("xds_acks", "Responses the client accepted", m.acks.clone());
+        registry.register(
+            "xds_acks",
+            "Responses the client accepted",
+            self.acks.clone(),
+        );
         registry.register(
             "xds_nacks",
             "Responses the client rejected",
-            m.nacks.clone(),
+            self.nacks.clone(),
         );
         registry.register(
             "xds_stream_errors",
             "Streams ended by a client error (bad message, unknown type, too large)",
-            m.stream_errors.clone(),
+            self.stream_errors.clone(),
         );
         registry.register(
             "xds_tls_reloads",
             "Changes of the xDS listener's certificate files: loaded (ok) or unusable and the last good ones kept (error)",
-            m.tls_reloads.clone(),
+            self.tls_reloads.clone(),
         );
-        registry.register("snapshots", "Snapshots published", m.snapshots.clone());
+    }
+
+    /// Registers the metrics of the pipeline's snapshots and the time to translate them.
+    fn register_snapshots(&mut self) {
+        let registry = &mut self.registry;
+        registry.register("snapshots", "Snapshots published", self.snapshots.clone());
         registry.register(
             "snapshot_resources",
             "Resources in the current snapshot",
-            m.snapshot_resources.clone(),
+            self.snapshot_resources.clone(),
         );
         registry.register(
             "snapshot_info",
             "The current snapshot's version (a content hash) as a label",
-            m.snapshot_info.clone(),
+            self.snapshot_info.clone(),
         );
         registry.register(
             "translate_seconds",
             "Time to translate the model into Envoy resources",
-            m.translate_seconds.clone(),
-        );
-        registry.register(
-            "source_rejected",
-            "Source inputs refused (unreadable, malformed or invalid); the last good state was kept",
-            m.source_rejected.clone(),
-        );
-        registry.register(
-            "source_updates",
-            "Valid new models published by a source",
-            m.source_updates.clone(),
-        );
-        registry.register(
-            "probe_duration_seconds",
-            "Time a proxy health probe took (GET /-/healthz)",
-            m.probe_seconds.clone(),
-        );
-        registry.register(
-            "proxy_health_transitions",
-            "Proxy probe-state changes, by the state entered",
-            m.health_transitions.clone(),
-        );
-        registry.register(
-            "dashboard_poll_errors",
-            "Failed polls of a Ray dashboard (the last known state is kept)",
-            m.dashboard_errors.clone(),
-        );
-        registry.register(
-            "fail_open_events",
-            "Times a cluster with every proxy failing its probes was published healthy",
-            m.fail_open_events.clone(),
-        );
-        registry.register(
-            "fail_open_clusters",
-            "Clusters currently published fail-open",
-            m.fail_open_clusters.clone(),
-        );
-        registry.register(
-            "switchover_weight",
-            "Percent of a RayService's traffic each of its clusters gets",
-            m.switchover_weight.clone(),
-        );
-        registry.register(
-            "switchover_transitions",
-            "Switchover state changes, by the phase entered",
-            m.switchover_transitions.clone(),
-        );
-        registry.register(
-            "source_objects_skipped",
-            "Objects (or parts of them, such as an annotation) a source ignored, by reason; counted once per new problem",
-            m.source_objects_skipped.clone(),
-        );
-        registry.register(
-            "source_watch_errors",
-            "Kubernetes watch failures (retried with back-off; the last state is kept)",
-            m.source_watch_errors.clone(),
-        );
-        registry.register(
-            "source_synced",
-            "1 once every watch of the source has delivered its first full list",
-            m.source_synced.clone(),
+            self.translate_seconds.clone(),
         );
         registry.register(
             "inconsistent_snapshots",
             "Snapshots refused because their resources did not fit together (a bug); the previous one was kept",
-            m.inconsistent_snapshots.clone(),
+            self.inconsistent_snapshots.clone(),
+        );
+    }
+
+    /// Registers the metrics of the source: refused inputs, models published, skipped objects, watches.
+    fn register_source(&mut self) {
+        let registry = &mut self.registry;
+        registry.register(
+            "source_rejected",
+            "Source inputs refused (unreadable, malformed or invalid); the last good state was kept",
+            self.source_rejected.clone(),
         );
         registry.register(
-            "runtime_alive_tasks",
-            "Tasks alive in the async runtime when /metrics was read",
-            m.runtime_tasks.clone(),
+            "source_updates",
+            "Valid new models published by a source",
+            self.source_updates.clone(),
+        );
+        registry.register(
+            "source_objects_skipped",
+            "Objects (or parts of them, such as an annotation) a source ignored, by reason; counted once per new problem",
+            self.source_objects_skipped.clone(),
+        );
+        registry.register(
+            "source_watch_errors",
+            "Kubernetes watch failures (retried with back-off; the last state is kept)",
+            self.source_watch_errors.clone(),
+        );
+        registry.register(
+            "source_synced",
+            "1 once every watch of the source has delivered its first full list",
+            self.source_synced.clone(),
+        );
+    }
+
+    /// Registers the metrics of live health: probes, health changes, dashboard polls, fail-open, what outside answers hold, refused proxies.
+    fn register_live(&mut self) {
+        let registry = &mut self.registry;
+        registry.register(
+            "probe_duration_seconds",
+            "Time a proxy health probe took (GET /-/healthz)",
+            self.probe_seconds.clone(),
+        );
+        registry.register(
+            "proxy_health_transitions",
+            "Proxy probe-state changes, by the state entered",
+            self.health_transitions.clone(),
+        );
+        registry.register(
+            "dashboard_poll_errors",
+            "Failed polls of a Ray dashboard (the last known state is kept)",
+            self.dashboard_errors.clone(),
+        );
+        registry.register(
+            "fail_open_events",
+            "Times a cluster with every proxy failing its probes was published healthy",
+            self.fail_open_events.clone(),
+        );
+        registry.register(
+            "fail_open_clusters",
+            "Clusters currently published fail-open",
+            self.fail_open_clusters.clone(),
         );
         registry.register(
             "probe_routes_refused",
             "Route tables (GET /-/routes) refused or dropped as over their cluster's fair share of the routes' memory budget; those proxies' routes are unknown",
-            m.routes_refused.clone(),
+            self.routes_refused.clone(),
         );
         registry.register(
             "held_bytes",
             "What outside answers hold now (estimated, as the memory budgets count it), by what: dashboards or routes",
-            m.held_bytes.clone(),
+            self.held_bytes.clone(),
         );
         registry.register(
             "proxies_refused",
             "Proxies left out by the address policy now (never a proxy's address, outside proxies.networks, or discovered outside their dashboard's network), by reason",
-            m.proxies_refused.clone(),
+            self.proxies_refused.clone(),
+        );
+    }
+
+    /// Registers the metrics of switchovers: weights and phase changes.
+    fn register_switchover(&mut self) {
+        let registry = &mut self.registry;
+        registry.register(
+            "switchover_weight",
+            "Percent of a RayService's traffic each of its clusters gets",
+            self.switchover_weight.clone(),
+        );
+        registry.register(
+            "switchover_transitions",
+            "Switchover state changes, by the phase entered",
+            self.switchover_transitions.clone(),
+        );
+    }
+
+    /// Registers the metrics of the runtime and the supervisor's components.
+    fn register_components(&mut self) {
+        let registry = &mut self.registry;
+        registry.register(
+            "runtime_alive_tasks",
+            "Tasks alive in the async runtime when /metrics was read",
+            self.runtime_tasks.clone(),
         );
         registry.register(
             "component_restarts",
             "Times a component (source, dashboards, discovery, prober, pipeline) stopped on a panic or error and was restarted",
-            m.component_restarts.clone(),
+            self.component_restarts.clone(),
         );
         registry.register(
             "component_up",
             "1 while a component is running, 0 while it is down (between a failure and its restart)",
-            m.component_up.clone(),
+            self.component_up.clone(),
         );
-        m.set_held_bytes("dashboards", 0);
-        m.set_held_bytes("routes", 0);
-        m
     }
 
     /// The proxies the address policy refuses now, by reason label (every label of

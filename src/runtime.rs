@@ -192,30 +192,11 @@ pub fn memory_limit_files(proc_self_cgroup: &str) -> Vec<std::path::PathBuf> {
 const PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Starts ray-xds. A bad source file at start is an error; later bad edits are not.
-// Over the 100 lines a reader can hold; to split along its seams: one function per component started.
-#[allow(clippy::too_many_lines)]
 pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Result<Running> {
     let metrics = Arc::new(Metrics::new());
     metrics.count_tasks_of(tokio::runtime::Handle::current());
-    let clients = Arc::new(Clients::default());
-    let xds_listener = TcpListener::bind(config.xds_listen)
-        .await
-        .with_context(|| format!("binding the xDS listener on {}", config.xds_listen))?;
-    let admin_listener = TcpListener::bind(config.admin_listen)
-        .await
-        .with_context(|| format!("binding the admin listener on {}", config.admin_listen))?;
-    let debug_listener = match config.admin_debug_listen {
-        Some(addr) => Some(TcpListener::bind(addr).await.with_context(|| {
-            format!("binding the admin debug listener (admin.debug_listen) on {addr}")
-        })?),
-        None => None,
-    };
-    let xds_addr = xds_listener.local_addr()?;
-    let admin_addr = admin_listener.local_addr()?;
-    let admin_debug_addr = debug_listener
-        .as_ref()
-        .map(TcpListener::local_addr)
-        .transpose()?;
+    let listeners = Listeners::bind(&config).await?;
+    let (xds_addr, admin_addr, admin_debug_addr) = listeners.addresses()?;
     // mTLS: unreadable or mismatched files at start are fatal (there is no last good
     // configuration yet); later changes are re-read, and a bad one is only logged.
     let xds_tls = match &config.xds_tls {
@@ -225,299 +206,59 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         ),
         None => None,
     };
-    let policies = &config.policies;
-    let mut tasks = JoinSet::new();
-    let components = Arc::new(Components::new(metrics.clone()));
-
-    // The source: the single writer of the source's model and status.
-    let (status_tx, source_status) = watch::channel(Arc::new(SourceStatus::default()));
-    let source_rx = match &config.source {
-        SourceConfig::File {
-            path,
-            poll_interval,
-        } => {
-            let (model, bytes) = file::load(path)?;
-            let (tx, rx) = watch::channel(Arc::new(model));
-            status_tx.send_replace(Arc::new(SourceStatus::synced("file")));
-            let source = FileSource {
-                path: path.clone(),
-                poll_interval: *poll_interval,
-                metrics: metrics.clone(),
-                status: status_tx.clone(),
-            };
-            let token = shutdown.clone();
-            tasks.spawn(supervised(&components, "source", &shutdown, move || {
-                source.clone().run(bytes.clone(), tx.clone(), token.clone())
-            }));
-            rx
-        }
-        SourceConfig::Kubernetes(k) => {
-            let client = kubernetes::client(k).await?;
-            let (tx, rx) = watch::channel(Arc::new(Model::default()));
-            let source = KubernetesSource {
-                config: k.clone(),
-                metrics: metrics.clone(),
-            };
-            let token = shutdown.clone();
-            tasks.spawn(supervised(&components, "source", &shutdown, move || {
-                source
-                    .clone()
-                    .run(client.clone(), tx.clone(), status_tx.clone(), token.clone())
-            }));
-            rx
-        }
-    };
-
-    // Dashboards: read the source's model (only the dashboards matter to them).
-    let (dashboards_tx, dashboards_rx) = watch::channel(Arc::new(DashboardStates::default()));
-    let (refresh_tx, refresh_rx) = tokio::sync::mpsc::unbounded_channel();
-    let dashboards_answered = Arc::new(crate::live::dashboards::AnsweredAt::default());
-    let poller = DashboardPoller {
-        answered: dashboards_answered.clone(),
-        interval: policies.dashboard.poll_interval,
-        timeout: policies.dashboard.timeout,
+    let clients = Arc::new(Clients::default());
+    let mut starter = Starter {
+        tasks: JoinSet::new(),
+        components: Arc::new(Components::new(metrics.clone())),
+        shutdown: shutdown.clone(),
         metrics: metrics.clone(),
-        memory_budget: config.memory.dashboards,
+        config: &config,
     };
-    let (models, token) = (source_rx.clone(), shutdown.clone());
-    // The refresh requests outlive a poller that fails: the next one takes them over.
-    let refresh_rx = Arc::new(tokio::sync::Mutex::new(refresh_rx));
-    tasks.spawn(supervised(
-        &components,
-        "dashboards",
-        &shutdown,
-        move || {
-            let (poller, models, tx, token) = (
-                poller.clone(),
-                models.clone(),
-                dashboards_tx.clone(),
-                token.clone(),
-            );
-            let refresh = refresh_rx.clone();
-            async move {
-                let mut refresh = refresh.lock_owned().await;
-                poller.run(models, tx, &mut refresh, token).await
-            }
-        },
-    ));
-
-    // Discovery: the effective model, read by everything downstream.
-    // Until discovery's first pass, nothing downstream reads an unchecked model: the
-    // pipeline waits for the source, and the source's first model passes through here.
-    let first = discovery::discover(
-        &source_rx.borrow(),
-        &DashboardStates::default(),
-        &config.addresses,
-    );
-    let (effective_tx, effective_rx) = watch::channel(Arc::new(first.model));
-    let (refused_tx, refused_rx) = watch::channel(Arc::new(first.refused));
-    let discovery = discovery::Discovery {
-        policy: config.addresses.clone(),
-        metrics: metrics.clone(),
-    };
-    let (source, dashboards, token) = (source_rx.clone(), dashboards_rx.clone(), shutdown.clone());
-    tasks.spawn(supervised(&components, "discovery", &shutdown, move || {
-        discovery.clone().run(
-            source.clone(),
-            dashboards.clone(),
-            effective_tx.clone(),
-            refused_tx.clone(),
-            token.clone(),
-        )
-    }));
-
-    // The prober.
-    let (probes_tx, probes_rx) = watch::channel(Arc::new(ProbeStates::default()));
-    let heartbeat = Arc::new(crate::live::prober::Heartbeat::default());
-    let prober = Prober {
-        policy: policies.probe.clone(),
-        routes_budget: config.memory.route_tables,
-        metrics: metrics.clone(),
-        heartbeat: heartbeat.clone(),
-    };
-    let (models, token) = (effective_rx.clone(), shutdown.clone());
-    tasks.spawn(supervised(&components, "prober", &shutdown, move || {
-        prober
-            .clone()
-            .run(models.clone(), probes_tx.clone(), token.clone())
-    }));
-
-    // The pipeline: once the source has its first full state (an empty model from a
-    // half-listed cluster would withdraw every route). Until its first snapshot the xDS
-    // server does not answer and /readyz says not ready.
-    let (health_tx, health_rx) = watch::channel(Arc::new(HealthMap::default()));
-    let (snapshots_tx, snapshots_rx) = watch::channel(Arc::new(Snapshot::default()));
-    let (switch_tx, switch_rx) = watch::channel(Arc::new(Switchover::default()));
-    let (published_tx, published_rx) = watch::channel::<Option<Arc<Snapshot>>>(None);
-    // The other replicas' switchovers: one writer, the peer poller (none without peers:
-    // the channel says "polled" at once and closes).
-    let (peers_tx, peers_rx) = watch::channel(Arc::new(crate::live::peers::PeerStates {
-        polled: config.replica_peers.is_empty(),
-        ..Default::default()
-    }));
-    if !config.replica_peers.is_empty() {
-        let poller = crate::live::peers::PeerPoller {
-            peers: config.replica_peers.clone(),
-            interval: config.replica_poll_interval,
-            timeout: PEER_TIMEOUT,
-        };
-        let token = shutdown.clone();
-        tasks.spawn(async move {
-            poller.run(peers_tx, token).await;
-            Ok(())
-        });
-    }
+    let (source, source_status) = starter.source().await?;
+    let dashboards = starter.dashboards(&source);
+    let (models, refused) = starter.discovery(&source, &dashboards.states);
+    let (probes, heartbeat) = starter.prober(&models);
+    let peers = starter.peers();
     let sources = Sources {
-        source: source_rx.clone(),
-        models: effective_rx.clone(),
-        probes: probes_rx.clone(),
-        dashboards: dashboards_rx.clone(),
+        source,
+        models: models.clone(),
+        probes: probes.clone(),
+        dashboards: dashboards.states.clone(),
         prober: heartbeat,
-        peers: peers_rx,
+        peers,
     };
-    let sinks = Sinks {
-        snapshots: snapshots_tx,
-        published: published_tx,
-        health: health_tx,
-        switchover: switch_tx,
-        refresh: refresh_tx,
-    };
-    let first = FirstBuild {
-        dashboards: policies.dashboard.first_answer_wait(),
-        probes: policies.probe.first_probe_wait(),
-        addresses: config.addresses.clone(),
-        peers: PEER_TIMEOUT + std::time::Duration::from_millis(200),
-    };
-    let (policies_, gateway) = (policies.clone(), config.gateway.clone());
-    let addresses = config.addresses.clone();
-    let (clients_, metrics_, token) = (clients.clone(), metrics.clone(), shutdown.clone());
-    let status_rx = source_status.clone();
-    tasks.spawn(supervised(&components, "pipeline", &shutdown, move || {
-        // A restarted pipeline starts from scratch, as a restarted ray-xds does; the last
-        // snapshot keeps being served until it publishes.
-        let pipe =
-            Pipeline::new(policies_.clone(), gateway.clone()).with_addresses(addresses.clone());
-        let (sources, sinks, first) = (sources.clone(), sinks.clone(), first.clone());
-        let (clients, metrics, token) = (clients_.clone(), metrics_.clone(), token.clone());
-        let mut source_status = source_status.clone();
-        async move {
-            tokio::select! {
-                _ = token.cancelled() => return,
-                synced = source_status.wait_for(|s| s.synced) => if synced.is_err() { return },
-            }
-            pipeline::task::run(pipe, sources, sinks, clients, metrics, first, token).await;
-        }
-    }));
-
-    // The xDS server, once there is a first snapshot.
-    let ads = AdsServer::new(
-        snapshots_rx,
-        metrics.clone(),
-        clients.clone(),
-        shutdown.clone(),
-    )
-    .with_max_streams(config.xds_max_streams);
-    let limits = config.xds_limits;
-    let service = AdsService::new(ads, config.xds_max_message_bytes).with_partial_requests(
-        crate::xds::codec::PartialRequests::with_limit(config.memory.partial_xds_requests),
+    let outputs = starter.pipeline(sources, dashboards.refresh, &source_status, &clients);
+    starter.xds_server(
+        listeners.xds,
+        xds_tls,
+        outputs.snapshots,
+        outputs.published.clone(),
+        &clients,
     );
-    let (mut published, token) = (published_rx.clone(), shutdown.clone());
-    let xds_observer: Arc<dyn crate::xds::Observer> = metrics.clone();
-    if let Some(tls) = &xds_tls {
-        let watch = crate::xds::tls::watch(
-            tls.clone(),
-            crate::xds::tls::RELOAD_INTERVAL,
-            xds_observer.clone(),
-            shutdown.clone(),
-        );
-        tasks.spawn(async move {
-            watch.await;
+    starter.spawn({
+        let token = shutdown.clone();
+        async move {
+            crate::memory::give_back(token).await;
             Ok(())
-        });
-    }
-    let memory_shutdown = shutdown.clone();
-    tasks.spawn(async move {
-        crate::memory::give_back(memory_shutdown).await;
-        Ok(())
-    });
-    tasks.spawn(async move {
-        tokio::select! {
-            _ = token.cancelled() => return Ok(()),
-            ready = published.wait_for(|s| s.is_some()) => if ready.is_err() { return Ok(()) },
         }
-        tonic::transport::Server::builder()
-            // A peer that stops answering pings is closed; one connection serves at
-            // most this many streams (an Envoy opens one).
-            .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
-            .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
-            .max_concurrent_streams(Some(crate::xds::server::MAX_STREAMS_PER_CONNECTION))
-            .add_service(service)
-            .serve_with_incoming_shutdown(
-                crate::xds::listener::incoming(
-                    xds_listener,
-                    limits,
-                    Default::default(),
-                    xds_observer,
-                    xds_tls,
-                ),
-                token.cancelled_owned(),
-            )
-            .await
-            .context("xDS server")
     });
-
     let state = AdminState {
-        components,
+        components: starter.components.clone(),
         metrics: metrics.clone(),
         clients,
-        snapshots: published_rx,
+        snapshots: outputs.published,
         live: LiveViews {
-            models: effective_rx,
-            probes: probes_rx,
-            dashboards: dashboards_rx,
-            dashboards_answered,
-            health: health_rx,
-            switchover: switch_rx,
-            source: status_rx,
-            refused: refused_rx,
+            models,
+            probes,
+            dashboards: dashboards.states,
+            dashboards_answered: dashboards.answered,
+            health: outputs.health,
+            switchover: outputs.switchover,
+            source: source_status,
+            refused,
         },
     };
-    // The admin port runs on a thread and runtime of its own: with thousands of probes
-    // queued on the main runtime, `/healthz` and `/readyz` do not wait behind them
-    // (the kernel shares the cores between the threads instead).
-    let token = shutdown.clone();
-    let admin_listener = admin_listener
-        .into_std()
-        .context("moving the admin listener to its thread")?;
-    let debug_listener = debug_listener
-        .map(TcpListener::into_std)
-        .transpose()
-        .context("moving the admin debug listener to its thread")?;
-    let (admin_done, admin_ended) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("ray-xds-admin".into())
-        .spawn(move || {
-            let served = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .and_then(|runtime| {
-                    runtime.block_on(async move {
-                        let listener = tokio::net::TcpListener::from_std(admin_listener)?;
-                        let debug = debug_listener
-                            .map(tokio::net::TcpListener::from_std)
-                            .transpose()?;
-                        admin::serve(listener, debug, state, token).await
-                    })
-                });
-            let _ = admin_done.send(served);
-        })
-        .context("starting the admin thread")?;
-    tasks.spawn(async move {
-        admin_ended
-            .await
-            .unwrap_or_else(|_| Err(std::io::Error::other("the admin thread panicked")))
-            .context("admin server")
-    });
+    starter.admin(listeners.admin, listeners.debug, state)?;
     tracing::info!(%xds_addr, %admin_addr, ?admin_debug_addr, tls = config.xds_tls.is_some(), "ray-xds started");
     Ok(Running {
         xds_addr,
@@ -525,8 +266,410 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         admin_debug_addr,
         metrics,
         shutdown,
-        tasks,
+        tasks: starter.tasks,
     })
+}
+
+/// The ports ray-xds serves, bound before anything starts (so a test can bind port 0
+/// and read the port back).
+struct Listeners {
+    xds: TcpListener,
+    admin: TcpListener,
+    debug: Option<TcpListener>,
+}
+
+impl Listeners {
+    async fn bind(config: &Config) -> anyhow::Result<Listeners> {
+        let xds = TcpListener::bind(config.xds_listen)
+            .await
+            .with_context(|| format!("binding the xDS listener on {}", config.xds_listen))?;
+        let admin = TcpListener::bind(config.admin_listen)
+            .await
+            .with_context(|| format!("binding the admin listener on {}", config.admin_listen))?;
+        let debug = match config.admin_debug_listen {
+            Some(addr) => Some(TcpListener::bind(addr).await.with_context(|| {
+                format!("binding the admin debug listener (admin.debug_listen) on {addr}")
+            })?),
+            None => None,
+        };
+        Ok(Listeners { xds, admin, debug })
+    }
+
+    fn addresses(&self) -> std::io::Result<(SocketAddr, SocketAddr, Option<SocketAddr>)> {
+        let debug = self
+            .debug
+            .as_ref()
+            .map(TcpListener::local_addr)
+            .transpose()?;
+        Ok((self.xds.local_addr()?, self.admin.local_addr()?, debug))
+    }
+}
+
+/// The dashboard poller's channels: its states, the pipeline's requests for a fresh
+/// answer, and when each dashboard last answered.
+struct Dashboards {
+    states: watch::Receiver<Arc<DashboardStates>>,
+    refresh: tokio::sync::mpsc::UnboundedSender<String>,
+    answered: Arc<crate::live::dashboards::AnsweredAt>,
+}
+
+/// What the pipeline publishes.
+struct PipelineOutputs {
+    snapshots: watch::Receiver<Arc<Snapshot>>,
+    published: watch::Receiver<Option<Arc<Snapshot>>>,
+    health: watch::Receiver<Arc<HealthMap>>,
+    switchover: watch::Receiver<Arc<Switchover>>,
+}
+
+/// Starts the components one by one, each under the supervisor, into one task set that
+/// ends on one shutdown token. Each component is the single writer of the channels it
+/// returns.
+struct Starter<'a> {
+    tasks: JoinSet<anyhow::Result<()>>,
+    components: Arc<Components>,
+    shutdown: CancellationToken,
+    metrics: Arc<Metrics>,
+    config: &'a Config,
+}
+
+impl Starter<'_> {
+    fn supervise<F, Fut>(&mut self, name: &'static str, start: F)
+    where
+        F: FnMut() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let task = supervised(&self.components, name, &self.shutdown, start);
+        self.tasks.spawn(task);
+    }
+
+    fn spawn(
+        &mut self,
+        task: impl std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+    ) {
+        self.tasks.spawn(task);
+    }
+
+    /// The source: the single writer of the source's model and status.
+    async fn source(
+        &mut self,
+    ) -> anyhow::Result<(
+        watch::Receiver<Arc<Model>>,
+        watch::Receiver<Arc<SourceStatus>>,
+    )> {
+        let (status_tx, status_rx) = watch::channel(Arc::new(SourceStatus::default()));
+        let token = self.shutdown.clone();
+        let models = match &self.config.source {
+            SourceConfig::File {
+                path,
+                poll_interval,
+            } => {
+                let (model, bytes) = file::load(path)?;
+                let (tx, rx) = watch::channel(Arc::new(model));
+                status_tx.send_replace(Arc::new(SourceStatus::synced("file")));
+                let source = FileSource {
+                    path: path.clone(),
+                    poll_interval: *poll_interval,
+                    metrics: self.metrics.clone(),
+                    status: status_tx,
+                };
+                self.supervise("source", move || {
+                    source.clone().run(bytes.clone(), tx.clone(), token.clone())
+                });
+                rx
+            }
+            SourceConfig::Kubernetes(k) => {
+                let client = kubernetes::client(k).await?;
+                let (tx, rx) = watch::channel(Arc::new(Model::default()));
+                let source = KubernetesSource {
+                    config: k.clone(),
+                    metrics: self.metrics.clone(),
+                };
+                self.supervise("source", move || {
+                    source
+                        .clone()
+                        .run(client.clone(), tx.clone(), status_tx.clone(), token.clone())
+                });
+                rx
+            }
+        };
+        Ok((models, status_rx))
+    }
+
+    /// Dashboards: read the source's model (only the dashboards matter to them).
+    fn dashboards(&mut self, source: &watch::Receiver<Arc<Model>>) -> Dashboards {
+        let (tx, states) = watch::channel(Arc::new(DashboardStates::default()));
+        let (refresh, refresh_rx) = tokio::sync::mpsc::unbounded_channel();
+        let answered = Arc::new(crate::live::dashboards::AnsweredAt::default());
+        let policy = &self.config.policies.dashboard;
+        let poller = DashboardPoller {
+            answered: answered.clone(),
+            interval: policy.poll_interval,
+            timeout: policy.timeout,
+            metrics: self.metrics.clone(),
+            memory_budget: self.config.memory.dashboards,
+        };
+        let (models, token) = (source.clone(), self.shutdown.clone());
+        // The refresh requests outlive a poller that fails: the next one takes them over.
+        let refresh_rx = Arc::new(tokio::sync::Mutex::new(refresh_rx));
+        self.supervise("dashboards", move || {
+            let (poller, models, tx, token) =
+                (poller.clone(), models.clone(), tx.clone(), token.clone());
+            let refresh = refresh_rx.clone();
+            async move {
+                let mut refresh = refresh.lock_owned().await;
+                poller.run(models, tx, &mut refresh, token).await
+            }
+        });
+        Dashboards {
+            states,
+            refresh,
+            answered,
+        }
+    }
+
+    /// Discovery: the effective model, read by everything downstream, and the proxies
+    /// and replicas the address policy refused. Until discovery's first pass, nothing
+    /// downstream reads an unchecked model: the pipeline waits for the source, and the
+    /// source's first model passes through here.
+    fn discovery(
+        &mut self,
+        source: &watch::Receiver<Arc<Model>>,
+        dashboards: &watch::Receiver<Arc<DashboardStates>>,
+    ) -> (
+        watch::Receiver<Arc<Model>>,
+        watch::Receiver<Arc<Vec<crate::live::discovery::RefusedProxy>>>,
+    ) {
+        let addresses = &self.config.addresses;
+        let first = discovery::discover(&source.borrow(), &DashboardStates::default(), addresses);
+        let (effective_tx, effective_rx) = watch::channel(Arc::new(first.model));
+        let (refused_tx, refused_rx) = watch::channel(Arc::new(first.refused));
+        let discovery = discovery::Discovery {
+            policy: addresses.clone(),
+            metrics: self.metrics.clone(),
+        };
+        let (source, dashboards, token) =
+            (source.clone(), dashboards.clone(), self.shutdown.clone());
+        self.supervise("discovery", move || {
+            discovery.clone().run(
+                source.clone(),
+                dashboards.clone(),
+                effective_tx.clone(),
+                refused_tx.clone(),
+                token.clone(),
+            )
+        });
+        (effective_rx, refused_rx)
+    }
+
+    /// The prober, and its heartbeat.
+    fn prober(
+        &mut self,
+        models: &watch::Receiver<Arc<Model>>,
+    ) -> (
+        watch::Receiver<Arc<ProbeStates>>,
+        Arc<crate::live::prober::Heartbeat>,
+    ) {
+        let (probes_tx, probes_rx) = watch::channel(Arc::new(ProbeStates::default()));
+        let heartbeat = Arc::new(crate::live::prober::Heartbeat::default());
+        let prober = Prober {
+            policy: self.config.policies.probe.clone(),
+            routes_budget: self.config.memory.route_tables,
+            metrics: self.metrics.clone(),
+            heartbeat: heartbeat.clone(),
+        };
+        let (models, token) = (models.clone(), self.shutdown.clone());
+        self.supervise("prober", move || {
+            prober
+                .clone()
+                .run(models.clone(), probes_tx.clone(), token.clone())
+        });
+        (probes_rx, heartbeat)
+    }
+
+    /// The other replicas' switchovers: one writer, the peer poller (none without peers:
+    /// the channel says "polled" at once and closes).
+    fn peers(&mut self) -> watch::Receiver<Arc<crate::live::peers::PeerStates>> {
+        let config = self.config;
+        let (peers_tx, peers_rx) = watch::channel(Arc::new(crate::live::peers::PeerStates {
+            polled: config.replica_peers.is_empty(),
+            ..Default::default()
+        }));
+        if !config.replica_peers.is_empty() {
+            let poller = crate::live::peers::PeerPoller {
+                peers: config.replica_peers.clone(),
+                interval: config.replica_poll_interval,
+                timeout: PEER_TIMEOUT,
+            };
+            let token = self.shutdown.clone();
+            self.spawn(async move {
+                poller.run(peers_tx, token).await;
+                Ok(())
+            });
+        }
+        peers_rx
+    }
+
+    /// The pipeline: once the source has its first full state (an empty model from a
+    /// half-listed cluster would withdraw every route). Until its first snapshot the xDS
+    /// server does not answer and /readyz says not ready.
+    fn pipeline(
+        &mut self,
+        sources: Sources,
+        refresh: tokio::sync::mpsc::UnboundedSender<String>,
+        source_status: &watch::Receiver<Arc<SourceStatus>>,
+        clients: &Arc<Clients>,
+    ) -> PipelineOutputs {
+        let (health_tx, health) = watch::channel(Arc::new(HealthMap::default()));
+        let (snapshots_tx, snapshots) = watch::channel(Arc::new(Snapshot::default()));
+        let (switch_tx, switchover) = watch::channel(Arc::new(Switchover::default()));
+        let (published_tx, published) = watch::channel::<Option<Arc<Snapshot>>>(None);
+        let sinks = Sinks {
+            snapshots: snapshots_tx,
+            published: published_tx,
+            health: health_tx,
+            switchover: switch_tx,
+            refresh,
+        };
+        let config = self.config;
+        let first = FirstBuild {
+            dashboards: config.policies.dashboard.first_answer_wait(),
+            probes: config.policies.probe.first_probe_wait(),
+            addresses: config.addresses.clone(),
+            peers: PEER_TIMEOUT + std::time::Duration::from_millis(200),
+        };
+        let (policies, gateway) = (config.policies.clone(), config.gateway.clone());
+        let addresses = config.addresses.clone();
+        let (clients, metrics, token) =
+            (clients.clone(), self.metrics.clone(), self.shutdown.clone());
+        let source_status = source_status.clone();
+        self.supervise("pipeline", move || {
+            // A restarted pipeline starts from scratch, as a restarted ray-xds does; the
+            // last snapshot keeps being served until it publishes.
+            let pipe =
+                Pipeline::new(policies.clone(), gateway.clone()).with_addresses(addresses.clone());
+            let (sources, sinks, first) = (sources.clone(), sinks.clone(), first.clone());
+            let (clients, metrics, token) = (clients.clone(), metrics.clone(), token.clone());
+            let mut source_status = source_status.clone();
+            async move {
+                tokio::select! {
+                    _ = token.cancelled() => return,
+                    synced = source_status.wait_for(|s| s.synced) => if synced.is_err() { return },
+                }
+                pipeline::task::run(pipe, sources, sinks, clients, metrics, first, token).await;
+            }
+        });
+        PipelineOutputs {
+            snapshots,
+            published,
+            health,
+            switchover,
+        }
+    }
+
+    /// The xDS server, once there is a first snapshot, and the watch on its TLS files.
+    fn xds_server(
+        &mut self,
+        listener: TcpListener,
+        tls: Option<Arc<crate::xds::tls::ServerTls>>,
+        snapshots: watch::Receiver<Arc<Snapshot>>,
+        mut published: watch::Receiver<Option<Arc<Snapshot>>>,
+        clients: &Arc<Clients>,
+    ) {
+        let config = self.config;
+        let ads = AdsServer::new(
+            snapshots,
+            self.metrics.clone(),
+            clients.clone(),
+            self.shutdown.clone(),
+        )
+        .with_max_streams(config.xds_max_streams);
+        let limits = config.xds_limits;
+        let service = AdsService::new(ads, config.xds_max_message_bytes).with_partial_requests(
+            crate::xds::codec::PartialRequests::with_limit(config.memory.partial_xds_requests),
+        );
+        let observer: Arc<dyn crate::xds::Observer> = self.metrics.clone();
+        if let Some(tls) = &tls {
+            let watch = crate::xds::tls::watch(
+                tls.clone(),
+                crate::xds::tls::RELOAD_INTERVAL,
+                observer.clone(),
+                self.shutdown.clone(),
+            );
+            self.spawn(async move {
+                watch.await;
+                Ok(())
+            });
+        }
+        let token = self.shutdown.clone();
+        self.spawn(async move {
+            tokio::select! {
+                _ = token.cancelled() => return Ok(()),
+                ready = published.wait_for(|s| s.is_some()) => if ready.is_err() { return Ok(()) },
+            }
+            tonic::transport::Server::builder()
+                // A peer that stops answering pings is closed; one connection serves at
+                // most this many streams (an Envoy opens one).
+                .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+                .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
+                .max_concurrent_streams(Some(crate::xds::server::MAX_STREAMS_PER_CONNECTION))
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    crate::xds::listener::incoming(
+                        listener,
+                        limits,
+                        Default::default(),
+                        observer,
+                        tls,
+                    ),
+                    token.cancelled_owned(),
+                )
+                .await
+                .context("xDS server")
+        });
+    }
+
+    /// The admin port, on a thread and runtime of its own: with thousands of probes
+    /// queued on the main runtime, `/healthz` and `/readyz` do not wait behind them (the
+    /// kernel shares the cores between the threads instead).
+    fn admin(
+        &mut self,
+        listener: TcpListener,
+        debug: Option<TcpListener>,
+        state: AdminState,
+    ) -> anyhow::Result<()> {
+        let token = self.shutdown.clone();
+        let listener = listener
+            .into_std()
+            .context("moving the admin listener to its thread")?;
+        let debug = debug
+            .map(TcpListener::into_std)
+            .transpose()
+            .context("moving the admin debug listener to its thread")?;
+        let (admin_done, admin_ended) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("ray-xds-admin".into())
+            .spawn(move || {
+                let served = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .and_then(|runtime| {
+                        runtime.block_on(async move {
+                            let listener = tokio::net::TcpListener::from_std(listener)?;
+                            let debug = debug.map(tokio::net::TcpListener::from_std).transpose()?;
+                            admin::serve(listener, debug, state, token).await
+                        })
+                    });
+                let _ = admin_done.send(served);
+            })
+            .context("starting the admin thread")?;
+        self.spawn(async move {
+            admin_ended
+                .await
+                .unwrap_or_else(|_| Err(std::io::Error::other("the admin thread panicked")))
+                .context("admin server")
+        });
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -71,8 +71,8 @@ pub struct FirstBuild {
     pub peers: Duration,
 }
 
-// Over the 100 lines a reader can hold; to split along its seams: the wait for inputs, the build, the publication.
-#[allow(clippy::too_many_lines)]
+/// The pipeline's loop: waits for the first inputs (`FirstBuild`), then builds, publishes
+/// and waits for the next change, until `shutdown`.
 pub async fn run(
     mut pipeline: Pipeline,
     mut sources: Sources,
@@ -82,101 +82,22 @@ pub async fn run(
     first: FirstBuild,
     shutdown: CancellationToken,
 ) {
-    // A cluster known by its dashboard alone has no proxies until the dashboard answers:
-    // wait (briefly) for that, so that a restart does not publish it empty. Then wait
-    // (briefly) for every proxy's first probe, so that a restarted ray-xds publishes the
-    // health Envoy already has, not "unknown" for everyone.
     tokio::select! {
         _ = shutdown.cancelled() => return,
-        _ = first_discovery(&sources, first.dashboards, &first.addresses) => {}
+        _ = first_inputs(&sources, &first) => {}
     }
-    let wanted: Vec<SocketAddr> = sources
-        .models
-        .borrow()
-        .proxies()
-        .map(|p| p.address)
-        .collect();
-    let mut probes = sources.probes.clone();
-    tokio::select! {
-        _ = shutdown.cancelled() => return,
-        _ = first_probes(&mut probes, &wanted, first.probes) => {}
-    }
-    let mut peers = sources.peers.clone();
-    tokio::select! {
-        _ = shutdown.cancelled() => return,
-        _ = tokio::time::timeout(first.peers, peers.wait_for(|p| p.polled)) => {}
-    }
-    let mut published: Option<Arc<Snapshot>> = None;
-    let mut weights = BTreeSet::new();
+    let mut published = Published::default();
     let mut peers_open = true;
     loop {
-        sources.peers.mark_unchanged();
-        pipeline.set_peers(sources.peers.borrow().clone());
-        sources.models.mark_unchanged();
-        sources.probes.mark_unchanged();
-        sources.dashboards.mark_unchanged();
-        let model = sources.models.borrow().clone();
-        let mut probes = sources.probes.borrow().clone();
-        let dashboards = sources.dashboards.borrow().clone();
         let wedged = prober_wedged(&sources);
-        if wedged {
-            tracing::error!(since = ?sources.prober.age(), "the prober has stopped: every probe result is served as unknown until it runs again");
-            probes = Arc::new(probes.all_unknown(
-                "the prober has stopped: no fresh probe result",
-                SystemTime::now(),
-            ));
-        }
         let started = std::time::Instant::now();
-        // The build is CPU work that grows with the model (20,000 proxies take tens of
-        // milliseconds): it runs on a blocking thread, so the admin port and the xDS
-        // streams keep being served meanwhile. A panic in it is the pipeline's panic
-        // (the supervisor restarts the pipeline).
-        let envoys = clients.clone();
-        let built = tokio::task::spawn_blocking(move || {
-            let out = pipeline.build(
-                &Inputs {
-                    model: &model,
-                    probes: &probes,
-                    dashboards: &dashboards,
-                    envoys: &*envoys,
-                },
-                SystemTime::now(),
-            );
-            (pipeline, out)
-        })
-        .await;
-        let out = match built {
-            Ok((back, out)) => {
-                pipeline = back;
-                out
-            }
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(_) => return, // the runtime is shutting down
+        let Some((back, out)) = build(pipeline, &mut sources, &clients, wedged).await else {
+            return; // the runtime is shutting down
         };
+        pipeline = back;
         let spent = started.elapsed();
         metrics.translate_seconds.observe(spent.as_secs_f64());
-        record(&out, &metrics, &mut weights);
-        for cluster in &out.refresh {
-            let _ = sinks.refresh.send(cluster.clone());
-        }
-        sinks.health.send_replace(out.health.clone());
-        sinks.switchover.send_replace(out.switchover.clone());
-        if published
-            .as_ref()
-            .is_none_or(|p| p.version() != out.snapshot.version())
-        {
-            metrics.snapshots.inc();
-            metrics.snapshot_resources.set(out.snapshot.len() as i64);
-            metrics.set_snapshot_version(out.snapshot.version());
-            tracing::info!(
-                version = out.snapshot.version(),
-                resources = out.snapshot.len(),
-                "snapshot published"
-            );
-            published = Some(out.snapshot.clone());
-            sinks.snapshots.send_replace(out.snapshot.clone());
-            sinks.published.send_replace(Some(out.snapshot.clone()));
-        }
+        published.publish(&out, &sinks, &metrics);
         let wake = out.wake_at.map(|t| {
             tokio::time::Instant::now()
                 + t.duration_since(SystemTime::now()).unwrap_or_default()
@@ -191,44 +112,201 @@ pub async fn run(
                 _ = tokio::time::sleep(spent.min(MAX_PACE)) => {}
             }
         }
-        let mut check = tokio::time::interval(Duration::from_secs(1));
-        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        check.tick().await;
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                // Rebuild when the prober stops or starts beating again, else nothing.
-                _ = check.tick() => if prober_wedged(&sources) == wedged { continue },
-                changed = sources.models.changed() => {
-                    if changed.is_err() { return }
-                    // New proxies are withheld until their first probe: wait for it (briefly)
-                    // so that the change is built and pushed once, with health.
-                    let model = sources.models.borrow().clone();
-                    loop {
-                        // Never hold a channel's borrow across an await.
-                        let probes = sources.probes.borrow().clone();
-                        let Some(due) = pipeline.first_probes_due(&model, &probes, SystemTime::now()) else { break };
-                        let left = due.duration_since(SystemTime::now()).unwrap_or_default();
-                        tokio::select! {
-                            _ = shutdown.cancelled() => return,
-                            _ = tokio::time::sleep(left) => break,
-                            changed = sources.probes.changed() => if changed.is_err() { return },
-                        }
-                    }
-                }
-                changed = sources.probes.changed() => if changed.is_err() { return },
-                changed = sources.dashboards.changed() => if changed.is_err() { return },
-                // A peer's view changes only a switch in progress and what drains.
-                changed = sources.peers.changed(), if peers_open => {
-                    // No peers (their poller ended): nothing more to hear.
-                    if changed.is_err() { peers_open = false; continue }
-                    let departed = !sources.peers.borrow().departed.is_empty();
-                    if !out.switchover.in_progress() && !departed { continue }
-                }
-                _ = clients.acked(), if out.wake_on_ack => {}
-                _ = tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)), if wake.is_some() => {}
+        let next = Next {
+            wedged,
+            wake,
+            wake_on_ack: out.wake_on_ack,
+            switch_in_progress: out.switchover.in_progress(),
+        };
+        if !next_change(
+            &pipeline,
+            &mut sources,
+            &clients,
+            &next,
+            &mut peers_open,
+            &shutdown,
+        )
+        .await
+        {
+            return;
+        }
+    }
+}
+
+/// What the pipeline waits for before its first build. A cluster known by its dashboard
+/// alone has no proxies until the dashboard answers: wait (briefly) for that, so that a
+/// restart does not publish it empty. Then wait (briefly) for every proxy's first probe,
+/// so that a restarted ray-xds publishes the health Envoy already has, not "unknown" for
+/// everyone; and for the replica peers to answer once.
+async fn first_inputs(sources: &Sources, first: &FirstBuild) {
+    first_discovery(sources, first.dashboards, &first.addresses).await;
+    let wanted: Vec<SocketAddr> = sources
+        .models
+        .borrow()
+        .proxies()
+        .map(|p| p.address)
+        .collect();
+    let mut probes = sources.probes.clone();
+    first_probes(&mut probes, &wanted, first.probes).await;
+    let mut peers = sources.peers.clone();
+    let _ = tokio::time::timeout(first.peers, peers.wait_for(|p| p.polled)).await;
+}
+
+/// One build from the inputs as they are now, on a blocking thread: the build is CPU
+/// work that grows with the model (20,000 proxies take tens of milliseconds), so the
+/// admin port and the xDS streams keep being served meanwhile. A panic in it is the
+/// pipeline's panic (the supervisor restarts the pipeline); `None` when the runtime is
+/// shutting down. While the prober is `wedged`, every probe result is served as unknown.
+async fn build(
+    mut pipeline: Pipeline,
+    sources: &mut Sources,
+    clients: &Arc<Clients>,
+    wedged: bool,
+) -> Option<(Pipeline, Output)> {
+    sources.peers.mark_unchanged();
+    pipeline.set_peers(sources.peers.borrow().clone());
+    sources.models.mark_unchanged();
+    sources.probes.mark_unchanged();
+    sources.dashboards.mark_unchanged();
+    let model = sources.models.borrow().clone();
+    let mut probes = sources.probes.borrow().clone();
+    let dashboards = sources.dashboards.borrow().clone();
+    if wedged {
+        tracing::error!(since = ?sources.prober.age(), "the prober has stopped: every probe result is served as unknown until it runs again");
+        probes = Arc::new(probes.all_unknown(
+            "the prober has stopped: no fresh probe result",
+            SystemTime::now(),
+        ));
+    }
+    let envoys = clients.clone();
+    let built = tokio::task::spawn_blocking(move || {
+        let out = pipeline.build(
+            &Inputs {
+                model: &model,
+                probes: &probes,
+                dashboards: &dashboards,
+                envoys: &*envoys,
+            },
+            SystemTime::now(),
+        );
+        (pipeline, out)
+    })
+    .await;
+    match built {
+        Ok(built) => Some(built),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => None,
+    }
+}
+
+/// What the pipeline last published, and the weight series it set.
+#[derive(Default)]
+struct Published {
+    snapshot: Option<Arc<Snapshot>>,
+    weights: BTreeSet<WeightLabels>,
+}
+
+impl Published {
+    /// Publishes one build: the snapshot first (when its version changed), then the
+    /// views of it (health, switchover) and the dashboards to ask again, so that what
+    /// `/debug/state` says is never ahead of what is served.
+    fn publish(&mut self, out: &Output, sinks: &Sinks, metrics: &Metrics) {
+        record(out, metrics, &mut self.weights);
+        if self
+            .snapshot
+            .as_ref()
+            .is_none_or(|p| p.version() != out.snapshot.version())
+        {
+            metrics.snapshots.inc();
+            metrics.snapshot_resources.set(out.snapshot.len() as i64);
+            metrics.set_snapshot_version(out.snapshot.version());
+            tracing::info!(
+                version = out.snapshot.version(),
+                resources = out.snapshot.len(),
+                "snapshot published"
+            );
+            self.snapshot = Some(out.snapshot.clone());
+            sinks.snapshots.send_replace(out.snapshot.clone());
+            sinks.published.send_replace(Some(out.snapshot.clone()));
+        }
+        sinks.health.send_replace(out.health.clone());
+        sinks.switchover.send_replace(out.switchover.clone());
+        for cluster in &out.refresh {
+            let _ = sinks.refresh.send(cluster.clone());
+        }
+    }
+}
+
+/// What the last build says about when to build again.
+struct Next {
+    /// Whether the prober was wedged for that build.
+    wedged: bool,
+    /// When time alone changes something (`Output::wake_at`).
+    wake: Option<tokio::time::Instant>,
+    /// Whether an Envoy's ACK may move a switch (`Output::wake_on_ack`).
+    wake_on_ack: bool,
+    /// Whether a switch is under way (a peer's view matters only then, or to what drains).
+    switch_in_progress: bool,
+}
+
+/// Waits for something that changes the next build: a model, probes, dashboards, a
+/// peer's view that matters, an ACK a switch waits for, the build's own wake-up time, or
+/// the prober stopping or starting to beat again. `false` on shutdown or a closed input.
+async fn next_change(
+    pipeline: &Pipeline,
+    sources: &mut Sources,
+    clients: &Clients,
+    next: &Next,
+    peers_open: &mut bool,
+    shutdown: &CancellationToken,
+) -> bool {
+    let mut check = tokio::time::interval(Duration::from_secs(1));
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    check.tick().await;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return false,
+            // Rebuild when the prober stops or starts beating again, else nothing.
+            _ = check.tick() => if prober_wedged(sources) == next.wedged { continue },
+            changed = sources.models.changed() => {
+                if changed.is_err() { return false }
+                if !first_probes_of_new_proxies(pipeline, sources, shutdown).await { return false }
             }
-            break;
+            changed = sources.probes.changed() => if changed.is_err() { return false },
+            changed = sources.dashboards.changed() => if changed.is_err() { return false },
+            // A peer's view changes only a switch in progress and what drains.
+            changed = sources.peers.changed(), if *peers_open => {
+                // No peers (their poller ended): nothing more to hear.
+                if changed.is_err() { *peers_open = false; continue }
+                let departed = !sources.peers.borrow().departed.is_empty();
+                if !next.switch_in_progress && !departed { continue }
+            }
+            _ = clients.acked(), if next.wake_on_ack => {}
+            _ = tokio::time::sleep_until(next.wake.unwrap_or_else(tokio::time::Instant::now)), if next.wake.is_some() => {}
+        }
+        return true;
+    }
+}
+
+/// New proxies are withheld until their first probe: wait for it (briefly) so that the
+/// change is built and pushed once, with health. `false` on shutdown or closed probes.
+async fn first_probes_of_new_proxies(
+    pipeline: &Pipeline,
+    sources: &mut Sources,
+    shutdown: &CancellationToken,
+) -> bool {
+    let model = sources.models.borrow().clone();
+    loop {
+        // Never hold a channel's borrow across an await.
+        let probes = sources.probes.borrow().clone();
+        let Some(due) = pipeline.first_probes_due(&model, &probes, SystemTime::now()) else {
+            return true;
+        };
+        let left = due.duration_since(SystemTime::now()).unwrap_or_default();
+        tokio::select! {
+            _ = shutdown.cancelled() => return false,
+            _ = tokio::time::sleep(left) => return true,
+            changed = sources.probes.changed() => if changed.is_err() { return false },
         }
     }
 }
