@@ -71,9 +71,6 @@
 // A benchmark run reads top to bottom (set up, measure, report): its steps stay in one function.
 #![allow(clippy::too_many_lines)]
 
-#[path = "../tests/support/mod.rs"]
-mod support;
-
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -33,9 +33,6 @@
 // A benchmark run reads top to bottom (set up, measure, report): its steps stay in one function.
 #![allow(clippy::too_many_lines)]
 
-#[path = "../tests/support/mod.rs"]
-mod support;
-
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};

@@ -47,8 +47,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 
 #[path = "support/mod.rs"]
-mod support;
-use support::{cpu_seconds, free_port, ms, percentile, rss_kib};
+mod bench_support;
+use bench_support::{cpu_seconds, free_port, ms, percentile, rss_kib};
 
 #[derive(Parser, Debug, Clone)]
 struct Args {

@@ -43,8 +43,6 @@
 
 #[path = "support/mod.rs"]
 mod bench_support;
-#[path = "../tests/support/mod.rs"]
-mod support;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -4,16 +4,13 @@
 //! `cargo bench --bench real_ray_kill -- --help`
 //!
 //! A real Ray 2.60 cluster (head + one worker node in a network namespace, see
-//! `tests/support/real_ray.rs`), ray-xds probing both proxies and reading the dashboard,
+//! `crates/test-support/src/real_ray.rs`), ray-xds probing both proxies and reading the dashboard,
 //! a real Envoy with steady requests. Each trial kills the worker node's proxy process and
 //! polls Envoy's admin `/clusters` every 5 ms until that endpoint is no longer healthy,
 //! then waits for Ray to restart the proxy (about 25 s) before the next trial.
 
 // A benchmark run reads top to bottom (set up, measure, report): its steps stay in one function.
 #![allow(clippy::too_many_lines)]
-
-#[path = "../tests/support/mod.rs"]
-mod support;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

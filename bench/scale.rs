@@ -44,8 +44,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 #[path = "support/mod.rs"]
-mod support;
-use support::{
+mod bench_support;
+use bench_support::{
     cpu_seconds, free_port, http_get, metric_value, ms, percentile, rss_kib, write_atomic,
 };
 

@@ -105,8 +105,8 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
 #[path = "support/mod.rs"]
-mod support;
-use support::{free_port, http_get, metric_value, open_fds, rss_kib, write_atomic};
+mod bench_support;
+use bench_support::{free_port, http_get, metric_value, open_fds, rss_kib, write_atomic};
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Soak: ray-xds under churn; RSS, fds, tasks and /metrics series flat after it")]

@@ -1,6 +1,6 @@
 #![no_main]
 
-#[path = "../../tests/support/fuzz_bodies.rs"]
+#[path = "../bodies.rs"]
 mod fuzz_bodies;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| fuzz_bodies::services_yaml(data));

@@ -1,6 +1,5 @@
 //! The `ray-xds` binary as a user runs it: bad config fails at start with file, line and
 //! field; a good one serves the admin endpoints.
-use crate::support;
 
 use std::process::Command;
 use std::time::Duration;

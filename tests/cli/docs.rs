@@ -3,7 +3,6 @@
 //! `docs/configuration.md` and every annotation in `docs/kubernetes.md` are listed exactly
 //! as `policy` and the Kubernetes source declare them. On a mismatch the test prints the
 //! table the code implies, to paste into the page. The README stays a front door.
-use crate::support;
 
 use ray_xds::policy::{all_fields, Scope};
 use ray_xds::source::kubernetes::annotations;

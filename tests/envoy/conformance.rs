@@ -5,7 +5,6 @@
 //! Where the old failure was a wait for Envoy's 15 s initial fetch timeout, a test checks
 //! Envoy's own `init_fetch_timeout` counters (they stay 0 when nothing waited for it)
 //! rather than a duration.
-use crate::support;
 
 use std::time::Duration;
 

@@ -3,7 +3,6 @@
 
 // A test is a scenario read top to bottom: its steps stay in one function.
 #![allow(clippy::too_many_lines)]
-use crate::support;
 
 use std::time::{Duration, Instant};
 

@@ -7,7 +7,6 @@
 //!
 //! Each simulated node runs an HTTP and a gRPC proxy that share one mode, one ledger and
 //! one shutdown, as Ray's proxy actor serves both.
-use crate::support;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -8,7 +8,6 @@
 //! to a RayService without gRPC, probe reasons) or the README corrected (a reset after
 //! the request was sent, or a client's `grpc-timeout`, ejects no proxy in Envoy 1.40:
 //! ray-xds's probe does), and each test here passes.
-use crate::support;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -1,7 +1,6 @@
 //! Live health reaches a real Envoy: a killed proxy leaves Envoy's cluster, a draining
 //! one takes no new requests, `head_proxy` routes as documented, and a cluster whose
 //! every probe fails is published fail-open.
-use crate::support;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

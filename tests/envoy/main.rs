@@ -3,9 +3,6 @@
 //! safety (a request that may have run is never sent again), the readiness-gated
 //! switchover, mTLS, and Ray's direct ingress.
 
-#[path = "../support/mod.rs"]
-mod support;
-
 mod conformance;
 mod direct_ingress;
 mod e2e;

@@ -2,7 +2,6 @@
 //! that only Envoy's retries and outlier detection act: requests survive a proxy that
 //! answers 503 (Ray's backpressure), one that is gone, and (idempotent ones) one that
 //! hangs.
-use crate::support;
 
 use std::time::Duration;
 

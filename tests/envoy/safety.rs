@@ -6,7 +6,6 @@
 //! The simulated proxies record every request that reaches a replica under Envoy's
 //! `x-request-id` (kept across retries), so "ran twice" is counted, not guessed. ray-xds's
 //! own probes are slowed to a minute where a test wants Envoy alone to act.
-use crate::support;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

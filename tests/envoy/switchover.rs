@@ -1,7 +1,6 @@
 //! Readiness-gated switchover with a real Envoy: traffic moves to a new RayCluster only
 //! once its own dashboard says every application is RUNNING, and not because the source
 //! named it active early.
-use crate::support;
 
 use std::time::Duration;
 

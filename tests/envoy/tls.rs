@@ -3,7 +3,6 @@
 //! (state of the world and delta); one without, with another CA's, or over plain TCP is
 //! refused before any xDS message; certificate files rotated under a live Envoy reach new
 //! handshakes without dropping its stream; a bad rotation keeps the last good files.
-use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

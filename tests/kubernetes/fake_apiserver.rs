@@ -1,6 +1,5 @@
 //! The fake Kubernetes API server against the real kube-rs client: lists, the watcher's
 //! list-then-watch cycle, and its recovery from dropped watches, 410 Gone and an outage.
-use crate::support;
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;

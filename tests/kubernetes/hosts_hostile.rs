@@ -11,7 +11,6 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::support;
 use support::*;
 
 const DEADLINE: Duration = Duration::from_secs(30);

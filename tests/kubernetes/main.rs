@@ -2,9 +2,6 @@
 //! source end to end (fake API server, simulated Ray, a real Envoy), host ownership
 //! between namespaces, and the manifests in `deploy/`.
 
-#[path = "../support/mod.rs"]
-mod support;
-
 mod deploy_manifests;
 mod fake_apiserver;
 mod hosts_hostile;

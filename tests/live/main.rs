@@ -2,9 +2,6 @@
 //! (simulated) dashboard end to end, and the simulator checked against captures of a real
 //! Ray 2.60 proxy.
 
-#[path = "../support/mod.rs"]
-mod support;
-
 mod discovery;
 mod prober;
 mod sim_conformance;

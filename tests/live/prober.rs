@@ -1,6 +1,5 @@
 //! The prober against real sockets: refused, hanging, draining, not ready, wrong body,
 //! slow and flapping proxies; and the dashboard poller against the simulated dashboard.
-use crate::support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

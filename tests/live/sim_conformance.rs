@@ -1,6 +1,5 @@
 //! The simulated Ray Serve proxy answers like the real one: checked against the captures
 //! of a real Ray 2.60 proxy in `tests/fixtures/ray-serve-2.60/`.
-use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -6,7 +6,6 @@
 //! a time with the other real-Ray tests). The clusters are given by their dashboard alone;
 //! Ray's nodes are on 198.18.0.0/15 while the dashboard answers on 127.0.0.1, so
 //! `proxies.networks` allows that range.
-use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};

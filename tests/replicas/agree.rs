@@ -2,7 +2,6 @@
 //! switchovers (`replicas.peers`), a real Envoy on each, through a progressive shift: the
 //! weights each publishes are sampled side by side, and one replica restarted mid-shift
 //! resumes where the other is instead of starting the shift over.
-use crate::support;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

@@ -1,8 +1,5 @@
 //! Replicas that agree: two ray-xds replicas through a progressive shift, and peers that
 //! lie, skew, echo, flood or hang.
 
-#[path = "../support/mod.rs"]
-mod support;
-
 mod agree;
 mod hostile;

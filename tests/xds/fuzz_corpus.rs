@@ -1,6 +1,6 @@
 //! Replays the fuzzers' corpus on the stable toolchain: every file of
 //! `fuzz/corpus/<target>/` and `fuzz/regressions/<target>/` goes through the same body the
-//! cargo-fuzz target runs (`tests/support/fuzz_bodies.rs`), so every input a fuzzer found
+//! cargo-fuzz target runs (`fuzz/bodies.rs`), so every input a fuzzer found
 //! interesting, and every crash it found, stays a test. A target whose corpus is missing
 //! or empty fails. How to fuzz: `tests/README.md`, "Fuzzing".
 //!
@@ -10,7 +10,7 @@
 // A test is a scenario read top to bottom: its steps stay in one function.
 #![allow(clippy::too_many_lines)]
 
-#[path = "../support/fuzz_bodies.rs"]
+#[path = "../../fuzz/bodies.rs"]
 mod fuzz_bodies;
 
 use std::path::{Path, PathBuf};

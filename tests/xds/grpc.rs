@@ -1,6 +1,5 @@
 //! The tonic server on port 0, driven by envoy-types' own ADS client, both protocols,
 //! including misbehaving clients.
-use crate::support;
 
 use std::time::Duration;
 

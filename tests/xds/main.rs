@@ -2,9 +2,6 @@
 //! protocols, misbehaving clients), mTLS on its port under attack, the golden resources
 //! `translate` produces, the Envoy descriptors `/debug` prints with, and the fuzzers' corpus.
 
-#[path = "../support/mod.rs"]
-mod support;
-
 mod descriptors;
 mod fuzz_corpus;
 mod golden;

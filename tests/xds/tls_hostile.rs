@@ -6,7 +6,6 @@
 //! only when ray-xds behaves safely. The tests whose comments say FINDING failed when
 //! written (each comment says what was wrong and what is safe); all were fixed. The
 //! others pin attacks ray-xds survived, so that a regression is caught.
-use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -1,6 +1,5 @@
 //! Test harness: real Envoy processes, in-process ray-xds and simulated Ray Serve proxies,
 //! free ports, and processes that die with the test.
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener as StdListener};
@@ -31,8 +30,9 @@ pub mod tls;
 #[allow(unused_imports)]
 pub use stack::Stack;
 
+/// The project's root folder (this crate is `crates/test-support` in it).
 pub fn project_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 /// A port that was free a moment ago (for processes that cannot bind port 0 themselves),
