@@ -12,7 +12,7 @@
 //! cluster within its share always gets in, dropping the statuses of clusters over
 //! theirs (they become unknown and stale, as if their dashboards were down).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -157,8 +157,6 @@ impl DashboardPoller {
     /// Polls until `shutdown`. A cluster name received on `refresh` is polled at once and
     /// its answer published even if unchanged: the switchover asks for that when it needs
     /// an answer given after a switch began.
-    // Over the 100 lines a reader can hold; to split along its seams: the poll round, and the publication of its answers.
-    #[allow(clippy::too_many_lines)]
     pub async fn run(
         self,
         mut models: watch::Receiver<Arc<Model>>,
@@ -166,61 +164,23 @@ impl DashboardPoller {
         refresh: &mut mpsc::UnboundedReceiver<String>,
         shutdown: CancellationToken,
     ) {
-        let client = Arc::new(DashboardClient::new(self.timeout));
-        let (tx, mut rx) =
-            mpsc::channel::<(String, String, Result<ServeStatus, DashboardError>, bool)>(64);
-        let mut tasks: BTreeMap<String, (String, JoinHandle<()>)> = BTreeMap::new();
-        let mut current = DashboardStates::default();
-        let mut budget = FairBudget::new(self.memory_budget);
-        let mut wanted_fresh = std::collections::BTreeSet::new();
+        let (tx, mut rx) = mpsc::channel::<Answer>(64);
+        let mut polls = Polls {
+            client: Arc::new(DashboardClient::new(self.timeout)),
+            tx,
+            tasks: BTreeMap::new(),
+            current: DashboardStates::default(),
+            budget: FairBudget::new(self.memory_budget),
+            wanted_fresh: BTreeSet::new(),
+            poller: &self,
+            states: &states,
+        };
         let mut models_changed = true;
         loop {
             if models_changed {
                 models_changed = false;
                 let wanted = dashboards(&models.borrow_and_update());
-                tasks.retain(|cluster, (url, task)| {
-                    let keep = wanted.get(cluster) == Some(url);
-                    if !keep {
-                        task.abort();
-                    }
-                    keep
-                });
-                for (cluster, url) in &wanted {
-                    tasks.entry(cluster.clone()).or_insert_with(|| {
-                        let (client, tx, interval) = (client.clone(), tx.clone(), self.interval);
-                        let (c, u) = (cluster.clone(), url.clone());
-                        let task = tokio::spawn(async move {
-                            loop {
-                                let result = client.fetch(&u).await;
-                                if tx
-                                    .send((c.clone(), u.clone(), result, false))
-                                    .await
-                                    .is_err()
-                                {
-                                    return;
-                                }
-                                tokio::time::sleep(interval).await;
-                            }
-                        });
-                        (url.clone(), task)
-                    });
-                }
-                let before = current.clone();
-                current
-                    .clusters
-                    .retain(|c, d| wanted.get(c) == Some(&d.url));
-                budget.retain(|c| current.clusters.contains_key(c));
-                self.answered.retain(|c| current.clusters.contains_key(c));
-                self.metrics.set_held_bytes("dashboards", budget.total());
-                for (cluster, url) in &wanted {
-                    current
-                        .clusters
-                        .entry(cluster.clone())
-                        .or_insert_with(|| ClusterDashboard::new(url.clone()));
-                }
-                if current != before {
-                    states.send_replace(Arc::new(current.clone()));
-                }
+                polls.follow(&wanted);
             }
             tokio::select! {
                 _ = shutdown.cancelled() => break,
@@ -228,61 +188,157 @@ impl DashboardPoller {
                     if changed.is_err() { break; }
                     models_changed = true;
                 }
-                Some(cluster) = refresh.recv() => {
-                    // Whichever answer comes next (this one, or the regular poll's if the
-                    // cluster is not known yet) is published even if unchanged.
-                    wanted_fresh.insert(cluster.clone());
-                    if let Some(d) = current.clusters.get(&cluster) {
-                        let (client, tx, url) = (client.clone(), tx.clone(), d.url.clone());
-                        tokio::spawn(async move {
-                            let result = client.fetch(&url).await;
-                            let _ = tx.send((cluster, url, result, true)).await;
-                        });
-                    }
-                }
-                Some((cluster, url, result, forced)) = rx.recv() => {
-                    let forced = wanted_fresh.remove(&cluster) || forced;
-                    if current.clusters.get(&cluster).is_none_or(|d| d.url != url) {
-                        continue;
-                    }
-                    if result.is_ok() {
-                        self.answered.set(&cluster, unix(SystemTime::now()));
-                    }
-                    let result = match result {
-                        Ok(status) => match budget.admit(&cluster, status.estimated_bytes()) {
-                            Ok(evicted) => {
-                                for hog in evicted {
-                                    drop_over_budget(&mut current, &hog, &self.metrics);
-                                }
-                                Ok(status)
-                            }
-                            Err(over) => Err(DashboardError::OverBudget(over.to_string())),
-                        },
-                        Err(e) => Err(e),
-                    };
-                    self.metrics.set_held_bytes("dashboards", budget.total());
-                    let Some(entry) = current.clusters.get_mut(&cluster) else { continue };
-                    if let Err(e) = &result {
-                        self.metrics.dashboard_errors.get_or_create(&ErrorLabels { reason: e.metric_label() }).inc();
-                        if !entry.stale {
-                            tracing::warn!(cluster, url, error = %e, "Ray dashboard did not answer; keeping its last known state");
-                        }
-                    } else if entry.stale {
-                        tracing::info!(cluster, url, "Ray dashboard answers again");
-                    }
-                    let before = entry.clone();
-                    entry.apply(result, SystemTime::now());
-                    // Only the status, staleness and errors matter to readers; a poll that
-                    // changes nothing but the success time is not worth a new snapshot.
-                    let changed = before.status != entry.status || before.stale != entry.stale || before.last_error != entry.last_error;
-                    if changed || forced {
-                        states.send_replace(Arc::new(current.clone()));
-                    }
-                }
+                Some(cluster) = refresh.recv() => polls.refresh(cluster),
+                Some(answer) = rx.recv() => polls.answer(answer),
             }
         }
-        for (_, (_, task)) in tasks {
+        for (_, (_, task)) in polls.tasks {
             task.abort();
+        }
+    }
+}
+
+/// One dashboard's answer: the cluster, the URL asked, what it said, and whether it was
+/// asked for out of turn (`refresh`).
+type Answer = (String, String, Result<ServeStatus, DashboardError>, bool);
+
+/// The poller's state: a polling task per dashboard, what each last said (published on
+/// `states`), and what the statuses hold of the memory budget.
+struct Polls<'a> {
+    client: Arc<DashboardClient>,
+    tx: mpsc::Sender<Answer>,
+    tasks: BTreeMap<String, (String, JoinHandle<()>)>,
+    current: DashboardStates,
+    budget: FairBudget<String>,
+    /// Clusters whose next answer is published even if unchanged.
+    wanted_fresh: BTreeSet<String>,
+    poller: &'a DashboardPoller,
+    states: &'a watch::Sender<Arc<DashboardStates>>,
+}
+
+impl Polls<'_> {
+    /// Polls exactly the dashboards `wanted` names (Envoy cluster → URL): a task for each
+    /// new one, none for one that went or moved; what a gone one said is forgotten.
+    fn follow(&mut self, wanted: &BTreeMap<String, String>) {
+        self.tasks.retain(|cluster, (url, task)| {
+            let keep = wanted.get(cluster) == Some(url);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for (cluster, url) in wanted {
+            self.tasks.entry(cluster.clone()).or_insert_with(|| {
+                let (client, tx) = (self.client.clone(), self.tx.clone());
+                let interval = self.poller.interval;
+                let (c, u) = (cluster.clone(), url.clone());
+                let task = tokio::spawn(async move {
+                    loop {
+                        let result = client.fetch(&u).await;
+                        if tx
+                            .send((c.clone(), u.clone(), result, false))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                        tokio::time::sleep(interval).await;
+                    }
+                });
+                (url.clone(), task)
+            });
+        }
+        let before = self.current.clone();
+        self.current
+            .clusters
+            .retain(|c, d| wanted.get(c) == Some(&d.url));
+        let current = &self.current;
+        self.budget.retain(|c| current.clusters.contains_key(c));
+        self.poller
+            .answered
+            .retain(|c| current.clusters.contains_key(c));
+        self.poller
+            .metrics
+            .set_held_bytes("dashboards", self.budget.total());
+        for (cluster, url) in wanted {
+            self.current
+                .clusters
+                .entry(cluster.clone())
+                .or_insert_with(|| ClusterDashboard::new(url.clone()));
+        }
+        if self.current != before {
+            self.states.send_replace(Arc::new(self.current.clone()));
+        }
+    }
+
+    /// Asks `cluster`'s dashboard now. Whichever answer comes next (this one, or the
+    /// regular poll's if the cluster is not known yet) is published even if unchanged.
+    fn refresh(&mut self, cluster: String) {
+        self.wanted_fresh.insert(cluster.clone());
+        if let Some(d) = self.current.clusters.get(&cluster) {
+            let (client, tx, url) = (self.client.clone(), self.tx.clone(), d.url.clone());
+            tokio::spawn(async move {
+                let result = client.fetch(&url).await;
+                let _ = tx.send((cluster, url, result, true)).await;
+            });
+        }
+    }
+
+    /// One answer: within the memory budget (evicting clusters over their share) or
+    /// refused as over it, applied to its cluster's state, published when what readers
+    /// see changed (or a fresh answer was asked for).
+    fn answer(&mut self, (cluster, url, result, forced): Answer) {
+        let forced = self.wanted_fresh.remove(&cluster) || forced;
+        if self
+            .current
+            .clusters
+            .get(&cluster)
+            .is_none_or(|d| d.url != url)
+        {
+            return;
+        }
+        let metrics = &self.poller.metrics;
+        if result.is_ok() {
+            self.poller.answered.set(&cluster, unix(SystemTime::now()));
+        }
+        let result = match result {
+            Ok(status) => match self.budget.admit(&cluster, status.estimated_bytes()) {
+                Ok(evicted) => {
+                    for hog in evicted {
+                        drop_over_budget(&mut self.current, &hog, metrics);
+                    }
+                    Ok(status)
+                }
+                Err(over) => Err(DashboardError::OverBudget(over.to_string())),
+            },
+            Err(e) => Err(e),
+        };
+        metrics.set_held_bytes("dashboards", self.budget.total());
+        let Some(entry) = self.current.clusters.get_mut(&cluster) else {
+            return;
+        };
+        if let Err(e) = &result {
+            metrics
+                .dashboard_errors
+                .get_or_create(&ErrorLabels {
+                    reason: e.metric_label(),
+                })
+                .inc();
+            if !entry.stale {
+                tracing::warn!(cluster, url, error = %e, "Ray dashboard did not answer; keeping its last known state");
+            }
+        } else if entry.stale {
+            tracing::info!(cluster, url, "Ray dashboard answers again");
+        }
+        let before = entry.clone();
+        entry.apply(result, SystemTime::now());
+        // Only the status, staleness and errors matter to readers; a poll that changes
+        // nothing but the success time is not worth a new snapshot.
+        let changed = before.status != entry.status
+            || before.stale != entry.stale
+            || before.last_error != entry.last_error;
+        if changed || forced {
+            self.states.send_replace(Arc::new(self.current.clone()));
         }
     }
 }

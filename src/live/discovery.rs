@@ -44,11 +44,11 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::dashboard::ServeStatus;
-use super::dashboards::DashboardStates;
+use super::dashboards::{ClusterDashboard, DashboardStates};
 use crate::metrics::Metrics;
 use crate::model::{
     canonical_ip, contested_replicas, AddressPolicy, AddressRefusal, Application, Model, Protocol,
-    Proxy, ProxyOrigin, ReplicaNodes,
+    Proxy, ProxyOrigin, RayCluster, ReplicaNodes,
 };
 
 /// A proxy left out of the effective model by the [`AddressPolicy`].
@@ -172,94 +172,24 @@ fn dashboard_ip(url: &str, answered_from: Option<IpAddr>) -> Option<IpAddr> {
 
 /// The effective model: `model` with every discovering cluster's proxies taken from its
 /// dashboard's last known answer in `dashboards`, and every proxy the address `policy`
-/// refuses left out (and listed in [`Discovered::refused`]).
-// Over the 100 lines a reader can hold; to split along its seams: proxies, then applications and replicas, then the address policy's refusals.
-#[allow(clippy::too_many_lines)]
+/// refuses left out (and listed in [`Discovered::refused`]); then each cluster's
+/// applications and ingress replicas, under the same policy.
 pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPolicy) -> Discovered {
     let mut refused = Vec::new();
     let model = model.with_proxies(|envoy_cluster, cluster| {
-        let (candidates, origin) = if cluster.discover {
-            let dashboard = dashboards
-                .clusters
-                .get(envoy_cluster)
-                .filter(|d| cluster.dashboard.as_deref() == Some(d.url.as_str()));
-            let answer = dashboard.and_then(|d| d.status.as_ref());
-            let proxies: Vec<Proxy> = answer
-                .map(|status| {
-                    status
-                        .http_proxies
-                        .iter()
-                        .map(|p| Proxy {
-                            address: p.address,
-                            // The source's port, else the one Ray reports.
-                            grpc: cluster
-                                .grpc_port
-                                .or(status.grpc_port)
-                                .map(|port| SocketAddr::new(p.address.ip(), port)),
-                            node_type: p.node_type,
-                            draining: false,
-                            host_network: false,
-                        })
-                        .collect()
-                })
-                .unwrap_or_default();
-            let ip =
-                dashboard.and_then(|d| dashboard_ip(&d.url, answer.and_then(|s| s.answered_from)));
-            (proxies, ProxyOrigin::Dashboard(ip))
-        } else {
-            (cluster.proxies.clone(), ProxyOrigin::Source)
-        };
-        let http: BTreeSet<SocketAddr> = candidates.iter().map(|p| p.address).collect();
-        let mut refuse = |address, origin, why: AddressRefusal, what: &str| {
-            refused.push(RefusedProxy {
-                cluster: envoy_cluster.to_string(),
-                address,
-                from: match origin {
-                    ProxyOrigin::Source | ProxyOrigin::HostNetwork => "source",
-                    ProxyOrigin::Dashboard(_) => "dashboard",
-                },
-                label: why.label(),
-                reason: format!("{what}{why}"),
-            })
-        };
-        candidates
-            .into_iter()
-            .filter_map(|mut p| {
-                // A hostNetwork pod's address is its node's: not trusted as the source's.
-                let origin = match origin {
-                    ProxyOrigin::Source if p.host_network => ProxyOrigin::HostNetwork,
-                    origin => origin,
-                };
-                if let Err(why) = policy.check(p.address, origin) {
-                    refuse(p.address, origin, why, "");
-                    return None;
-                }
-                // Its gRPC endpoint by the same policy: refused, the proxy keeps HTTP.
-                if let Some(grpc) = p.grpc {
-                    let checked = if http.contains(&grpc) {
-                        Err(AddressRefusal::ProtocolClash)
-                    } else {
-                        policy.check(grpc, origin)
-                    };
-                    if let Err(why) = checked {
-                        refuse(grpc, origin, why, "gRPC: ");
-                        p.grpc = None;
-                    }
-                }
-                Some(p)
-            })
-            .collect()
+        let dashboard = cluster_dashboard(dashboards, envoy_cluster, cluster);
+        let (candidates, origin) = candidates(cluster, dashboard);
+        checked_proxies(envoy_cluster, candidates, origin, policy, &mut refused)
     });
     let mut given: Vec<(String, Vec<Application>)> = Vec::new();
     let model = model.with_applications(|envoy_cluster, cluster| {
-        let dashboard = dashboards
-            .clusters
-            .get(envoy_cluster)
-            .filter(|d| cluster.dashboard.as_deref() == Some(d.url.as_str()));
         // Until the dashboard answers, what the source says (Kubernetes: the Serve config).
-        let Some(status) = dashboard.and_then(|d| d.status.as_ref()) else {
+        let Some(dashboard) =
+            cluster_dashboard(dashboards, envoy_cluster, cluster).filter(|d| d.status.is_some())
+        else {
             return (false, cluster.applications.clone());
         };
+        let status = dashboard.status.as_ref().expect("filtered above");
         let listed: BTreeSet<IpAddr> = cluster
             .proxies
             .iter()
@@ -267,9 +197,7 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
             .map(|p| canonical_ip(p.address.ip()))
             .collect();
         let nodes = if cluster.discover {
-            ReplicaNodes::Dashboard(
-                dashboard.and_then(|d| dashboard_ip(&d.url, status.answered_from)),
-            )
+            ReplicaNodes::Dashboard(dashboard_ip(&dashboard.url, status.answered_from))
         } else {
             ReplicaNodes::Listed(&listed)
         };
@@ -291,10 +219,118 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
         given.push((envoy_cluster.to_string(), applications.clone()));
         (status.ingress.on, applications)
     });
-    // Addresses two lists claim (or a proxy's): `with_applications` gives them to nobody.
+    refuse_claimed_twice(&model, &given, &mut refused);
+    refused.sort();
+    refused.dedup();
+    Discovered { model, refused }
+}
+
+/// The last answer of `cluster`'s own dashboard (one at the URL the source names).
+fn cluster_dashboard<'a>(
+    dashboards: &'a DashboardStates,
+    envoy_cluster: &str,
+    cluster: &RayCluster,
+) -> Option<&'a ClusterDashboard> {
+    dashboards
+        .clusters
+        .get(envoy_cluster)
+        .filter(|d| cluster.dashboard.as_deref() == Some(d.url.as_str()))
+}
+
+/// A cluster's proxies before the address policy: those its dashboard lists (when it
+/// discovers them; none before the dashboard answers) or those the source lists.
+fn candidates(
+    cluster: &RayCluster,
+    dashboard: Option<&ClusterDashboard>,
+) -> (Vec<Proxy>, ProxyOrigin) {
+    if !cluster.discover {
+        return (cluster.proxies.clone(), ProxyOrigin::Source);
+    }
+    let answer = dashboard.and_then(|d| d.status.as_ref());
+    let proxies: Vec<Proxy> = answer
+        .map(|status| {
+            status
+                .http_proxies
+                .iter()
+                .map(|p| Proxy {
+                    address: p.address,
+                    // The source's port, else the one Ray reports.
+                    grpc: cluster
+                        .grpc_port
+                        .or(status.grpc_port)
+                        .map(|port| SocketAddr::new(p.address.ip(), port)),
+                    node_type: p.node_type,
+                    draining: false,
+                    host_network: false,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let ip = dashboard.and_then(|d| dashboard_ip(&d.url, answer.and_then(|s| s.answered_from)));
+    (proxies, ProxyOrigin::Dashboard(ip))
+}
+
+/// The `candidates` the address policy lets through; a refused gRPC endpoint is dropped
+/// alone (the proxy keeps HTTP). Every refusal goes to `refused`.
+fn checked_proxies(
+    envoy_cluster: &str,
+    candidates: Vec<Proxy>,
+    origin: ProxyOrigin,
+    policy: &AddressPolicy,
+    refused: &mut Vec<RefusedProxy>,
+) -> Vec<Proxy> {
+    let http: BTreeSet<SocketAddr> = candidates.iter().map(|p| p.address).collect();
+    let mut refuse = |address, origin, why: AddressRefusal, what: &str| {
+        refused.push(RefusedProxy {
+            cluster: envoy_cluster.to_string(),
+            address,
+            from: match origin {
+                ProxyOrigin::Source | ProxyOrigin::HostNetwork => "source",
+                ProxyOrigin::Dashboard(_) => "dashboard",
+            },
+            label: why.label(),
+            reason: format!("{what}{why}"),
+        })
+    };
+    candidates
+        .into_iter()
+        .filter_map(|mut p| {
+            // A hostNetwork pod's address is its node's: not trusted as the source's.
+            let origin = match origin {
+                ProxyOrigin::Source if p.host_network => ProxyOrigin::HostNetwork,
+                origin => origin,
+            };
+            if let Err(why) = policy.check(p.address, origin) {
+                refuse(p.address, origin, why, "");
+                return None;
+            }
+            // Its gRPC endpoint by the same policy: refused, the proxy keeps HTTP.
+            if let Some(grpc) = p.grpc {
+                let checked = if http.contains(&grpc) {
+                    Err(AddressRefusal::ProtocolClash)
+                } else {
+                    policy.check(grpc, origin)
+                };
+                if let Err(why) = checked {
+                    refuse(grpc, origin, why, "gRPC: ");
+                    p.grpc = None;
+                }
+            }
+            Some(p)
+        })
+        .collect()
+}
+
+/// Replica addresses two lists claim, or a proxy's: `with_applications` gives them to
+/// nobody; each is reported where it was listed.
+fn refuse_claimed_twice(
+    model: &Model,
+    given: &[(String, Vec<Application>)],
+    refused: &mut Vec<RefusedProxy>,
+) {
     let contested = contested_replicas(given.iter().flat_map(|(_, l)| l));
     let proxies = model.proxy_addresses();
-    for (cluster, list) in &given {
+    for (cluster, list) in given {
         for app in list {
             for (protocol, replicas) in [
                 (Protocol::Http, &app.http_replicas),
@@ -319,9 +355,6 @@ pub fn discover(model: &Model, dashboards: &DashboardStates, policy: &AddressPol
             }
         }
     }
-    refused.sort();
-    refused.dedup();
-    Discovered { model, refused }
 }
 
 /// The applications a dashboard answer lists, each with the ingress replicas `allowed`

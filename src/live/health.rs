@@ -184,8 +184,9 @@ pub struct Facts<'a> {
     pub leaving: Option<&'a BTreeMap<String, Vec<SocketAddr>>>,
 }
 
-// Over the 100 lines a reader can hold; to split along its seams: proxies, then replicas, then fail-open per cluster.
-#[allow(clippy::too_many_lines)]
+/// Every endpoint's verdict and every Envoy cluster's counts: each RayCluster's proxies
+/// per protocol (a gRPC endpoint is judged by the same rules as its node's HTTP one, on
+/// its own probe, in an Envoy cluster of its own), then its ingress replicas.
 pub fn assess(
     model: &Model,
     probes: &ProbeStates,
@@ -196,125 +197,181 @@ pub fn assess(
     let mut out = HealthMap::default();
     for service in model.services() {
         for cluster in &service.clusters {
-            // A gRPC endpoint is judged by the same rules as its node's HTTP one, on its own
-            // probe (`Healthz`), in an Envoy cluster of its own; route prefixes are HTTP's
-            // only (the gRPC proxy picks the application from the call's metadata).
             for protocol in [Protocol::Http, Protocol::Grpc] {
                 if protocol == Protocol::Grpc && !cluster.serves_grpc() {
                     continue;
                 }
-                // The dashboard is the RayCluster's, whichever protocol.
-                let dashboard = dashboards
-                    .clusters
-                    .get(&service.envoy_cluster_name(&cluster.name))
-                    .and_then(|d| d.status.as_ref());
-                let name = service.envoy_cluster_name_for(&cluster.name, protocol);
-                // Route prefixes of the applications the dashboard says are RUNNING.
-                let required: BTreeSet<String> = dashboard
-                    .filter(|_| protocol == Protocol::Http)
-                    .map(|d| {
-                        d.applications
-                            .values()
-                            .filter(|a| a.status == AppStatus::Running)
-                            .filter_map(|a| a.route_prefix.clone())
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                let serves_all = |address: &SocketAddr| {
-                    probes.proxies.get(address).is_some_and(|probe| {
-                        probe.state == ProbeState::Healthy
-                            && (required.is_empty()
-                                || probe.routes.as_ref().is_some_and(|r| required.is_subset(r)))
-                    })
+                let judge = ProxyJudge {
+                    service,
+                    cluster,
+                    protocol,
+                    probes,
+                    dashboards,
+                    withheld: &withheld,
                 };
-                // Enforced only while some healthy proxy serves them all, so that a new
-                // application (or routes not re-read yet) never drains the whole cluster.
-                let enforce_routes = !required.is_empty()
-                    && cluster
-                        .endpoints(protocol)
-                        .any(|(address, _)| serves_all(&address));
-                let mut summary = ClusterHealth::default();
-                let mut verdicts: Vec<(SocketAddr, NodeType, Verdict)> = Vec::new();
-                for (address, proxy) in cluster.endpoints(protocol) {
-                    let probe = probes.proxies.get(&address);
-                    let mut v = probe_verdict(probes, &address);
-                    if v.health == EndpointHealth::Unknown && withheld(&address) {
-                        v = verdict(EndpointHealth::Withheld, Reason::AwaitingFirstProbe);
-                    }
-                    if proxy.draining {
-                        v = verdict(EndpointHealth::Draining, Reason::SourceDraining);
-                    }
-                    if let Some(ProxyStatus::Draining) =
-                        dashboard.and_then(|d| d.proxy_status_at(proxy.address))
-                    {
-                        v = verdict(EndpointHealth::Draining, Reason::DashboardDraining);
-                    }
-                    if v.health == EndpointHealth::Healthy && enforce_routes {
-                        match probe.and_then(|p| p.routes.as_ref()) {
-                            Some(routes) if required.is_subset(routes) => {}
-                            Some(routes) => {
-                                let missing = required.difference(routes).cloned().collect();
-                                v = verdict(
-                                    EndpointHealth::Draining,
-                                    Reason::MissingRoutes(missing),
-                                );
-                            }
-                            None => v = verdict(EndpointHealth::Draining, Reason::RoutesUnknown),
-                        }
-                    }
-                    if v.health == EndpointHealth::Healthy && serves_all(&address) {
-                        summary.ready += 1;
-                    }
-                    verdicts.push((address, proxy.node_type, v));
-                }
-
-                // Fail-open: every proxy that could serve fails its probe.
-                fail_open(verdicts.iter_mut().map(|(_, _, v)| v), &mut summary);
-
-                let worker_up = verdicts.iter().any(|(_, t, v)| {
-                    *t == NodeType::Worker
-                        && matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
-                });
-                for (_, node_type, v) in verdicts.iter_mut() {
-                    if *node_type != NodeType::Head
-                        || matches!(
-                            v.health,
-                            EndpointHealth::Draining | EndpointHealth::Withheld
-                        )
-                    {
-                        continue;
-                    }
-                    match service.policy.head_proxy {
-                        HeadProxy::Include => {}
-                        HeadProxy::Exclude => {
-                            *v = verdict(EndpointHealth::Draining, Reason::HeadExcluded)
-                        }
-                        HeadProxy::Fallback if worker_up => {
-                            *v = verdict(EndpointHealth::Draining, Reason::HeadFallback)
-                        }
-                        HeadProxy::Fallback => {}
-                    }
-                }
-
-                let departed = facts
-                    .departed
-                    .is_some_and(|d| d.contains(&service.envoy_cluster_name(&cluster.name)));
-                for (address, _, mut v) in verdicts {
-                    if departed && v.health != EndpointHealth::Withheld {
-                        v = verdict(EndpointHealth::Draining, Reason::ClusterDeparted);
-                    }
-                    count(&v, &mut summary);
-                    out.endpoints.insert((name.clone(), address), v);
-                }
-                if departed {
-                    summary.ready = 0;
-                }
-                out.clusters.insert(name, summary);
+                judge.assess(facts, &mut out);
             }
             assess_replicas(service, cluster, probes, &withheld, facts, &mut out);
         }
     }
     out
+}
+
+/// What judging one RayCluster's proxies for one protocol reads.
+struct ProxyJudge<'a> {
+    service: &'a RayService,
+    cluster: &'a RayCluster,
+    protocol: Protocol,
+    probes: &'a ProbeStates,
+    dashboards: &'a DashboardStates,
+    withheld: &'a dyn Fn(&SocketAddr) -> bool,
+}
+
+impl ProxyJudge<'_> {
+    /// The proxies' verdicts in their Envoy cluster: probe, withheld, draining (source or
+    /// dashboard), missing routes, fail-open, the head policy, a departed cluster.
+    fn assess(&self, facts: Facts<'_>, out: &mut HealthMap) {
+        let (service, cluster, protocol) = (self.service, self.cluster, self.protocol);
+        // The dashboard is the RayCluster's, whichever protocol.
+        let dashboard = self
+            .dashboards
+            .clusters
+            .get(&service.envoy_cluster_name(&cluster.name))
+            .and_then(|d| d.status.as_ref());
+        // Route prefixes of the applications the dashboard says are RUNNING; route
+        // prefixes are HTTP's only (the gRPC proxy picks the application from the call's
+        // metadata).
+        let required: BTreeSet<String> = dashboard
+            .filter(|_| protocol == Protocol::Http)
+            .map(|d| {
+                d.applications
+                    .values()
+                    .filter(|a| a.status == AppStatus::Running)
+                    .filter_map(|a| a.route_prefix.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let serves_all = |address: &SocketAddr| {
+            self.probes.proxies.get(address).is_some_and(|probe| {
+                probe.state == ProbeState::Healthy
+                    && (required.is_empty()
+                        || probe.routes.as_ref().is_some_and(|r| required.is_subset(r)))
+            })
+        };
+        // Enforced only while some healthy proxy serves them all, so that a new
+        // application (or routes not re-read yet) never drains the whole cluster.
+        let enforce_routes = !required.is_empty()
+            && cluster
+                .endpoints(protocol)
+                .any(|(address, _)| serves_all(&address));
+        let mut summary = ClusterHealth::default();
+        let mut verdicts: Vec<(SocketAddr, NodeType, Verdict)> = Vec::new();
+        for (address, proxy) in cluster.endpoints(protocol) {
+            let mut v = probe_verdict(self.probes, &address);
+            if v.health == EndpointHealth::Unknown && (self.withheld)(&address) {
+                v = verdict(EndpointHealth::Withheld, Reason::AwaitingFirstProbe);
+            }
+            if proxy.draining {
+                v = verdict(EndpointHealth::Draining, Reason::SourceDraining);
+            }
+            if let Some(ProxyStatus::Draining) =
+                dashboard.and_then(|d| d.proxy_status_at(proxy.address))
+            {
+                v = verdict(EndpointHealth::Draining, Reason::DashboardDraining);
+            }
+            if v.health == EndpointHealth::Healthy && enforce_routes {
+                let routes = self
+                    .probes
+                    .proxies
+                    .get(&address)
+                    .and_then(|p| p.routes.as_deref());
+                if let Some(missing) = missing_routes(&required, routes) {
+                    v = missing;
+                }
+            }
+            if v.health == EndpointHealth::Healthy && serves_all(&address) {
+                summary.ready += 1;
+            }
+            verdicts.push((address, proxy.node_type, v));
+        }
+        // Fail-open: every proxy that could serve fails its probe.
+        fail_open(verdicts.iter_mut().map(|(_, _, v)| v), &mut summary);
+        apply_head_policy(service.policy.head_proxy, &mut verdicts);
+        let departed = facts
+            .departed
+            .is_some_and(|d| d.contains(&service.envoy_cluster_name(&cluster.name)));
+        let name = service.envoy_cluster_name_for(&cluster.name, protocol);
+        let verdicts = verdicts.into_iter().map(|(address, _, v)| (address, v));
+        publish_cluster(name, verdicts, departed, summary, out);
+    }
+}
+
+/// A healthy proxy's verdict when it does not serve every route `required` (DRAINING,
+/// naming what it misses) or its routes are not known; `None` when it serves them all.
+fn missing_routes(
+    required: &BTreeSet<String>,
+    routes: Option<&BTreeSet<String>>,
+) -> Option<Verdict> {
+    match routes {
+        Some(routes) if required.is_subset(routes) => None,
+        Some(routes) => {
+            let missing = required.difference(routes).cloned().collect();
+            Some(verdict(
+                EndpointHealth::Draining,
+                Reason::MissingRoutes(missing),
+            ))
+        }
+        None => Some(verdict(EndpointHealth::Draining, Reason::RoutesUnknown)),
+    }
+}
+
+/// The head's proxy by `head_proxy`: included; excluded; or, as a fallback, drained
+/// while a worker's proxy is up (healthy or not known to be down).
+fn apply_head_policy(head_proxy: HeadProxy, verdicts: &mut [(SocketAddr, NodeType, Verdict)]) {
+    let worker_up = verdicts.iter().any(|(_, t, v)| {
+        *t == NodeType::Worker
+            && matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
+    });
+    for (_, node_type, v) in verdicts.iter_mut() {
+        if *node_type != NodeType::Head
+            || matches!(
+                v.health,
+                EndpointHealth::Draining | EndpointHealth::Withheld
+            )
+        {
+            continue;
+        }
+        match head_proxy {
+            HeadProxy::Include => {}
+            HeadProxy::Exclude => *v = verdict(EndpointHealth::Draining, Reason::HeadExcluded),
+            HeadProxy::Fallback if worker_up => {
+                *v = verdict(EndpointHealth::Draining, Reason::HeadFallback)
+            }
+            HeadProxy::Fallback => {}
+        }
+    }
+}
+
+/// One Envoy cluster's verdicts and counts into `out`; in a cluster the source dropped,
+/// every endpoint but a withheld one drains and none counts ready.
+fn publish_cluster(
+    name: String,
+    verdicts: impl IntoIterator<Item = (SocketAddr, Verdict)>,
+    departed: bool,
+    mut summary: ClusterHealth,
+    out: &mut HealthMap,
+) {
+    for (address, mut v) in verdicts {
+        if departed && v.health != EndpointHealth::Withheld {
+            v = verdict(EndpointHealth::Draining, Reason::ClusterDeparted);
+        }
+        count(&v, &mut summary);
+        out.endpoints.insert((name.clone(), address), v);
+    }
+    if departed {
+        summary.ready = 0;
+    }
+    out.clusters.insert(name, summary);
 }
 
 /// The ingress replicas of each application of `cluster` (Ray's direct ingress), each
@@ -388,17 +445,7 @@ fn assess_replicas(
                 };
                 out.endpoints.insert((name.clone(), *address), v);
             }
-            for (address, mut v) in verdicts {
-                if departed && v.health != EndpointHealth::Withheld {
-                    v = verdict(EndpointHealth::Draining, Reason::ClusterDeparted);
-                }
-                count(&v, &mut summary);
-                out.endpoints.insert((name.clone(), address), v);
-            }
-            if departed {
-                summary.ready = 0;
-            }
-            out.clusters.insert(name, summary);
+            publish_cluster(name, verdicts, departed, summary, out);
         }
     }
 }

@@ -168,93 +168,36 @@ pub struct Prober {
     pub heartbeat: Arc<Heartbeat>,
 }
 
+/// The running prober's state: a probe task per target, every proxy's state (published on
+/// the states channel), when each last reported, and the route tables kept.
+struct Probing {
+    client: HttpClient,
+    permits: ProbePermits,
+    reports: mpsc::Sender<Report>,
+    tasks: BTreeMap<SocketAddr, (Target, JoinHandle<()>)>,
+    current: ProbeStates,
+    fresh: BTreeMap<SocketAddr, Instant>,
+    routes: Routes,
+}
+
 impl Prober {
     /// Probes until `shutdown`, following the proxies in `models`.
-    // Over the 100 lines a reader can hold; to split along its seams: permits, the hedged round, probe tasks and route reads.
-    #[allow(clippy::too_many_lines)]
     pub async fn run(
         self,
         mut models: watch::Receiver<Arc<Model>>,
         states: watch::Sender<Arc<ProbeStates>>,
         shutdown: CancellationToken,
     ) {
-        let client = probe_client(self.policy.timeout);
-        let permits = ProbePermits::new(self.policy.max_concurrent);
         let (tx, mut rx) = mpsc::channel::<Report>(1024);
-        let mut tasks: BTreeMap<SocketAddr, (Target, JoinHandle<()>)> = BTreeMap::new();
-        // A restarted prober goes on from what the last one published.
-        let mut current = (**states.borrow()).clone();
-        let mut fresh: BTreeMap<SocketAddr, Instant> = current
-            .proxies
-            .keys()
-            .map(|a| (*a, Instant::now()))
-            .collect();
+        let mut p = self.resume(&states.borrow(), &models.borrow(), tx);
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut routes = Routes {
-            tables: RouteTables::new(self.routes_budget),
-            owners: BTreeMap::new(),
-            warned: BTreeMap::new(),
-        };
-        // The tables the last prober's states refer to are kept (and counted) again.
-        routes.owners = owners(&models.borrow());
-        for (address, probe) in current.proxies.iter_mut() {
-            let owner = routes.owners.get(address);
-            probe.routes = match (probe.routes.take(), owner) {
-                (Some(table), Some(cluster)) => routes
-                    .tables
-                    .intern(cluster, (*table).clone())
-                    .ok()
-                    .map(|(shared, _)| shared),
-                _ => None,
-            };
-        }
         let mut models_changed = true;
         loop {
             if models_changed {
                 let model = models.borrow_and_update().clone();
-                let wanted = targets(&model, &self.policy);
-                routes.owners = owners(&model);
-                permits.route_reads.set_owners(&routes.owners);
-                tasks.retain(|addr, (target, task)| {
-                    let keep = wanted.get(addr) == Some(target);
-                    if !keep {
-                        task.abort();
-                    }
-                    keep
-                });
-                for (addr, target) in &wanted {
-                    tasks.entry(*addr).or_insert_with(|| {
-                        let task = ProbeTask {
-                            address: *addr,
-                            settings: target.settings.clone(),
-                            protocol: target.protocol,
-                            read_routes: target.read_routes,
-                            routes_interval: self.policy.routes_interval,
-                            client: client.clone(),
-                            permits: permits.clone(),
-                            reports: tx.clone(),
-                        };
-                        (target.clone(), tokio::spawn(task.run()))
-                    });
-                }
-                let before = current.proxies.len();
-                current.proxies.retain(|addr, _| wanted.contains_key(addr));
-                fresh.retain(|addr, _| wanted.contains_key(addr));
-                let now = SystemTime::now();
-                for addr in wanted.keys() {
-                    current
-                        .proxies
-                        .entry(*addr)
-                        .or_insert_with(|| ProxyProbe::new(now));
-                    fresh.entry(*addr).or_insert_with(Instant::now);
-                }
-                routes.collect();
-                self.metrics
-                    .set_held_bytes("routes", routes.tables.total_bytes());
-                let changed = before != current.proxies.len() || self.update_complete(&mut current);
-                if changed {
-                    states.send_replace(Arc::new(current.clone()));
+                if self.follow(&mut p, &model) {
+                    states.send_replace(Arc::new(p.current.clone()));
                 }
                 models_changed = false;
             }
@@ -266,38 +209,147 @@ impl Prober {
                 }
                 _ = tick.tick() => {
                     self.heartbeat.beat();
-                    self.restart_ended(&mut tasks, &client, &permits, &tx);
-                    if self.expire(&mut current, &tasks, &fresh) {
-                        self.update_complete(&mut current);
-                        states.send_replace(Arc::new(current.clone()));
+                    self.restart_ended(&mut p.tasks, &p.client, &p.permits, &p.reports);
+                    if self.expire(&mut p.current, &p.tasks, &p.fresh) {
+                        self.update_complete(&mut p.current);
+                        states.send_replace(Arc::new(p.current.clone()));
                     }
                 }
                 Some(report) = rx.recv() => {
-                    // Every report already waiting is applied before one publication:
-                    // a burst (thousands of first probes) is published a few times, not
-                    // once per proxy (each publication copies every proxy's state).
-                    let mut changed = false;
-                    let mut next = Some(report);
-                    let mut taken = 0;
-                    while let Some(report) = next.take() {
-                        fresh.insert(report.address, Instant::now());
-                        changed |= self.apply(&mut current, &tasks, &mut routes, report);
-                        taken += 1;
-                        if taken < MAX_REPORTS_PER_PUBLICATION {
-                            next = rx.try_recv().ok();
-                        }
-                    }
-                    if changed {
-                        routes.collect();
-                        self.metrics.set_held_bytes("routes", routes.tables.total_bytes());
-                        self.update_complete(&mut current);
-                        states.send_replace(Arc::new(current.clone()));
+                    if self.apply_waiting(&mut p, report, &mut rx) {
+                        states.send_replace(Arc::new(p.current.clone()));
                     }
                 }
             }
         }
-        for (_, (_, task)) in tasks {
+        for (_, (_, task)) in p.tasks {
             task.abort();
+        }
+    }
+
+    /// Where a (re)started prober begins: from what the last one published, each result
+    /// fresh from now, and the route tables its states refer to kept (and counted) again.
+    fn resume(&self, last: &ProbeStates, model: &Model, reports: mpsc::Sender<Report>) -> Probing {
+        let mut current = last.clone();
+        let fresh = current
+            .proxies
+            .keys()
+            .map(|a| (*a, Instant::now()))
+            .collect();
+        let mut routes = Routes {
+            tables: RouteTables::new(self.routes_budget),
+            owners: owners(model),
+            warned: BTreeMap::new(),
+        };
+        for (address, probe) in current.proxies.iter_mut() {
+            let owner = routes.owners.get(address);
+            probe.routes = match (probe.routes.take(), owner) {
+                (Some(table), Some(cluster)) => routes
+                    .tables
+                    .intern(cluster, (*table).clone())
+                    .ok()
+                    .map(|(shared, _)| shared),
+                _ => None,
+            };
+        }
+        Probing {
+            client: probe_client(self.policy.timeout),
+            permits: ProbePermits::new(self.policy.max_concurrent),
+            reports,
+            tasks: BTreeMap::new(),
+            current,
+            fresh,
+            routes,
+        }
+    }
+
+    /// Probes exactly the targets `model` gives: a task for each new one, none for one
+    /// that went or changed; true when the published states changed.
+    fn follow(&self, p: &mut Probing, model: &Model) -> bool {
+        let wanted = targets(model, &self.policy);
+        p.routes.owners = owners(model);
+        p.permits.route_reads.set_owners(&p.routes.owners);
+        p.tasks.retain(|addr, (target, task)| {
+            let keep = wanted.get(addr) == Some(target);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for (addr, target) in &wanted {
+            if !p.tasks.contains_key(addr) {
+                let task = self.probe_task(*addr, target, &p.client, &p.permits, &p.reports);
+                p.tasks
+                    .insert(*addr, (target.clone(), tokio::spawn(task.run())));
+            }
+        }
+        let before = p.current.proxies.len();
+        p.current
+            .proxies
+            .retain(|addr, _| wanted.contains_key(addr));
+        p.fresh.retain(|addr, _| wanted.contains_key(addr));
+        let now = SystemTime::now();
+        for addr in wanted.keys() {
+            p.current
+                .proxies
+                .entry(*addr)
+                .or_insert_with(|| ProxyProbe::new(now));
+            p.fresh.entry(*addr).or_insert_with(Instant::now);
+        }
+        p.routes.collect();
+        self.metrics
+            .set_held_bytes("routes", p.routes.tables.total_bytes());
+        before != p.current.proxies.len() || self.update_complete(&mut p.current)
+    }
+
+    /// Applies `first` and every report already waiting before one publication: a burst
+    /// (thousands of first probes) is published a few times, not once per proxy (each
+    /// publication copies every proxy's state). True when something worth publishing
+    /// changed.
+    fn apply_waiting(
+        &self,
+        p: &mut Probing,
+        first: Report,
+        waiting: &mut mpsc::Receiver<Report>,
+    ) -> bool {
+        let mut changed = false;
+        let mut next = Some(first);
+        let mut taken = 0;
+        while let Some(report) = next.take() {
+            p.fresh.insert(report.address, Instant::now());
+            changed |= self.apply(&mut p.current, &p.tasks, &mut p.routes, report);
+            taken += 1;
+            if taken < MAX_REPORTS_PER_PUBLICATION {
+                next = waiting.try_recv().ok();
+            }
+        }
+        if changed {
+            p.routes.collect();
+            self.metrics
+                .set_held_bytes("routes", p.routes.tables.total_bytes());
+            self.update_complete(&mut p.current);
+        }
+        changed
+    }
+
+    /// The probe task of one target.
+    fn probe_task(
+        &self,
+        address: SocketAddr,
+        target: &Target,
+        client: &HttpClient,
+        permits: &ProbePermits,
+        reports: &mpsc::Sender<Report>,
+    ) -> ProbeTask {
+        ProbeTask {
+            address,
+            settings: target.settings.clone(),
+            protocol: target.protocol,
+            read_routes: target.read_routes,
+            routes_interval: self.policy.routes_interval,
+            client: client.clone(),
+            permits: permits.clone(),
+            reports: reports.clone(),
         }
     }
 
@@ -320,17 +372,8 @@ impl Prober {
                     })
                     .inc();
                 *task = tokio::spawn(
-                    ProbeTask {
-                        address: *addr,
-                        settings: target.settings.clone(),
-                        protocol: target.protocol,
-                        read_routes: target.read_routes,
-                        routes_interval: self.policy.routes_interval,
-                        client: client.clone(),
-                        permits: permits.clone(),
-                        reports: reports.clone(),
-                    }
-                    .run(),
+                    self.probe_task(*addr, target, client, permits, reports)
+                        .run(),
                 );
             }
         }

@@ -107,9 +107,8 @@ fn default_namespace() -> String {
     "default".into()
 }
 
-/// Parses the text of a services file into a valid [`Model`].
-// Over the 100 lines a reader can hold; to split along its seams: the file's shape, then each RayService, then the model's checks.
-#[allow(clippy::too_many_lines)]
+/// Parses the text of a services file into a valid [`Model`]: the file's shape and its
+/// size in proxies, then each RayService, then the model's own checks.
 pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
     if text.trim().is_empty() {
         return Err(ConfigError::Invalid(format!(
@@ -134,103 +133,114 @@ pub fn parse(file: &Path, text: &str) -> Result<Model, ConfigError> {
     let services = parsed
         .rayservices
         .into_iter()
-        .map(|s| {
-            let overrides = ServiceOverrides {
-                probe: s.probe,
-                traffic: s.traffic,
-                switchover: s.switchover,
-            };
-            overrides.validate().map_err(|e| {
-                ConfigError::Invalid(format!(
-                    "{}: rayservice {}/{}: {e}",
-                    file.display(),
-                    s.namespace,
-                    s.name
-                ))
-            })?;
-            for c in &s.clusters {
-                let refused = |what: String| {
-                    ConfigError::Invalid(format!(
-                        "{}: rayservice {}/{}, cluster {}: {what}, never a proxy",
-                        file.display(),
-                        s.namespace,
-                        s.name,
-                        c.name,
-                    ))
-                };
-                if c.grpc_port == Some(0) {
-                    return Err(refused("grpc_port is 0".into()));
-                }
-                for p in c.proxies.iter().flatten() {
-                    if let Some(why) = crate::model::refused_address(p.address) {
-                        return Err(refused(format!("proxy {} is {why}", p.address)));
-                    }
-                    let grpc = p.grpc.or(c
-                        .grpc_port
-                        .map(|port| std::net::SocketAddr::new(p.address.ip(), port)));
-                    if let Some(g) = grpc {
-                        if let Some(why) = crate::model::refused_address(g) {
-                            return Err(refused(format!(
-                                "proxy {}: gRPC address {g} is {why}",
-                                p.address
-                            )));
-                        }
-                    }
-                }
-            }
-            Ok(RayService {
-                policy: ServicePolicy {
-                    overrides,
-                    head_proxy: match s.head_proxy {
-                        Some(HeadProxySpec::Exclude) => HeadProxy::Exclude,
-                        Some(HeadProxySpec::Include) => HeadProxy::Include,
-                        Some(HeadProxySpec::Fallback) | None => HeadProxy::Fallback,
-                    },
-                },
-                hosts: s.hosts.unwrap_or_else(|| {
-                    vec![
-                        format!("{}.{}", s.name, s.namespace),
-                        format!("{}.{}.svc", s.name, s.namespace),
-                    ]
-                }),
-                namespace: s.namespace,
-                name: s.name,
-                active_cluster: s.active_cluster,
-                pending_cluster: s.pending_cluster,
-                clusters: s
-                    .clusters
-                    .into_iter()
-                    .map(|c| RayCluster {
-                        name: c.name,
-                        discover: c.proxies.is_none() && c.dashboard.is_some(),
-                        direct_ingress: false,
-                        applications: Vec::new(),
-                        dashboard: c.dashboard,
-                        grpc_port: c.grpc_port,
-                        proxies: c
-                            .proxies
-                            .into_iter()
-                            .flatten()
-                            .map(|p| Proxy {
-                                grpc: p.grpc.or(c
-                                    .grpc_port
-                                    .map(|port| std::net::SocketAddr::new(p.address.ip(), port))),
-                                address: p.address,
-                                node_type: match p.node_type {
-                                    NodeTypeSpec::Head => NodeType::Head,
-                                    NodeTypeSpec::Worker => NodeType::Worker,
-                                },
-                                draining: p.draining,
-                                // The operator's own file: trusted as listed.
-                                host_network: false,
-                            })
-                            .collect(),
-                    })
-                    .collect(),
-            })
-        })
+        .map(|s| service(file, s))
         .collect::<Result<Vec<_>, ConfigError>>()?;
     Model::new(services).map_err(|e| ConfigError::Invalid(format!("{}: {e}", file.display())))
+}
+
+/// One RayService of the file: its overrides in range and no address that can never be
+/// a proxy's.
+fn service(file: &Path, s: ServiceSpec) -> Result<RayService, ConfigError> {
+    let overrides = ServiceOverrides {
+        probe: s.probe,
+        traffic: s.traffic,
+        switchover: s.switchover,
+    };
+    overrides.validate().map_err(|e| {
+        ConfigError::Invalid(format!(
+            "{}: rayservice {}/{}: {e}",
+            file.display(),
+            s.namespace,
+            s.name
+        ))
+    })?;
+    for c in &s.clusters {
+        check_addresses(c).map_err(|what| {
+            ConfigError::Invalid(format!(
+                "{}: rayservice {}/{}, cluster {}: {what}, never a proxy",
+                file.display(),
+                s.namespace,
+                s.name,
+                c.name,
+            ))
+        })?;
+    }
+    Ok(RayService {
+        policy: ServicePolicy {
+            overrides,
+            head_proxy: match s.head_proxy {
+                Some(HeadProxySpec::Exclude) => HeadProxy::Exclude,
+                Some(HeadProxySpec::Include) => HeadProxy::Include,
+                Some(HeadProxySpec::Fallback) | None => HeadProxy::Fallback,
+            },
+        },
+        hosts: s.hosts.unwrap_or_else(|| {
+            vec![
+                format!("{}.{}", s.name, s.namespace),
+                format!("{}.{}.svc", s.name, s.namespace),
+            ]
+        }),
+        namespace: s.namespace,
+        name: s.name,
+        active_cluster: s.active_cluster,
+        pending_cluster: s.pending_cluster,
+        clusters: s.clusters.into_iter().map(cluster).collect(),
+    })
+}
+
+/// Why a cluster's gRPC port or one of its proxies' addresses (HTTP or gRPC) can never be
+/// a proxy's, if one cannot.
+fn check_addresses(c: &ClusterSpec) -> Result<(), String> {
+    if c.grpc_port == Some(0) {
+        return Err("grpc_port is 0".into());
+    }
+    for p in c.proxies.iter().flatten() {
+        if let Some(why) = crate::model::refused_address(p.address) {
+            return Err(format!("proxy {} is {why}", p.address));
+        }
+        if let Some(g) = grpc_address(p, c.grpc_port) {
+            if let Some(why) = crate::model::refused_address(g) {
+                return Err(format!("proxy {}: gRPC address {g} is {why}", p.address));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A proxy's gRPC address: its own, or its cluster's gRPC port on its IP.
+fn grpc_address(p: &ProxySpec, grpc_port: Option<u16>) -> Option<std::net::SocketAddr> {
+    p.grpc
+        .or(grpc_port.map(|port| std::net::SocketAddr::new(p.address.ip(), port)))
+}
+
+/// A cluster of the file: its proxies as listed, or discovered from its dashboard when
+/// it lists none.
+fn cluster(c: ClusterSpec) -> RayCluster {
+    let grpc_port = c.grpc_port;
+    RayCluster {
+        name: c.name,
+        discover: c.proxies.is_none() && c.dashboard.is_some(),
+        direct_ingress: false,
+        applications: Vec::new(),
+        dashboard: c.dashboard,
+        grpc_port,
+        proxies: c
+            .proxies
+            .into_iter()
+            .flatten()
+            .map(|p| Proxy {
+                grpc: grpc_address(&p, grpc_port),
+                address: p.address,
+                node_type: match p.node_type {
+                    NodeTypeSpec::Head => NodeType::Head,
+                    NodeTypeSpec::Worker => NodeType::Worker,
+                },
+                draining: p.draining,
+                // The operator's own file: trusted as listed.
+                host_network: false,
+            })
+            .collect(),
+    }
 }
 
 /// The most proxies a services file may list, in all (aliases included).

@@ -347,14 +347,146 @@ impl DeltaStream {
     }
 }
 
+impl DeltaStream {
+    /// A NACK of `f`: what the message blames keeps the Envoy's old version until it
+    /// changes; when it names them, it applied the rest; when it names none, the search
+    /// for the culprit begins (see `Rejections`).
+    fn nacked(&mut self, ty: ResourceType, f: InFlight, message: &str) -> Event {
+        let version = f.nonce.clone();
+        let st = &mut self.types[ty.index()];
+        st.nacks += 1;
+        st.not_again = Some(f.content);
+        let changed = f
+            .sent
+            .iter()
+            .map(|(n, r)| (n.clone(), r.version.clone()))
+            .chain(f.forgotten.iter().cloned())
+            .collect();
+        if let Some(applied) = st.rejected.on_nack(changed, message) {
+            let applied: ResourceMap = f
+                .sent
+                .iter()
+                .filter(|(n, _)| applied.contains(*n))
+                .map(|(n, r)| (n.clone(), r.clone()))
+                .collect();
+            self.commit(ty, &applied, &f.removed);
+        }
+        let st = &mut self.types[ty.index()];
+        st.last_nacked_version = Some(version.clone());
+        st.last_nack_message = Some(super::clip(message, 1024));
+        Event::Nack {
+            ty,
+            version,
+            message: message.to_string(),
+        }
+    }
+
+    /// An ACK of `f`: the Envoy holds what it was sent, and no longer what it removed.
+    fn acked_response(&mut self, ty: ResourceType, f: InFlight) -> Event {
+        let version = f.nonce.clone();
+        let st = &mut self.types[ty.index()];
+        st.acks += 1;
+        st.not_again = None;
+        st.rejected.on_ack(&f.sent);
+        st.last_acked_version = Some(version.clone());
+        match f.then_whole {
+            Some(whole) => {
+                for name in &f.removed {
+                    if st.names.contains(name) {
+                        st.told_absent.insert(name.clone());
+                    }
+                }
+                st.known = whole;
+            }
+            None => self.commit(ty, &f.sent, &f.removed),
+        }
+        Event::Ack { ty, version }
+    }
+}
+
+impl TypeState {
+    /// What a reconnecting client declares it holds (`initial_resource_versions`), but
+    /// endpoints, which are sent again whatever version the Envoy declares: a cluster it
+    /// was warming when the stream broke waits for a ClusterLoadAssignment sent after it,
+    /// which it would otherwise never get.
+    fn declare_initial(
+        &mut self,
+        ty: ResourceType,
+        versions: &std::collections::HashMap<String, String>,
+    ) {
+        let known = self.known.own();
+        for (name, version) in versions {
+            let version = if ty == ResourceType::Endpoints {
+                ""
+            } else {
+                version.as_str()
+            };
+            known.insert(
+                name.as_str().into(),
+                Held {
+                    version: version.into(),
+                    resource: None,
+                },
+            );
+        }
+    }
+
+    /// Names subscribed (`wildcard`: `*` among them) and unsubscribed.
+    fn subscribe(
+        &mut self,
+        first: bool,
+        subscribed: Vec<Arc<str>>,
+        wildcard: bool,
+        unsubscribe: &[String],
+    ) {
+        if wildcard {
+            self.wildcard = true;
+        }
+        // A name subscribed to again must be sent again, even if the client seems to hold
+        // it: it may have dropped it meanwhile (not so for the versions a reconnecting
+        // client declares).
+        if !first {
+            for name in &subscribed {
+                if self.known.contains(name) {
+                    self.known.own().remove(name);
+                }
+            }
+        }
+        for name in &subscribed {
+            self.told_absent.remove(name);
+        }
+        let unsubscribed = || unsubscribe.iter().filter(|n| *n != "*").map(String::as_str);
+        if subscribed.iter().any(|n| !self.names.contains(n))
+            || unsubscribed().any(|n| self.names.contains(n))
+        {
+            self.names.update(|names| {
+                names.extend(subscribed);
+                for name in unsubscribed() {
+                    names.remove(name);
+                }
+            });
+        }
+        for name in unsubscribe {
+            if name == "*" {
+                self.wildcard = false;
+            } else {
+                self.told_absent.remove(name.as_str());
+            }
+            // The client forgets it; a later subscribe must send it again. One it still
+            // gets through a wildcard is sent again, so that it knows to keep it.
+            if self.known.contains(name) {
+                self.known.own().remove(name.as_str());
+            }
+        }
+    }
+}
+
 impl AdsProtocol for DeltaStream {
     type Request = DeltaDiscoveryRequest;
     type Wire = DeltaDiscoveryRequest;
     type Response = DeltaDiscoveryResponse;
     const NAME: &'static str = "delta";
 
-    // Over the 100 lines a reader can hold; to split along its seams: one request's handling per step: nonce and ACK/NACK, subscriptions, initial versions (the per-type state SotW shares).
-    #[allow(clippy::too_many_lines)]
     fn on_request(&mut self, req: DeltaDiscoveryRequest) -> Result<Event, ProtocolError> {
         let ty = ResourceType::from_type_url(&req.type_url)
             .ok_or_else(|| ProtocolError::UnknownType(req.type_url.clone()))?;
@@ -390,128 +522,23 @@ impl AdsProtocol for DeltaStream {
         if first {
             st.subscribed = true;
             st.wildcard = req.resource_names_subscribe.is_empty();
+            st.declare_initial(ty, &req.initial_resource_versions);
             if !req.initial_resource_versions.is_empty() {
                 self.reconnected = true;
             }
-            let known = st.known.own();
-            for (name, version) in &req.initial_resource_versions {
-                // Endpoints are sent again whatever version the Envoy declares: a cluster
-                // it was warming when the stream broke waits for a ClusterLoadAssignment
-                // sent after it, which it would otherwise never get.
-                let version = if ty == ResourceType::Endpoints {
-                    ""
-                } else {
-                    version.as_str()
-                };
-                known.insert(
-                    name.as_str().into(),
-                    Held {
-                        version: version.into(),
-                        resource: None,
-                    },
-                );
-            }
         }
-        if req.resource_names_subscribe.iter().any(|n| n == "*") {
-            st.wildcard = true;
-        }
-        // A name subscribed to again must be sent again, even if the client seems to hold
-        // it: it may have dropped it meanwhile (not so for the versions a reconnecting
-        // client declares).
-        if !first {
-            for name in &subscribed {
-                if st.known.contains(name) {
-                    st.known.own().remove(name);
-                }
-            }
-        }
-        for name in &subscribed {
-            st.told_absent.remove(name);
-        }
-        let unsubscribed = || {
-            req.resource_names_unsubscribe
-                .iter()
-                .filter(|n| *n != "*")
-                .map(String::as_str)
-        };
-        if subscribed.iter().any(|n| !st.names.contains(n))
-            || unsubscribed().any(|n| st.names.contains(n))
-        {
-            st.names.update(|names| {
-                names.extend(subscribed);
-                for name in unsubscribed() {
-                    names.remove(name);
-                }
-            });
-        }
-        for name in &req.resource_names_unsubscribe {
-            if name == "*" {
-                st.wildcard = false;
-            } else {
-                st.told_absent.remove(name.as_str());
-            }
-            // The client forgets it; a later subscribe must send it again. One it still
-            // gets through a wildcard is sent again, so that it knows to keep it.
-            if st.known.contains(name) {
-                st.known.own().remove(name.as_str());
-            }
-        }
+        let st = &mut self.types[ty.index()];
+        let wildcard = req.resource_names_subscribe.iter().any(|n| n == "*");
+        st.subscribe(first, subscribed, wildcard, &req.resource_names_unsubscribe);
         if req.response_nonce.is_empty() {
             return Ok(Event::Subscribed(ty));
         }
         let Some(f) = st.in_flight.take_if(|f| f.nonce == req.response_nonce) else {
             return Ok(Event::Stale(ty));
         };
-        let version = f.nonce.clone();
         Ok(match &req.error_detail {
-            Some(status) => {
-                st.nacks += 1;
-                st.not_again = Some(f.content);
-                // What the message blames keeps the Envoy's old version until it changes;
-                // when it names them, it applied the rest; when it names none, the
-                // search for the culprit begins (see `Rejections`).
-                let changed = f
-                    .sent
-                    .iter()
-                    .map(|(n, r)| (n.clone(), r.version.clone()))
-                    .chain(f.forgotten.iter().cloned())
-                    .collect();
-                if let Some(applied) = st.rejected.on_nack(changed, &status.message) {
-                    let applied: ResourceMap = f
-                        .sent
-                        .iter()
-                        .filter(|(n, _)| applied.contains(*n))
-                        .map(|(n, r)| (n.clone(), r.clone()))
-                        .collect();
-                    self.commit(ty, &applied, &f.removed);
-                }
-                let st = &mut self.types[ty.index()];
-                st.last_nacked_version = Some(version.clone());
-                st.last_nack_message = Some(super::clip(&status.message, 1024));
-                Event::Nack {
-                    ty,
-                    version,
-                    message: status.message.clone(),
-                }
-            }
-            None => {
-                st.acks += 1;
-                st.not_again = None;
-                st.rejected.on_ack(&f.sent);
-                st.last_acked_version = Some(version.clone());
-                match f.then_whole {
-                    Some(whole) => {
-                        for name in &f.removed {
-                            if st.names.contains(name) {
-                                st.told_absent.insert(name.clone());
-                            }
-                        }
-                        st.known = whole;
-                    }
-                    None => self.commit(ty, &f.sent, &f.removed),
-                }
-                Event::Ack { ty, version }
-            }
+            Some(status) => self.nacked(ty, f, &status.message),
+            None => self.acked_response(ty, f),
         })
     }
 

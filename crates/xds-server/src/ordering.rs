@@ -777,9 +777,10 @@ impl<'a> ClientHolds<'a> {
     }
 }
 
-/// Every resource of `ty` the Envoy should hold now (before subscription filtering).
-// Over the 100 lines a reader can hold; to split along its seams: per resource type: clusters, endpoints, listeners, routes.
-#[allow(clippy::too_many_lines)]
+/// Every resource of `ty` the Envoy should hold now (before subscription filtering): the
+/// snapshot's, but what it rejected (it keeps what it holds), clusters and endpoints a
+/// route it holds still needs, routes merged per virtual host while some of their
+/// clusters are cold, and no content made for it that it rejected.
 pub fn desired(
     snapshot: &Snapshot,
     ty: ResourceType,
@@ -791,75 +792,17 @@ pub fn desired(
         .map(|(name, r)| (name.clone(), Desired::Send(r.clone())))
         .collect();
     if !holds.rejected[ty.index()].is_empty() {
-        // A version the Envoy rejected is not offered again (nor a suspect held back): it
-        // keeps what it holds.
-        for (name, r) in current {
-            if holds.is_rejected(ty, r) {
-                match holds.acked[ty.index()].get(name) {
-                    Some(Held {
-                        resource: Some(held),
-                        ..
-                    }) => {
-                        out.insert(name.clone(), Desired::Send(held));
-                    }
-                    // A cluster a reconnected SotW Envoy holds at a version it did not
-                    // say, whose snapshot version it rejected or that is held back while
-                    // a rejection is searched: it must be in every response (a SotW
-                    // response without it removes it), and sending the snapshot version
-                    // would fail every response or the search. A bare EDS cluster of that
-                    // name keeps it serving its endpoints, without its own settings,
-                    // until its own version is known to be good.
-                    Some(Held {
-                        resource: None,
-                        version,
-                    }) if version.is_empty() && ty == ResourceType::Cluster => {
-                        out.insert(name.clone(), Desired::Send(bare_cluster(name)));
-                    }
-                    // Held, but we have no body for it (declared on a reconnect). A
-                    // per-name type is left out: the Envoy keeps what it has. A
-                    // state-of-the-world listener cannot be left out (that removes it):
-                    // offer the snapshot's again.
-                    Some(Held { resource: None, .. }) => {
-                        if !ty.is_full_state() {
-                            out.insert(name.clone(), Desired::Keep);
-                        }
-                    }
-                    None => {
-                        out.remove(name);
-                    }
-                }
-            }
-        }
+        keep_what_it_rejected(&mut out, current, ty, holds);
     }
     match ty {
         ResourceType::Cluster | ResourceType::Endpoints => {
             if ty == ResourceType::Endpoints {
-                if let Some((clusters, endpoints_then)) = holds.clusters_in_flight {
-                    for name in clusters.keys() {
-                        if !out.contains_key(name) {
-                            if let Some(r) = endpoints_then.get(name) {
-                                out.insert(name.clone(), Desired::Send(r.clone()));
-                            }
-                        }
-                    }
-                }
+                endpoints_of_warming_clusters(&mut out, holds);
             }
-            // Retain what a held route still needs, at the version the Envoy has.
-            let referenced = holds.referenced_clusters();
-            let retain = |name: &str| referenced.as_ref().is_none_or(|r| r.contains(name));
-            if holds.acked[ty.index()].is_whole_of(current) && holds.rejected[ty.index()].is_empty()
-            {
+            if holds_whole(current, ty, holds) {
                 return out;
             }
-            for (name, _, resource) in holds.acked[ty.index()].iter() {
-                if !current.contains_key(name) && retain(name) {
-                    let keep = match resource {
-                        Some(r) => Desired::Send(r.clone()),
-                        None => Desired::Keep,
-                    };
-                    out.insert(name.clone(), keep);
-                }
-            }
+            keep_what_routes_need(&mut out, current, ty, holds);
         }
         ResourceType::Listener => {}
         ResourceType::Route => {
@@ -867,59 +810,7 @@ pub fn desired(
                 if route.cluster_refs.iter().all(|c| holds.warmed(c)) {
                     continue;
                 }
-                // Not every cluster is warm. Each virtual host whose clusters are warm
-                // goes as it is now; each other one stays as the Envoy will hold it (the
-                // route on its way, else the one it holds).
-                let held = holds
-                    .routes_in_flight
-                    .and_then(|m| m.get(name))
-                    .map(Held::sent)
-                    .or_else(|| holds.acked[ty.index()].get(name));
-                let warm = |c: &str| holds.warmed(c);
-                let desired = match held {
-                    Some(Held {
-                        resource: Some(held),
-                        ..
-                    }) => Some(Desired::Send(
-                        merge_warm_virtual_hosts(route, Some(&held), warm, |_, _| None)
-                            .unwrap_or(held),
-                    )),
-                    // With nothing (or only a version) to fall back on, a virtual host
-                    // still warming holds the whole route back; one whose clusters this
-                    // Envoy rejected is left out, so that it holds back no other.
-                    Some(Held { resource: None, .. }) | None => {
-                        let waiting = route
-                            .cluster_refs
-                            .iter()
-                            .any(|c| !holds.warmed(c) && !holds.stuck(c));
-                        match (waiting, &held) {
-                            (true, Some(_)) => Some(Desired::Keep),
-                            (true, None) => None,
-                            (false, _) => {
-                                let fallback = |vhost: &str, own: Option<&str>| {
-                                    let prefix = format!("{vhost}/");
-                                    // Of the kind of the route's own cluster, where the
-                                    // snapshot's stand-in patterns say what that is.
-                                    let kind = own.and_then(|c| snapshot.stand_in_pattern(c));
-                                    holds.acked[ResourceType::Cluster.index()]
-                                        .iter()
-                                        .map(|(n, _, _)| n)
-                                        .find(|n| {
-                                            n.starts_with(&prefix)
-                                                && kind.is_none_or(|k| {
-                                                    super::snapshot::name_matches(k, n)
-                                                })
-                                                && holds.warmed(n)
-                                        })
-                                        .cloned()
-                                };
-                                merge_warm_virtual_hosts(route, None, warm, fallback)
-                                    .map(Desired::Send)
-                            }
-                        }
-                    }
-                };
-                match desired {
+                match merged_route(snapshot, name, route, holds) {
                     Some(d) => out.insert(name.clone(), d),
                     None => out.remove(name),
                 };
@@ -947,6 +838,153 @@ pub fn desired(
         }
     }
     out
+}
+
+/// A version the Envoy rejected is not offered again (nor a suspect held back): it keeps
+/// what it holds.
+fn keep_what_it_rejected(
+    out: &mut BTreeMap<Arc<str>, Desired>,
+    current: &ResourceMap,
+    ty: ResourceType,
+    holds: &ClientHolds<'_>,
+) {
+    for (name, r) in current {
+        if !holds.is_rejected(ty, r) {
+            continue;
+        }
+        match holds.acked[ty.index()].get(name) {
+            Some(Held {
+                resource: Some(held),
+                ..
+            }) => {
+                out.insert(name.clone(), Desired::Send(held));
+            }
+            // A cluster a reconnected SotW Envoy holds at a version it did not say, whose
+            // snapshot version it rejected or that is held back while a rejection is
+            // searched: it must be in every response (a SotW response without it removes
+            // it), and sending the snapshot version would fail every response or the
+            // search. A bare EDS cluster of that name keeps it serving its endpoints,
+            // without its own settings, until its own version is known to be good.
+            Some(Held {
+                resource: None,
+                version,
+            }) if version.is_empty() && ty == ResourceType::Cluster => {
+                out.insert(name.clone(), Desired::Send(bare_cluster(name)));
+            }
+            // Held, but we have no body for it (declared on a reconnect). A per-name type
+            // is left out: the Envoy keeps what it has. A state-of-the-world listener
+            // cannot be left out (that removes it): offer the snapshot's again.
+            Some(Held { resource: None, .. }) => {
+                if !ty.is_full_state() {
+                    out.insert(name.clone(), Desired::Keep);
+                }
+            }
+            None => {
+                out.remove(name);
+            }
+        }
+    }
+}
+
+/// Whether the Envoy holds the snapshot's whole set of clusters (or endpoints) and has
+/// rejected none: then nothing else is kept for it.
+fn holds_whole(current: &ResourceMap, ty: ResourceType, holds: &ClientHolds<'_>) -> bool {
+    holds.acked[ty.index()].is_whole_of(current) && holds.rejected[ty.index()].is_empty()
+}
+
+/// The endpoints of clusters sent and not yet ACKed, from the snapshot they came with:
+/// Envoy warms them, and ACKs no cluster until each has its endpoints, even one that has
+/// left the snapshot since.
+fn endpoints_of_warming_clusters(out: &mut BTreeMap<Arc<str>, Desired>, holds: &ClientHolds<'_>) {
+    if let Some((clusters, endpoints_then)) = holds.clusters_in_flight {
+        for name in clusters.keys() {
+            if !out.contains_key(name) {
+                if let Some(r) = endpoints_then.get(name) {
+                    out.insert(name.clone(), Desired::Send(r.clone()));
+                }
+            }
+        }
+    }
+}
+
+/// Clusters (or endpoints) a route the Envoy holds still names, at the version it has.
+fn keep_what_routes_need(
+    out: &mut BTreeMap<Arc<str>, Desired>,
+    current: &ResourceMap,
+    ty: ResourceType,
+    holds: &ClientHolds<'_>,
+) {
+    let referenced = holds.referenced_clusters();
+    let retain = |name: &str| referenced.as_ref().is_none_or(|r| r.contains(name));
+    for (name, _, resource) in holds.acked[ty.index()].iter() {
+        if !current.contains_key(name) && retain(name) {
+            let keep = match resource {
+                Some(r) => Desired::Send(r.clone()),
+                None => Desired::Keep,
+            };
+            out.insert(name.clone(), keep);
+        }
+    }
+}
+
+/// A route some of whose clusters are cold on this Envoy, merged per virtual host: each
+/// virtual host whose clusters are warm goes as it is now, each other one stays as the
+/// Envoy will hold it (the route on its way, else the one it holds). `None`: leave it out.
+fn merged_route(
+    snapshot: &Snapshot,
+    name: &Arc<str>,
+    route: &Arc<Resource>,
+    holds: &ClientHolds<'_>,
+) -> Option<Desired> {
+    let ty = ResourceType::Route;
+    // Not every cluster is warm. Each virtual host whose clusters are warm
+    // goes as it is now; each other one stays as the Envoy will hold it (the
+    // route on its way, else the one it holds).
+    let held = holds
+        .routes_in_flight
+        .and_then(|m| m.get(name))
+        .map(Held::sent)
+        .or_else(|| holds.acked[ty.index()].get(name));
+    let warm = |c: &str| holds.warmed(c);
+    match held {
+        Some(Held {
+            resource: Some(held),
+            ..
+        }) => Some(Desired::Send(
+            merge_warm_virtual_hosts(route, Some(&held), warm, |_, _| None).unwrap_or(held),
+        )),
+        // With nothing (or only a version) to fall back on, a virtual host
+        // still warming holds the whole route back; one whose clusters this
+        // Envoy rejected is left out, so that it holds back no other.
+        Some(Held { resource: None, .. }) | None => {
+            let waiting = route
+                .cluster_refs
+                .iter()
+                .any(|c| !holds.warmed(c) && !holds.stuck(c));
+            match (waiting, &held) {
+                (true, Some(_)) => Some(Desired::Keep),
+                (true, None) => None,
+                (false, _) => {
+                    let fallback = |vhost: &str, own: Option<&str>| {
+                        let prefix = format!("{vhost}/");
+                        // Of the kind of the route's own cluster, where the
+                        // snapshot's stand-in patterns say what that is.
+                        let kind = own.and_then(|c| snapshot.stand_in_pattern(c));
+                        holds.acked[ResourceType::Cluster.index()]
+                            .iter()
+                            .map(|(n, _, _)| n)
+                            .find(|n| {
+                                n.starts_with(&prefix)
+                                    && kind.is_none_or(|k| super::snapshot::name_matches(k, n))
+                                    && holds.warmed(n)
+                            })
+                            .cloned()
+                    };
+                    merge_warm_virtual_hosts(route, None, warm, fallback).map(Desired::Send)
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

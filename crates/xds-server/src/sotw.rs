@@ -14,6 +14,7 @@
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::google::rpc::Status;
 
 use super::ordering::{
     changed_from, desired, is_whole_set, learn_bodies, retain_names, same_names_change,
@@ -259,6 +260,204 @@ struct TypeState {
     nacks: u64,
 }
 
+impl TypeState {
+    /// A NACK of `f`: what the Envoy holds after it, and the search for what it
+    /// rejected (see `Rejections`).
+    fn nacked(&mut self, ty: ResourceType, f: InFlight, status: &Status) -> Event {
+        self.nacks += 1;
+        self.last_nack_message = Some(super::clip(&status.message, 1024));
+        self.rejected_version = Some(f.version.clone());
+        self.not_again = Some(f.version.clone());
+        // What the message blames keeps the Envoy's old version until it
+        // changes; when it names them, it applied the rest; when it names
+        // none, the search for the culprit begins (see `Rejections`).
+        // Suspects are what the response changed, and what the Envoy declared
+        // on a reconnect (its version unknown, it may be the culprit).
+        let mut changed: Vec<(Arc<str>, Arc<str>)> = f
+            .resources
+            .iter()
+            // What the Envoy held already (by version, or the body it
+            // accepted before, sent again after `forget`) is no suspect.
+            .filter(|(n, r)| match self.acked.get(n) {
+                None => true,
+                Some(h) => {
+                    *h.version != *r.version
+                        && h.resource.as_ref().is_none_or(|b| b.version != r.version)
+                }
+            })
+            // A bare stand-in (see `desired`) is valid by construction.
+            .filter(|(n, r)| ty != ResourceType::Cluster || bare_cluster(n).version != r.version)
+            .map(|(n, r)| (n.clone(), r.version.clone()))
+            .collect();
+        changed.extend(f.forgotten.iter().cloned());
+        if let Some(applied) = self.rejected.on_nack(changed, &status.message) {
+            // It holds what was sent, but its old version (or nothing) of
+            // each blamed resource.
+            let mut held = HeldMap::new();
+            for (name, r) in &f.resources {
+                let unchanged = self.acked.version_of(name) == Some(&r.version);
+                if applied.contains(name) || unchanged {
+                    held.insert(name.clone(), Held::sent(r));
+                } else if let Some(old) = self.acked.get(name) {
+                    held.insert(name.clone(), old);
+                }
+            }
+            if !ty.is_full_state() {
+                // Per-name types: what was not in the response stays.
+                for (name, version, body) in self.acked.iter() {
+                    if !f.resources.contains_key(name) {
+                        held.insert(
+                            name.clone(),
+                            Held {
+                                version: version.clone(),
+                                resource: body.cloned(),
+                            },
+                        );
+                    }
+                }
+            }
+            self.acked = Holding::Own(held);
+            self.acked_version = held_version(&self.acked);
+        }
+        Event::Nack {
+            ty,
+            version: f.version,
+            message: status.message.clone(),
+        }
+    }
+
+    /// An ACK of `f`: the Envoy holds what it was sent.
+    fn acked_response(&mut self, ty: ResourceType, f: InFlight) -> Event {
+        self.acks += 1;
+        self.not_again = None;
+        self.rejected.on_ack(&f.resources);
+        if let Some(whole) = f.then_whole {
+            self.acked = whole;
+        } else if ty.is_full_state() {
+            self.acked = Holding::from_resources(&f.resources);
+        } else {
+            let held = self.acked.own();
+            for (name, r) in &f.resources {
+                held.insert(name.clone(), Held::sent(r));
+            }
+        }
+        self.acked_version = if std::mem::take(&mut self.forgot_in_flight) {
+            held_version(&self.acked)
+        } else {
+            f.version.clone()
+        };
+        Event::Ack {
+            ty,
+            version: f.version,
+        }
+    }
+
+    /// The subscription `names` sets (an ACK repeats it: compared before a new one is
+    /// built); what the Envoy holds beyond it is forgotten.
+    fn subscribe(&mut self, names: &[&str]) {
+        let same =
+            self.subscription.is_some() && self.listed.as_ref().is_some_and(|l| l.is_list(names));
+        if !same {
+            let first = self.subscription.is_none();
+            let listed = SharedNames::of_list(names);
+            let subscription = Subscription::from_names(&listed, self.named);
+            self.listed = Some(listed);
+            self.named |= !names.is_empty();
+            if let Subscription::Names(_) = &subscription {
+                let before = self.acked.len();
+                self.acked.own().retain(|name, _| subscription.wants(name));
+                // What the Envoy holds now (its version) is what the subscription kept:
+                // names it dropped and asks for again must be sent again.
+                if !first && self.acked.len() != before {
+                    self.acked_version = held_version(&self.acked);
+                }
+                if !first && self.acked.is_empty() {
+                    self.acked_version = String::new();
+                }
+            }
+            self.subscription = Some(subscription);
+        }
+    }
+
+    /// Whether the Envoy already holds `wanted` (under `version`), recording that it
+    /// does. After a rejection it keeps what it had, which the rules may give again under
+    /// another version string: no response then, unless this stream has never answered
+    /// the type (Envoy waits for a first one, even empty, to finish initializing).
+    /// (Compared name by name only where it can matter: full-state types, a version
+    /// that differs. This runs on every poll of every stream.)
+    fn holds_already(
+        &mut self,
+        ty: ResourceType,
+        snapshot: &Snapshot,
+        wanted: &ResourceMap,
+        kept: &[Arc<str>],
+        version: &str,
+        whole: bool,
+    ) -> bool {
+        let holds_exactly = ty.is_full_state()
+            && version != self.acked_version
+            && self.last_nonce.is_some()
+            && !self.acked.iter().any(|(_, v, _)| v.is_empty())
+            && self.acked.iter().count() == wanted.len()
+            && wanted
+                .iter()
+                .all(|(n, r)| self.acked.version_of(n).is_some_and(|v| *v == r.version));
+        if holds_exactly {
+            self.acked_version = version.to_string();
+        }
+        if version != self.acked_version {
+            return false;
+        }
+        self.acked = if whole {
+            Holding::whole(snapshot, ty)
+        } else {
+            // What it holds: what we would send, and what it keeps that we have no body
+            // for (declared on a reconnect).
+            let mut held = Holding::from_resources(wanted);
+            for name in kept {
+                if let Some(h) = self.acked.get(name) {
+                    held.own().insert(name.clone(), h);
+                }
+            }
+            held
+        };
+        true
+    }
+
+    /// For a per-name type: what of `wanted` the Envoy does not hold yet, within the
+    /// response budget, with the version naming what it will hold after it (and the
+    /// whole holding when it will then hold the snapshot's whole set). `None` when only
+    /// unsubscriptions changed: it holds everything it wants.
+    fn change_to_send(
+        &mut self,
+        ty: ResourceType,
+        snapshot: &Snapshot,
+        wanted: ResourceMap,
+        version: String,
+        whole: bool,
+    ) -> Option<(ResourceMap, String, Option<Holding>)> {
+        learn_bodies(&mut self.acked, &wanted);
+        let changed = changed_from(&wanted, &self.acked);
+        if changed.is_empty() {
+            self.acked_version = version;
+            return None;
+        }
+        let (chunk, complete) = take_budget(changed, RESPONSE_BUDGET_BYTES);
+        if complete {
+            return Some((chunk, version, whole.then(|| Holding::whole(snapshot, ty))));
+        }
+        // Part of the change: the version names what the Envoy will hold after it.
+        let partial = set_version(wanted.keys().filter_map(|n| {
+            let v = chunk
+                .get(n)
+                .map(|r| &r.version)
+                .or_else(|| self.acked.version_of(n))?;
+            Some((&**n, &**v))
+        }));
+        Some((chunk, partial, None))
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct SotwStream {
     types: [TypeState; 4],
@@ -430,8 +629,9 @@ impl SotwStream {
         (ty, count, response)
     }
 
-    // Over the 100 lines a reader can hold; to split along its seams: the choice of type to send, and the response built for it (shared with delta).
-    #[allow(clippy::too_many_lines)]
+    /// The response `ty` needs now, if any: nothing while not asked for or awaiting an
+    /// ACK, or while the Envoy holds the snapshot's whole set; else what `desired` lets
+    /// this Envoy hold next, as state of the world can say it.
     fn poll_one(
         &mut self,
         ty: ResourceType,
@@ -459,42 +659,61 @@ impl SotwStream {
             // cluster set sent before that could remove one its route still uses.
             return None;
         }
-        let st = &self.types[ty.index()];
         if ty != ResourceType::Route && st.rejected.is_empty() && !warming_gone {
             if let Some(changed) = same_names_change(&st.acked, current) {
                 return self.send_whole(ty, snapshot, changed);
             }
         }
-        let routes_unknown = self.reconnected
-            && !self.reconnect_settled
-            && self.types[ResourceType::Route.index()]
-                .subscription
-                .is_none();
-        let holds = ClientHolds {
+        let (wanted, kept) = self.sendable(ty, snapshot)?;
+        let whole = is_whole_set(&wanted, snapshot, ty);
+        let version = if whole {
+            snapshot.type_version(ty).to_string()
+        } else {
+            set_version(wanted.iter().map(|(n, r)| (&**n, &*r.version)))
+        };
+        let st = &mut self.types[ty.index()];
+        if st.holds_already(ty, snapshot, &wanted, &kept, &version, whole) {
+            return None;
+        }
+        if st.not_again.as_deref() == Some(version.as_str()) {
+            return None;
+        }
+        let (resources, version, then_whole) = if ty.is_full_state() {
+            (wanted, version, whole.then(|| Holding::whole(snapshot, ty)))
+        } else {
+            st.change_to_send(ty, snapshot, wanted, version, whole)?
+        };
+        Some(self.respond(ty, snapshot, version, resources, then_whole))
+    }
+
+    /// What this Envoy holds and is being sent, as `desired` reads it for `ty`.
+    fn client_holds(&self, ty: ResourceType) -> ClientHolds<'_> {
+        let clusters = &self.types[ResourceType::Cluster.index()];
+        let routes = &self.types[ResourceType::Route.index()];
+        ClientHolds {
             acked: [
                 &self.types[0].acked,
                 &self.types[1].acked,
                 &self.types[2].acked,
                 &self.types[3].acked,
             ],
-            routes_in_flight: self.types[ResourceType::Route.index()]
-                .in_flight
-                .as_ref()
-                .map(|f| &f.resources),
+            routes_in_flight: routes.in_flight.as_ref().map(|f| &f.resources),
             rejected: [
                 &self.types[0].rejected,
                 &self.types[1].rejected,
                 &self.types[2].rejected,
                 &self.types[3].rejected,
             ],
-            routes_unknown,
-            clusters_in_flight: self.types[ResourceType::Cluster.index()]
+            routes_unknown: self.reconnected
+                && !self.reconnect_settled
+                && routes.subscription.is_none(),
+            clusters_in_flight: clusters
                 .in_flight
                 .as_ref()
                 .and_then(|f| Some((&f.resources, &**f.endpoints_then.as_ref()?))),
             // A cluster set in flight removes every held cluster it leaves out.
-            leaving: match &self.types[ResourceType::Cluster.index()].in_flight {
-                Some(f) if ty == ResourceType::Route => self.types[ResourceType::Cluster.index()]
+            leaving: match &clusters.in_flight {
+                Some(f) if ty == ResourceType::Route => clusters
                     .acked
                     .iter()
                     .filter(|(n, _, _)| !f.resources.contains_key(*n))
@@ -502,8 +721,19 @@ impl SotwStream {
                     .collect(),
                 _ => Default::default(),
             },
-        };
-        let mut wanted = desired(snapshot, ty, &holds);
+        }
+    }
+
+    /// What `ty` should hold next within its subscription, with a body for each name
+    /// (state of the world sends whole resources), and the names the Envoy keeps that
+    /// have no body here. `None` when `ty` is not subscribed.
+    fn sendable(
+        &self,
+        ty: ResourceType,
+        snapshot: &Snapshot,
+    ) -> Option<(ResourceMap, Vec<Arc<str>>)> {
+        let current = snapshot.resources(ty);
+        let mut wanted = desired(snapshot, ty, &self.client_holds(ty));
         let mut kept = Vec::new();
         let st = &self.types[ty.index()];
         let subscription = st.subscription.as_ref()?;
@@ -545,75 +775,7 @@ impl SotwStream {
                 },
             })
             .collect();
-        let whole = is_whole_set(&wanted, snapshot, ty);
-        let version = if whole {
-            snapshot.type_version(ty).to_string()
-        } else {
-            set_version(wanted.iter().map(|(n, r)| (&**n, &*r.version)))
-        };
-        let st = &mut self.types[ty.index()];
-        // The Envoy already holds exactly that set (after a rejection it keeps what it
-        // had, which the rule above may give again under another version string): no
-        // response, unless this stream has never answered the type (Envoy waits for a
-        // first one, even empty, to finish initializing).
-        // (Checked only where it can matter: full-state types, a version that differs.
-        // This runs on every poll of every stream.)
-        let holds_exactly = ty.is_full_state()
-            && version != st.acked_version
-            && st.last_nonce.is_some()
-            && !st.acked.iter().any(|(_, v, _)| v.is_empty())
-            && st.acked.iter().count() == wanted.len()
-            && wanted
-                .iter()
-                .all(|(n, r)| st.acked.version_of(n).is_some_and(|v| *v == r.version));
-        if holds_exactly {
-            st.acked_version = version.clone();
-        }
-        if version == st.acked_version {
-            st.acked = if whole {
-                Holding::whole(snapshot, ty)
-            } else {
-                // What it holds: what we would send, and what it keeps that we have no
-                // body for (declared on a reconnect).
-                let mut held = Holding::from_resources(&wanted);
-                for name in &kept {
-                    if let Some(h) = st.acked.get(name) {
-                        held.own().insert(name.clone(), h);
-                    }
-                }
-                held
-            };
-            return None;
-        }
-        if st.not_again.as_deref() == Some(version.as_str()) {
-            return None;
-        }
-        let (resources, version, then_whole) = if ty.is_full_state() {
-            (wanted, version, whole.then(|| Holding::whole(snapshot, ty)))
-        } else {
-            learn_bodies(&mut st.acked, &wanted);
-            let changed = changed_from(&wanted, &st.acked);
-            if changed.is_empty() {
-                // Only unsubscriptions: the Envoy already holds everything it wants.
-                st.acked_version = version;
-                return None;
-            }
-            let (chunk, complete) = take_budget(changed, RESPONSE_BUDGET_BYTES);
-            if complete {
-                (chunk, version, whole.then(|| Holding::whole(snapshot, ty)))
-            } else {
-                // Part of the change: the version names what the Envoy will hold after it.
-                let partial = set_version(wanted.keys().filter_map(|n| {
-                    let v = chunk
-                        .get(n)
-                        .map(|r| &r.version)
-                        .or_else(|| st.acked.version_of(n))?;
-                    Some((&**n, &**v))
-                }));
-                (chunk, partial, None)
-            }
-        };
-        Some(self.respond(ty, snapshot, version, resources, then_whole))
+        Some((wanted, kept))
     }
 }
 
@@ -627,8 +789,6 @@ impl AdsProtocol for SotwStream {
         self.on_wire(req.into())
     }
 
-    // Over the 100 lines a reader can hold; to split along its seams: nonce and ACK/NACK, then subscriptions (the per-type state delta shares).
-    #[allow(clippy::too_many_lines)]
     fn on_wire(&mut self, wire: WireRequest) -> Result<Event, ProtocolError> {
         let names: Vec<&str> = wire.resource_names().collect();
         let names = &names[..];
@@ -661,94 +821,8 @@ impl AdsProtocol for SotwStream {
             .take_if(|f| f.nonce == req.response_nonce && !req.response_nonce.is_empty());
         let event = match in_flight {
             Some(f) => match &req.error_detail {
-                Some(status) => {
-                    st.nacks += 1;
-                    st.last_nack_message = Some(super::clip(&status.message, 1024));
-                    st.rejected_version = Some(f.version.clone());
-                    st.not_again = Some(f.version.clone());
-                    // What the message blames keeps the Envoy's old version until it
-                    // changes; when it names them, it applied the rest; when it names
-                    // none, the search for the culprit begins (see `Rejections`).
-                    // Suspects are what the response changed, and what the Envoy declared
-                    // on a reconnect (its version unknown, it may be the culprit).
-                    let mut changed: Vec<(Arc<str>, Arc<str>)> = f
-                        .resources
-                        .iter()
-                        // What the Envoy held already (by version, or the body it
-                        // accepted before, sent again after `forget`) is no suspect.
-                        .filter(|(n, r)| match st.acked.get(n) {
-                            None => true,
-                            Some(h) => {
-                                *h.version != *r.version
-                                    && h.resource.as_ref().is_none_or(|b| b.version != r.version)
-                            }
-                        })
-                        // A bare stand-in (see `desired`) is valid by construction.
-                        .filter(|(n, r)| {
-                            ty != ResourceType::Cluster || bare_cluster(n).version != r.version
-                        })
-                        .map(|(n, r)| (n.clone(), r.version.clone()))
-                        .collect();
-                    changed.extend(f.forgotten.iter().cloned());
-                    if let Some(applied) = st.rejected.on_nack(changed, &status.message) {
-                        // It holds what was sent, but its old version (or nothing) of
-                        // each blamed resource.
-                        let mut held = HeldMap::new();
-                        for (name, r) in &f.resources {
-                            let unchanged = st.acked.version_of(name) == Some(&r.version);
-                            if applied.contains(name) || unchanged {
-                                held.insert(name.clone(), Held::sent(r));
-                            } else if let Some(old) = st.acked.get(name) {
-                                held.insert(name.clone(), old);
-                            }
-                        }
-                        if !ty.is_full_state() {
-                            // Per-name types: what was not in the response stays.
-                            for (name, version, body) in st.acked.iter() {
-                                if !f.resources.contains_key(name) {
-                                    held.insert(
-                                        name.clone(),
-                                        Held {
-                                            version: version.clone(),
-                                            resource: body.cloned(),
-                                        },
-                                    );
-                                }
-                            }
-                        }
-                        st.acked = Holding::Own(held);
-                        st.acked_version = held_version(&st.acked);
-                    }
-                    Event::Nack {
-                        ty,
-                        version: f.version,
-                        message: status.message.clone(),
-                    }
-                }
-                None => {
-                    st.acks += 1;
-                    st.not_again = None;
-                    st.rejected.on_ack(&f.resources);
-                    if let Some(whole) = f.then_whole {
-                        st.acked = whole;
-                    } else if ty.is_full_state() {
-                        st.acked = Holding::from_resources(&f.resources);
-                    } else {
-                        let held = st.acked.own();
-                        for (name, r) in &f.resources {
-                            held.insert(name.clone(), Held::sent(r));
-                        }
-                    }
-                    st.acked_version = if std::mem::take(&mut st.forgot_in_flight) {
-                        held_version(&st.acked)
-                    } else {
-                        f.version.clone()
-                    };
-                    Event::Ack {
-                        ty,
-                        version: f.version,
-                    }
-                }
+                Some(status) => st.nacked(ty, f, status),
+                None => st.acked_response(ty, f),
             },
             None => {
                 if st.last_nonce.is_none() && st.acked_version.is_empty() {
@@ -784,30 +858,7 @@ impl AdsProtocol for SotwStream {
                 declare_held(&mut endpoints.acked, names);
             }
         }
-        // An ACK repeats the subscription; compare before building a new one.
-        let st = &mut self.types[ty.index()];
-        let same =
-            st.subscription.is_some() && st.listed.as_ref().is_some_and(|l| l.is_list(names));
-        if !same {
-            let first = st.subscription.is_none();
-            let listed = SharedNames::of_list(names);
-            let subscription = Subscription::from_names(&listed, st.named);
-            st.listed = Some(listed);
-            st.named |= !names.is_empty();
-            if let Subscription::Names(_) = &subscription {
-                let before = st.acked.len();
-                st.acked.own().retain(|name, _| subscription.wants(name));
-                // What the Envoy holds now (its version) is what the subscription kept:
-                // names it dropped and asks for again must be sent again.
-                if !first && st.acked.len() != before {
-                    st.acked_version = held_version(&st.acked);
-                }
-                if !first && st.acked.is_empty() {
-                    st.acked_version = String::new();
-                }
-            }
-            st.subscription = Some(subscription);
-        }
+        self.types[ty.index()].subscribe(names);
         Ok(event)
     }
 
