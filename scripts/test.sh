@@ -121,7 +121,7 @@ await() {
         fi
         exit "$rc"
     fi
-    timings+=("$(printf '%6ss  ok      %s (background; awaited %s s)' "${took:-?}" "$current" "$((SECONDS - step_started))")")
+    timings+=("$(printf '%6ss  ok      %s, awaited %s s' "${took:-?}" "$current" "$((SECONDS - step_started))")")
     echo "-- took ${took:-?} s in the background; awaited $((SECONDS - step_started)) s"
     current=""
 }
@@ -175,54 +175,87 @@ if [ -n "$build_only" ]; then
     step 20m bash scripts/check-image.sh --build-only
     exit 0
 fi
-# What no step needs yet, built beside the steps: the fan-out benchmark's peer (after the
-# tests of its protoc, bench/peer/protoc/: protoc's name resolution, prost-build's
-# arguments) and the release build the image check packs (scripts/build-image.sh runs the
-# same cargo command, then finds it done).
-background peer 20m bash -c 'cargo test --release --locked --manifest-path bench/peer/Cargo.toml -p protox-protoc && bash scripts/build-peer.sh'
-background release 30m cargo build --release --locked --bin ray-xds
-# Every test and benchmark, built once for the steps below.
-step 30m cargo test --no-run --all-targets
-step 8m cargo test --bench scale -- --proxies 300 --steady 4 --edits 2
-# The detection benchmark, tiny (about 10 s once built): a killed, a hung and a slow but
-# live proxy still go end to end, through real Envoys.
-step 5m cargo test --bench detection -- --trials 3 --lanes 3 --cost-proxies 0 --slow-window 2
+# The executables cargo built, by target name (tests and benchmarks): run directly, so that
+# a step runs while cargo builds something else (a cargo command waits for the build
+# folder while another builds in it).
+declare -A exe=()
+build_targets() { # build_targets CARGO-TEST-ARGS...: cargo test --no-run, noting the executables
+    local listing name path
+    listing=$(mktemp "${TMPDIR:-/tmp}/ray-xds-test-sh.XXXXXX")
+    timeout --kill-after=30 30m cargo test --no-run --locked --message-format=json-render-diagnostics "$@" \
+        >"$listing"
+    while read -r name path; do
+        exe[$name]=$path
+    done < <(python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and \
+            set(m["target"]["kind"]) & {"test", "bench"}:
+        print(m["target"]["name"], m["executable"])
+' "$listing")
+    rm -f "$listing"
+}
+# The release build the image check packs (scripts/build-image.sh runs the same cargo
+# command, then finds it done), beside everything up to the image check.
+background release 40m cargo build --release --locked --bin ray-xds
+# The benchmarks first: the timed ones run while the tests build.
+step 30m build_targets --benches
+background tests 30m cargo test --no-run --locked --lib --bins --tests
+# The soak (memory, descriptors, tasks and metric series back to their baseline after
+# churn) beside the others: it measures counts, not time.
+background --nice 0 soak 8m "${exe[soak]}" --duration 20
+step 8m "${exe[scale]}" --proxies 300 --steady 4 --edits 2
+# The detection benchmark, tiny: a killed, a hung and a slow but live proxy still go end
+# to end, through real Envoys.
+step 5m "${exe[detection]}" --trials 3 --lanes 3 --cost-proxies 0 --slow-window 2
 # One short chaos scenario per fault family (a proxy dies, a proxy hangs, a proxy drains,
 # a cluster is upgraded, the control plane is down while a proxy dies or hangs): fails
 # when ray-xds loses a request or runs one twice; the baseline's count is printed, not
 # asserted. The arms run at the same time, each with its own processes.
-step 20m cargo test --bench chaos -- --scenario head-crash --scenario proxy-hang \
+step 20m "${exe[chaos]}" --scenario head-crash --scenario proxy-hang \
     --scenario proxy-drain --scenario upgrade --scenario control-plane-down-crash \
     --scenario control-plane-down-hang \
     --arm ray-xds --arm ray-xds-head-include --arm baseline-kuberay \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert --arms-together
 # The same rule for gRPC calls (each node's gRPC proxy): a proxy dies, a cluster is upgraded.
-step 10m cargo test --bench chaos -- --protocol grpc --scenario worker-crash --scenario upgrade \
+step 10m "${exe[chaos]}" --protocol grpc --scenario worker-crash --scenario upgrade \
     --arm ray-xds --arm baseline-kuberay \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert --arms-together
-# The soak (memory, descriptors, tasks and metric series back to their baseline after
-# churn) beside the tests: it measures counts, not time.
-background --nice 0 soak 8m cargo test --bench soak -- --duration 20
-# Four test threads: most tests wait on Envoy, simulators and timers, not on the CPU.
-step 35m cargo test --lib --bins --tests -- --skip real_ray_ --test-threads 4
+# The fan-out benchmark, small and unoptimized, ray-xds only: a smoke test that it still
+# runs, both protocols; it fails when a client misses a change. (Its peer,
+# rust-control-plane, is a workspace of its own with Envoy's protos to compile: the full
+# benchmark builds it, scripts/test.sh --build-only too, CI does not.)
+step 10m "${exe[fanout]}" --streams 20 --changes 2 --server ray-xds
+await tests
 await soak
-await peer
-# The fan-out benchmark, small and unoptimized: a smoke test that it still runs, both
-# servers (the peer, rust-control-plane, built above) and both protocols; it fails when a
-# client misses a change from ray-xds. A node id per stream: with one shared,
-# rust-control-plane 0.1.2 loses changes (docs/benchmarks.md, fan-out).
-step 20m cargo test --bench fanout -- --streams 20 --changes 2 --node-id-per-stream
+# The tests, four threads each (most wait on Envoy, simulators and timers, not on the
+# CPU): the Envoy binary, the longest, beside all the others.
+step 2m build_targets --lib --bins --tests
+background --nice 0 envoy-tests 20m "${exe[envoy]}" --test-threads 4
+others=()
+while read -r name; do others+=(--test "$name"); done < <(cargo metadata --no-deps --format-version 1 |
+    python3 -c '
+import json, sys
+for p in json.load(sys.stdin)["packages"]:
+    for t in p["targets"]:
+        if "test" in t["kind"] and t["name"] not in ("envoy", "real_ray"):
+            print(t["name"])
+')
+step 35m cargo test --locked --lib --bins "${others[@]}" -- --test-threads 4
+await envoy-tests
 # deploy/ against the Kubernetes OpenAPI schema (1.30 and the newest), strict, and the
 # cert-manager objects against the cert-manager v1 fields (kubernetes-validate from PyPI).
 step 5m bash scripts/validate-deploy.sh
-# The container image (scripts/build-image.sh, from scratch, no daemon, no pull) checked
-# and run read-only as user 65532 (podman + runc): the release build is most of it.
-await release
-step 15m bash scripts/check-image.sh
 # Real Ray Serve clusters (about 1 GB and 15 s per node): two tests at a time (each
 # test's clusters have their own addresses, ports and --temp-dir; most of a test is
 # waiting for Ray), 380 s where one at a time took 530.
 step 25m cargo test --test real_ray -- --test-threads=2
+# The container image (scripts/build-image.sh, from scratch, no daemon, no pull) checked
+# and run read-only as user 65532 (podman + runc), from the release build that went on
+# beside the steps above (at nice 19: Ray's processes come first).
+await release
+step 15m bash scripts/check-image.sh
 # The ingress benchmark, short: with direct ingress, Envoy + ray-xds loses nothing and is
 # ahead of the way through the Serve proxies on both figures (HAProxy's arm is left to the
 # full run: on a shared machine the two are within each other's noise).

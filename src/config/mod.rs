@@ -6,8 +6,9 @@
 //! file, the line and the field; nothing starts with a half-understood config.
 //!
 //! - `args`: the command line (clap), flags and their environment variables;
-//! - `load`: the config file's shape, and `Config::load`, one function per section,
-//!   each putting the flags over the file and checking the result.
+//! - `file`: the config file's shape, a struct per section;
+//! - `load`: `Config::load`, one function per section, each putting the flags over the
+//!   file and checking the result.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -18,6 +19,7 @@ use serde::Deserialize;
 use crate::policy::Policies;
 
 mod args;
+mod file;
 mod load;
 
 pub use args::{Cli, Command, PolicyFlags, ServeArgs};

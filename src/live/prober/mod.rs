@@ -47,17 +47,21 @@
 //! unknown while it stops (a wedged prober). A restarted prober starts from what the last
 //! one published, so a restart changes nothing Envoy sees.
 
+//!
+//! The parts: this module runs the probe tasks and publishes what they report; `task`
+//! is one endpoint's probe loop (its permits and hedged rounds); `probes` are the probes
+//! themselves (HTTP `/-/healthz`, gRPC `Healthz`, `/-/routes`).
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Limited};
+use http_body_util::Empty;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -76,18 +80,18 @@ pub struct ProbeStates {
     pub complete: bool,
 }
 
-type HttpClient = Client<HttpConnector, Empty<Bytes>>;
+pub(super) type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
-struct Report {
-    address: SocketAddr,
-    outcome: Outcome,
-    latency: Duration,
+pub(super) struct Report {
+    pub(super) address: SocketAddr,
+    pub(super) outcome: Outcome,
+    pub(super) latency: Duration,
     /// `Some` when this probe also read `/-/routes` (`Some(None)`: the read failed).
-    routes: Option<Option<BTreeSet<String>>>,
+    pub(super) routes: Option<Option<BTreeSet<String>>>,
     /// The route read's turn, held with the table until the manager has kept or refused
     /// it, so that tables waiting in the report queue count against
     /// [`ROUTE_READS_AT_ONCE`] too.
-    route_read_turn: Option<RouteTurn>,
+    pub(super) route_read_turn: Option<RouteTurn>,
 }
 
 impl ProbeStates {
@@ -118,7 +122,7 @@ pub fn stale_after(settings: &ProbePolicy, probes: usize, max_concurrent: usize)
 }
 
 /// The most probe reports folded into one publication.
-const MAX_REPORTS_PER_PUBLICATION: usize = 4096;
+pub(super) const MAX_REPORTS_PER_PUBLICATION: usize = 4096;
 
 /// The prober's manager beats its [`Heartbeat`] every second: this long without a beat,
 /// it is wedged, and the pipeline serves no probe result as fresh.
@@ -551,11 +555,11 @@ fn owners(model: &Model) -> BTreeMap<SocketAddr, String> {
 
 /// What one probe task probes: with which settings, over which protocol.
 #[derive(Clone, Debug, PartialEq)]
-struct Target {
-    settings: ProbePolicy,
-    protocol: Protocol,
+pub(super) struct Target {
+    pub(super) settings: ProbePolicy,
+    pub(super) protocol: Protocol,
     /// An HTTP proxy's `/-/routes` is read too; an ingress replica serves one application.
-    read_routes: bool,
+    pub(super) read_routes: bool,
 }
 
 /// Every endpoint of the model (each proxy's HTTP address, and its gRPC address when it
@@ -587,491 +591,11 @@ fn targets(model: &Model, defaults: &ProbePolicy) -> BTreeMap<SocketAddr, Target
     out
 }
 
-struct ProbeTask {
-    address: SocketAddr,
-    settings: ProbePolicy,
-    /// HTTP: `GET /-/healthz` (and `/-/routes`); gRPC: `Healthz` (no routes: the gRPC
-    /// proxy picks the application from the call's `application` metadata).
-    protocol: Protocol,
-    read_routes: bool,
-    routes_interval: Duration,
-    client: HttpClient,
-    permits: ProbePermits,
-    reports: mpsc::Sender<Report>,
-}
+mod probes;
+mod task;
 
-/// Probes in flight, at most `max_concurrent` in all. An eighth of the permits is kept
-/// for urgent probes: a proxy's first (a new proxy is withheld from Envoy until it), and
-/// the quick re-probe that confirms a healthy proxy's failure (how fast a hung proxy is
-/// found). They take whichever permit frees first; routine probes only the rest, so with
-/// thousands of proxies an urgent probe never waits behind a full round of routine ones.
-/// A sixteenth is for hedged probes only, taken if free at once and never waited for.
-#[derive(Clone)]
-struct ProbePermits {
-    routine: Arc<Semaphore>,
-    urgent: Arc<Semaphore>,
-    hedges: Arc<Semaphore>,
-    /// Turns to read `/-/routes` ([`ROUTE_READS_AT_ONCE`], shared between clusters).
-    route_reads: Arc<RouteTurns>,
-}
-
-impl ProbePermits {
-    fn new(max_concurrent: usize) -> ProbePermits {
-        let total = max_concurrent.clamp(1, Semaphore::MAX_PERMITS);
-        let (urgent, hedges) = (total / 8, total / 16);
-        ProbePermits {
-            routine: Arc::new(Semaphore::new(total - urgent - hedges)),
-            urgent: Arc::new(Semaphore::new(urgent)),
-            hedges: Arc::new(Semaphore::new(hedges)),
-            route_reads: RouteTurns::new(ROUTE_READS_AT_ONCE),
-        }
-    }
-
-    /// A permit; `None` once closed (never, today).
-    async fn acquire(&self, urgent: bool) -> Option<tokio::sync::SemaphorePermit<'_>> {
-        if !urgent {
-            return self.routine.acquire().await.ok();
-        }
-        tokio::select! {
-            biased;
-            permit = self.urgent.acquire() => permit.ok(),
-            permit = self.routine.acquire() => permit.ok(),
-        }
-    }
-}
-
-impl ProbeTask {
-    async fn run(self) {
-        // The last outcome reported was healthy (routes are read on turning healthy).
-        let mut last_healthy = false;
-        // The last outcome other than a failure was healthy, and fewer than
-        // `unhealthy_threshold` failures followed it: the proxy is (still) healthy as far
-        // as this task knows, so a failure is worth confirming quickly.
-        let mut trusted = false;
-        // Failures reported since the last other outcome.
-        let mut failures: u32 = 0;
-        let mut routes_read: Option<Instant> = None;
-        let mut next = Duration::ZERO;
-        let mut urgent = true; // the first probe
-                               // One HTTP/2 connection per gRPC proxy, opened at the first probe and reopened
-                               // as needed (tonic's channel reconnects).
-        let grpc = (self.protocol == Protocol::Grpc).then(|| grpc_channel(self.address));
-        loop {
-            tokio::time::sleep(next).await;
-            let Some(permit) = self.permits.acquire(urgent).await else {
-                return;
-            };
-            // A trusted proxy's probe that has not answered within the hedge delay is
-            // confirmed by a second one sent at once, unless a failure of the first alone
-            // would reach the threshold (then there is nothing to confirm).
-            let hedge =
-                (trusted && grpc.is_none() && failures + 1 < self.settings.unhealthy_threshold)
-                    .then(|| self.settings.hedge_after());
-            let mut round = Round::new(self.probe_once(&grpc, permit), hedge);
-            // Failures are reported as they come (the first never waits for the second);
-            // the first answer that is not a failure ends the round, and a probe still in
-            // flight then is dropped (it could only add a stale failure).
-            let decided = loop {
-                let hedged = || {
-                    let permit = self.permits.hedges.try_acquire().ok()?;
-                    Some(self.probe_once(&grpc, permit))
-                };
-                match round.next(hedged).await {
-                    None => break None,
-                    Some((Outcome::Failed(why), latency)) => {
-                        failures += 1;
-                        trusted &= failures < self.settings.unhealthy_threshold;
-                        last_healthy = false;
-                        let report = Report {
-                            address: self.address,
-                            outcome: Outcome::Failed(why),
-                            latency,
-                            routes: None,
-                            route_read_turn: None,
-                        };
-                        if self.reports.send(report).await.is_err() {
-                            return;
-                        }
-                    }
-                    Some(decided) => break Some(decided),
-                }
-            };
-            // Whatever is still in flight (and its permit) goes before any route read.
-            drop(round);
-            if let Some((outcome, latency)) = decided {
-                let healthy = outcome == Outcome::Healthy;
-                let (routes, route_read_turn) = if healthy
-                    && grpc.is_none()
-                    && self.read_routes
-                    && (!last_healthy
-                        || routes_read.is_none_or(|t| t.elapsed() >= self.routes_interval))
-                {
-                    let turns = &self.permits.route_reads;
-                    match turns.take(self.address, self.settings.timeout).await {
-                        Some(turn) => {
-                            routes_read = Some(Instant::now());
-                            let table =
-                                read_routes(&self.client, self.address, self.settings.timeout)
-                                    .await;
-                            (Some(table), Some(turn))
-                        }
-                        // No turn (its cluster holds its share, or none freed in time):
-                        // not read this time (its last table stays).
-                        None => (None, None),
-                    }
-                } else {
-                    (None, None)
-                };
-                failures = 0;
-                trusted = healthy;
-                last_healthy = healthy;
-                let report = Report {
-                    address: self.address,
-                    outcome,
-                    latency,
-                    routes,
-                    route_read_turn,
-                };
-                if self.reports.send(report).await.is_err() {
-                    return;
-                }
-            }
-            // ±20% jitter so that proxies added together do not probe in lockstep; a
-            // trusted proxy that failed (fast, or once with no hedge to confirm it) is
-            // probed again soon, so that it reaches the failure threshold in a fraction
-            // of the interval.
-            let suspect = trusted && failures > 0;
-            next = if suspect {
-                self.settings.interval / 5
-            } else {
-                self.settings.interval.mul_f64(0.8 + fastrand::f64() * 0.4)
-            };
-            urgent = suspect;
-        }
-    }
-
-    /// One probe (`GET /-/healthz` or gRPC `Healthz`) and how long it took, under
-    /// `permit`.
-    fn probe_once<'a>(
-        &'a self,
-        grpc: &'a Option<tonic::transport::Channel>,
-        permit: tokio::sync::SemaphorePermit<'a>,
-    ) -> ProbeFuture<'a> {
-        Box::pin(async move {
-            let _permit = permit;
-            let started = Instant::now();
-            let outcome = match grpc {
-                None => probe_healthz(&self.client, self.address, self.settings.timeout).await,
-                Some(channel) => probe_grpc_healthz(channel.clone(), self.settings.timeout).await,
-            };
-            (outcome, started.elapsed())
-        })
-    }
-}
-
-type ProbeFuture<'a> =
-    std::pin::Pin<Box<dyn std::future::Future<Output = (Outcome, Duration)> + Send + 'a>>;
-
-/// One probe round: the first probe and, when `hedge` is given and the first has not
-/// answered by then, a second probe started alongside it.
-struct Round<'a> {
-    first: Option<ProbeFuture<'a>>,
-    second: Option<ProbeFuture<'a>>,
-    /// When the second probe starts, until it has (or the first has answered).
-    hedge: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl<'a> Round<'a> {
-    fn new(first: ProbeFuture<'a>, hedge: Option<Duration>) -> Round<'a> {
-        Round {
-            first: Some(first),
-            second: None,
-            hedge: hedge.map(|d| Box::pin(tokio::time::sleep(d))),
-        }
-    }
-
-    /// The next probe to finish, in the order they finish; `None` once none is left.
-    /// `start` makes the hedged probe when its time comes (`None`: no permit free, no
-    /// hedge this round).
-    async fn next(
-        &mut self,
-        start: impl FnOnce() -> Option<ProbeFuture<'a>>,
-    ) -> Option<(Outcome, Duration)> {
-        let mut start = Some(start);
-        loop {
-            let Round {
-                first,
-                second,
-                hedge,
-            } = &mut *self;
-            let (first_left, second_left, hedge_left) =
-                (first.is_some(), second.is_some(), hedge.is_some());
-            if !first_left && !second_left {
-                return None;
-            }
-            tokio::select! {
-                r = async { first.as_mut().unwrap().await }, if first_left => {
-                    *first = None;
-                    // Answered before the hedge delay: nothing to confirm in this round.
-                    *hedge = None;
-                    return Some(r);
-                }
-                r = async { second.as_mut().unwrap().await }, if second_left => {
-                    *second = None;
-                    return Some(r);
-                }
-                _ = async { hedge.as_mut().unwrap().await }, if hedge_left => {
-                    *hedge = None;
-                    if let Some(start) = start.take() {
-                        *second = start();
-                    }
-                }
-            }
-        }
-    }
-}
-
-async fn get(
-    client: &HttpClient,
-    address: SocketAddr,
-    path: &str,
-    timeout: Duration,
-    max_body: usize,
-) -> Result<(u16, Bytes), Outcome> {
-    let uri: hyper::Uri = match format!("http://{address}{path}").parse() {
-        Ok(u) => u,
-        Err(e) => return Err(Outcome::Failed(format!("bad address: {e}"))),
-    };
-    let request = async {
-        let response = client.get(uri).await.map_err(classify)?;
-        let status = response.status().as_u16();
-        // A proxy that answers an endless or huge body is not healthy, and must not
-        // take ray-xds's memory with it.
-        let body = Limited::new(response.into_body(), max_body)
-            .collect()
-            .await
-            .map_err(|e| {
-                if e.is::<http_body_util::LengthLimitError>() {
-                    Outcome::Failed(format!("answered a body over {} KiB", max_body >> 10))
-                } else {
-                    Outcome::Failed(format!("reading the body: {e}"))
-                }
-            })?
-            .to_bytes();
-        Ok((status, body))
-    };
-    match tokio::time::timeout(timeout, request).await {
-        Ok(result) => result,
-        Err(_) => Err(Outcome::Failed(format!("no answer within {timeout:?}"))),
-    }
-}
-
-fn classify(error: hyper_util::client::legacy::Error) -> Outcome {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&error);
-    while let Some(e) = source {
-        if let Some(io) = e.downcast_ref::<std::io::Error>() {
-            if io.kind() == std::io::ErrorKind::ConnectionRefused {
-                return Outcome::Refused;
-            }
-        }
-        source = e.source();
-    }
-    Outcome::Failed(format!(
-        "{error}: {}",
-        std::error::Error::source(&error)
-            .map(|s| s.to_string())
-            .unwrap_or_default()
-    ))
-}
-
-/// The largest `/-/healthz` body a probe reads (64 KiB; Ray answers "success" or a
-/// sentence): up to 256 probes read at once, so this bounds what they hold in flight.
-pub const MAX_PROBE_BODY_BYTES: usize = 64 * 1024;
-
-/// The largest `/-/routes` body read (256 KiB: hundreds of routes); a bigger one is read
-/// as a malformed one (routes unknown).
-pub const MAX_ROUTES_BODY_BYTES: usize = 256 * 1024;
-
-/// The most `/-/routes` reads at once, over all proxies: each turn is held through the
-/// read, the parse and the report queue until the manager has kept or refused the table,
-/// so what reads cost in flight stays under 16 × (256 KiB and its table) however many
-/// proxies answer big tables and however far the manager lags. Each cluster holds at most
-/// its share of the turns (`live::route_turns`), so one cluster's slow reads never starve
-/// another's. A read that does not get its turn within the probe timeout (or whose
-/// cluster holds its share) is tried at the next probe.
-pub const ROUTE_READS_AT_ONCE: usize = 16;
-
-/// Whether a 503 (HTTP) or `UNAVAILABLE` (gRPC) health answer says the endpoint drains:
-/// a proxy's `This node is being drained.`, an ingress replica's `DRAINING` (a replica
-/// that stopped being a target and finishes what it holds).
-fn says_draining(message: &str) -> bool {
-    message.contains("being drained") || message.trim() == "DRAINING"
-}
-
-/// One `GET /-/healthz`, classified.
-pub async fn probe_healthz(client: &HttpClient, address: SocketAddr, timeout: Duration) -> Outcome {
-    match get(client, address, "/-/healthz", timeout, MAX_PROBE_BODY_BYTES).await {
-        Ok((200, body)) if &body[..] == b"success" => Outcome::Healthy,
-        Ok((503, body)) if says_draining(&String::from_utf8_lossy(&body)) => Outcome::Draining,
-        Ok((status, body)) => {
-            let text = String::from_utf8_lossy(&body[..body.len().min(120)]).into_owned();
-            Outcome::Failed(format!("healthz answered {status}: {text:?}"))
-        }
-        Err(outcome) => outcome,
-    }
-}
-
-/// A lazily connecting gRPC channel to a Ray Serve gRPC proxy (plain HTTP/2).
-pub fn grpc_channel(address: SocketAddr) -> tonic::transport::Channel {
-    tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-        .expect("a socket address is a valid URI authority")
-        .tcp_nodelay(true)
-        .connect_lazy()
-}
-
-/// One `ray.serve.RayServeAPIService/Healthz`, classified like `GET /-/healthz`: OK with
-/// `success` is healthy, `UNAVAILABLE` "This node is being drained." (or a replica's
-/// `DRAINING`) is draining, a
-/// refused connection is refused; anything else (another status or message, no answer
-/// within `timeout`) is a failure.
-pub async fn probe_grpc_healthz(channel: tonic::transport::Channel, timeout: Duration) -> Outcome {
-    use crate::ray_serve_api::ray_serve_api_service_client::RayServeApiServiceClient;
-    let mut client =
-        RayServeApiServiceClient::new(channel).max_decoding_message_size(MAX_PROBE_BODY_BYTES);
-    let call = client.healthz(crate::ray_serve_api::HealthzRequest {});
-    match tokio::time::timeout(timeout, call).await {
-        Err(_) => Outcome::Failed(format!("no answer within {timeout:?}")),
-        Ok(Ok(answer)) if answer.get_ref().message == "success" => Outcome::Healthy,
-        Ok(Ok(answer)) => {
-            let message: String = answer.get_ref().message.chars().take(120).collect();
-            Outcome::Failed(format!("Healthz answered OK with {message:?}"))
-        }
-        Ok(Err(status)) => {
-            if refused(&status) {
-                return Outcome::Refused;
-            }
-            if status.code() == tonic::Code::Unavailable && says_draining(status.message()) {
-                return Outcome::Draining;
-            }
-            let message: String = status.message().chars().take(120).collect();
-            Outcome::Failed(format!("Healthz answered {:?}: {message:?}", status.code()))
-        }
-    }
-}
-
-/// The call failed because nothing listens at the address.
-fn refused(status: &tonic::Status) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(status);
-    while let Some(e) = source {
-        if let Some(io) = e.downcast_ref::<std::io::Error>() {
-            if io.kind() == std::io::ErrorKind::ConnectionRefused {
-                return true;
-            }
-        }
-        source = e.source();
-    }
-    false
-}
-
-/// `GET /-/routes`: the route prefixes the proxy serves; `None` if it cannot say.
-pub async fn read_routes(
-    client: &HttpClient,
-    address: SocketAddr,
-    timeout: Duration,
-) -> Option<BTreeSet<String>> {
-    let (status, body) = get(client, address, "/-/routes", timeout, MAX_ROUTES_BODY_BYTES)
-        .await
-        .ok()?;
-    if status != 200 {
-        return None;
-    }
-    parse_routes(&body)
-}
-
-/// The most route prefixes kept from one proxy's `/-/routes` (Ray lists one per
-/// application with a route; real clusters have tens). A 1 MiB body listed ~87,000
-/// keys, ~12 MB held per proxy, so 40 such proxies ran the process out of memory (the
-/// body is now capped at [`MAX_ROUTES_BODY_BYTES`] too). An answer over the cap is malformed, as one that is
-/// not JSON: the proxy's routes are unknown (`live::health` then drains it where routes
-/// are enforced, as for any unreadable answer); its probe state is untouched.
-pub const MAX_ROUTES: usize = 1_000;
-
-/// The longest route prefix kept, in bytes (256; Serve's are short paths). A longer
-/// one makes the whole answer malformed, as for [`MAX_ROUTES`].
-pub const MAX_ROUTE_PREFIX_BYTES: usize = 256;
-
-/// The route prefixes of a `/-/routes` body (a JSON object keyed by route prefix); `None`
-/// when it is not one, or is over [`MAX_ROUTES`] or [`MAX_ROUTE_PREFIX_BYTES`].
-pub fn parse_routes(body: &[u8]) -> Option<BTreeSet<String>> {
-    serde_json::from_slice::<RouteKeys>(body)
-        .ok()
-        .map(|keys| keys.0)
-}
-
-/// The keys of a `/-/routes` object, within the caps. Values are skipped unbuilt and the
-/// read stops at the first key over a cap, so an oversized answer never costs more than
-/// the caps allow.
-struct RouteKeys(BTreeSet<String>);
-
-impl<'de> serde::Deserialize<'de> for RouteKeys {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Keys;
-        impl<'de> serde::de::Visitor<'de> for Keys {
-            type Value = RouteKeys;
-
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("an object keyed by route prefix")
-            }
-
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<RouteKeys, A::Error> {
-                use serde::de::Error;
-                let mut routes = BTreeSet::new();
-                while let Some(prefix) = map.next_key::<String>()? {
-                    map.next_value::<serde::de::IgnoredAny>()?;
-                    if prefix.len() > MAX_ROUTE_PREFIX_BYTES {
-                        return Err(A::Error::custom(format!(
-                            "a route prefix over {MAX_ROUTE_PREFIX_BYTES} bytes"
-                        )));
-                    }
-                    routes.insert(prefix);
-                    if routes.len() > MAX_ROUTES {
-                        return Err(A::Error::custom(format!("more than {MAX_ROUTES} routes")));
-                    }
-                }
-                Ok(RouteKeys(routes))
-            }
-        }
-        deserializer.deserialize_map(Keys)
-    }
-}
-
-/// The prober's HTTP client: one kept-alive connection per proxy, connects bounded by
-/// the probe timeout. Tests and benchmarks use the same one.
-///
-/// The pool needs a timer to evict idle connections: without one, hyper-util checks an
-/// idle connection only when the same address is asked for again, so every proxy that
-/// went away (a new address with each upgrade or restarted pod) kept its closed
-/// connection's channels in the pool for good, ~13 KiB each (found by the soak benchmark).
-pub fn probe_client(timeout: Duration) -> HttpClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(timeout));
-    Client::builder(TokioExecutor::new())
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(30))
-        .pool_max_idle_per_host(1)
-        // A kept-alive connection keeps its read buffer, which grows with the bodies read
-        // (to ~400 KiB by default): 300 proxies answering big `/-/routes` held 0.6 MB
-        // each. Bodies are read in chunks of at most this.
-        .http1_max_buf_size(PROBE_READ_BUFFER_BYTES)
-        .build(connector)
-}
-
-/// The most a probe connection buffers at once (bodies stream through it in chunks).
-pub const PROBE_READ_BUFFER_BYTES: usize = 16 * 1024;
+pub use probes::*;
+use task::{ProbePermits, ProbeTask};
 
 #[cfg(test)]
 mod tests {
