@@ -352,10 +352,10 @@ impl DashboardError {
 mod tests {
     use super::parse::*;
     use super::*;
+    use pretty_assertions::assert_eq;
     use serde_json::{Map, Value};
     use std::net::IpAddr;
     use std::time::Duration;
-    use pretty_assertions::assert_eq;
 
     macro_rules! fixture {
         ($name:literal) => {
