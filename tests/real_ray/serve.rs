@@ -342,17 +342,26 @@ async fn real_ray_a_deploy_failed_application_never_gets_traffic() {
     .await;
     b.wait_for_app("broken", "DEPLOY_FAILED").await;
     b.wait_for_app("hello", "RUNNING").await;
-    // Held, and Envoy holds what ray-xds serves since: `hello` may have moved to b on its
-    // own while `broken` was still deploying, and went back when it failed.
+    // Held, every application's traffic on a, and Envoy holds what ray-xds serves since:
+    // `hello` may have moved to b on its own while `broken` was still deploying; when
+    // `broken` fails it goes back once a's dashboard has answered again (a fresh answer,
+    // asked for then: half a second under load), which may come after the RayService's
+    // own switch says DEPLOY_FAILED.
     eventually(
-        "ray-xds holds the switch on DEPLOY_FAILED, and Envoy has it",
+        "ray-xds holds the switch on DEPLOY_FAILED, every application's traffic is on a, and Envoy has it",
         DEADLINE,
         || async {
             let state: serde_json::Value =
                 serde_json::from_str(&admin_get(gw.xds.admin_addr, "/debug/state").await).ok()?;
-            let sw = &state["rayservices"][0]["switchover"];
-            let held = sw["reason"].as_str()?.contains("DEPLOY_FAILED");
-            (held && every_envoy_in_sync(gw.xds.admin_addr).await).then_some(())
+            let service = &state["rayservices"][0];
+            let held = service["switchover"]["reason"]
+                .as_str()?
+                .contains("DEPLOY_FAILED");
+            let apps_on_a = service["application_switchovers"]
+                .as_object()?
+                .values()
+                .all(|app| app["weights"] == serde_json::json!([["a", 100]]));
+            (held && apps_on_a && every_envoy_in_sync(gw.xds.admin_addr).await).then_some(())
         },
     )
     .await;
