@@ -1,12 +1,11 @@
 //! The admin port's connections, bounded, so that `/healthz` keeps answering whatever
-//! a client of the admin port does: at most [`AdminLimits::max_connections`] open, and
-//! [`AdminLimits::max_connections_per_peer`] from one IP address (so one client cannot
-//! take every slot from kubelet's probes; one more is closed at once, before it costs a
-//! request task), each closed after
+//! a client of the admin port does: capped by the xDS port's [`crate::gate`] (at most
+//! [`AdminLimits::max_connections`] open, and [`AdminLimits::max_connections_per_peer`]
+//! from one IP address, so one client cannot take every slot from kubelet's probes),
+//! each closed after
 //! `idle_timeout` without a byte from the client (a connection waiting for its next
 //! request, or trickling one) and after `max_lifetime` in all (a client sending a byte
-//! now and then, or never reading its answer). Accept errors (out of file descriptors)
-//! pause 100 ms instead of spinning.
+//! now and then, or never reading its answer).
 //!
 //! Invariants: a connection's slot is given back when it is dropped, whatever ends it;
 //! nothing here reads or writes a byte of HTTP.
@@ -14,16 +13,14 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
-use crate::peer_counts::{PeerCounts, PeerSlot};
+use crate::gate::{Admitted, ConnectionGate, Refused};
 
 /// How many admin connections are held, and for how long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,8 +48,7 @@ impl Default for AdminLimits {
 pub struct BoundedAdminListener {
     listener: TcpListener,
     limits: AdminLimits,
-    slots: Arc<Semaphore>,
-    peers: Arc<PeerCounts>,
+    gate: ConnectionGate,
 }
 
 impl BoundedAdminListener {
@@ -60,8 +56,7 @@ impl BoundedAdminListener {
         BoundedAdminListener {
             listener,
             limits,
-            slots: Arc::new(Semaphore::new(limits.max_connections)),
-            peers: Arc::default(),
+            gate: ConnectionGate::new(limits.max_connections, limits.max_connections_per_peer),
         }
     }
 }
@@ -72,33 +67,30 @@ impl axum::serve::Listener for BoundedAdminListener {
 
     async fn accept(&mut self) -> (AdminConnection, std::net::SocketAddr) {
         loop {
-            let (stream, peer) = match self.listener.accept().await {
-                Ok(accepted) => accepted,
-                Err(err) => {
-                    tracing::warn!(error = %err, "admin listener: accept failed; pausing 100 ms");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+            let (stream, peer) = crate::gate::accept(&self.listener, |err| {
+                tracing::warn!(error = %err, "admin listener: accept failed; pausing 100 ms");
+            })
+            .await;
+            let admitted = match self.gate.admit(peer.ip()) {
+                Ok(admitted) => admitted,
+                Err(refused) => {
+                    let max = self.gate.cap(refused);
+                    // One peer at its cap is its own business; the whole port at its cap
+                    // is the operator's.
+                    if refused == Refused::OverLimit {
+                        tracing::warn!(%peer, max, "admin listener: connection limit reached; closing the new connection");
+                    } else {
+                        tracing::debug!(%peer, max, "admin listener: connection limit of this peer reached; closing the new connection");
+                    }
+                    drop(stream);
                     continue;
                 }
-            };
-            let Ok(slot) = self.slots.clone().try_acquire_owned() else {
-                tracing::warn!(%peer, max = self.limits.max_connections, "admin listener: connection limit reached; closing the new connection");
-                drop(stream);
-                continue;
-            };
-            let Some(peer_slot) = self
-                .peers
-                .try_take(peer.ip(), self.limits.max_connections_per_peer)
-            else {
-                tracing::debug!(%peer, max = self.limits.max_connections_per_peer, "admin listener: connection limit of this peer reached; closing the new connection");
-                drop(stream);
-                continue;
             };
             let now = Instant::now();
             return (
                 AdminConnection {
                     inner: stream,
-                    _slot: slot,
-                    _peer_slot: peer_slot,
+                    _admitted: admitted,
                     idle_timeout: self.limits.idle_timeout,
                     idle: Box::pin(tokio::time::sleep_until(now + self.limits.idle_timeout)),
                     end_of_life: Box::pin(tokio::time::sleep_until(now + self.limits.max_lifetime)),
@@ -116,8 +108,7 @@ impl axum::serve::Listener for BoundedAdminListener {
 /// One admin connection, holding its slot, closed when idle or old.
 pub struct AdminConnection {
     inner: TcpStream,
-    _slot: OwnedSemaphorePermit,
-    _peer_slot: PeerSlot,
+    _admitted: Admitted,
     idle_timeout: Duration,
     /// Reset by every byte read.
     idle: Pin<Box<Sleep>>,

@@ -38,7 +38,7 @@ pub mod translate;
 
 /// The xDS server crate, by the names the layers below use.
 pub use xds_server as xds;
-pub use xds_server::{budget, peer_counts};
+pub use xds_server::{budget, gate};
 
 #[cfg(test)]
 mod layers {

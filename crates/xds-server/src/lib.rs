@@ -16,10 +16,10 @@
 //! - [`clients`]: the connected streams, what each Envoy holds, which have warmed what;
 //! - [`codec`] and [`grpc`]: gRPC framing and the tower service around the streams;
 //! - [`json`]: Envoy messages as proto JSON, for the debug views;
-//! - [`listener`] and [`tls`]: the xDS port's accepted connections (caps per peer,
-//!   handshake and idle timeouts) and its mTLS;
-//! - [`budget`] and [`peer_counts`]: a memory bound shared fairly between owners, and
-//!   connections per peer address (also used by ray-xds's admin port and live state).
+//! - [`gate`], [`listener`] and [`tls`]: the one connection cap of every listener (in
+//!   all and per peer address; ray-xds's admin port uses it too), the xDS port's
+//!   connections (handshake and idle timeouts) and its mTLS;
+//! - [`budget`]: a memory bound shared fairly between owners.
 //!
 //! This layer knows Envoy and the xDS protocol, not Ray: it serves whatever consistent
 //! [`Snapshot`] it is given, and reports through [`Observer`] and [`Clients`] instead of
@@ -33,11 +33,11 @@ pub mod delta;
 mod envoy_model;
 #[cfg(test)]
 pub(crate) mod fixtures;
+pub mod gate;
 pub mod grpc;
 pub mod json;
 pub mod listener;
 pub mod ordering;
-pub mod peer_counts;
 pub mod server;
 pub mod snapshot;
 pub mod sotw;

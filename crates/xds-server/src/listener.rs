@@ -1,5 +1,5 @@
-//! The xDS listener's connections, bounded: at most `max_connections` open at once and
-//! `max_connections_per_peer` from one IP address (one more is closed at once), each given
+//! The xDS listener's connections, bounded: capped by the [`crate::gate`] (at most
+//! `max_connections` open at once and `max_connections_per_peer` from one IP address), each given
 //! `handshake_timeout` to finish its TLS handshake when the listener has TLS
 //! ([`super::tls`]) and send the 24 bytes of the HTTP/2 client preface (a client sends
 //! it at once; a socket silent or trickling is closed), closed after `idle_timeout`
@@ -22,11 +22,11 @@ use std::time::Duration;
 use futures::Stream;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::mpsc;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use super::tls::ServerTls;
-use crate::peer_counts::{PeerCounts, PeerSlot};
+use crate::gate::{Admitted, ConnectionGate, Refused};
 
 /// How many connections the listener holds, and how long one may stay silent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,44 +132,37 @@ async fn accept_loop(
     tls: Option<Arc<ServerTls>>,
     tx: mpsc::Sender<io::Result<BoundedConnection>>,
 ) {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let peers = Arc::new(PeerCounts::default());
+    let gate = ConnectionGate::new(limits.max_connections, limits.max_connections_per_peer);
     let handshake_log = Arc::new(RateLimitedLog::default());
     loop {
-        let accepted = tokio::select! {
-            _ = tx.closed() => return,
-            accepted = listener.accept() => accepted,
+        let on_error = |err: &io::Error| {
+            refusals.accept_errors.fetch_add(1, Ordering::Relaxed);
+            observer.stream_error("connection", "accept_error");
+            tracing::warn!(error = %err, "xDS listener: accept failed; pausing 100 ms");
         };
-        let (stream, peer) = match accepted {
-            Ok(accepted) => accepted,
-            Err(err) => {
-                refusals.accept_errors.fetch_add(1, Ordering::Relaxed);
-                observer.stream_error("connection", "accept_error");
-                tracing::warn!(error = %err, "xDS listener: accept failed; pausing 100 ms");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+        let (stream, peer) = tokio::select! {
+            _ = tx.closed() => return,
+            accepted = crate::gate::accept(&listener, on_error) => accepted,
+        };
+        let admitted = match gate.admit(peer.ip()) {
+            Ok(admitted) => admitted,
+            Err(refused) => {
+                let count = match refused {
+                    Refused::OverLimit => &refusals.over_limit,
+                    Refused::OverPeerLimit => &refusals.over_peer_limit,
+                };
+                count.fetch_add(1, Ordering::Relaxed);
+                observer.stream_error("connection", refused.label());
+                tracing::warn!(%peer, max = gate.cap(refused), reason = refused.label(), "xDS listener: connection cap reached; closing the new connection");
+                drop(stream);
                 continue;
             }
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            refusals.over_limit.fetch_add(1, Ordering::Relaxed);
-            observer.stream_error("connection", "over_limit");
-            tracing::warn!(%peer, max = limits.max_connections, "xDS listener: connection limit reached; closing the new connection");
-            drop(stream);
-            continue;
-        };
-        let Some(peer_slot) = peers.try_take(peer.ip(), limits.max_connections_per_peer) else {
-            refusals.over_peer_limit.fetch_add(1, Ordering::Relaxed);
-            observer.stream_error("connection", "over_peer_limit");
-            tracing::warn!(%peer, max = limits.max_connections_per_peer, "xDS listener: connection limit of this peer reached; closing the new connection");
-            drop(stream);
-            continue;
         };
         let _ = stream.set_nodelay(true);
         let deadline = tokio::time::Instant::now() + limits.handshake_timeout;
         let connection = ConnectionParts {
             tcp: stream.connect_info(),
-            _slot: slot,
-            _peer_slot: peer_slot,
+            _admitted: admitted,
             deadline,
             idle_timeout: limits.idle_timeout,
             silent: refusals.silent.clone(),
@@ -229,8 +222,7 @@ impl RateLimitedLog {
 /// An accepted connection's slots and limits, before its transport is ready.
 struct ConnectionParts {
     tcp: TcpConnectInfo,
-    _slot: OwnedSemaphorePermit,
-    _peer_slot: PeerSlot,
+    _admitted: Admitted,
     /// When the handshake (TLS, then the HTTP/2 preface) must be done.
     deadline: tokio::time::Instant,
     idle_timeout: Duration,
@@ -244,8 +236,7 @@ impl ConnectionParts {
         BoundedConnection {
             inner,
             tcp: self.tcp,
-            _slot: self._slot,
-            _peer_slot: self._peer_slot,
+            _admitted: self._admitted,
             deadline: Some(Box::pin(tokio::time::sleep_until(self.deadline))),
             preface_left: PREFACE_BYTES,
             idle_timeout: self.idle_timeout,
@@ -326,8 +317,7 @@ impl AsyncWrite for Io {
 pub struct BoundedConnection {
     inner: Io,
     tcp: TcpConnectInfo,
-    _slot: OwnedSemaphorePermit,
-    _peer_slot: PeerSlot,
+    _admitted: Admitted,
     /// Until the preface has arrived.
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     preface_left: usize,
