@@ -17,9 +17,10 @@ use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource as DeltaResource,
 };
 
+use super::holding::{changed_from, retain_names, same_names_change, Held, Holding, TypeLedger};
+use super::names::{intern, NameSet};
 use super::ordering::{
-    changed_from, desired, intern, is_whole_set, learn_bodies, retain_names, same_names_change,
-    take_budget, ClientHolds, Desired, Held, Holding, NameSet, Rejections, RESPONSE_BUDGET_BYTES,
+    desired, is_whole_set, learn_bodies, take_budget, ClientHolds, Desired, RESPONSE_BUDGET_BYTES,
 };
 use super::snapshot::{ResourceMap, ResourceType, Snapshot};
 use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
@@ -50,18 +51,12 @@ struct TypeState {
     /// Subscribed names that do not exist and that the client was told so (in
     /// `removed_resources`), once each.
     told_absent: BTreeSet<Arc<str>>,
-    known: Holding,
+    /// What the Envoy holds and rejected, the counts; the content of the response last
+    /// NACKed is not sent again until the Envoy ACKs something of this type (a NACK of
+    /// a removal alone would otherwise loop).
+    ledger: TypeLedger<u64>,
     in_flight: Option<InFlight>,
-    rejected: Rejections,
     last_acked_version: Option<String>,
-    last_nacked_version: Option<String>,
-    last_nack_message: Option<String>,
-    /// The content of the response last NACKed: not sent again until the Envoy ACKs
-    /// something of this type (a NACK of a removal alone would otherwise loop).
-    not_again: Option<u64>,
-    pushes: u64,
-    acks: u64,
-    nacks: u64,
 }
 
 /// What a response carries, as a hash: its resources' names and versions, and removals.
@@ -109,7 +104,7 @@ impl DeltaStream {
         let current = snapshot.resources(ty);
         let st = &mut self.types[ty.index()];
         // A rejection matters while the snapshot still has the version rejected.
-        st.rejected.prune(current);
+        st.ledger.rejected.prune(current);
         // Endpoints of clusters being warmed that have left the snapshot since.
         let warming_gone = ty == ResourceType::Endpoints
             && self.types[ResourceType::Cluster.index()]
@@ -119,35 +114,36 @@ impl DeltaStream {
         let st = &self.types[ty.index()];
         if !st.subscribed
             || st.in_flight.is_some()
-            || (st.known.is_whole(snapshot, ty) && !warming_gone)
+            || (st.ledger.held.is_whole(snapshot, ty) && !warming_gone)
         {
             return None;
         }
         // The fast path (the same names as the snapshot, some changed) does not look for
         // subscribed names that do not exist: take it only when none is untold.
-        let absent_told = st.wildcard || st.names.len() <= st.known.len() + st.told_absent.len();
+        let absent_told =
+            st.wildcard || st.names.len() <= st.ledger.held.len() + st.told_absent.len();
         if ty != ResourceType::Route && absent_told && !warming_gone {
-            if let Some(changed) = same_names_change(&st.known, snapshot.resources(ty)) {
+            if let Some(changed) = same_names_change(&st.ledger.held, snapshot.resources(ty)) {
                 let (sent, removed, whole) = (changed, Vec::new(), true);
                 return self.respond(ty, snapshot, sent, removed, whole);
             }
         }
         let holds = ClientHolds {
             acked: [
-                &self.types[0].known,
-                &self.types[1].known,
-                &self.types[2].known,
-                &self.types[3].known,
+                &self.types[0].ledger.held,
+                &self.types[1].ledger.held,
+                &self.types[2].ledger.held,
+                &self.types[3].ledger.held,
             ],
             routes_in_flight: self.types[ResourceType::Route.index()]
                 .in_flight
                 .as_ref()
                 .map(|f| &f.sent),
             rejected: [
-                &self.types[0].rejected,
-                &self.types[1].rejected,
-                &self.types[2].rejected,
-                &self.types[3].rejected,
+                &self.types[0].ledger.rejected,
+                &self.types[1].ledger.rejected,
+                &self.types[2].ledger.rejected,
+                &self.types[3].ledger.rejected,
             ],
             routes_unknown: self.reconnected
                 && !self.reconnect_settled
@@ -184,13 +180,14 @@ impl DeltaStream {
             .iter()
             .filter_map(|(n, d)| d.resource().map(|r| (n.clone(), r.clone())))
             .collect();
-        learn_bodies(&mut self.types[ty.index()].known, &wanted_bodies);
+        learn_bodies(&mut self.types[ty.index()].ledger.held, &wanted_bodies);
         let st = &self.types[ty.index()];
         let whole =
             wanted_bodies.len() == wanted.len() && is_whole_set(&wanted_bodies, snapshot, ty);
-        let changed = changed_from(&wanted_bodies, &st.known);
+        let changed = changed_from(&wanted_bodies, &st.ledger.held);
         let mut removed: Vec<Arc<str>> = st
-            .known
+            .ledger
+            .held
             .iter()
             .map(|(name, _, _)| name)
             .filter(|name| !wanted.contains_key(*name) && st.wants(name))
@@ -202,7 +199,7 @@ impl DeltaStream {
             st.names
                 .iter()
                 .filter(|n| !current.contains_key(*n) && !wanted.contains_key(*n))
-                .filter(|n| !st.known.contains(n))
+                .filter(|n| !st.ledger.held.contains(n))
                 .filter(|n| !st.told_absent.contains(*n))
                 .cloned(),
         );
@@ -226,9 +223,11 @@ impl DeltaStream {
         let changed: ResourceMap = changed
             .into_iter()
             .filter(|(name, r)| {
-                let rejected = st
-                    .rejected
-                    .holds_back(name, &r.version, st.known.version_of(name));
+                let rejected = st.ledger.rejected.holds_back(
+                    name,
+                    &r.version,
+                    st.ledger.held.version_of(name),
+                );
                 // The Envoy keeps its old version of a rejected resource.
                 whole &= !rejected;
                 !rejected
@@ -236,13 +235,13 @@ impl DeltaStream {
             .collect();
         if changed.is_empty() && removed.is_empty() {
             if whole {
-                st.known = Holding::whole(snapshot, ty);
+                st.ledger.held = Holding::whole(snapshot, ty);
             }
             return None;
         }
         let (sent, complete) = take_budget(changed, RESPONSE_BUDGET_BYTES);
         let content = content_key(&sent, &removed);
-        if st.not_again == Some(content) {
+        if st.ledger.not_again == Some(content) {
             return None;
         }
         let then_whole = (whole && complete).then(|| Holding::whole(snapshot, ty));
@@ -270,7 +269,7 @@ impl DeltaStream {
             nonce: nonce.clone(),
             ..Default::default()
         };
-        st.pushes += 1;
+        st.ledger.pushes += 1;
         let count = sent.len() + removed.len();
         st.in_flight = Some(InFlight {
             nonce,
@@ -292,7 +291,7 @@ impl DeltaStream {
         if ty != ResourceType::Cluster {
             return Vec::new();
         }
-        let known = &self.types[ty.index()].known;
+        let known = &self.types[ty.index()].ledger.held;
         sent.iter()
             // New to this stream counts too: after a reconnect the Envoy may hold (or
             // warm) a cluster it did not declare, and its endpoints sent before it.
@@ -310,7 +309,7 @@ impl DeltaStream {
             }
         }
         let wants: Vec<bool> = sent.keys().map(|n| st.wants(n)).collect();
-        let known = st.known.own();
+        let known = st.ledger.held.own();
         for ((name, r), wanted) in sent.iter().zip(wants) {
             if wanted {
                 known.insert(name.clone(), Held::sent(r));
@@ -326,9 +325,9 @@ impl DeltaStream {
     fn forget_endpoints(&mut self, clusters: &[Arc<str>]) {
         let endpoints = &mut self.types[ResourceType::Endpoints.index()];
         for name in clusters {
-            if endpoints.known.contains(name) {
+            if endpoints.ledger.held.contains(name) {
                 // Still held, at a version to be sent again.
-                if let Some(h) = endpoints.known.own().get_mut(name) {
+                if let Some(h) = endpoints.ledger.held.own().get_mut(name) {
                     h.version = "".into();
                 }
             }
@@ -354,15 +353,16 @@ impl DeltaStream {
     fn nacked(&mut self, ty: ResourceType, f: InFlight, message: &str) -> Event {
         let version = f.nonce.clone();
         let st = &mut self.types[ty.index()];
-        st.nacks += 1;
-        st.not_again = Some(f.content);
         let changed = f
             .sent
             .iter()
             .map(|(n, r)| (n.clone(), r.version.clone()))
             .chain(f.forgotten.iter().cloned())
             .collect();
-        if let Some(applied) = st.rejected.on_nack(changed, message) {
+        if let Some(applied) = st
+            .ledger
+            .on_nack(version.clone(), f.content, changed, message)
+        {
             let applied: ResourceMap = f
                 .sent
                 .iter()
@@ -371,9 +371,6 @@ impl DeltaStream {
                 .collect();
             self.commit(ty, &applied, &f.removed);
         }
-        let st = &mut self.types[ty.index()];
-        st.last_nacked_version = Some(version.clone());
-        st.last_nack_message = Some(super::clip(message, 1024));
         Event::Nack {
             ty,
             version,
@@ -385,9 +382,7 @@ impl DeltaStream {
     fn acked_response(&mut self, ty: ResourceType, f: InFlight) -> Event {
         let version = f.nonce.clone();
         let st = &mut self.types[ty.index()];
-        st.acks += 1;
-        st.not_again = None;
-        st.rejected.on_ack(&f.sent);
+        st.ledger.on_ack(&f.sent);
         st.last_acked_version = Some(version.clone());
         match f.then_whole {
             Some(whole) => {
@@ -396,7 +391,7 @@ impl DeltaStream {
                         st.told_absent.insert(name.clone());
                     }
                 }
-                st.known = whole;
+                st.ledger.held = whole;
             }
             None => self.commit(ty, &f.sent, &f.removed),
         }
@@ -414,7 +409,7 @@ impl TypeState {
         ty: ResourceType,
         versions: &std::collections::HashMap<String, String>,
     ) {
-        let known = self.known.own();
+        let known = self.ledger.held.own();
         for (name, version) in versions {
             let version = if ty == ResourceType::Endpoints {
                 ""
@@ -447,8 +442,8 @@ impl TypeState {
         // client declares).
         if !first {
             for name in &subscribed {
-                if self.known.contains(name) {
-                    self.known.own().remove(name);
+                if self.ledger.held.contains(name) {
+                    self.ledger.held.own().remove(name);
                 }
             }
         }
@@ -474,8 +469,8 @@ impl TypeState {
             }
             // The client forgets it; a later subscribe must send it again. One it still
             // gets through a wildcard is sent again, so that it knows to keep it.
-            if self.known.contains(name) {
-                self.known.own().remove(name.as_str());
+            if self.ledger.held.contains(name) {
+                self.ledger.held.own().remove(name.as_str());
             }
         }
     }
@@ -505,7 +500,7 @@ impl AdsProtocol for DeltaStream {
             .resource_names_subscribe
             .iter()
             .filter(|n| *n != "*")
-            .map(|n| intern(n, self.types.iter().map(|t| &t.known)))
+            .map(|n| intern(n, self.types.iter().map(|t| &t.ledger.held)))
             .collect();
         let st = &mut self.types[ty.index()];
         let new_names = subscribed.iter().filter(|n| !st.names.contains(*n)).count();
@@ -560,10 +555,12 @@ impl AdsProtocol for DeltaStream {
 
     fn rejected(&self, cluster: &str) -> bool {
         self.types[ResourceType::Cluster.index()]
+            .ledger
             .rejected
             .rejected
             .contains_key(cluster)
             || self.types[ResourceType::Endpoints.index()]
+                .ledger
                 .rejected
                 .rejected
                 .contains_key(cluster)
@@ -585,12 +582,13 @@ impl AdsProtocol for DeltaStream {
             return None;
         }
         let endpoints = &self.types[ResourceType::Endpoints.index()];
-        Some(clusters.known.contains(cluster) && endpoints.known.contains(cluster))
+        Some(clusters.ledger.held.contains(cluster) && endpoints.ledger.held.contains(cluster))
     }
 
     fn held(&self, ty: ResourceType) -> Vec<(Arc<str>, Arc<str>)> {
         self.types[ty.index()]
-            .known
+            .ledger
+            .held
             .iter()
             .map(|(n, v, _)| (n.clone(), v.clone()))
             .collect()
@@ -614,18 +612,7 @@ impl AdsProtocol for DeltaStream {
                 if st.wildcard {
                     subscribed.insert(0, "*".into());
                 }
-                let status = TypeStatus {
-                    subscribed,
-                    last_acked_version: st.last_acked_version.clone(),
-                    last_nacked_version: st.last_nacked_version.clone(),
-                    last_nack_message: st.last_nack_message.clone(),
-                    pushes: st.pushes,
-                    acks: st.acks,
-                    nacks: st.nacks,
-                    resources_held: st.known.len(),
-                    holds_snapshot_set: matches!(st.known, Holding::Snapshot { .. }),
-                    rejected: st.rejected.rejected.keys().map(|n| n.to_string()).collect(),
-                };
+                let status = st.ledger.status(subscribed, st.last_acked_version.clone());
                 (*ty, status)
             })
             .collect()
@@ -879,7 +866,10 @@ mod tests {
         }
         assert_eq!(received, 300);
         assert!(responses > 1);
-        assert!(s.types[1].known.is_whole(&snap, ResourceType::Endpoints));
+        assert!(s.types[1]
+            .ledger
+            .held
+            .is_whole(&snap, ResourceType::Endpoints));
     }
 
     #[test]
@@ -892,7 +882,10 @@ mod tests {
         s.on_request(nack(&r)).unwrap();
         assert!(s.poll(&snap).is_empty());
         assert!(
-            !s.types[0].known.is_whole(&snap, ResourceType::Cluster),
+            !s.types[0]
+                .ledger
+                .held
+                .is_whole(&snap, ResourceType::Cluster),
             "the Envoy does not hold a1"
         );
     }

@@ -7,7 +7,8 @@
 //! gRPC, and [`Clients`], what every connected Envoy holds. Around it:
 //!
 //! - [`snapshot`]: versioned, shared, encoded resources (what is served);
-//! - [`ordering`]: make-before-break rules shared by both protocols;
+//! - [`ordering`], [`holding`] and [`names`], shared by both protocols: the make-before-break
+//!   rules, what one Envoy holds and rejected of a type (its ledger), the subscribed names;
 //! - [`sotw`] and [`delta`]: one sans-IO state machine per stream, turning requests and
 //!   snapshots into responses, unit-tested without sockets;
 //! - [`server`]: one task per stream, reading the latest snapshot from a `watch`
@@ -35,8 +36,10 @@ mod envoy_model;
 pub(crate) mod fixtures;
 pub mod gate;
 pub mod grpc;
+pub mod holding;
 pub mod json;
 pub mod listener;
+pub mod names;
 pub mod ordering;
 pub mod server;
 pub mod snapshot;

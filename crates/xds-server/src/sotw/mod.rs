@@ -10,453 +10,27 @@
 //!   subscribed names, and only the ones whose version the Envoy does not hold;
 //! - `version_info` is a hash of what the Envoy will hold, so a reconnecting Envoy that
 //!   reports the version we would send is sent nothing.
+//!
+//! `request` reads what a request asks for; `type_state` keeps each type's state and
+//! its ACK, NACK, subscription and change steps; this module sequences them per stream.
 
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
-use envoy_types::pb::google::rpc::Status;
 
+mod request;
+mod type_state;
+
+use request::Subscription;
+pub use request::WireRequest;
+use type_state::{declare_held, held_version, InFlight, TypeState};
+
+use super::holding::{retain_names, same_names_change, Holding};
 use super::ordering::{
-    changed_from, desired, is_whole_set, learn_bodies, retain_names, same_names_change,
-    take_budget, ClientHolds, Desired, Held, HeldMap, Holding, Rejections, SharedNames,
-    RESPONSE_BUDGET_BYTES,
+    desired, is_whole_set, take_budget, ClientHolds, Desired, RESPONSE_BUDGET_BYTES,
 };
-use super::snapshot::{bare_cluster, set_version, ResourceMap, ResourceType, Snapshot};
+use super::snapshot::{set_version, ResourceMap, ResourceType, Snapshot};
 use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Subscription {
-    Wildcard,
-    /// Shared with every stream whose client listed the same names.
-    Names(Arc<SharedNames>),
-}
-
-impl Subscription {
-    /// The subscription a request's `resource_names` (`listed`) asks for. Empty is a
-    /// wildcard only while the client has never named a resource of the type on this
-    /// stream (the legacy form); after that it unsubscribes from everything.
-    fn from_names(listed: &Arc<SharedNames>, named_before: bool) -> Subscription {
-        let names = listed.list();
-        if names.iter().any(|n| &**n == "*") || (names.is_empty() && !named_before) {
-            Subscription::Wildcard
-        } else {
-            Subscription::Names(listed.clone())
-        }
-    }
-
-    fn wants(&self, name: &str) -> bool {
-        match self {
-            Subscription::Wildcard => true,
-            Subscription::Names(names) => names.contains(name),
-        }
-    }
-}
-
-/// A `DiscoveryRequest` as read off the wire: its resource names are kept one after
-/// another in one string instead of a `String` each. Every ACK of an Envoy repeats its
-/// whole subscription (200 endpoint names here), and allocating, checking, hashing and
-/// freeing them one by one was the largest part of a state-of-the-world stream's work
-/// per push.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct WireRequest {
-    /// The request, but for `resource_names` (left empty).
-    pub request: DiscoveryRequest,
-    /// The resource names, one after another: bytes while decoding, then checked UTF-8.
-    raw: Vec<u8>,
-    text: String,
-    /// Where each name ends in `text`.
-    ends: Vec<u32>,
-}
-
-impl WireRequest {
-    /// The resource names, in the request's order.
-    pub fn resource_names(&self) -> impl Iterator<Item = &str> + '_ {
-        let starts = std::iter::once(0).chain(self.ends.iter().copied());
-        starts.zip(self.ends.iter().copied()).map(|(start, end)| {
-            self.text
-                .get(start as usize..end as usize)
-                .unwrap_or_default()
-        })
-    }
-
-    /// Checks that every name is UTF-8 (as prost does for a `string`), all at once.
-    fn check_names(&mut self) -> Result<(), prost::DecodeError> {
-        match String::from_utf8(std::mem::take(&mut self.raw)) {
-            // Each name is UTF-8 when all are, and each starts and ends on a character.
-            Ok(text) if self.ends.iter().all(|e| text.is_char_boundary(*e as usize)) => {
-                self.text = text;
-                Ok(())
-            }
-            Ok(text) => Err(self.first_not_utf8(text.as_bytes())),
-            Err(e) => Err(self.first_not_utf8(e.as_bytes())),
-        }
-    }
-
-    /// The error for the first of the names in `raw` that is not UTF-8.
-    fn first_not_utf8(&self, raw: &[u8]) -> prost::DecodeError {
-        let mut start = 0;
-        for end in &self.ends {
-            let name = &raw[start..*end as usize];
-            if std::str::from_utf8(name).is_err() {
-                return not_utf8(name);
-            }
-            start = *end as usize;
-        }
-        not_utf8(raw)
-    }
-}
-
-/// The error prost gives a `string` field of a `DiscoveryRequest` that is not UTF-8.
-fn not_utf8(name: &[u8]) -> prost::DecodeError {
-    let mut field = Vec::new();
-    prost::encoding::encode_varint(name.len() as u64, &mut field);
-    field.extend_from_slice(name);
-    let wire_type = prost::encoding::WireType::LengthDelimited;
-    let ctx = prost::encoding::DecodeContext::default();
-    let mut e =
-        match prost::encoding::string::merge(wire_type, &mut String::new(), &mut &field[..], ctx) {
-            Err(e) => e,
-            #[allow(deprecated)] // (never: `name` is not UTF-8)
-            Ok(()) => prost::DecodeError::new("invalid string value: data is not UTF-8 encoded"),
-        };
-    e.push("DiscoveryRequest", "resource_names");
-    e
-}
-
-impl From<DiscoveryRequest> for WireRequest {
-    fn from(mut request: DiscoveryRequest) -> WireRequest {
-        let names = std::mem::take(&mut request.resource_names);
-        let mut wire = WireRequest {
-            request,
-            ..Default::default()
-        };
-        for name in names {
-            wire.text.push_str(&name);
-            wire.ends.push(wire.text.len() as u32);
-        }
-        wire
-    }
-}
-
-/// `resource_names` is field 3 of `DiscoveryRequest`.
-const RESOURCE_NAMES_TAG: u32 = 3;
-
-impl prost::Message for WireRequest {
-    fn encode_raw(&self, buf: &mut impl bytes::BufMut) {
-        use prost::encoding::{encode_key, encode_varint, WireType};
-        self.request.encode_raw(buf);
-        for name in self.resource_names() {
-            encode_key(RESOURCE_NAMES_TAG, WireType::LengthDelimited, buf);
-            encode_varint(name.len() as u64, buf);
-            buf.put_slice(name.as_bytes());
-        }
-    }
-
-    fn merge_field(
-        &mut self,
-        tag: u32,
-        wire_type: prost::encoding::WireType,
-        buf: &mut impl bytes::Buf,
-        ctx: prost::encoding::DecodeContext,
-    ) -> Result<(), prost::DecodeError> {
-        use prost::encoding::{check_wire_type, decode_varint, WireType};
-        if tag != RESOURCE_NAMES_TAG {
-            return self.request.merge_field(tag, wire_type, buf, ctx);
-        }
-        let in_field = |mut e: prost::DecodeError| {
-            e.push("DiscoveryRequest", "resource_names");
-            e
-        };
-        check_wire_type(WireType::LengthDelimited, wire_type).map_err(in_field)?;
-        let len = decode_varint(buf).map_err(in_field)?;
-        if len > buf.remaining() as u64 {
-            #[allow(deprecated)] // prost's own words for it, as its `string` decoder says
-            return Err(in_field(prost::DecodeError::new("buffer underflow")));
-        }
-        // After a `decode`, names from a later `merge` are bytes again until checked.
-        if !self.text.is_empty() && self.raw.is_empty() {
-            self.raw = std::mem::take(&mut self.text).into_bytes();
-        }
-        let mut left = len as usize;
-        while left > 0 {
-            let chunk = buf.chunk();
-            let n = chunk.len().min(left);
-            self.raw.extend_from_slice(&chunk[..n]);
-            buf.advance(n);
-            left -= n;
-        }
-        self.ends.push(self.raw.len() as u32);
-        Ok(())
-    }
-
-    fn encoded_len(&self) -> usize {
-        use prost::encoding::{encoded_len_varint, key_len};
-        self.request.encoded_len()
-            + self
-                .resource_names()
-                .map(|n| key_len(RESOURCE_NAMES_TAG) + encoded_len_varint(n.len() as u64) + n.len())
-                .sum::<usize>()
-    }
-
-    fn clear(&mut self) {
-        self.request.clear();
-        self.raw.clear();
-        self.text.clear();
-        self.ends.clear();
-    }
-
-    fn decode(buf: impl bytes::Buf) -> Result<WireRequest, prost::DecodeError> {
-        let mut request = WireRequest::default();
-        // Room for every name at once (most of an ACK is names, of about 20 bytes each).
-        request.raw.reserve(buf.remaining());
-        request.ends.reserve(buf.remaining() / 16);
-        request.merge(buf)?;
-        request.check_names()?;
-        Ok(request)
-    }
-}
-
-#[derive(Debug)]
-struct InFlight {
-    nonce: String,
-    version: String,
-    resources: ResourceMap,
-    /// What the Envoy holds once it ACKs, when that is a snapshot's whole set.
-    then_whole: Option<Holding>,
-    /// Clusters: the endpoints of the snapshot they came from, for the ones the Envoy
-    /// warms (it does not ACK them until they are warm, even if they are gone since).
-    endpoints_then: Option<Arc<ResourceMap>>,
-    /// Names (and versions) taken out of `resources` by `forget` after sending: still
-    /// suspects if the Envoy rejects this response.
-    forgotten: Vec<(Arc<str>, Arc<str>)>,
-}
-
-#[derive(Debug, Default)]
-struct TypeState {
-    subscription: Option<Subscription>,
-    /// The `resource_names` list that set the subscription: every ACK repeats the list,
-    /// and comparing it is far cheaper than building the set again.
-    listed: Option<Arc<SharedNames>>,
-    /// The client has named a resource (or `*`) of this type on this stream: from then
-    /// on an empty list means "none", not the legacy wildcard.
-    named: bool,
-    acked: Holding,
-    /// The version the Envoy holds ("" for none); on reconnect, the one it reports.
-    acked_version: String,
-    in_flight: Option<InFlight>,
-    last_nonce: Option<String>,
-    rejected_version: Option<String>,
-    /// The response version last NACKed, not to be sent again until the Envoy ACKs
-    /// something of this type (after an ACK the same versions may mean a new test: one
-    /// suspect of a search, alone).
-    not_again: Option<String>,
-    /// What the Envoy rejected, and the search for what it rejected without saying.
-    rejected: Rejections,
-    /// Something was forgotten (to be sent again) while a response was in flight.
-    forgot_in_flight: bool,
-    last_nack_message: Option<String>,
-    pushes: u64,
-    acks: u64,
-    nacks: u64,
-}
-
-impl TypeState {
-    /// A NACK of `f`: what the Envoy holds after it, and the search for what it
-    /// rejected (see `Rejections`).
-    fn nacked(&mut self, ty: ResourceType, f: InFlight, status: &Status) -> Event {
-        self.nacks += 1;
-        self.last_nack_message = Some(super::clip(&status.message, 1024));
-        self.rejected_version = Some(f.version.clone());
-        self.not_again = Some(f.version.clone());
-        // What the message blames keeps the Envoy's old version until it
-        // changes; when it names them, it applied the rest; when it names
-        // none, the search for the culprit begins (see `Rejections`).
-        // Suspects are what the response changed, and what the Envoy declared
-        // on a reconnect (its version unknown, it may be the culprit).
-        let mut changed: Vec<(Arc<str>, Arc<str>)> = f
-            .resources
-            .iter()
-            // What the Envoy held already (by version, or the body it
-            // accepted before, sent again after `forget`) is no suspect.
-            .filter(|(n, r)| match self.acked.get(n) {
-                None => true,
-                Some(h) => {
-                    *h.version != *r.version
-                        && h.resource.as_ref().is_none_or(|b| b.version != r.version)
-                }
-            })
-            // A bare stand-in (see `desired`) is valid by construction.
-            .filter(|(n, r)| ty != ResourceType::Cluster || bare_cluster(n).version != r.version)
-            .map(|(n, r)| (n.clone(), r.version.clone()))
-            .collect();
-        changed.extend(f.forgotten.iter().cloned());
-        if let Some(applied) = self.rejected.on_nack(changed, &status.message) {
-            // It holds what was sent, but its old version (or nothing) of
-            // each blamed resource.
-            let mut held = HeldMap::new();
-            for (name, r) in &f.resources {
-                let unchanged = self.acked.version_of(name) == Some(&r.version);
-                if applied.contains(name) || unchanged {
-                    held.insert(name.clone(), Held::sent(r));
-                } else if let Some(old) = self.acked.get(name) {
-                    held.insert(name.clone(), old);
-                }
-            }
-            if !ty.is_full_state() {
-                // Per-name types: what was not in the response stays.
-                for (name, version, body) in self.acked.iter() {
-                    if !f.resources.contains_key(name) {
-                        held.insert(
-                            name.clone(),
-                            Held {
-                                version: version.clone(),
-                                resource: body.cloned(),
-                            },
-                        );
-                    }
-                }
-            }
-            self.acked = Holding::Own(held);
-            self.acked_version = held_version(&self.acked);
-        }
-        Event::Nack {
-            ty,
-            version: f.version,
-            message: status.message.clone(),
-        }
-    }
-
-    /// An ACK of `f`: the Envoy holds what it was sent.
-    fn acked_response(&mut self, ty: ResourceType, f: InFlight) -> Event {
-        self.acks += 1;
-        self.not_again = None;
-        self.rejected.on_ack(&f.resources);
-        if let Some(whole) = f.then_whole {
-            self.acked = whole;
-        } else if ty.is_full_state() {
-            self.acked = Holding::from_resources(&f.resources);
-        } else {
-            let held = self.acked.own();
-            for (name, r) in &f.resources {
-                held.insert(name.clone(), Held::sent(r));
-            }
-        }
-        self.acked_version = if std::mem::take(&mut self.forgot_in_flight) {
-            held_version(&self.acked)
-        } else {
-            f.version.clone()
-        };
-        Event::Ack {
-            ty,
-            version: f.version,
-        }
-    }
-
-    /// The subscription `names` sets (an ACK repeats it: compared before a new one is
-    /// built); what the Envoy holds beyond it is forgotten.
-    fn subscribe(&mut self, names: &[&str]) {
-        let same =
-            self.subscription.is_some() && self.listed.as_ref().is_some_and(|l| l.is_list(names));
-        if !same {
-            let first = self.subscription.is_none();
-            let listed = SharedNames::of_list(names);
-            let subscription = Subscription::from_names(&listed, self.named);
-            self.listed = Some(listed);
-            self.named |= !names.is_empty();
-            if let Subscription::Names(_) = &subscription {
-                let before = self.acked.len();
-                self.acked.own().retain(|name, _| subscription.wants(name));
-                // What the Envoy holds now (its version) is what the subscription kept:
-                // names it dropped and asks for again must be sent again.
-                if !first && self.acked.len() != before {
-                    self.acked_version = held_version(&self.acked);
-                }
-                if !first && self.acked.is_empty() {
-                    self.acked_version = String::new();
-                }
-            }
-            self.subscription = Some(subscription);
-        }
-    }
-
-    /// Whether the Envoy already holds `wanted` (under `version`), recording that it
-    /// does. After a rejection it keeps what it had, which the rules may give again under
-    /// another version string: no response then, unless this stream has never answered
-    /// the type (Envoy waits for a first one, even empty, to finish initializing).
-    /// (Compared name by name only where it can matter: full-state types, a version
-    /// that differs. This runs on every poll of every stream.)
-    fn holds_already(
-        &mut self,
-        ty: ResourceType,
-        snapshot: &Snapshot,
-        wanted: &ResourceMap,
-        kept: &[Arc<str>],
-        version: &str,
-        whole: bool,
-    ) -> bool {
-        let holds_exactly = ty.is_full_state()
-            && version != self.acked_version
-            && self.last_nonce.is_some()
-            && !self.acked.iter().any(|(_, v, _)| v.is_empty())
-            && self.acked.iter().count() == wanted.len()
-            && wanted
-                .iter()
-                .all(|(n, r)| self.acked.version_of(n).is_some_and(|v| *v == r.version));
-        if holds_exactly {
-            self.acked_version = version.to_string();
-        }
-        if version != self.acked_version {
-            return false;
-        }
-        self.acked = if whole {
-            Holding::whole(snapshot, ty)
-        } else {
-            // What it holds: what we would send, and what it keeps that we have no body
-            // for (declared on a reconnect).
-            let mut held = Holding::from_resources(wanted);
-            for name in kept {
-                if let Some(h) = self.acked.get(name) {
-                    held.own().insert(name.clone(), h);
-                }
-            }
-            held
-        };
-        true
-    }
-
-    /// For a per-name type: what of `wanted` the Envoy does not hold yet, within the
-    /// response budget, with the version naming what it will hold after it (and the
-    /// whole holding when it will then hold the snapshot's whole set). `None` when only
-    /// unsubscriptions changed: it holds everything it wants.
-    fn change_to_send(
-        &mut self,
-        ty: ResourceType,
-        snapshot: &Snapshot,
-        wanted: ResourceMap,
-        version: String,
-        whole: bool,
-    ) -> Option<(ResourceMap, String, Option<Holding>)> {
-        learn_bodies(&mut self.acked, &wanted);
-        let changed = changed_from(&wanted, &self.acked);
-        if changed.is_empty() {
-            self.acked_version = version;
-            return None;
-        }
-        let (chunk, complete) = take_budget(changed, RESPONSE_BUDGET_BYTES);
-        if complete {
-            return Some((chunk, version, whole.then(|| Holding::whole(snapshot, ty))));
-        }
-        // Part of the change: the version names what the Envoy will hold after it.
-        let partial = set_version(wanted.keys().filter_map(|n| {
-            let v = chunk
-                .get(n)
-                .map(|r| &r.version)
-                .or_else(|| self.acked.version_of(n))?;
-            Some((&**n, &**v))
-        }));
-        Some((chunk, partial, None))
-    }
-}
 
 #[derive(Debug, Default)]
 pub struct SotwStream {
@@ -484,17 +58,17 @@ impl SotwStream {
                 f.resources.contains_key(n) || f.then_whole.as_ref().is_some_and(|w| w.contains(n))
             })
         });
-        if !in_flight && names.iter().all(|n| !st.acked.contains(n)) {
+        if !in_flight && names.iter().all(|n| !st.ledger.held.contains(n)) {
             return;
         }
-        let held = st.acked.own();
+        let held = st.ledger.held.own();
         for name in names {
             // Still held (a route may name it), at a version to be sent again.
             if let Some(h) = held.get_mut(name) {
                 h.version = "".into();
             }
         }
-        st.acked_version = held_version(&st.acked);
+        st.acked_version = held_version(&st.ledger.held);
         // A response in flight was versioned with these names held: its ACK must not
         // bring their versions (or that version) back.
         if let Some(f) = &mut st.in_flight {
@@ -506,17 +80,6 @@ impl SotwStream {
             }
             st.forgot_in_flight = true;
         }
-    }
-}
-
-/// Records that a reconnected Envoy holds `names` (versions and bodies unknown).
-fn declare_held<S: AsRef<str>>(held: &mut Holding, names: &[S]) {
-    let map = held.own();
-    for name in names.iter().map(AsRef::as_ref).filter(|n| *n != "*") {
-        map.entry(name.into()).or_insert(Held {
-            version: "".into(),
-            resource: None,
-        });
     }
 }
 
@@ -532,14 +95,6 @@ impl SotwStream {
     }
 }
 
-/// The `version_info` of what a holding holds (the empty version for nothing).
-fn held_version(held: &Holding) -> String {
-    if held.is_empty() {
-        return String::new();
-    }
-    set_version(held.iter().map(|(n, v, _)| (&**n, &**v)))
-}
-
 impl SotwStream {
     /// Moves an Envoy that holds an earlier whole set of `ty` to `snapshot`'s whole set,
     /// given what changed between them.
@@ -552,11 +107,11 @@ impl SotwStream {
         let st = &mut self.types[ty.index()];
         let version = snapshot.type_version(ty).to_string();
         if changed.is_empty() {
-            st.acked = Holding::whole(snapshot, ty);
+            st.ledger.held = Holding::whole(snapshot, ty);
             st.acked_version = version;
             return None;
         }
-        if st.not_again.as_deref() == Some(version.as_str()) {
+        if st.ledger.not_again.as_deref() == Some(version.as_str()) {
             return None;
         }
         let (resources, version, then_whole) = if ty.is_full_state() {
@@ -569,7 +124,7 @@ impl SotwStream {
             } else {
                 let partial = set_version(snapshot.resources(ty).iter().map(|(n, r)| {
                     let v = chunk.get(n).map_or_else(
-                        || st.acked.version_of(n).unwrap_or(&r.version),
+                        || st.ledger.held.version_of(n).unwrap_or(&r.version),
                         |c| &c.version,
                     );
                     (&**n, &**v)
@@ -592,7 +147,7 @@ impl SotwStream {
             // A cluster whose settings change is warmed anew: Envoy waits for a
             // ClusterLoadAssignment sent after it, even an unchanged one, and ACKs the
             // clusters only once they are warm. So its endpoints go again right behind it.
-            let held = &self.types[ty.index()].acked;
+            let held = &self.types[ty.index()].ledger.held;
             let changed: Vec<Arc<str>> = resources
                 .iter()
                 // New to this stream counts too: after a reconnect the Envoy may hold (or
@@ -615,7 +170,7 @@ impl SotwStream {
         };
         let count = resources.len();
         let st = &mut self.types[ty.index()];
-        st.pushes += 1;
+        st.ledger.pushes += 1;
         st.last_nonce = Some(nonce.clone());
         st.in_flight = Some(InFlight {
             nonce,
@@ -640,7 +195,7 @@ impl SotwStream {
         let current = snapshot.resources(ty);
         let st = &mut self.types[ty.index()];
         // A rejection matters while the snapshot still has the version rejected.
-        st.rejected.prune(current);
+        st.ledger.rejected.prune(current);
         if st.subscription.is_none() || st.in_flight.is_some() {
             return None; // Not asked for, or waiting for an ACK.
         }
@@ -651,7 +206,7 @@ impl SotwStream {
                 .as_ref()
                 .is_some_and(|f| f.resources.keys().any(|n| !current.contains_key(n)));
         let st = &self.types[ty.index()];
-        if st.acked.is_whole(snapshot, ty) && !warming_gone {
+        if st.ledger.held.is_whole(snapshot, ty) && !warming_gone {
             return None; // It holds this snapshot's whole set.
         }
         if ty == ResourceType::Cluster && self.awaiting_declarations() {
@@ -659,8 +214,8 @@ impl SotwStream {
             // cluster set sent before that could remove one its route still uses.
             return None;
         }
-        if ty != ResourceType::Route && st.rejected.is_empty() && !warming_gone {
-            if let Some(changed) = same_names_change(&st.acked, current) {
+        if ty != ResourceType::Route && st.ledger.rejected.is_empty() && !warming_gone {
+            if let Some(changed) = same_names_change(&st.ledger.held, current) {
                 return self.send_whole(ty, snapshot, changed);
             }
         }
@@ -675,7 +230,7 @@ impl SotwStream {
         if st.holds_already(ty, snapshot, &wanted, &kept, &version, whole) {
             return None;
         }
-        if st.not_again.as_deref() == Some(version.as_str()) {
+        if st.ledger.not_again.as_deref() == Some(version.as_str()) {
             return None;
         }
         let (resources, version, then_whole) = if ty.is_full_state() {
@@ -692,17 +247,17 @@ impl SotwStream {
         let routes = &self.types[ResourceType::Route.index()];
         ClientHolds {
             acked: [
-                &self.types[0].acked,
-                &self.types[1].acked,
-                &self.types[2].acked,
-                &self.types[3].acked,
+                &self.types[0].ledger.held,
+                &self.types[1].ledger.held,
+                &self.types[2].ledger.held,
+                &self.types[3].ledger.held,
             ],
             routes_in_flight: routes.in_flight.as_ref().map(|f| &f.resources),
             rejected: [
-                &self.types[0].rejected,
-                &self.types[1].rejected,
-                &self.types[2].rejected,
-                &self.types[3].rejected,
+                &self.types[0].ledger.rejected,
+                &self.types[1].ledger.rejected,
+                &self.types[2].ledger.rejected,
+                &self.types[3].ledger.rejected,
             ],
             routes_unknown: self.reconnected
                 && !self.reconnect_settled
@@ -714,7 +269,8 @@ impl SotwStream {
             // A cluster set in flight removes every held cluster it leaves out.
             leaving: match &clusters.in_flight {
                 Some(f) if ty == ResourceType::Route => clusters
-                    .acked
+                    .ledger
+                    .held
                     .iter()
                     .filter(|(n, _, _)| !f.resources.contains_key(*n))
                     .map(|(n, _, _)| n.clone())
@@ -746,7 +302,11 @@ impl SotwStream {
                 // A stand-in assignment warms it. One the Envoy has keeps what it has
                 // (else, left out of what it holds, it was sent again at every wake).
                 for name in names.iter() {
-                    let had = st.acked.version_of(name).is_some_and(|v| !v.is_empty());
+                    let had = st
+                        .ledger
+                        .held
+                        .version_of(name)
+                        .is_some_and(|v| !v.is_empty());
                     if !wanted.contains_key(name) && !current.contains_key(name) {
                         if had {
                             kept.push(name.clone());
@@ -844,7 +404,7 @@ impl AdsProtocol for SotwStream {
             // It holds the names it asks for (per-name types); which clusters it holds,
             // its EDS request tells (every cluster ray-xds makes is an EDS cluster).
             if !ty.is_full_state() {
-                declare_held(&mut self.types[ty.index()].acked, names);
+                declare_held(&mut self.types[ty.index()].ledger.held, names);
             }
         }
         if ty == ResourceType::Endpoints && self.reconnected {
@@ -852,10 +412,10 @@ impl AdsProtocol for SotwStream {
             // have had endpoints, and reports no version).
             let [clusters, endpoints, ..] = &mut self.types;
             if clusters.last_nonce.is_none() {
-                declare_held(&mut clusters.acked, names);
+                declare_held(&mut clusters.ledger.held, names);
             }
             if endpoints.last_nonce.is_none() {
-                declare_held(&mut endpoints.acked, names);
+                declare_held(&mut endpoints.ledger.held, names);
             }
         }
         self.types[ty.index()].subscribe(names);
@@ -876,10 +436,12 @@ impl AdsProtocol for SotwStream {
 
     fn rejected(&self, cluster: &str) -> bool {
         self.types[ResourceType::Cluster.index()]
+            .ledger
             .rejected
             .rejected
             .contains_key(cluster)
             || self.types[ResourceType::Endpoints.index()]
+                .ledger
                 .rejected
                 .rejected
                 .contains_key(cluster)
@@ -904,12 +466,13 @@ impl AdsProtocol for SotwStream {
             return None;
         }
         let endpoints = &self.types[ResourceType::Endpoints.index()];
-        Some(clusters.acked.contains(cluster) && endpoints.acked.contains(cluster))
+        Some(clusters.ledger.held.contains(cluster) && endpoints.ledger.held.contains(cluster))
     }
 
     fn held(&self, ty: ResourceType) -> Vec<(Arc<str>, Arc<str>)> {
         self.types[ty.index()]
-            .acked
+            .ledger
+            .held
             .iter()
             .map(|(n, v, _)| (n.clone(), v.clone()))
             .collect()
@@ -934,18 +497,8 @@ impl AdsProtocol for SotwStream {
                     }
                     _ => vec!["*".to_string()],
                 };
-                let status = TypeStatus {
-                    subscribed,
-                    last_acked_version: Some(st.acked_version.clone()).filter(|v| !v.is_empty()),
-                    last_nacked_version: st.rejected_version.clone(),
-                    last_nack_message: st.last_nack_message.clone(),
-                    pushes: st.pushes,
-                    acks: st.acks,
-                    nacks: st.nacks,
-                    resources_held: st.acked.len(),
-                    holds_snapshot_set: matches!(st.acked, Holding::Snapshot { .. }),
-                    rejected: st.rejected.rejected.keys().map(|n| n.to_string()).collect(),
-                };
+                let acked = Some(st.acked_version.clone()).filter(|v| !v.is_empty());
+                let status = st.ledger.status(subscribed, acked);
                 (*ty, status)
             })
             .collect()
@@ -1359,7 +912,10 @@ mod tests {
         assert_eq!(received, 300, "every assignment once");
         assert!(responses > 1, "split into several responses");
         // The last ACK leaves the stream holding the snapshot's whole set, at its version.
-        assert!(s.types[1].acked.is_whole(&snap, ResourceType::Endpoints));
+        assert!(s.types[1]
+            .ledger
+            .held
+            .is_whole(&snap, ResourceType::Endpoints));
         assert_eq!(
             s.types[1].acked_version,
             **snap.type_version(ResourceType::Endpoints)
@@ -1401,7 +957,10 @@ mod tests {
             }
         }
         for ty in ResourceType::ALL {
-            assert!(s.types[ty.index()].acked.is_whole(&before, ty), "{ty}");
+            assert!(
+                s.types[ty.index()].ledger.held.is_whole(&before, ty),
+                "{ty}"
+            );
         }
         let mut changed = many_services(3, 2);
         changed[1].clusters[0].ports[0] = 9999;
@@ -1446,9 +1005,9 @@ mod tests {
         }
         for ty in ResourceType::ALL {
             assert!(
-                s.types[ty.index()].acked.is_whole(&snap, ty),
+                s.types[ty.index()].ledger.held.is_whole(&snap, ty),
                 "{ty}: {:?}",
-                matches!(s.types[ty.index()].acked, Holding::Own(_))
+                matches!(s.types[ty.index()].ledger.held, Holding::Own(_))
             );
         }
     }
