@@ -23,17 +23,24 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use serde::Serialize;
 
-use super::readiness::{app_readiness, has_failed_application, readiness, routed_clusters, Unit};
+use super::readiness::{has_failed_application, Unit};
 use crate::live::dashboards::DashboardStates;
 use crate::live::health::HealthMap;
 use crate::live::peers::{to_unix, DepartedCluster, PeerStates, PeerSwitch, ReplicaView};
-use crate::model::{Model, RayService};
-use crate::policy::switchover::{ShiftMode, SwitchoverPolicy};
+use crate::model::Model;
+use crate::policy::switchover::SwitchoverPolicy;
 use crate::translate::app_switch_key;
+
+mod round;
+mod schedule;
+mod state;
+
+pub use self::schedule::PEER_LAG;
+pub use self::state::ServiceSwitch;
 
 /// Which connected Envoys have not yet warmed (ACKed) a cluster and its endpoints.
 pub trait EnvoyWarmth {
@@ -99,50 +106,6 @@ impl fmt::Display for Phase {
     }
 }
 
-/// One RayService's switchover state, as `/debug/state` shows it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct ServiceSwitch {
-    /// The cluster traffic belongs to.
-    pub serving: String,
-    /// Since when (it was first seen, or traffic moved to it).
-    #[serde(skip)]
-    serving_since: SystemTime,
-    /// Traffic moved to `serving` here (a switch this replica made): only then do its
-    /// peers take it as a move done.
-    #[serde(skip)]
-    moved: bool,
-    /// This replica saw the current target named (it knew the RayService before): its
-    /// own `target_since` is when the switch began, and a peer's start much earlier is
-    /// no start any replica could have seen (a skewed clock, or a lie).
-    #[serde(skip)]
-    saw_begin: bool,
-    /// The cluster traffic is moving (or waiting to move) to.
-    pub target: Option<String>,
-    pub phase: Phase,
-    pub reason: String,
-    /// Percent of traffic per cluster (only clusters with some).
-    pub weights: Vec<(String, u32)>,
-    /// When the current target became the target: its dashboard must have answered
-    /// since, so a status read before an upgrade began is never taken for readiness.
-    #[serde(skip)]
-    target_since: Option<SystemTime>,
-    /// When the target was first found ready while some Envoy had not warmed it.
-    #[serde(skip)]
-    warming_since: Option<SystemTime>,
-    #[serde(skip)]
-    warm_timeout: Duration,
-    #[serde(skip)]
-    step: usize,
-    /// When traffic started to move to the target (the first step): each step is due
-    /// an interval after the one before, from here. The earliest start any replica saw
-    /// (`live::peers`) is taken, so replicas step together and a restarted one resumes.
-    #[serde(skip)]
-    shift_started: Option<SystemTime>,
-    /// When the next progressive step is due.
-    #[serde(skip)]
-    step_due: Option<SystemTime>,
-}
-
 /// A change worth logging once.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SwitchEvent {
@@ -165,10 +128,6 @@ pub struct Switchover {
     /// The clusters this replica keeps draining (for [`Switchover::replica_view`]).
     departed: Vec<DepartedCluster>,
 }
-
-/// How much earlier than this replica another may have seen a switch begin (its source
-/// watch, dashboard polls and probes run on their own timers).
-pub const PEER_LAG: Duration = Duration::from_secs(30);
 
 impl Switchover {
     pub fn new(defaults: SwitchoverPolicy) -> Switchover {
@@ -290,249 +249,6 @@ impl Switchover {
         events
     }
 
-    /// Advances one switch (a RayService's, or one application's) keyed `key`; `serving`
-    /// is where its traffic is when this replica did not know it yet.
-    #[allow(clippy::too_many_arguments)]
-    fn advance_unit(
-        &mut self,
-        key: &str,
-        service: &RayService,
-        unit: Unit<'_>,
-        serving: String,
-        back_to: Option<&str>,
-        known: bool,
-        health: &HealthMap,
-        dashboards: &DashboardStates,
-        envoys: &dyn EnvoyWarmth,
-        now: SystemTime,
-        events: &mut Vec<SwitchEvent>,
-    ) -> ServiceSwitch {
-        let policy = self.defaults.with(&service.policy.overrides.switchover);
-        let mut st = self.take_switch(key, serving, &policy, now);
-        let before = (st.phase, st.weights.clone(), st.reason.clone());
-        self.retarget(&mut st, service, back_to, known, now);
-        match st.target.clone() {
-            None => st.stay(),
-            Some(target) => {
-                let inputs = RoundInputs {
-                    health,
-                    dashboards,
-                    envoys,
-                    now,
-                };
-                self.toward(&mut st, key, service, unit, target, &policy, &inputs);
-            }
-        }
-        if (st.phase, &st.weights, &st.reason) != (before.0, &before.1, &before.2) {
-            events.push(SwitchEvent {
-                service: key.to_string(),
-                phase: st.phase,
-                reason: st.reason.clone(),
-                weights: st.weights.clone(),
-            });
-        }
-        st
-    }
-
-    /// The switch keyed `key` as this replica knew it, or a new one serving `serving`;
-    /// what each round recomputes is reset.
-    fn take_switch(
-        &mut self,
-        key: &str,
-        serving: String,
-        policy: &SwitchoverPolicy,
-        now: SystemTime,
-    ) -> ServiceSwitch {
-        let mut st = self.services.remove(key).unwrap_or_else(|| ServiceSwitch {
-            serving,
-            serving_since: now,
-            moved: false,
-            saw_begin: false,
-            target: None,
-            phase: Phase::Stable,
-            reason: String::new(),
-            weights: vec![],
-            target_since: None,
-            warming_since: None,
-            warm_timeout: policy.warm_timeout,
-            step: 0,
-            shift_started: None,
-            step_due: None,
-        });
-        st.warm_timeout = policy.warm_timeout;
-        st.step_due = None;
-        st
-    }
-
-    /// Where the switch is headed now: the pending cluster, back to `back_to` from a
-    /// pending cluster where an application failed, the active cluster when this replica
-    /// serves another (an early flip, or a replaced cluster), or nowhere. A new target
-    /// starts its clocks and asks for a fresh answer from its dashboard.
-    fn retarget(
-        &mut self,
-        st: &mut ServiceSwitch,
-        service: &RayService,
-        back_to: Option<&str>,
-        known: bool,
-        now: SystemTime,
-    ) {
-        if service.cluster(&st.serving).is_none() {
-            // The source removed the cluster we served: nothing to keep serving from.
-            st.serving = service.active_cluster.clone();
-            st.serving_since = now;
-            st.moved = false;
-            st.step = 0;
-            st.shift_started = None;
-        }
-        let previous_target = st.target.clone();
-        st.target = match &service.pending_cluster {
-            // Moved on its own to a pending cluster where an application failed: back.
-            Some(p) if *p == st.serving && back_to.is_some_and(|b| b != p) => {
-                back_to.map(str::to_string)
-            }
-            // Already moved to the pending cluster: stay until the source promotes it.
-            Some(p) if *p == st.serving => None,
-            Some(p) => Some(p.clone()),
-            // The source names an active cluster we do not serve (an early flip, or a
-            // replaced cluster): a switchover like any other.
-            None if service.active_cluster != st.serving => Some(service.active_cluster.clone()),
-            None => None,
-        };
-        if st.target != previous_target {
-            st.target_since = st.target.as_ref().map(|_| now);
-            st.saw_begin = known && st.target.is_some();
-            st.warming_since = None;
-            if let Some(t) = &st.target {
-                if service.cluster(t).is_some_and(|c| c.dashboard.is_some()) {
-                    self.refresh.push(service.envoy_cluster_name(t));
-                }
-            }
-        }
-    }
-
-    /// A switch under way towards `target`: held while an Envoy rejects the target,
-    /// while some Envoy has not warmed it, or while it is not ready; otherwise moved (at
-    /// once, or by the progressive schedule). A serving cluster with no routable proxy
-    /// left moves to a routable target past every gate but readiness of the target.
-    #[allow(clippy::too_many_arguments)]
-    fn toward(
-        &mut self,
-        st: &mut ServiceSwitch,
-        key: &str,
-        service: &RayService,
-        unit: Unit<'_>,
-        target: String,
-        policy: &SwitchoverPolicy,
-        inputs: &RoundInputs<'_>,
-    ) {
-        let RoundInputs {
-            health,
-            dashboards,
-            envoys,
-            now,
-        } = *inputs;
-        // Dashboard answers count from when the switch began: here, or at a peer that
-        // saw it earlier (a restarted replica, mid-switch). (Only a replica that came in
-        // mid-switch takes it from a peer: one that saw the switch begin knows when it
-        // did.)
-        let peer_since = (!st.saw_begin)
-            .then(|| self.peers.target_since(key, &target))
-            .flatten();
-        let since = match (st.target_since, peer_since) {
-            (Some(own), Some(peer)) => Some(own.min(peer)),
-            (own, peer) => own.or(peer),
-        };
-        let min_ready = policy.min_ready_proxies;
-        let ready = match unit {
-            Unit::Service => readiness(service, &target, health, dashboards, min_ready, since),
-            Unit::Application(app) => {
-                app_readiness(service, &target, app, health, dashboards, min_ready, since)
-            }
-        };
-        let routable = |c: &str| health.cluster(&service.envoy_cluster_name(c)).routable > 0;
-        // Proxies still awaiting their first probe (a restart, or new ones) are not known
-        // to be down: no emergency move on their account, or one replica that probed the
-        // target first would move to it for good.
-        let awaiting = |c: &str| {
-            health
-                .cluster(&service.envoy_cluster_name(c))
-                .awaiting_first_probe
-                > 0
-        };
-        let desperate = !routable(&st.serving) && !awaiting(&st.serving) && routable(&target);
-        if ready.is_err() {
-            st.warming_since = None;
-        }
-        let routed = routed_clusters(service, &target, unit, health);
-        // Before the first step, wait for every Envoy to warm the target.
-        let (cold, warm_note) = if ready.is_ok() && !desperate && st.step == 0 {
-            st.cold_envoys(&routed, envoys, policy.warm_timeout, now)
-        } else {
-            (Vec::new(), String::new())
-        };
-        let rejecting = rejecting_envoys(&routed, envoys);
-        match ready {
-            // (When the serving cluster has no routable proxy left and the target has,
-            // traffic moves anyway: an Envoy that rejected the target keeps its own
-            // route, merged for it, while every other one stops sending to a dead
-            // cluster.)
-            _ if !rejecting.is_empty() && !desperate => st.hold_rejected(&target, &rejecting),
-            Ok(()) if !cold.is_empty() => st.hold_warming(&target, &cold),
-            Err(why) if !desperate => st.hold_not_ready(&target, &why),
-            _ => {
-                let weight = self.shift_weight(st, key, &target, policy, desperate, now);
-                st.shift(target, weight, desperate, &warm_note, now);
-            }
-        }
-    }
-
-    /// The target's percent of traffic now: all of it at once (atomic, a dead serving
-    /// cluster, or a peer that has moved already), or the progressive schedule's step,
-    /// counted from the earliest start of the same shift this replica or a peer saw.
-    fn shift_weight(
-        &self,
-        st: &mut ServiceSwitch,
-        key: &str,
-        target: &str,
-        policy: &SwitchoverPolicy,
-        desperate: bool,
-        now: SystemTime,
-    ) -> u32 {
-        match policy.shift() {
-            ShiftMode::Atomic => 100,
-            _ if desperate => 100,
-            // A peer has moved already: so do we (our own gates passed).
-            _ if self.peers.completed(key, target) => 100,
-            ShiftMode::Progressive { steps, interval } => {
-                let mut started = *st.shift_started.get_or_insert(now);
-                // No earlier than this replica saw the switch begin (less the lag
-                // between replicas), when it did.
-                let floor = st
-                    .target_since
-                    .filter(|_| st.saw_begin)
-                    .map(|t| t - PEER_LAG);
-                if let Some(peer) = self
-                    .peers
-                    .shift_started(key, &st.serving, target)
-                    .filter(|p| floor.is_none_or(|f| *p >= f))
-                {
-                    started = started.min(peer);
-                }
-                st.shift_started = Some(started);
-                let elapsed = now.duration_since(started).unwrap_or_default();
-                let intervals = elapsed.as_nanos() / interval.as_nanos().max(1);
-                st.step = usize::try_from(intervals)
-                    .unwrap_or(usize::MAX)
-                    .saturating_add(1)
-                    .min(steps.len());
-                if st.step < steps.len() {
-                    st.step_due = Some(started + interval * st.step as u32);
-                }
-                steps.get(st.step - 1).copied().unwrap_or(100).min(100)
-            }
-        }
-    }
-
     /// Percent of traffic per cluster of every RayService it knows (only clusters with
     /// some); a RayService it does not know yet goes to its active cluster.
     pub fn weights(&self) -> BTreeMap<String, Vec<(String, u32)>> {
@@ -577,146 +293,6 @@ impl Switchover {
     }
 }
 
-/// What a round of the switchover reads besides the model.
-#[derive(Clone, Copy)]
-struct RoundInputs<'a> {
-    health: &'a HealthMap,
-    dashboards: &'a DashboardStates,
-    envoys: &'a dyn EnvoyWarmth,
-    now: SystemTime,
-}
-
-/// Connected Envoys that rejected any of `routed`, each once.
-fn rejecting_envoys(routed: &[String], envoys: &dyn EnvoyWarmth) -> Vec<String> {
-    let mut rejecting = Vec::new();
-    for name in routed {
-        for envoy in envoys.rejecting_envoys(name) {
-            if !rejecting.contains(&envoy) {
-                rejecting.push(envoy);
-            }
-        }
-    }
-    rejecting
-}
-
-impl ServiceSwitch {
-    /// No switch: all traffic stays where it is.
-    fn stay(&mut self) {
-        if self.phase != Phase::Stable || self.reason.is_empty() {
-            self.reason = format!("serving {}", self.serving);
-        }
-        self.phase = Phase::Stable;
-        self.step = 0;
-        self.shift_started = None;
-        self.weights = vec![(self.serving.clone(), 100)];
-    }
-
-    /// Connected Envoys that have not warmed `routed` yet, each once, and the note for
-    /// the reason when the wait passed `warm_timeout` (then none are waited for: each
-    /// Envoy switches once it has warmed the target).
-    fn cold_envoys(
-        &mut self,
-        routed: &[String],
-        envoys: &dyn EnvoyWarmth,
-        warm_timeout: Duration,
-        now: SystemTime,
-    ) -> (Vec<String>, String) {
-        let mut cold = Vec::new();
-        for name in routed {
-            for envoy in envoys.cold_envoys(name) {
-                if !cold.contains(&envoy) {
-                    cold.push(envoy);
-                }
-            }
-        }
-        if cold.is_empty() {
-            self.warming_since = None;
-            return (cold, String::new());
-        }
-        let since = *self.warming_since.get_or_insert(now);
-        if now.duration_since(since).unwrap_or_default() < warm_timeout {
-            return (cold, String::new());
-        }
-        let note = format!(
-            " ({} Envoy(s) had not warmed it after {:?}: {}; each switches once it has)",
-            cold.len(),
-            warm_timeout,
-            cold.join(", ")
-        );
-        (Vec::new(), note)
-    }
-
-    /// Held: an Envoy rejected the target.
-    fn hold_rejected(&mut self, target: &str, rejecting: &[String]) {
-        self.phase = Phase::Rejected;
-        self.reason = format!(
-            "{target} was rejected by {} Envoy(s): {}; no traffic moves to it until its \
-             configuration changes",
-            rejecting.len(),
-            rejecting.join(", ")
-        );
-        self.step = 0;
-        self.shift_started = None;
-        self.warming_since = None;
-        self.weights = vec![(self.serving.clone(), 100)];
-    }
-
-    /// Held: the target is ready, and some Envoy has not warmed it.
-    fn hold_warming(&mut self, target: &str, cold: &[String]) {
-        self.phase = Phase::Warming;
-        self.reason = format!(
-            "{target} is ready; waiting for {} Envoy(s) to ACK it and its endpoints: {}",
-            cold.len(),
-            cold.join(", ")
-        );
-        self.weights = vec![(self.serving.clone(), 100)];
-    }
-
-    /// Held: the target is not ready.
-    fn hold_not_ready(&mut self, target: &str, why: &str) {
-        self.phase = Phase::Waiting;
-        self.reason = format!("{target} is not ready: {why}");
-        self.step = 0;
-        self.shift_started = None;
-        self.weights = vec![(self.serving.clone(), 100)];
-    }
-
-    /// `weight` percent of the traffic on `target`; at 100 the target serves and the
-    /// switch is done.
-    fn shift(
-        &mut self,
-        target: String,
-        weight: u32,
-        desperate: bool,
-        warm_note: &str,
-        now: SystemTime,
-    ) {
-        if weight < 100 {
-            self.phase = Phase::Shifting;
-            self.reason = format!("{target} is ready: {weight}% of traffic{warm_note}");
-            self.weights = vec![(self.serving.clone(), 100 - weight), (target, weight)];
-            return;
-        }
-        self.reason = if desperate {
-            format!(
-                "{} has no healthy proxy left; moved to {target}",
-                self.serving
-            )
-        } else {
-            format!("moved to {target}: it is ready{warm_note}")
-        };
-        self.serving = target;
-        self.serving_since = now;
-        self.moved = true;
-        self.target = None;
-        self.phase = Phase::Stable;
-        self.step = 0;
-        self.shift_started = None;
-        self.step_due = None;
-        self.weights = vec![(self.serving.clone(), 100)];
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -728,9 +304,11 @@ mod tests {
     use crate::live::prober::ProbeStates;
     use crate::model::test_support::service;
     use crate::model::RayCluster;
+    use crate::pipeline::readiness::readiness;
     use crate::policy::switchover::SwitchoverOverrides;
     use crate::policy::Steps;
     use std::net::SocketAddr;
+    use std::time::Duration;
 
     const A: &str = "a1";
     const B: &str = "b1";

@@ -1,0 +1,238 @@
+//! One round of one switch (a RayService's, or one of its applications'): where it is
+//! headed, and which gate holds it.
+//!
+//! The gates, in order: an Envoy that rejected the target holds it; before the first
+//! step, an Envoy that has not warmed it holds it (until `warm_timeout`); a target that
+//! is not ready holds it. A serving cluster with no routable proxy left (and none
+//! awaiting a first probe) passes them: traffic moves to a target with a routable proxy.
+//! A round records one [`SwitchEvent`] when the phase, weights or reason changed.
+
+use std::time::SystemTime;
+
+use super::state::ServiceSwitch;
+use super::{EnvoyWarmth, Phase, SwitchEvent, Switchover};
+use crate::live::dashboards::DashboardStates;
+use crate::live::health::HealthMap;
+use crate::model::RayService;
+use crate::pipeline::readiness::{app_readiness, readiness, routed_clusters, Unit};
+use crate::policy::switchover::SwitchoverPolicy;
+
+impl Switchover {
+    /// Advances one switch (a RayService's, or one application's) keyed `key`; `serving`
+    /// is where its traffic is when this replica did not know it yet.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn advance_unit(
+        &mut self,
+        key: &str,
+        service: &RayService,
+        unit: Unit<'_>,
+        serving: String,
+        back_to: Option<&str>,
+        known: bool,
+        health: &HealthMap,
+        dashboards: &DashboardStates,
+        envoys: &dyn EnvoyWarmth,
+        now: SystemTime,
+        events: &mut Vec<SwitchEvent>,
+    ) -> ServiceSwitch {
+        let policy = self.defaults.with(&service.policy.overrides.switchover);
+        let mut st = self.take_switch(key, serving, &policy, now);
+        let before = (st.phase, st.weights.clone(), st.reason.clone());
+        self.retarget(&mut st, service, back_to, known, now);
+        match st.target.clone() {
+            None => st.stay(),
+            Some(target) => {
+                let inputs = RoundInputs {
+                    health,
+                    dashboards,
+                    envoys,
+                    now,
+                };
+                self.toward(&mut st, key, service, unit, target, &policy, &inputs);
+            }
+        }
+        if (st.phase, &st.weights, &st.reason) != (before.0, &before.1, &before.2) {
+            events.push(SwitchEvent {
+                service: key.to_string(),
+                phase: st.phase,
+                reason: st.reason.clone(),
+                weights: st.weights.clone(),
+            });
+        }
+        st
+    }
+
+    /// The switch keyed `key` as this replica knew it, or a new one serving `serving`;
+    /// what each round recomputes is reset.
+    fn take_switch(
+        &mut self,
+        key: &str,
+        serving: String,
+        policy: &SwitchoverPolicy,
+        now: SystemTime,
+    ) -> ServiceSwitch {
+        let mut st = self.services.remove(key).unwrap_or_else(|| ServiceSwitch {
+            serving,
+            serving_since: now,
+            moved: false,
+            saw_begin: false,
+            target: None,
+            phase: Phase::Stable,
+            reason: String::new(),
+            weights: vec![],
+            target_since: None,
+            warming_since: None,
+            warm_timeout: policy.warm_timeout,
+            step: 0,
+            shift_started: None,
+            step_due: None,
+        });
+        st.warm_timeout = policy.warm_timeout;
+        st.step_due = None;
+        st
+    }
+
+    /// Where the switch is headed now: the pending cluster, back to `back_to` from a
+    /// pending cluster where an application failed, the active cluster when this replica
+    /// serves another (an early flip, or a replaced cluster), or nowhere. A new target
+    /// starts its clocks and asks for a fresh answer from its dashboard.
+    fn retarget(
+        &mut self,
+        st: &mut ServiceSwitch,
+        service: &RayService,
+        back_to: Option<&str>,
+        known: bool,
+        now: SystemTime,
+    ) {
+        if service.cluster(&st.serving).is_none() {
+            // The source removed the cluster we served: nothing to keep serving from.
+            st.serving = service.active_cluster.clone();
+            st.serving_since = now;
+            st.moved = false;
+            st.step = 0;
+            st.shift_started = None;
+        }
+        let previous_target = st.target.clone();
+        st.target = match &service.pending_cluster {
+            // Moved on its own to a pending cluster where an application failed: back.
+            Some(p) if *p == st.serving && back_to.is_some_and(|b| b != p) => {
+                back_to.map(str::to_string)
+            }
+            // Already moved to the pending cluster: stay until the source promotes it.
+            Some(p) if *p == st.serving => None,
+            Some(p) => Some(p.clone()),
+            // The source names an active cluster we do not serve (an early flip, or a
+            // replaced cluster): a switchover like any other.
+            None if service.active_cluster != st.serving => Some(service.active_cluster.clone()),
+            None => None,
+        };
+        if st.target != previous_target {
+            st.target_since = st.target.as_ref().map(|_| now);
+            st.saw_begin = known && st.target.is_some();
+            st.warming_since = None;
+            if let Some(t) = &st.target {
+                if service.cluster(t).is_some_and(|c| c.dashboard.is_some()) {
+                    self.refresh.push(service.envoy_cluster_name(t));
+                }
+            }
+        }
+    }
+
+    /// A switch under way towards `target`: held while an Envoy rejects the target,
+    /// while some Envoy has not warmed it, or while it is not ready; otherwise moved (at
+    /// once, or by the progressive schedule). A serving cluster with no routable proxy
+    /// left moves to a routable target past every gate but readiness of the target.
+    #[allow(clippy::too_many_arguments)]
+    fn toward(
+        &mut self,
+        st: &mut ServiceSwitch,
+        key: &str,
+        service: &RayService,
+        unit: Unit<'_>,
+        target: String,
+        policy: &SwitchoverPolicy,
+        inputs: &RoundInputs<'_>,
+    ) {
+        let RoundInputs {
+            health,
+            dashboards,
+            envoys,
+            now,
+        } = *inputs;
+        // Dashboard answers count from when the switch began: here, or at a peer that
+        // saw it earlier (a restarted replica, mid-switch). (Only a replica that came in
+        // mid-switch takes it from a peer: one that saw the switch begin knows when it
+        // did.)
+        let peer_since = (!st.saw_begin)
+            .then(|| self.peers.target_since(key, &target))
+            .flatten();
+        let since = match (st.target_since, peer_since) {
+            (Some(own), Some(peer)) => Some(own.min(peer)),
+            (own, peer) => own.or(peer),
+        };
+        let min_ready = policy.min_ready_proxies;
+        let ready = match unit {
+            Unit::Service => readiness(service, &target, health, dashboards, min_ready, since),
+            Unit::Application(app) => {
+                app_readiness(service, &target, app, health, dashboards, min_ready, since)
+            }
+        };
+        let routable = |c: &str| health.cluster(&service.envoy_cluster_name(c)).routable > 0;
+        // Proxies still awaiting their first probe (a restart, or new ones) are not known
+        // to be down: no emergency move on their account, or one replica that probed the
+        // target first would move to it for good.
+        let awaiting = |c: &str| {
+            health
+                .cluster(&service.envoy_cluster_name(c))
+                .awaiting_first_probe
+                > 0
+        };
+        let desperate = !routable(&st.serving) && !awaiting(&st.serving) && routable(&target);
+        if ready.is_err() {
+            st.warming_since = None;
+        }
+        let routed = routed_clusters(service, &target, unit, health);
+        // Before the first step, wait for every Envoy to warm the target.
+        let (cold, warm_note) = if ready.is_ok() && !desperate && st.step == 0 {
+            st.cold_envoys(&routed, envoys, policy.warm_timeout, now)
+        } else {
+            (Vec::new(), String::new())
+        };
+        let rejecting = rejecting_envoys(&routed, envoys);
+        match ready {
+            // (When the serving cluster has no routable proxy left and the target has,
+            // traffic moves anyway: an Envoy that rejected the target keeps its own
+            // route, merged for it, while every other one stops sending to a dead
+            // cluster.)
+            _ if !rejecting.is_empty() && !desperate => st.hold_rejected(&target, &rejecting),
+            Ok(()) if !cold.is_empty() => st.hold_warming(&target, &cold),
+            Err(why) if !desperate => st.hold_not_ready(&target, &why),
+            _ => {
+                let weight = self.shift_weight(st, key, &target, policy, desperate, now);
+                st.shift(target, weight, desperate, &warm_note, now);
+            }
+        }
+    }
+}
+
+/// What a round of the switchover reads besides the model.
+#[derive(Clone, Copy)]
+struct RoundInputs<'a> {
+    health: &'a HealthMap,
+    dashboards: &'a DashboardStates,
+    envoys: &'a dyn EnvoyWarmth,
+    now: SystemTime,
+}
+
+/// Connected Envoys that rejected any of `routed`, each once.
+fn rejecting_envoys(routed: &[String], envoys: &dyn EnvoyWarmth) -> Vec<String> {
+    let mut rejecting = Vec::new();
+    for name in routed {
+        for envoy in envoys.rejecting_envoys(name) {
+            if !rejecting.contains(&envoy) {
+                rejecting.push(envoy);
+            }
+        }
+    }
+    rejecting
+}

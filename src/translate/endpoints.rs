@@ -1,0 +1,79 @@
+//! The cluster load assignments (EDS): per Envoy cluster, each endpoint that may take
+//! new requests.
+//!
+//! `live::health` decides: a healthy endpoint is listed healthy, one not probed yet
+//! unknown; an unhealthy, draining or withheld one is not listed at all. Each endpoint
+//! carries one fact under [`METADATA_NAMESPACE`] (a proxy's node type, a replica's
+//! application).
+
+use std::net::SocketAddr;
+
+use envoy_types::pb::envoy::config::core::v3 as core;
+use envoy_types::pb::envoy::config::endpoint::v3 as endpoint;
+use envoy_types::pb::google::protobuf;
+
+use super::{socket_address, METADATA_NAMESPACE};
+use crate::live::health::{EndpointHealth, HealthMap};
+
+/// The assignment of Envoy cluster `name`: each endpoint that may take new requests, as
+/// `health` decides, with one fact in its metadata (a proxy's node type, a replica's
+/// application).
+pub(super) fn load_assignment<'a>(
+    name: &str,
+    endpoints: impl Iterator<Item = (SocketAddr, (&'static str, &'a str))>,
+    health: &HealthMap,
+) -> endpoint::ClusterLoadAssignment {
+    let lb_endpoints = endpoints
+        .filter_map(|(address, fact)| {
+            // Only what may take new requests: an endpoint that left (unhealthy,
+            // draining, withheld) is not listed at all. Envoy lets requests in flight on
+            // a removed host finish, and its outlier detection then counts only these
+            // endpoints, so below `max_ejection_percent: 100` it never ejects the last.
+            let health = match health.health(name, address) {
+                EndpointHealth::Withheld | EndpointHealth::Unhealthy | EndpointHealth::Draining => {
+                    return None
+                }
+                EndpointHealth::Unknown => core::HealthStatus::Unknown,
+                EndpointHealth::Healthy => core::HealthStatus::Healthy,
+            };
+            Some((address, fact, health))
+        })
+        .map(|(address, (key, value), health)| endpoint::LbEndpoint {
+            host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(
+                endpoint::Endpoint {
+                    address: Some(socket_address(address.ip().to_string(), address.port())),
+                    hostname: address.to_string(),
+                    ..Default::default()
+                },
+            )),
+            health_status: health as i32,
+            metadata: Some(core::Metadata {
+                filter_metadata: [(
+                    METADATA_NAMESPACE.to_string(),
+                    protobuf::Struct {
+                        fields: [(
+                            key.to_string(),
+                            protobuf::Value {
+                                kind: Some(protobuf::value::Kind::StringValue(value.into())),
+                            },
+                        )]
+                        .into_iter()
+                        .collect(),
+                    },
+                )]
+                .into_iter()
+                .collect(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .collect();
+    endpoint::ClusterLoadAssignment {
+        cluster_name: name.into(),
+        endpoints: vec![endpoint::LocalityLbEndpoints {
+            lb_endpoints,
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
