@@ -63,10 +63,19 @@ async fn two_replicas_publish_the_same_weights_and_a_restarted_one_resumes_the_s
     let (envoy_1, port_1) = envoy_carrying_traffic(xds_1, Bootstrap::Sotw).await;
     let (envoy_2, port_2) = envoy_carrying_traffic(xds_2, Bootstrap::Delta).await;
 
+    // Before the upgrade both send nothing to b: the first sample of each, so that a step
+    // one replica takes before the other is sampled still shows in both (under load, one
+    // can be at 10% by the first sample after the file changes while the other is at 0).
+    let before = (
+        weight_b(one.admin_addr).await,
+        weight_b(two.admin_addr).await,
+    );
+    assert_eq!(before, (Some(0), Some(0)));
+    let mut samples: Vec<(u32, u32)> = vec![(0, 0)];
+
     // The upgrade begins: b becomes pending on both (one file).
     write_atomic(&file, &services(&a, &b, true));
     let started = Instant::now();
-    let mut samples: Vec<(u32, u32)> = Vec::new();
     let two_admin = two.admin_addr;
     // Until the second step (25%), side by side.
     loop {
