@@ -39,7 +39,7 @@ use crate::source::SourceStatus;
 use crate::xds::{Clients, ResourceType, Snapshot};
 
 #[derive(Clone)]
-pub struct AdminState {
+pub(crate) struct AdminState {
     /// The supervised components, for `/readyz` and `/debug/state`.
     pub components: Arc<crate::supervisor::Components>,
     pub metrics: Arc<Metrics>,
@@ -52,7 +52,7 @@ pub struct AdminState {
 /// What `/debug/state` shows: the latest value of each channel, each written by its own
 /// task.
 #[derive(Clone)]
-pub struct LiveViews {
+pub(crate) struct LiveViews {
     /// The effective model.
     pub models: watch::Receiver<Arc<Model>>,
     pub probes: watch::Receiver<Arc<ProbeStates>>,
@@ -66,7 +66,7 @@ pub struct LiveViews {
     pub refused: watch::Receiver<Arc<Vec<crate::live::discovery::RefusedProxy>>>,
 }
 
-pub fn router(state: AdminState) -> Router {
+pub(crate) fn router(state: AdminState) -> Router {
     public_routes().merge(debug_routes()).with_state(state)
 }
 
@@ -100,7 +100,7 @@ fn debug_routes() -> Router<AdminState> {
 
 /// Debug pages being answered at once: each can be megabytes (every client's
 /// subscriptions), and a client that never reads its answer holds it.
-pub const DEBUG_PAGES_AT_ONCE: usize = 4;
+pub(crate) const DEBUG_PAGES_AT_ONCE: usize = 4;
 
 /// `pages`, at most `at_once` of them being sent at once ([`bounded_debug_page`]).
 fn bounded_pages<S: Clone + Send + Sync + 'static>(pages: Router<S>, at_once: usize) -> Router<S> {
@@ -147,7 +147,7 @@ async fn bounded_debug_page(
 /// Serves the admin API on `listener` (HTTP/1.1 only: one request at a time per
 /// connection, a header read timeout of 10 s) until `shutdown`; with `debug`, the
 /// `/debug/*` pages only there (and `/healthz`, so it can be checked), not on `listener`.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     debug: Option<TcpListener>,
     state: AdminState,

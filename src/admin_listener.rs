@@ -24,7 +24,7 @@ use crate::gate::{Admitted, ConnectionGate, Refused};
 
 /// How many admin connections are held, and for how long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AdminLimits {
+pub(crate) struct AdminLimits {
     pub max_connections: usize,
     pub max_connections_per_peer: usize,
     pub idle_timeout: Duration,
@@ -45,7 +45,7 @@ impl Default for AdminLimits {
 }
 
 /// The admin listener, for `axum::serve`.
-pub struct BoundedAdminListener {
+pub(crate) struct BoundedAdminListener {
     listener: TcpListener,
     limits: AdminLimits,
     gate: ConnectionGate,
@@ -106,7 +106,7 @@ impl axum::serve::Listener for BoundedAdminListener {
 }
 
 /// One admin connection, holding its slot, closed when idle or old.
-pub struct AdminConnection {
+pub(crate) struct AdminConnection {
     inner: TcpStream,
     _admitted: Admitted,
     idle_timeout: Duration,

@@ -21,19 +21,19 @@
 //! - [`memory`]: gives the heap a burst of syncs freed back to the operating system;
 //! - [`runtime`]: wiring, one shutdown token for everything.
 
-pub mod admin;
-pub mod admin_listener;
+pub(crate) mod admin;
+pub(crate) mod admin_listener;
 pub mod config;
 pub mod live;
-pub mod memory;
+pub(crate) mod memory;
 pub mod metrics;
 pub mod model;
 pub mod pipeline;
 pub mod policy;
-pub mod ray_serve_api;
+pub(crate) mod ray_serve_api;
 pub mod runtime;
 pub mod source;
-pub mod supervisor;
+pub(crate) mod supervisor;
 pub mod translate;
 
 /// The xDS server crate, by the names the layers below use.
@@ -122,7 +122,13 @@ mod layers {
         let lib = std::fs::read_to_string(src.join("lib.rs")).unwrap();
         let modules: Vec<&str> = lib
             .lines()
-            .filter_map(|l| l.strip_prefix("pub mod ")?.strip_suffix(';'))
+            .filter_map(|l| {
+                let l = l.strip_prefix("pub(crate) ").unwrap_or(l);
+                l.strip_prefix("pub ")
+                    .unwrap_or(l)
+                    .strip_prefix("mod ")?
+                    .strip_suffix(';')
+            })
             .collect();
         assert!(modules.len() > 10, "{modules:?}");
         for module in &modules {

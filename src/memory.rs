@@ -16,15 +16,15 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// How often the free memory glibc holds is looked at.
-pub const CHECK: Duration = Duration::from_secs(1);
+pub(crate) const CHECK: Duration = Duration::from_secs(1);
 
 /// Growth of the free heap held past which it is given back.
-pub const HELD_FREE_LIMIT: usize = 16 << 20;
+pub(crate) const HELD_FREE_LIMIT: usize = 16 << 20;
 
 /// Resident memory the heap does not use: RSS less the bytes glibc has handed out, from
 /// its arenas and mapped on their own (code, stacks and fragments are in it too, so only
 /// its growth means something). `None` where that cannot be known.
-pub fn held_free() -> Option<usize> {
+pub(crate) fn held_free() -> Option<usize> {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
@@ -42,7 +42,7 @@ pub fn held_free() -> Option<usize> {
 }
 
 /// Gives free heap back to the operating system.
-pub fn trim() {
+pub(crate) fn trim() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim releases free memory only; it takes glibc's own locks.
     unsafe {
@@ -53,7 +53,7 @@ pub fn trim() {
 /// Trims once at the first check (start-up's first build is a burst too), then whenever
 /// [`held_free`] has grown by more than [`HELD_FREE_LIMIT`] since the last trim left it
 /// (what a trim cannot give back is not trimmed again and again). Returns on shutdown.
-pub async fn give_back(shutdown: CancellationToken) {
+pub(crate) async fn give_back(shutdown: CancellationToken) {
     if held_free().is_none() {
         // Nothing to do here; a task of the runtime ends only at shutdown.
         shutdown.cancelled().await;

@@ -77,7 +77,7 @@ pub struct ErrorLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct VersionLabels {
+pub(crate) struct VersionLabels {
     pub version: String,
 }
 
@@ -362,7 +362,7 @@ impl Metrics {
 
     /// The proxies the address policy refuses now, by reason label (every label of
     /// [`AddressRefusal`](crate::model::AddressRefusal) is set, to 0 when none).
-    pub fn set_refused_proxies(&self, labels: impl Iterator<Item = &'static str>) {
+    pub(crate) fn set_refused_proxies(&self, labels: impl Iterator<Item = &'static str>) {
         let mut counts: std::collections::BTreeMap<&'static str, i64> =
             crate::model::AddressRefusal::LABELS
                 .into_iter()
@@ -379,26 +379,26 @@ impl Metrics {
     }
 
     /// Sets what `what` (`dashboards` or `routes`) holds now.
-    pub fn set_held_bytes(&self, what: &'static str, bytes: usize) {
+    pub(crate) fn set_held_bytes(&self, what: &'static str, bytes: usize) {
         self.held_bytes
             .get_or_create(&WhatLabels { what })
             .set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
-    pub fn source_rejected(&self, source: &'static str) {
+    pub(crate) fn source_rejected(&self, source: &'static str) {
         self.source_rejected
             .get_or_create(&SourceLabels { source })
             .inc();
     }
 
-    pub fn type_labels(protocol: &'static str, ty: &'static str) -> TypeLabels {
+    pub(crate) fn type_labels(protocol: &'static str, ty: &'static str) -> TypeLabels {
         TypeLabels {
             protocol,
             r#type: ty,
         }
     }
 
-    pub fn set_snapshot_version(&self, version: &str) {
+    pub(crate) fn set_snapshot_version(&self, version: &str) {
         let mut current = self
             .current_version
             .lock()
@@ -418,7 +418,7 @@ impl Metrics {
 
     /// Counts the tasks of `runtime` in `ray_xds_runtime_alive_tasks` (the first one
     /// named wins).
-    pub fn count_tasks_of(&self, runtime: tokio::runtime::Handle) {
+    pub(crate) fn count_tasks_of(&self, runtime: tokio::runtime::Handle) {
         let _ = self.counted_runtime.set(runtime);
     }
 

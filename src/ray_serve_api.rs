@@ -7,10 +7,13 @@
 
 tonic::include_proto!("ray.serve");
 
-/// The gRPC path of `Healthz`, as Ray's proxy recognises it.
-pub const HEALTHZ_PATH: &str = "/ray.serve.RayServeAPIService/Healthz";
+/// The gRPC path of `Healthz`, as Ray's proxy recognises it (the tests check the
+/// generated client against it).
+#[cfg(test)]
+const HEALTHZ_PATH: &str = "/ray.serve.RayServeAPIService/Healthz";
 /// The gRPC path of `ListApplications`.
-pub const LIST_APPLICATIONS_PATH: &str = "/ray.serve.RayServeAPIService/ListApplications";
+#[cfg(test)]
+const LIST_APPLICATIONS_PATH: &str = "/ray.serve.RayServeAPIService/ListApplications";
 
 #[cfg(test)]
 mod tests {

@@ -24,15 +24,15 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics::{ComponentLabels, Metrics};
 
 /// The first backoff after a failure.
-pub const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+pub(crate) const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 /// The longest backoff.
-pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
+pub(crate) const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// An instance that ran this long resets the backoff.
-pub const HEALTHY_RUN: Duration = Duration::from_secs(60);
+pub(crate) const HEALTHY_RUN: Duration = Duration::from_secs(60);
 
 /// How one component is doing.
 #[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct ComponentState {
+pub(crate) struct ComponentState {
     pub up: bool,
     pub restarts: u64,
     /// Why it last stopped, and when (unix seconds).
@@ -41,7 +41,7 @@ pub struct ComponentState {
 }
 
 /// Every supervised component's state, shared with the admin server.
-pub struct Components {
+pub(crate) struct Components {
     states: Mutex<BTreeMap<&'static str, ComponentState>>,
     metrics: Arc<Metrics>,
 }
@@ -55,12 +55,12 @@ impl Components {
     }
 
     /// Every component and its state.
-    pub fn report(&self) -> BTreeMap<&'static str, ComponentState> {
+    pub(crate) fn report(&self) -> BTreeMap<&'static str, ComponentState> {
         self.states.lock().expect("never poisoned").clone()
     }
 
     /// The components that are down, with why.
-    pub fn down(&self) -> Vec<(&'static str, String)> {
+    pub(crate) fn down(&self) -> Vec<(&'static str, String)> {
         self.report()
             .into_iter()
             .filter(|(_, s)| !s.up)
@@ -113,7 +113,7 @@ impl Components {
 
 /// Runs the component `name`, as `start` makes it, until `shutdown`; restarts it each
 /// time it fails (see the module doc).
-pub async fn supervise<F, Fut>(
+pub(crate) async fn supervise<F, Fut>(
     name: &'static str,
     components: Arc<Components>,
     shutdown: CancellationToken,

@@ -80,17 +80,17 @@ impl Default for MemoryBudgets {
 }
 
 /// What the Ray dashboards' statuses may hold in all by default (`live::dashboards`).
-pub const DASHBOARDS_BUDGET_BYTES: usize = 64 * 1024 * 1024;
+pub(crate) const DASHBOARDS_BUDGET_BYTES: usize = 64 * 1024 * 1024;
 
 /// What the proxies' route tables may hold in all by default (`live::route_tables`).
-pub const ROUTE_TABLES_BUDGET_BYTES: usize = 32 * 1024 * 1024;
+pub(crate) const ROUTE_TABLES_BUDGET_BYTES: usize = 32 * 1024 * 1024;
 
 /// The range of every memory budget: 1 MiB to 16 GiB.
-pub const MEMORY_BUDGET_RANGE: std::ops::RangeInclusive<usize> = (1 << 20)..=(16 << 30);
+pub(crate) const MEMORY_BUDGET_RANGE: std::ops::RangeInclusive<usize> = (1 << 20)..=(16 << 30);
 
 /// A range of ports, `MIN-MAX` (1 to 65535, MIN below MAX), as Ray's settings give them:
 /// ports from MIN up to, not including, MAX.
-pub fn parse_port_range(text: &str) -> Result<std::ops::RangeInclusive<u16>, String> {
+pub(crate) fn parse_port_range(text: &str) -> Result<std::ops::RangeInclusive<u16>, String> {
     let bad = || format!("{text:?}: want MIN-MAX, ports 1 to 65535 (e.g. 30000-31000)");
     let (min, max) = text.trim().split_once('-').ok_or_else(bad)?;
     let port = |p: &str| p.trim().parse::<u16>().ok().filter(|p| *p > 0);
@@ -102,7 +102,7 @@ pub fn parse_port_range(text: &str) -> Result<std::ops::RangeInclusive<u16>, Str
 
 /// A byte count: digits, optionally followed by a Kubernetes binary suffix (`Ki`, `Mi`,
 /// `Gi`), e.g. `65536`, `64Mi`, `1Gi`.
-pub fn parse_bytes(text: &str) -> Result<usize, String> {
+pub(crate) fn parse_bytes(text: &str) -> Result<usize, String> {
     let text = text.trim();
     let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
         Some(at) => text.split_at(at),
@@ -178,25 +178,25 @@ pub struct KubernetesSourceConfig {
 
 impl KubernetesSourceConfig {
     /// The host policy (checked when the config was loaded).
-    pub fn host_policy(&self) -> Result<crate::model::HostPolicy, String> {
+    pub(crate) fn host_policy(&self) -> Result<crate::model::HostPolicy, String> {
         crate::model::HostPolicy::new(self.allowed_hosts.clone())
     }
 }
 
 /// The largest gRPC message accepted from an xDS client, by default (4 MiB).
-pub const DEFAULT_XDS_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+pub(crate) const DEFAULT_XDS_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 /// What `xds.max_message_bytes` may be: 64 KiB to 64 MiB.
 pub const XDS_MAX_MESSAGE_BYTES_RANGE: std::ops::RangeInclusive<usize> =
     64 * 1024..=64 * 1024 * 1024;
 
 /// What `gateway.connect_timeout` may be: 1 ms to 60 s.
-pub const CONNECT_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
+pub(crate) const CONNECT_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> =
     Duration::from_millis(1)..=Duration::from_secs(60);
 /// What `source.file.poll_interval` may be: 10 ms to 1 h.
-pub const FILE_POLL_INTERVAL_RANGE: std::ops::RangeInclusive<Duration> =
+pub(crate) const FILE_POLL_INTERVAL_RANGE: std::ops::RangeInclusive<Duration> =
     Duration::from_millis(10)..=Duration::from_secs(3600);
 /// At most this many `proxies.networks`.
-pub const MAX_PROXY_NETWORKS: usize = 256;
+pub(crate) const MAX_PROXY_NETWORKS: usize = 256;
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]

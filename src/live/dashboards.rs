@@ -78,7 +78,7 @@ impl AnsweredAt {
 }
 
 /// The most applications `/debug/state` shows per cluster.
-pub const APPLICATIONS_SHOWN: usize = 50;
+pub(crate) const APPLICATIONS_SHOWN: usize = 50;
 
 fn some_applications<S: serde::Serializer>(
     applications: &BTreeMap<String, (String, f64)>,

@@ -73,7 +73,7 @@ pub struct Discovered {
 }
 
 /// How many refused proxies `/debug/state` lists; the rest are only counted.
-pub const REFUSED_SHOWN: usize = 100;
+pub(crate) const REFUSED_SHOWN: usize = 100;
 
 /// How many example addresses a log line about refused proxies names.
 const REFUSAL_EXAMPLES: usize = 3;
@@ -82,7 +82,7 @@ const REFUSAL_EXAMPLES: usize = 3;
 /// sorted list, how many there are in all, and how many per reason label, so that the
 /// page stays small whatever a dashboard lists.
 #[derive(Debug, PartialEq, Serialize)]
-pub struct RefusedSummary<'a> {
+pub(crate) struct RefusedSummary<'a> {
     pub shown: &'a [RefusedProxy],
     pub total: usize,
     /// Reason label → how many proxies it refused.
@@ -90,7 +90,7 @@ pub struct RefusedSummary<'a> {
 }
 
 impl<'a> RefusedSummary<'a> {
-    pub fn of(refused: &'a [RefusedProxy]) -> Self {
+    pub(crate) fn of(refused: &'a [RefusedProxy]) -> Self {
         let mut by_reason = BTreeMap::new();
         for r in refused {
             *by_reason.entry(r.label).or_insert(0) += 1;
@@ -395,7 +395,7 @@ fn applications(
 /// the source's model is forwarded as is (the same `Arc`: no copy, and dashboard polls
 /// cost nothing here).
 #[derive(Clone)]
-pub struct Discovery {
+pub(crate) struct Discovery {
     pub policy: AddressPolicy,
     pub metrics: Arc<Metrics>,
 }

@@ -163,7 +163,7 @@ impl HealthMap {
     }
 
     /// Envoy clusters published fail-open.
-    pub fn fail_open(&self) -> BTreeSet<&str> {
+    pub(crate) fn fail_open(&self) -> BTreeSet<&str> {
         self.clusters
             .iter()
             .filter(|(_, c)| c.fail_open)

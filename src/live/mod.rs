@@ -20,5 +20,5 @@ pub mod peers;
 pub mod probe;
 pub mod prober;
 pub mod route_tables;
-pub mod route_turns;
+pub(crate) mod route_turns;
 pub mod target_groups;

@@ -28,14 +28,14 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 /// The admin path a replica answers its switchover view on.
-pub const SWITCHOVER_PATH: &str = "/replica/switchover";
+pub(crate) const SWITCHOVER_PATH: &str = "/replica/switchover";
 
 /// The largest answer read from a peer (one entry per RayService, and a few departed
 /// clusters).
-pub const MAX_ANSWER_BYTES: usize = 1024 * 1024;
+pub(crate) const MAX_ANSWER_BYTES: usize = 1024 * 1024;
 
 /// The most addresses asked for one peer name (a headless Service gives one per replica).
-pub const MAX_ADDRESSES_PER_PEER: usize = 16;
+pub(crate) const MAX_ADDRESSES_PER_PEER: usize = 16;
 
 /// One RayService's switch as a replica sees it: the wire format of
 /// [`SWITCHOVER_PATH`].
@@ -89,7 +89,7 @@ pub struct ReplicaView {
 
 impl ReplicaView {
     /// The view with its times on the reader's clock, given when it was read there.
-    pub fn on_our_clock(mut self, read_at: SystemTime) -> ReplicaView {
+    pub(crate) fn on_our_clock(mut self, read_at: SystemTime) -> ReplicaView {
         let Some(theirs) = self.now_unix.filter(|t| t.is_finite()) else {
             return self;
         };
@@ -146,7 +146,12 @@ pub struct PeerStates {
 
 impl PeerStates {
     /// The earliest time a peer started shifting `service` from `serving` to `target`.
-    pub fn shift_started(&self, service: &str, serving: &str, target: &str) -> Option<SystemTime> {
+    pub(crate) fn shift_started(
+        &self,
+        service: &str,
+        serving: &str,
+        target: &str,
+    ) -> Option<SystemTime> {
         self.of(service)
             .filter(|p| p.serving == serving && p.target.as_deref() == Some(target))
             .filter_map(|p| p.shift_started_unix)
@@ -156,13 +161,13 @@ impl PeerStates {
 
     /// Whether a peer has moved `service` to `target` already (a move it made, nothing
     /// after).
-    pub fn completed(&self, service: &str, target: &str) -> bool {
+    pub(crate) fn completed(&self, service: &str, target: &str) -> bool {
         self.of(service)
             .any(|p| p.moved && p.serving == target && p.target.is_none())
     }
 
     /// The clusters peers serve `service` from.
-    pub fn serving(&self, service: &str) -> Vec<String> {
+    pub(crate) fn serving(&self, service: &str) -> Vec<String> {
         let mut clusters: Vec<String> = self.of(service).map(|p| p.serving.clone()).collect();
         clusters.sort();
         clusters.dedup();
@@ -171,7 +176,7 @@ impl PeerStates {
 
     /// The earliest time a peer saw the switch to `target` begin: when it named it its
     /// target, or, once it moved, when it did (after it had found it ready itself).
-    pub fn target_since(&self, service: &str, target: &str) -> Option<SystemTime> {
+    pub(crate) fn target_since(&self, service: &str, target: &str) -> Option<SystemTime> {
         self.of(service)
             .filter_map(|p| {
                 if p.target.as_deref() == Some(target) {
@@ -199,14 +204,14 @@ pub fn to_unix(t: SystemTime) -> f64 {
 
 /// A unix time as `SystemTime`; `None` for what no clock says (negative, not finite,
 /// past the year 2^34).
-pub fn from_unix(t: f64) -> Option<SystemTime> {
+pub(crate) fn from_unix(t: f64) -> Option<SystemTime> {
     (t.is_finite() && (0.0..17_179_869_184.0).contains(&t))
         .then(|| SystemTime::UNIX_EPOCH + Duration::from_secs_f64(t))
 }
 
 /// Asks every peer every `interval` (each answer within `timeout`).
 #[derive(Clone, Debug)]
-pub struct PeerPoller {
+pub(crate) struct PeerPoller {
     /// `host:port` of the peers' admin ports; a name is resolved at each round and every
     /// address it has is asked (a headless Service's name gives every replica).
     pub peers: Vec<String>,

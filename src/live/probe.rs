@@ -40,7 +40,7 @@ pub enum ProbeState {
 }
 
 impl ProbeState {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             ProbeState::Unknown => "unknown",
             ProbeState::Healthy => "healthy",
@@ -52,7 +52,7 @@ impl ProbeState {
 
 /// A state change, to log once and count.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Transition {
+pub(crate) struct Transition {
     pub from: ProbeState,
     pub to: ProbeState,
     pub reason: String,
@@ -77,7 +77,7 @@ pub struct ProxyProbe {
 }
 
 /// The most route prefixes `/debug/state` shows per proxy.
-pub const ROUTES_SHOWN: usize = 16;
+pub(crate) const ROUTES_SHOWN: usize = 16;
 
 fn some_routes<S: serde::Serializer>(
     routes: &Option<Arc<BTreeSet<String>>>,
@@ -119,7 +119,7 @@ impl ProxyProbe {
     }
 
     /// Feeds one outcome; returns the transition it caused, if any.
-    pub fn observe(
+    pub(crate) fn observe(
         &mut self,
         outcome: &Outcome,
         settings: &ProbePolicy,

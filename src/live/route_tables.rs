@@ -22,16 +22,16 @@ use crate::budget::{FairBudget, OverBudget};
 pub const MEMORY_BUDGET_BYTES: usize = crate::config::ROUTE_TABLES_BUDGET_BYTES;
 
 /// One proxy's route prefixes.
-pub type Table = Arc<BTreeSet<String>>;
+pub(crate) type Table = Arc<BTreeSet<String>>;
 
 /// About what a table costs in memory: its strings, their headers and the set's nodes.
-pub fn table_bytes(table: &BTreeSet<String>) -> usize {
+pub(crate) fn table_bytes(table: &BTreeSet<String>) -> usize {
     table.iter().map(|r| r.len() + 48).sum::<usize>() + 64
 }
 
 /// Every cluster's distinct tables and the budget over them.
 #[derive(Debug)]
-pub struct RouteTables {
+pub(crate) struct RouteTables {
     tables: BTreeMap<String, HashSet<Table>>,
     budget: FairBudget<String>,
 }
@@ -48,7 +48,7 @@ impl RouteTables {
     /// `table` itself when the budget admits it. `Ok` also names the clusters evicted to
     /// make room: the caller must drop their proxies' tables (and call
     /// [`collect`](Self::collect)).
-    pub fn intern(
+    pub(crate) fn intern(
         &mut self,
         cluster: &str,
         table: BTreeSet<String>,
@@ -75,7 +75,7 @@ impl RouteTables {
 
     /// Forgets every table no proxy refers to any more (only this book holds it), and
     /// clusters not in `clusters`; each cluster's holding is recounted.
-    pub fn collect<'a>(&mut self, clusters: impl IntoIterator<Item = &'a str>) {
+    pub(crate) fn collect<'a>(&mut self, clusters: impl IntoIterator<Item = &'a str>) {
         let alive: BTreeSet<&str> = clusters.into_iter().collect();
         self.tables.retain(|c, _| alive.contains(c.as_str()));
         self.budget.retain(|c| alive.contains(c.as_str()));
@@ -88,7 +88,7 @@ impl RouteTables {
     }
 
     /// What all tables hold, as the budget counts it.
-    pub fn total_bytes(&self) -> usize {
+    pub(crate) fn total_bytes(&self) -> usize {
         self.budget.total()
     }
 }

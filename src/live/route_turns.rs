@@ -23,7 +23,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The route-read turns of every proxy the prober follows.
 #[derive(Debug)]
-pub struct RouteTurns {
+pub(crate) struct RouteTurns {
     total: usize,
     permits: Arc<Semaphore>,
     book: Mutex<Book>,
@@ -41,7 +41,7 @@ struct Book {
 
 /// One read's turn: held until the table it read is kept or refused.
 #[derive(Debug)]
-pub struct RouteTurn {
+pub(crate) struct RouteTurn {
     _permit: OwnedSemaphorePermit,
     _share: Share,
 }
@@ -77,7 +77,7 @@ impl RouteTurns {
     }
 
     /// Which cluster each proxy belongs to (the prober's model), replacing the last.
-    pub fn set_owners(&self, owners: &BTreeMap<SocketAddr, String>) {
+    pub(crate) fn set_owners(&self, owners: &BTreeMap<SocketAddr, String>) {
         let mut names: HashMap<&str, Arc<str>> = HashMap::new();
         let owners: HashMap<SocketAddr, Arc<str>> = owners
             .iter()
@@ -94,8 +94,9 @@ impl RouteTurns {
         book.owners = owners;
     }
 
+    #[cfg(test)]
     /// What one cluster may hold at once now.
-    pub fn share(&self) -> usize {
+    pub(crate) fn share(&self) -> usize {
         let clusters = self.book.lock().expect("never poisoned").clusters;
         self.share_among(clusters)
     }
@@ -107,7 +108,11 @@ impl RouteTurns {
 
     /// A turn for `address`'s next read: `None` at once when its cluster holds its share
     /// (or the proxy belongs to none), or when no turn frees within `wait`.
-    pub async fn take(self: &Arc<Self>, address: SocketAddr, wait: Duration) -> Option<RouteTurn> {
+    pub(crate) async fn take(
+        self: &Arc<Self>,
+        address: SocketAddr,
+        wait: Duration,
+    ) -> Option<RouteTurn> {
         let share = {
             let mut book = self.book.lock().expect("never poisoned");
             let cluster = book.owners.get(&address)?.clone();
@@ -133,13 +138,15 @@ impl RouteTurns {
         })
     }
 
+    #[cfg(test)]
     /// Turns free now, over all clusters.
-    pub fn available(&self) -> usize {
+    pub(crate) fn available(&self) -> usize {
         self.permits.available_permits()
     }
 
+    #[cfg(test)]
     /// Turns `cluster` holds now.
-    pub fn held_by(&self, cluster: &str) -> usize {
+    pub(crate) fn held_by(&self, cluster: &str) -> usize {
         let book = self.book.lock().expect("never poisoned");
         book.held.get(cluster).copied().unwrap_or(0)
     }

@@ -37,7 +37,7 @@ const _: () = assert!(
 );
 
 /// How Ray names a replica's actor, and so its targets: `SERVE_REPLICA::<app>#...`.
-pub const REPLICA_PREFIX: &str = "SERVE_REPLICA::";
+pub(crate) const REPLICA_PREFIX: &str = "SERVE_REPLICA::";
 
 /// Ray's direct ingress in one answer.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -71,7 +71,7 @@ pub struct ReplicaTarget {
 }
 
 impl AppTargets {
-    pub fn replicas(&self, protocol: Protocol) -> &[ReplicaTarget] {
+    pub(crate) fn replicas(&self, protocol: Protocol) -> &[ReplicaTarget] {
         match protocol {
             Protocol::Http => &self.http,
             Protocol::Grpc => &self.grpc,
@@ -109,7 +109,7 @@ impl DirectIngress {
 }
 
 /// The protocol a group's `protocol` names (`HTTP`, `gRPC`, any case), if it is one.
-pub fn group_protocol(group: &Value) -> Option<Protocol> {
+pub(crate) fn group_protocol(group: &Value) -> Option<Protocol> {
     let p = group.get("protocol").and_then(Value::as_str)?;
     if p.eq_ignore_ascii_case("http") {
         Some(Protocol::Http)
@@ -122,7 +122,7 @@ pub fn group_protocol(group: &Value) -> Option<Protocol> {
 
 /// Every target of every group, with its group's protocol (a group of no known protocol
 /// gives none).
-pub fn targets(root: &Map<String, Value>) -> impl Iterator<Item = (Protocol, &Value)> {
+pub(crate) fn targets(root: &Map<String, Value>) -> impl Iterator<Item = (Protocol, &Value)> {
     root.get("target_groups")
         .and_then(Value::as_array)
         .into_iter()
@@ -136,7 +136,7 @@ pub fn targets(root: &Map<String, Value>) -> impl Iterator<Item = (Protocol, &Va
 }
 
 /// A target's address and name, if its address is one.
-pub fn target_address(target: &Value) -> Option<(SocketAddr, &str)> {
+pub(crate) fn target_address(target: &Value) -> Option<(SocketAddr, &str)> {
     let target = target.as_object()?;
     let ip: IpAddr = target.get("ip")?.as_str()?.parse().ok()?;
     let port = target
@@ -149,7 +149,7 @@ pub fn target_address(target: &Value) -> Option<(SocketAddr, &str)> {
 }
 
 /// Whether a target is an ingress replica (else it is a proxy).
-pub fn is_replica(name: &str) -> bool {
+pub(crate) fn is_replica(name: &str) -> bool {
     name.starts_with(REPLICA_PREFIX)
 }
 

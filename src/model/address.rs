@@ -86,7 +86,7 @@ impl Default for ReplicaPorts {
 }
 
 impl ReplicaPorts {
-    pub fn of(&self, protocol: Protocol) -> &std::ops::RangeInclusive<u16> {
+    pub(crate) fn of(&self, protocol: Protocol) -> &std::ops::RangeInclusive<u16> {
         match protocol {
             Protocol::Http => &self.http,
             Protocol::Grpc => &self.grpc,
@@ -144,7 +144,7 @@ pub enum AddressRefusal {
 
 impl AddressRefusal {
     /// Every [`label`](Self::label), for metrics that show each one, even at 0.
-    pub const LABELS: [&'static str; 9] = [
+    pub(crate) const LABELS: [&'static str; 9] = [
         "never_a_proxy",
         "outside_proxy_networks",
         "outside_dashboard_network",
@@ -254,7 +254,7 @@ impl AddressPolicy {
     /// range for the protocol; on one of its cluster's listed nodes, or within
     /// `networks` when set, or (a cluster whose proxies are discovered, no `networks`) in
     /// its dashboard's network, as a discovered proxy.
-    pub fn check_replica(
+    pub(crate) fn check_replica(
         &self,
         address: std::net::SocketAddr,
         protocol: Protocol,

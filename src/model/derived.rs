@@ -12,10 +12,11 @@ use super::names::{check_application_name, check_route_prefix};
 use super::{Application, Model, Proxy, RayCluster};
 
 impl Model {
+    #[cfg(test)]
     /// This model with the proxies of every discovering cluster replaced by
     /// `found(envoy cluster name, cluster)`, sorted and deduplicated by address (the
     /// first of equal addresses stays), so the model stays valid.
-    pub fn with_discovered_proxies(
+    pub(crate) fn with_discovered_proxies(
         &self,
         mut found: impl FnMut(&str, &RayCluster) -> Vec<Proxy>,
     ) -> Model {
@@ -31,7 +32,10 @@ impl Model {
     /// This model with each cluster's proxies replaced by what `proxies` gives for it
     /// (its Envoy cluster name and the cluster); sorted and each address once, so the
     /// model stays valid.
-    pub fn with_proxies(&self, mut proxies: impl FnMut(&str, &RayCluster) -> Vec<Proxy>) -> Model {
+    pub(crate) fn with_proxies(
+        &self,
+        mut proxies: impl FnMut(&str, &RayCluster) -> Vec<Proxy>,
+    ) -> Model {
         let mut m = self.clone();
         for service in &mut m.services {
             for i in 0..service.clusters.len() {
@@ -70,7 +74,7 @@ impl Model {
     /// clusters or RayServices claim it) dropped everywhere: never first come, first
     /// served, so one RayService's dashboard cannot take another's replica
     /// (`live::discovery` refuses such addresses first, with a reason).
-    pub fn with_applications(
+    pub(crate) fn with_applications(
         &self,
         mut applications: impl FnMut(&str, &RayCluster) -> (bool, Vec<Application>),
     ) -> Model {
@@ -111,18 +115,6 @@ impl Model {
                 }
                 cluster.direct_ingress = direct;
                 cluster.applications = list;
-            }
-        }
-        m
-    }
-
-    /// This model without the proxies at `addresses` (still valid: removing proxies
-    /// breaks no invariant).
-    pub fn without_proxies(&self, addresses: &BTreeSet<SocketAddr>) -> Model {
-        let mut m = self.clone();
-        for service in &mut m.services {
-            for cluster in &mut service.clusters {
-                cluster.proxies.retain(|p| !addresses.contains(&p.address));
             }
         }
         m

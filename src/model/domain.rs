@@ -84,7 +84,7 @@ pub struct Application {
 }
 
 impl Application {
-    pub fn replicas(&self, protocol: Protocol) -> &[SocketAddr] {
+    pub(crate) fn replicas(&self, protocol: Protocol) -> &[SocketAddr] {
         match protocol {
             Protocol::Http => &self.http_replicas,
             Protocol::Grpc => &self.grpc_replicas,
@@ -122,7 +122,7 @@ pub enum Protocol {
 }
 
 impl Protocol {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Protocol::Http => "http",
             Protocol::Grpc => "grpc",
@@ -137,7 +137,7 @@ pub enum NodeType {
 }
 
 impl NodeType {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             NodeType::Head => "head",
             NodeType::Worker => "worker",
@@ -159,24 +159,27 @@ impl RayService {
 impl RayCluster {
     /// The cluster serves gRPC: it declares a gRPC port (for the proxies it discovers) or
     /// some proxy has a gRPC address.
-    pub fn serves_grpc(&self) -> bool {
+    pub(crate) fn serves_grpc(&self) -> bool {
         self.grpc_port.is_some() || self.proxies.iter().any(|p| p.grpc.is_some())
     }
 
     /// The cluster's endpoints of `protocol`: (address, proxy).
-    pub fn endpoints(&self, protocol: Protocol) -> impl Iterator<Item = (SocketAddr, &Proxy)> {
+    pub(crate) fn endpoints(
+        &self,
+        protocol: Protocol,
+    ) -> impl Iterator<Item = (SocketAddr, &Proxy)> {
         self.proxies.iter().filter_map(move |p| match protocol {
             Protocol::Http => Some((p.address, p)),
             Protocol::Grpc => p.grpc.map(|g| (g, p)),
         })
     }
 
-    pub fn application(&self, name: &str) -> Option<&Application> {
+    pub(crate) fn application(&self, name: &str) -> Option<&Application> {
         self.applications.iter().find(|a| a.name == name)
     }
 
     /// Every ingress replica endpoint of the cluster: (address, protocol).
-    pub fn replica_endpoints(&self) -> impl Iterator<Item = (SocketAddr, Protocol)> + '_ {
+    pub(crate) fn replica_endpoints(&self) -> impl Iterator<Item = (SocketAddr, Protocol)> + '_ {
         self.applications.iter().flat_map(|a| {
             let http = a.http_replicas.iter().map(|r| (*r, Protocol::Http));
             http.chain(a.grpc_replicas.iter().map(|r| (*r, Protocol::Grpc)))

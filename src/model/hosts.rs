@@ -49,7 +49,7 @@ impl HostPolicy {
     }
 
     /// Whether RayService `namespace/name` may claim `host`.
-    pub fn allows(&self, namespace: &str, name: &str, host: &str) -> bool {
+    pub(crate) fn allows(&self, namespace: &str, name: &str, host: &str) -> bool {
         let host = host.to_ascii_lowercase();
         let own = |ns: &str| {
             self.namespaces
@@ -71,7 +71,7 @@ impl HostPolicy {
     }
 
     /// What `namespace` may claim, for messages.
-    pub fn describe(&self, namespace: &str, name: &str) -> String {
+    pub(crate) fn describe(&self, namespace: &str, name: &str) -> String {
         let mut allowed = vec![
             format!("{name}.{namespace}"),
             format!("{name}.{namespace}.svc"),

@@ -54,7 +54,8 @@ impl Model {
     }
 
     /// True when some cluster discovers its proxies from its dashboard.
-    pub fn discovers(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn discovers(&self) -> bool {
         self.services
             .iter()
             .flat_map(|s| &s.clusters)
@@ -70,7 +71,7 @@ impl Model {
     }
 
     /// Every proxy's addresses, HTTP and gRPC: never an ingress replica's.
-    pub fn proxy_addresses(&self) -> BTreeSet<SocketAddr> {
+    pub(crate) fn proxy_addresses(&self) -> BTreeSet<SocketAddr> {
         self.proxies()
             .flat_map(|p| std::iter::once(p.address).chain(p.grpc))
             .collect()
@@ -78,7 +79,7 @@ impl Model {
 
     /// Every endpoint the prober probes: each proxy's HTTP address, and its gRPC address
     /// when it has one; each ingress replica's HTTP and gRPC ports.
-    pub fn endpoints(&self) -> impl Iterator<Item = (SocketAddr, Protocol)> + '_ {
+    pub(crate) fn endpoints(&self) -> impl Iterator<Item = (SocketAddr, Protocol)> + '_ {
         let proxies = self.proxies().flat_map(|p| {
             std::iter::once((p.address, Protocol::Http)).chain(p.grpc.map(|g| (g, Protocol::Grpc)))
         });

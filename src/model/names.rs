@@ -74,18 +74,18 @@ pub fn encode_name_segment(name: &str) -> String {
 
 impl RayService {
     /// The Envoy cluster name of one of this service's RayClusters.
-    pub fn envoy_cluster_name(&self, cluster: &str) -> String {
+    pub(crate) fn envoy_cluster_name(&self, cluster: &str) -> String {
         format!("{}/{}/{}", self.namespace, self.name, cluster)
     }
 
     /// The Envoy cluster of a RayCluster's gRPC proxies: `<namespace>/<name>/<cluster>/grpc`
     /// (a cluster name is a DNS label, so this never names an HTTP cluster).
-    pub fn envoy_grpc_cluster_name(&self, cluster: &str) -> String {
+    pub(crate) fn envoy_grpc_cluster_name(&self, cluster: &str) -> String {
         format!("{}/{}/{}/grpc", self.namespace, self.name, cluster)
     }
 
     /// The Envoy cluster of one of a RayCluster's endpoints.
-    pub fn envoy_cluster_name_for(&self, cluster: &str, protocol: Protocol) -> String {
+    pub(crate) fn envoy_cluster_name_for(&self, cluster: &str, protocol: Protocol) -> String {
         match protocol {
             Protocol::Http => self.envoy_cluster_name(cluster),
             Protocol::Grpc => self.envoy_grpc_cluster_name(cluster),
@@ -95,7 +95,12 @@ impl RayService {
     /// The Envoy cluster of an application's ingress replicas in a RayCluster:
     /// `<namespace>/<name>/<cluster>/app/<application>` for HTTP, `.../grpc` after it for
     /// gRPC (the application's name encoded as one segment, [`encode_name_segment`]).
-    pub fn envoy_app_cluster_name(&self, cluster: &str, app: &str, protocol: Protocol) -> String {
+    pub(crate) fn envoy_app_cluster_name(
+        &self,
+        cluster: &str,
+        app: &str,
+        protocol: Protocol,
+    ) -> String {
         let http = format!(
             "{}/{}/{}/app/{}",
             self.namespace,

@@ -11,11 +11,11 @@ use crate::model::{AddressPolicy, Model, NodeType, Proxy, ProxyOrigin, RayCluste
 use crate::policy::switchover::SwitchoverPolicy;
 
 /// The most proxies a cluster taken from a peer may have.
-pub const MAX_ADOPTED_PROXIES: usize = 10_000;
+pub(crate) const MAX_ADOPTED_PROXIES: usize = 10_000;
 /// The most departed clusters kept for one RayService, and in all, when taking them from
 /// peers (a RayService leaves one or two behind per upgrade).
-pub const MAX_ADOPTED_PER_SERVICE: usize = 4;
-pub const MAX_ADOPTED: usize = 64;
+pub(crate) const MAX_ADOPTED_PER_SERVICE: usize = 4;
+pub(crate) const MAX_ADOPTED: usize = 64;
 
 /// Clusters the source dropped, kept for their drain grace period.
 #[derive(Clone, Debug, Default)]
@@ -213,7 +213,7 @@ impl Departed {
 
     /// The Envoy cluster names of every departed cluster (those of departed RayServices
     /// included).
-    pub fn envoy_cluster_names(&self) -> BTreeSet<String> {
+    pub(crate) fn envoy_cluster_names(&self) -> BTreeSet<String> {
         self.clusters
             .keys()
             .map(|(service, cluster)| format!("{service}/{cluster}"))

@@ -24,11 +24,11 @@ use crate::model::{Model, Protocol};
 
 /// How long a replica that left stays published while its route moves: far below Ray's
 /// draining period, far above an RDS round trip.
-pub const HOLD: Duration = Duration::from_secs(5);
+pub(crate) const HOLD: Duration = Duration::from_secs(5);
 
 /// (application Envoy cluster, replica) → until when it is held.
 #[derive(Clone, Debug, Default)]
-pub struct Leaving {
+pub(crate) struct Leaving {
     held: BTreeMap<(String, SocketAddr), SystemTime>,
 }
 
@@ -98,7 +98,7 @@ impl Leaving {
     }
 
     /// The held replicas of each application Envoy cluster.
-    pub fn held(&self) -> BTreeMap<String, Vec<SocketAddr>> {
+    pub(crate) fn held(&self) -> BTreeMap<String, Vec<SocketAddr>> {
         let mut out: BTreeMap<String, Vec<SocketAddr>> = BTreeMap::new();
         for (cluster, address) in self.held.keys() {
             out.entry(cluster.clone()).or_default().push(*address);

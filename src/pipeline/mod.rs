@@ -19,10 +19,10 @@
 //! published) changes only here; nothing here reads a clock or does I/O.
 
 pub mod departed;
-pub mod leaving;
-pub mod readiness;
+pub(crate) mod leaving;
+pub(crate) mod readiness;
 pub mod switchover;
-pub mod task;
+pub(crate) mod task;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -122,7 +122,7 @@ impl Pipeline {
     }
 
     /// The address policy proxies taken from peers (departed clusters) must pass.
-    pub fn with_addresses(mut self, addresses: crate::model::AddressPolicy) -> Pipeline {
+    pub(crate) fn with_addresses(mut self, addresses: crate::model::AddressPolicy) -> Pipeline {
         self.addresses = addresses;
         self
     }
@@ -131,7 +131,7 @@ impl Pipeline {
     /// first probe; `None` when none waits. A caller that just saw the model change may
     /// wait (for probes, at most until then) so that the change goes out once, with
     /// health, instead of twice.
-    pub fn first_probes_due(
+    pub(crate) fn first_probes_due(
         &self,
         model: &Model,
         probes: &ProbeStates,

@@ -21,14 +21,14 @@ use crate::model::{Protocol, RayService};
 
 /// What a switch moves: a RayService's traffic as a whole, or one application's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Unit<'a> {
+pub(crate) enum Unit<'a> {
     Service,
     Application(&'a str),
 }
 
 /// Whether `cluster` of `service` serves gRPC: the source says so, or (proxies discovered
 /// from its dashboard) health has a gRPC cluster for it.
-pub fn serves_grpc(service: &RayService, cluster: &str, health: &HealthMap) -> bool {
+pub(crate) fn serves_grpc(service: &RayService, cluster: &str, health: &HealthMap) -> bool {
     service.cluster(cluster).is_some_and(|c| c.serves_grpc())
         || health
             .clusters
@@ -39,7 +39,7 @@ pub fn serves_grpc(service: &RayService, cluster: &str, health: &HealthMap) -> b
 /// every Envoy warms before traffic moves: its HTTP proxies, its gRPC proxies when it
 /// serves gRPC, and with direct ingress each application's replicas (`translate`), or the
 /// one application's.
-pub fn routed_clusters(
+pub(crate) fn routed_clusters(
     service: &RayService,
     cluster: &str,
     unit: Unit<'_>,
@@ -129,7 +129,7 @@ fn proxies_ready(
 }
 
 /// Whether `cluster` of `service` is ready for traffic, and why not.
-pub fn readiness(
+pub(crate) fn readiness(
     service: &RayService,
     cluster: &str,
     health: &HealthMap,
@@ -167,7 +167,7 @@ pub fn readiness(
 /// and where its requests would go
 /// ready, for each protocol the cluster serves: its ingress replicas (direct ingress: at
 /// least one ready), else the proxies (`min_ready_proxies`).
-pub fn app_readiness(
+pub(crate) fn app_readiness(
     service: &RayService,
     cluster: &str,
     app: &str,
@@ -227,7 +227,7 @@ fn failed_in(status: &ServeStatus) -> Vec<String> {
 
 /// Whether `cluster`'s dashboard, answering now, says an application failed there: its
 /// configuration is bad, and applications that moved to it on their own go back.
-pub fn has_failed_application(
+pub(crate) fn has_failed_application(
     service: &RayService,
     cluster: &str,
     dashboards: &DashboardStates,

@@ -89,7 +89,7 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Phase::Stable => "stable",
             Phase::Waiting => "waiting",
@@ -143,7 +143,7 @@ impl Switchover {
     }
 
     /// The clusters this replica keeps draining, for its peers.
-    pub fn set_departed(&mut self, departed: Vec<DepartedCluster>) {
+    pub(crate) fn set_departed(&mut self, departed: Vec<DepartedCluster>) {
         self.departed = departed;
     }
 
@@ -262,13 +262,13 @@ impl Switchover {
     }
 
     /// Dashboards to poll now, each asked once when a switch towards its cluster began.
-    pub fn take_refresh_requests(&mut self) -> Vec<String> {
+    pub(crate) fn take_refresh_requests(&mut self) -> Vec<String> {
         std::mem::take(&mut self.refresh)
     }
 
     /// When time alone next changes something: a progressive step falls due, or a warm
     /// wait reaches its `warm_timeout`.
-    pub fn next_wake(&self) -> Option<SystemTime> {
+    pub(crate) fn next_wake(&self) -> Option<SystemTime> {
         self.services
             .values()
             .filter_map(|s| match s.phase {
@@ -280,13 +280,13 @@ impl Switchover {
     }
 
     /// Whether any RayService has a switch under way (a target, ready or not).
-    pub fn in_progress(&self) -> bool {
+    pub(crate) fn in_progress(&self) -> bool {
         self.services.values().any(|s| s.target.is_some())
     }
 
     /// Whether any RayService waits for Envoys to warm (or stop rejecting) its target:
     /// the pipeline re-runs when an Envoy ACKs or NACKs.
-    pub fn warming(&self) -> bool {
+    pub(crate) fn warming(&self) -> bool {
         self.services
             .values()
             .any(|s| matches!(s.phase, Phase::Warming | Phase::Rejected))

@@ -30,7 +30,7 @@ use super::switchover::Switchover;
 
 /// The channels the pipeline reads, each written by one task.
 #[derive(Clone)]
-pub struct Sources {
+pub(crate) struct Sources {
     /// The source's own model (to know which clusters discover their proxies).
     pub source: watch::Receiver<Arc<Model>>,
     /// The effective model: the source's, with discovered proxies.
@@ -45,7 +45,7 @@ pub struct Sources {
 
 /// The channels the pipeline writes.
 #[derive(Clone)]
-pub struct Sinks {
+pub(crate) struct Sinks {
     /// What the xDS streams serve.
     pub snapshots: watch::Sender<Arc<Snapshot>>,
     /// The same, `None` until the first snapshot (the xDS server and `/readyz` wait for
@@ -59,7 +59,7 @@ pub struct Sinks {
 
 /// How long the first snapshot waits for what it should not be built without.
 #[derive(Clone, Debug)]
-pub struct FirstBuild {
+pub(crate) struct FirstBuild {
     /// For the dashboards of clusters that discover their proxies to answer once.
     pub dashboards: Duration,
     /// For every proxy's first probe.
@@ -376,7 +376,7 @@ fn record(out: &Output, metrics: &Metrics, exported: &mut BTreeSet<WeightLabels>
 }
 
 /// Waits, at most `bound`, until each of `addresses` has had its first probe.
-pub async fn first_probes(
+pub(crate) async fn first_probes(
     probes: &mut watch::Receiver<Arc<ProbeStates>>,
     addresses: &[SocketAddr],
     bound: Duration,

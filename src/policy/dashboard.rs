@@ -7,7 +7,7 @@ use super::{AfterOverride, CheckOverrides};
 crate::declare_policy! {
     section "dashboard";
     /// How each cluster's Ray dashboard is polled.
-    pub struct DashboardPolicy, service DashboardOverrides, global GlobalDashboard {
+    pub(crate) struct DashboardPolicy, service DashboardOverrides, global GlobalDashboard {
         service {}
         global {
             /// How often each cluster's Ray dashboard is polled.
@@ -25,7 +25,7 @@ impl AfterOverride<DashboardOverrides> for DashboardPolicy {}
 
 impl DashboardPolicy {
     /// How long the first snapshot waits for the dashboards that list proxies to answer.
-    pub fn first_answer_wait(&self) -> Duration {
+    pub(crate) fn first_answer_wait(&self) -> Duration {
         self.timeout + Duration::from_millis(500)
     }
 }

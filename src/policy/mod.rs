@@ -15,7 +15,7 @@
 //! policy whose every field is in range, so no arithmetic on it downstream can overflow.
 //! This module imports nothing else of ray-xds.
 
-pub mod dashboard;
+pub(crate) mod dashboard;
 pub mod probe;
 pub mod switchover;
 pub mod traffic;
@@ -97,7 +97,7 @@ pub struct GlobalOverrides {
 
 impl GlobalOverrides {
     /// Sets the setting whose flag is `flag`; `Ok(false)` when no setting has that flag.
-    pub fn set_flag(&mut self, flag: &str, text: &str) -> Result<bool, String> {
+    pub(crate) fn set_flag(&mut self, flag: &str, text: &str) -> Result<bool, String> {
         Ok(self.probe.set_flag(flag, text)?
             || self.dashboard.set_flag(flag, text)?
             || self.traffic.set_flag(flag, text)?
@@ -112,7 +112,7 @@ impl GlobalOverrides {
     }
 
     /// `other`'s values where it sets one, else this one's.
-    pub fn or(self, other: GlobalOverrides) -> GlobalOverrides {
+    pub(crate) fn or(self, other: GlobalOverrides) -> GlobalOverrides {
         GlobalOverrides {
             probe: self.probe.or(other.probe),
             dashboard: self.dashboard.or(other.dashboard),
@@ -124,7 +124,7 @@ impl GlobalOverrides {
 
 impl Policies {
     /// The defaults with `o` (validated) applied.
-    pub fn with_global(&self, o: &GlobalOverrides) -> Policies {
+    pub(crate) fn with_global(&self, o: &GlobalOverrides) -> Policies {
         Policies {
             probe: self.probe.with_global(&o.probe),
             dashboard: self.dashboard.with_global(&o.dashboard),
@@ -156,7 +156,7 @@ impl ServiceOverrides {
 
     /// Sets the setting whose annotation is `name` (without the prefix), checked alone:
     /// a bad value changes nothing. `Ok(false)` when no setting has that annotation.
-    pub fn set_annotation(&mut self, name: &str, text: &str) -> Result<bool, String> {
+    pub(crate) fn set_annotation(&mut self, name: &str, text: &str) -> Result<bool, String> {
         let mut one = ServiceOverrides::default();
         let known = one.probe.set_annotation(name, text)?
             || one.traffic.set_annotation(name, text)?
@@ -173,7 +173,7 @@ impl ServiceOverrides {
 }
 
 /// Cross-field rules of an override set, beyond each field's own range.
-pub trait CheckOverrides {
+pub(crate) trait CheckOverrides {
     fn check(&self) -> Result<(), String> {
         Ok(())
     }
@@ -203,7 +203,7 @@ macro_rules! declare_policy {
     (
         section $section:literal;
         $(#[doc = $doc:literal])*
-        pub struct $policy:ident, service $overrides:ident, global $global:ident {
+        pub(crate) struct $policy:ident, service $overrides:ident, global $global:ident {
             service {
                 $(
                     $(#[doc = $sdoc:literal])+
@@ -264,7 +264,7 @@ macro_rules! declare_policy {
 
         impl $policy {
             /// Every setting of this policy, for docs/configuration.md and `--help`.
-            pub const FIELDS: &'static [$crate::policy::Field] = &[
+            pub(crate) const FIELDS: &'static [$crate::policy::Field] = &[
                 $(
                     $crate::policy::Field {
                         section: $section,
@@ -309,7 +309,7 @@ macro_rules! declare_policy {
             }
 
             /// This policy with global overrides (checked by `validate`) applied.
-            pub fn with_global(&self, o: &$global) -> Self {
+            pub(crate) fn with_global(&self, o: &$global) -> Self {
                 let mut out = self.clone();
                 $( if let Some(v) = &o.$sname { out.$sname = v.clone(); } )*
                 $( if let Some(v) = &o.$gname { out.$gname = v.clone(); } )*
@@ -334,7 +334,8 @@ macro_rules! declare_policy {
 
             /// Sets one field from its annotation name (without the prefix) and text.
             #[allow(unused_variables)]
-            pub fn set_annotation(&mut self, annotation: &str, text: &str) -> Result<bool, String> {
+            #[allow(dead_code, reason = "generated for every override type; not every type's is read from annotations")]
+            pub(crate) fn set_annotation(&mut self, annotation: &str, text: &str) -> Result<bool, String> {
                 match annotation {
                     $(
                         $sflag => {
@@ -347,7 +348,8 @@ macro_rules! declare_policy {
             }
 
             /// True when nothing is overridden.
-            pub fn is_empty(&self) -> bool {
+            #[allow(dead_code, reason = "generated for every override type; not every type's is called")]
+            pub(crate) fn is_empty(&self) -> bool {
                 *self == Self::default()
             }
         }
@@ -367,13 +369,13 @@ macro_rules! declare_policy {
             }
 
             /// The fields a RayService could also override.
-            pub fn service_part(&self) -> $overrides {
+            pub(crate) fn service_part(&self) -> $overrides {
                 $overrides { $( $sname: self.$sname.clone(), )* }
             }
 
             /// Sets one field from its flag name (without dashes) and text; `Ok(false)`
             /// when the flag is not one of this policy's.
-            pub fn set_flag(&mut self, flag: &str, text: &str) -> Result<bool, String> {
+            pub(crate) fn set_flag(&mut self, flag: &str, text: &str) -> Result<bool, String> {
                 match flag {
                     $( $sflag => { self.$sname = Some(<$sty as $crate::policy::Value>::parse(text)?); Ok(true) } )*
                     $( $gflag => { self.$gname = Some(<$gty as $crate::policy::Value>::parse(text)?); Ok(true) } )*
@@ -382,7 +384,7 @@ macro_rules! declare_policy {
             }
 
             /// `other`'s values where it sets one, else this one's (flags over the file).
-            pub fn or(self, other: $global) -> Self {
+            pub(crate) fn or(self, other: $global) -> Self {
                 $global {
                     $( $sname: other.$sname.or(self.$sname), )*
                     $( $gname: other.$gname.or(self.$gname), )*
@@ -412,12 +414,12 @@ macro_rules! declare_policy {
 }
 
 /// A policy-specific step after overrides apply (e.g. steps imply a progressive shift).
-pub trait AfterOverride<O> {
+pub(crate) trait AfterOverride<O> {
     fn after_override(&mut self, _overrides: &O) {}
 }
 
 /// The first sentence of a doc comment, on one line.
-pub const fn first_sentence(doc: &'static str) -> &'static str {
+pub(crate) const fn first_sentence(doc: &'static str) -> &'static str {
     // Trimmed at the first ". " or the end; `const` so that it can sit in `FIELDS`.
     let bytes = doc.as_bytes();
     let mut start = 0;

@@ -7,7 +7,7 @@ use super::{AfterOverride, CheckOverrides};
 crate::declare_policy! {
     section "probe";
     /// How every Ray Serve proxy is probed.
-    pub struct ProbePolicy, service ProbeOverrides, global GlobalProbe {
+    pub(crate) struct ProbePolicy, service ProbeOverrides, global GlobalProbe {
         service {
             /// How often each proxy is probed, with ±20% jitter. A healthy proxy whose
             /// probe has not answered within a third of the timeout is probed a second
@@ -42,7 +42,7 @@ impl AfterOverride<ProbeOverrides> for ProbePolicy {}
 impl ProbePolicy {
     /// How long a new proxy may wait for its first probe before it is published anyway:
     /// two timeouts (a connect and a request) and a little slack.
-    pub fn first_probe_wait(&self) -> Duration {
+    pub(crate) fn first_probe_wait(&self) -> Duration {
         self.timeout * 2 + Duration::from_millis(200)
     }
 

@@ -14,12 +14,12 @@ pub enum ModeKind {
 crate::lowercase_enum_value!(ModeKind { Atomic = "atomic", Progressive = "progressive" });
 
 /// The progressive steps used when none are given.
-pub const DEFAULT_STEPS: [u32; 4] = [10, 25, 50, 100];
+pub(crate) const DEFAULT_STEPS: [u32; 4] = [10, 25, 50, 100];
 
 crate::declare_policy! {
     section "switchover";
     /// How one RayService switches between RayClusters.
-    pub struct SwitchoverPolicy, service SwitchoverOverrides, global GlobalSwitchover {
+    pub(crate) struct SwitchoverPolicy, service SwitchoverOverrides, global GlobalSwitchover {
         service {
             /// Atomic (0 to 100 at once) or progressive (the steps, one per interval); steps or an interval alone imply progressive.
             mode: ModeKind = ModeKind::Atomic, flag "switchover-mode";
@@ -62,7 +62,7 @@ impl AfterOverride<SwitchoverOverrides> for SwitchoverPolicy {
 
 /// How a shift moves, as the switchover state machine uses it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ShiftMode {
+pub(crate) enum ShiftMode {
     Atomic,
     /// Target weights in percent, ending at 100, one step per interval.
     Progressive {
@@ -72,7 +72,7 @@ pub enum ShiftMode {
 }
 
 impl SwitchoverPolicy {
-    pub fn shift(&self) -> ShiftMode {
+    pub(crate) fn shift(&self) -> ShiftMode {
         match self.mode {
             ModeKind::Atomic => ShiftMode::Atomic,
             ModeKind::Progressive => ShiftMode::Progressive {

@@ -14,7 +14,7 @@ const HOUR: Duration = Duration::from_secs(3600);
 crate::declare_policy! {
     section "traffic";
     /// The traffic policy of one RayService.
-    pub struct TrafficPolicy, service TrafficOverrides, global GlobalTraffic {
+    pub(crate) struct TrafficPolicy, service TrafficOverrides, global GlobalTraffic {
         service {
             /// Retries of a failed request, each on another proxy where there is one (only of requests that certainly did not run, unless idempotent).
             retries: u32 = 3, range(0, 10), flag "retries";

@@ -244,11 +244,11 @@ fn cluster(c: ClusterSpec) -> RayCluster {
 }
 
 /// The most proxies a services file may list, in all (aliases included).
-pub const MAX_PROXIES: usize = 100_000;
+pub(crate) const MAX_PROXIES: usize = 100_000;
 
 /// The largest services file read (16 MiB; 20,000 proxies take about 1.5 MiB): a bigger
 /// one is an invalid edit, refused before it is read.
-pub const MAX_FILE_BYTES: u64 = 16 * 1024 * 1024;
+pub(crate) const MAX_FILE_BYTES: u64 = 16 * 1024 * 1024;
 
 fn too_big(len: u64) -> std::io::Error {
     std::io::Error::new(
@@ -288,7 +288,7 @@ async fn read_bounded(path: &Path) -> std::io::Result<Vec<u8>> {
 }
 
 /// Reads and parses the file once (used at start-up, where a bad file is fatal).
-pub fn load(path: &Path) -> Result<(Model, Vec<u8>), ConfigError> {
+pub(crate) fn load(path: &Path) -> Result<(Model, Vec<u8>), ConfigError> {
     let bytes = read_bounded_sync(path).map_err(|source| ConfigError::Read {
         file: path.to_path_buf(),
         source,
@@ -299,7 +299,7 @@ pub fn load(path: &Path) -> Result<(Model, Vec<u8>), ConfigError> {
 
 /// Watches the file and publishes every valid new model; returns when `shutdown` fires.
 #[derive(Clone)]
-pub struct FileSource {
+pub(crate) struct FileSource {
     pub path: PathBuf,
     pub poll_interval: Duration,
     pub metrics: Arc<Metrics>,
@@ -310,7 +310,7 @@ pub struct FileSource {
 
 /// How long a changed file must stay the same before it is read as the new state: a
 /// `cat > services.yaml` truncates, then writes, and must not be caught in between.
-pub const SETTLE: Duration = Duration::from_millis(100);
+pub(crate) const SETTLE: Duration = Duration::from_millis(100);
 
 /// How often a settling read looks for a rename onto the file.
 const RENAME_CHECK: Duration = Duration::from_millis(5);

@@ -13,7 +13,7 @@ pub use crate::model::Model;
 
 /// How a source is doing, for `/readyz` and `/debug/state`. Written by the source alone.
 #[derive(Clone, Debug, Default, Serialize)]
-pub struct SourceStatus {
+pub(crate) struct SourceStatus {
     /// `file` or `kubernetes`.
     pub source: &'static str,
     /// The source has delivered its first full state (at once for the file source; once
@@ -33,7 +33,7 @@ pub struct SourceStatus {
 /// Where one Kubernetes watch stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum WatchState {
+pub(crate) enum WatchState {
     /// A (re-)list is under way.
     Listing,
     Watching,
@@ -43,7 +43,7 @@ pub enum WatchState {
 
 /// One Kubernetes watch.
 #[derive(Clone, Debug, Serialize)]
-pub struct WatchStatus {
+pub(crate) struct WatchStatus {
     /// e.g. `pods in all namespaces`, `rayservices in ml`.
     pub watch: String,
     pub state: WatchState,
@@ -62,7 +62,7 @@ pub struct WatchStatus {
 
 impl SourceStatus {
     /// A source that is synced from the start (the file source).
-    pub fn synced(source: &'static str) -> SourceStatus {
+    pub(crate) fn synced(source: &'static str) -> SourceStatus {
         SourceStatus {
             source,
             synced: true,

@@ -178,7 +178,7 @@ fn app_clusters(
 
 /// Ray's prefix match: `/` and a prefix ending in `/` match every path that starts with
 /// them; any other matches itself or itself followed by `/` (not `/workers` for `/work`).
-pub fn prefix_match(prefix: &str) -> route::route_match::PathSpecifier {
+pub(crate) fn prefix_match(prefix: &str) -> route::route_match::PathSpecifier {
     if prefix.ends_with('/') {
         route::route_match::PathSpecifier::Prefix(prefix.into())
     } else {

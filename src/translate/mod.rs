@@ -44,20 +44,20 @@ pub use self::routes::{grpc_retry_on, retry_on};
 // (`weighted_route` also serves `applications`, as `super::weighted_route`.)
 use self::routes::{virtual_host, weighted_route};
 
-pub const LISTENER_NAME: &str = "ray-serve-http";
+pub(crate) const LISTENER_NAME: &str = "ray-serve-http";
 pub const ROUTE_CONFIG_NAME: &str = "ray-serve-http";
 /// Filter-metadata namespace under which endpoints carry ray-xds facts (node type).
-pub const METADATA_NAMESPACE: &str = "ray-xds";
+pub(crate) const METADATA_NAMESPACE: &str = "ray-xds";
 
 /// Percent of traffic per RayCluster, by switch: a RayService's key (`<namespace>/<name>`),
 /// or one of its applications' ([`app_switch_key`]) while that application moves on its
 /// own readiness. A RayService missing here sends everything to its active cluster; an
 /// application missing here goes as its RayService.
-pub type Weights = BTreeMap<String, Vec<(String, u32)>>;
+pub(crate) type Weights = BTreeMap<String, Vec<(String, u32)>>;
 
 /// The [`Weights`] key of application `app` of the RayService keyed `service`:
 /// `<namespace>/<name>#<application>` (a RayService key never holds `#`).
-pub fn app_switch_key(service: &str, app: &str) -> String {
+pub(crate) fn app_switch_key(service: &str, app: &str) -> String {
     format!("{service}#{app}")
 }
 
@@ -69,7 +69,7 @@ pub(crate) struct ServiceWeights<'a> {
 
 impl ServiceWeights<'_> {
     /// `app`'s weights: its own while it moves on its own, else its RayService's.
-    pub fn of(&self, app: &str) -> &[(String, u32)] {
+    pub(crate) fn of(&self, app: &str) -> &[(String, u32)] {
         self.apps.get(app).copied().unwrap_or(self.service)
     }
 }

@@ -106,7 +106,7 @@ impl<K: Ord + Clone> FairBudget<K> {
     }
 
     /// Forgets `owner` (its cluster is gone, or its data was dropped).
-    pub fn release(&mut self, owner: &K) {
+    pub(crate) fn release(&mut self, owner: &K) {
         if let Some(old) = self.held.remove(owner) {
             self.total -= old;
         }
@@ -132,10 +132,6 @@ impl<K: Ord + Clone> FairBudget<K> {
     /// What `owner` holds.
     pub fn held_by(&self, owner: &K) -> usize {
         self.held.get(owner).copied().unwrap_or(0)
-    }
-
-    pub fn budget(&self) -> usize {
-        self.budget
     }
 }
 

@@ -26,7 +26,7 @@ use tonic::Status;
 use crate::budget::FairBudget;
 
 /// One gRPC message, framed: compression flag 0, big-endian length, the message.
-pub fn frame<M: prost::Message>(message: &M) -> Bytes {
+pub(crate) fn frame<M: prost::Message>(message: &M) -> Bytes {
     let len = message.encoded_len();
     let mut buf = BytesMut::with_capacity(5 + len);
     buf.put_u8(0);
@@ -38,14 +38,14 @@ pub fn frame<M: prost::Message>(message: &M) -> Bytes {
 
 /// How long a request may take to arrive whole, from its first byte (or from the
 /// previous request's end, when its first bytes came with it).
-pub const PARTIAL_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const PARTIAL_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What requests still arriving may hold in all by default (`memory.partial_xds_requests`).
 pub const PARTIAL_REQUESTS_BUDGET_BYTES: usize = 64 << 20;
 
 /// How long a stream may go without its first request: an Envoy sends it at once, and a
 /// stream that sends none would hold a slot of the listener for ever.
-pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The bytes held in requests not yet whole, across every stream of the server, and
 /// their bound: the larger of 64 MiB and two of the largest requests accepted.
@@ -73,7 +73,7 @@ struct Holdings {
 
 /// One stream's part of [`PartialRequests`].
 #[derive(Debug)]
-pub struct PartialShare {
+pub(crate) struct PartialShare {
     requests: PartialRequests,
     peer: IpAddr,
     id: u64,
@@ -101,7 +101,7 @@ impl PartialRequests {
     }
 
     /// A new stream's share, for a client at `peer` (unknown peers share one address).
-    pub fn share(&self, peer: Option<IpAddr>) -> PartialShare {
+    pub(crate) fn share(&self, peer: Option<IpAddr>) -> PartialShare {
         let mut shared = self.shared.lock().expect("never poisoned");
         shared.next_id += 1;
         PartialShare {
@@ -112,8 +112,9 @@ impl PartialRequests {
         }
     }
 
+    #[cfg(test)]
     /// Bytes held now.
-    pub fn held(&self) -> usize {
+    pub(crate) fn held(&self) -> usize {
         self.shared.lock().expect("never poisoned").budget.total()
     }
 }
@@ -164,7 +165,7 @@ fn evicted_status() -> Status {
 }
 
 /// The messages of a gRPC request body.
-pub struct RequestStream<T> {
+pub(crate) struct RequestStream<T> {
     body: tonic::body::Body,
     buf: BytesMut,
     max_message_bytes: usize,
@@ -218,7 +219,7 @@ impl<T: prost::Message + Default> RequestStream<T> {
     }
 
     /// The next message; `Ok(None)` when the client ended the stream.
-    pub async fn message(&mut self) -> Result<Option<T>, Status> {
+    pub(crate) async fn message(&mut self) -> Result<Option<T>, Status> {
         loop {
             let decoded = self.decode_buffered();
             if matches!(decoded, Ok(Some(_))) {

@@ -34,11 +34,11 @@ use super::AdsProtocol;
 /// A cluster with this connect timeout is one the model cannot add: it applies the
 /// rest of the response and names this one in its NACK (as Envoy does for a cluster it
 /// fails to create).
-pub const BAD_TIMEOUT_MS: u64 = 13;
+pub(crate) const BAD_TIMEOUT_MS: u64 = 13;
 
 /// A cluster with this connect timeout is invalid: the model rejects the whole response
 /// and names nothing (as Envoy does when a resource fails proto validation).
-pub const INVALID_TIMEOUT_MS: u64 = 17;
+pub(crate) const INVALID_TIMEOUT_MS: u64 = 17;
 
 fn timeout_is(c: &Cluster, ms: u64) -> bool {
     c.connect_timeout
@@ -52,7 +52,7 @@ fn is_bad(c: &Cluster) -> bool {
 
 /// What one Envoy holds.
 #[derive(Clone, Debug, Default)]
-pub struct ModelEnvoy {
+pub(crate) struct ModelEnvoy {
     /// Clusters in service, by name: the version.
     pub active: BTreeMap<String, String>,
     /// Clusters warming (new, or an update of an active one): the version.
@@ -127,7 +127,7 @@ impl ModelEnvoy {
     }
 
     /// The safety invariant: every cluster a held route names is in service.
-    pub fn check(&self) -> Result<(), String> {
+    pub(crate) fn check(&self) -> Result<(), String> {
         for (name, (_, config)) in &self.routes {
             for vh in &config.virtual_hosts {
                 for c in virtual_host_clusters(vh) {
@@ -149,7 +149,7 @@ impl ModelEnvoy {
     /// model accepts at its version with its endpoints, no cluster beyond those and the
     /// rejected ones' earlier versions, every virtual host whose clusters are accepted
     /// as the snapshot has it, and the listeners.
-    pub fn converged_to(&self, snapshot: &Snapshot) -> Result<(), String> {
+    pub(crate) fn converged_to(&self, snapshot: &Snapshot) -> Result<(), String> {
         let clusters = snapshot.resources(ResourceType::Cluster);
         let mut rejected = BTreeSet::new();
         for (name, r) in clusters {
@@ -227,7 +227,7 @@ fn nack_message(errors: &[String]) -> String {
 
 /// A model Envoy on a state-of-the-world stream.
 #[derive(Default)]
-pub struct SotwClient {
+pub(crate) struct SotwClient {
     pub envoy: ModelEnvoy,
     pub stream: SotwStream,
     /// The version it last accepted, per type.
@@ -254,7 +254,7 @@ fn request(ty: ResourceType, names: &[String], version: &str, nonce: &str) -> Di
 impl SotwClient {
     /// Opens a new stream (a reconnect when it held anything) with the requests Envoy
     /// sends at once: clusters, endpoints, listeners, routes.
-    pub fn connect(&mut self) {
+    pub(crate) fn connect(&mut self) {
         self.stream = SotwStream::new();
         self.nonce = Default::default();
         self.asked = Default::default();
@@ -280,7 +280,7 @@ impl SotwClient {
     /// Delivers whatever the server sends now and answers each response; returns how
     /// many responses there were.
     /// Takes whatever the server sends now; returns how many responses.
-    pub fn receive(&mut self, snapshot: &Snapshot) -> usize {
+    pub(crate) fn receive(&mut self, snapshot: &Snapshot) -> usize {
         let out = self.stream.poll(snapshot);
         let n = out.len();
         for (ty, _, r) in out {
@@ -290,7 +290,7 @@ impl SotwClient {
     }
 
     /// Processes and answers the oldest response received; false when there is none.
-    pub fn answer(&mut self) -> Result<bool, String> {
+    pub(crate) fn answer(&mut self) -> Result<bool, String> {
         let Some((ty, r)) = self.pending.pop_front() else {
             return Ok(false);
         };
@@ -414,7 +414,7 @@ impl SotwClient {
 
 /// A model Envoy on a delta stream.
 #[derive(Default)]
-pub struct DeltaClient {
+pub(crate) struct DeltaClient {
     pub envoy: ModelEnvoy,
     pub stream: DeltaStream,
     /// What it holds per type, name to version, as it declares on reconnect.
@@ -428,7 +428,7 @@ pub struct DeltaClient {
 }
 
 impl DeltaClient {
-    pub fn connect(&mut self) {
+    pub(crate) fn connect(&mut self) {
         self.stream = DeltaStream::new();
         self.asked = Default::default();
         self.pending.clear();
@@ -456,7 +456,7 @@ impl DeltaClient {
         }
     }
 
-    pub fn receive(&mut self, snapshot: &Snapshot) -> usize {
+    pub(crate) fn receive(&mut self, snapshot: &Snapshot) -> usize {
         let out = self.stream.poll(snapshot);
         let n = out.len();
         for (ty, _, r) in out {
@@ -465,7 +465,7 @@ impl DeltaClient {
         n
     }
 
-    pub fn answer(&mut self) -> Result<bool, String> {
+    pub(crate) fn answer(&mut self) -> Result<bool, String> {
         let Some((ty, r)) = self.pending.pop_front() else {
             return Ok(false);
         };
@@ -599,7 +599,7 @@ impl DeltaClient {
 }
 
 /// One model client of either protocol.
-pub trait Client {
+pub(crate) trait Client {
     fn connect(&mut self);
     /// Takes what the server sends now, without answering yet.
     fn receive(&mut self, snapshot: &Snapshot) -> usize;

@@ -17,11 +17,11 @@ use envoy_types::util::pack_any;
 
 use super::snapshot::{Resources, Snapshot};
 
-pub const ROUTE_CONFIG: &str = "ray-serve-http";
+pub(crate) const ROUTE_CONFIG: &str = "ray-serve-http";
 
 /// A service: hosts routed to its active cluster.
 #[derive(Clone, Debug)]
-pub struct Service {
+pub(crate) struct Service {
     pub name: String,
     pub hosts: Vec<String>,
     pub active: String,
@@ -29,7 +29,7 @@ pub struct Service {
 }
 
 #[derive(Clone, Debug)]
-pub struct Cluster {
+pub(crate) struct Cluster {
     pub name: String,
     pub ports: Vec<u16>,
     /// Set to change the cluster's body (its settings) without touching its endpoints.
@@ -38,7 +38,7 @@ pub struct Cluster {
 
 /// Service `name` in namespace `default`, active cluster `cluster` with a proxy on each
 /// of `ports` on 127.0.0.1.
-pub fn service(name: &str, cluster: &str, ports: &[u16]) -> Service {
+pub(crate) fn service(name: &str, cluster: &str, ports: &[u16]) -> Service {
     Service {
         name: name.into(),
         hosts: vec![format!("{name}.example")],
@@ -61,7 +61,7 @@ fn ads() -> core::ConfigSource {
     }
 }
 
-pub fn resources_of(services: &[Service]) -> Resources {
+pub(crate) fn resources_of(services: &[Service]) -> Resources {
     let mut out = Resources::default();
     let mut virtual_hosts = Vec::new();
     for s in services {
@@ -193,6 +193,6 @@ pub fn resources_of(services: &[Service]) -> Resources {
     out
 }
 
-pub fn snapshot_of(services: Vec<Service>) -> Snapshot {
+pub(crate) fn snapshot_of(services: Vec<Service>) -> Snapshot {
     Snapshot::build(&resources_of(&services), None).expect("fixtures are consistent")
 }

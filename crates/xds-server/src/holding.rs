@@ -18,13 +18,13 @@ use super::TypeStatus;
 /// A resource one Envoy holds: its version, and its body when this stream sent it
 /// (after a reconnect the Envoy declares versions we may have no body for).
 #[derive(Clone, Debug)]
-pub struct Held {
+pub(crate) struct Held {
     pub version: Arc<str>,
     pub resource: Option<Arc<Resource>>,
 }
 
 impl Held {
-    pub fn sent(resource: &Arc<Resource>) -> Held {
+    pub(crate) fn sent(resource: &Arc<Resource>) -> Held {
         Held {
             version: resource.version.clone(),
             resource: Some(resource.clone()),
@@ -32,14 +32,14 @@ impl Held {
     }
 }
 
-pub type HeldMap = BTreeMap<Arc<str>, Held>;
+pub(crate) type HeldMap = BTreeMap<Arc<str>, Held>;
 
 /// One held resource as [`Holding::iter`] yields it: name, version, body when known.
-pub type HeldEntry<'a> = (&'a Arc<str>, &'a Arc<str>, Option<&'a Arc<Resource>>);
+pub(crate) type HeldEntry<'a> = (&'a Arc<str>, &'a Arc<str>, Option<&'a Arc<Resource>>);
 
 /// Everything one Envoy holds of one type.
 #[derive(Clone, Debug)]
-pub enum Holding {
+pub(crate) enum Holding {
     /// Exactly one snapshot's whole set of this type: a shared pointer, so an idle
     /// stream in sync costs no per-resource memory.
     Snapshot {
@@ -58,14 +58,14 @@ impl Default for Holding {
 
 impl Holding {
     /// The Envoy holds `snapshot`'s whole set of `ty`.
-    pub fn whole(snapshot: &Snapshot, ty: ResourceType) -> Holding {
+    pub(crate) fn whole(snapshot: &Snapshot, ty: ResourceType) -> Holding {
         Holding::Snapshot {
             type_version: snapshot.type_version(ty).clone(),
             map: snapshot.shared(ty).clone(),
         }
     }
 
-    pub fn from_resources(resources: &ResourceMap) -> Holding {
+    pub(crate) fn from_resources(resources: &ResourceMap) -> Holding {
         Holding::Own(
             resources
                 .iter()
@@ -75,11 +75,11 @@ impl Holding {
     }
 
     /// True when this is exactly the whole set of `ty` in `snapshot`.
-    pub fn is_whole(&self, snapshot: &Snapshot, ty: ResourceType) -> bool {
+    pub(crate) fn is_whole(&self, snapshot: &Snapshot, ty: ResourceType) -> bool {
         matches!(self, Holding::Snapshot { type_version, .. } if *type_version == *snapshot.type_version(ty))
     }
 
-    pub fn version_of(&self, name: &str) -> Option<&Arc<str>> {
+    pub(crate) fn version_of(&self, name: &str) -> Option<&Arc<str>> {
         match self {
             Holding::Snapshot { map, .. } => map.get(name).map(|r| &r.version),
             Holding::Own(m) => m.get(name).map(|h| &h.version),
@@ -94,7 +94,7 @@ impl Holding {
     }
 
     /// The shared name under which `name` is held, to reuse instead of a new string.
-    pub fn key(&self, name: &str) -> Option<Arc<str>> {
+    pub(crate) fn key(&self, name: &str) -> Option<Arc<str>> {
         match self {
             Holding::Snapshot { map, .. } => map.get_key_value(name).map(|(k, _)| k.clone()),
             Holding::Own(m) => m.get_key_value(name).map(|(k, _)| k.clone()),
@@ -112,12 +112,12 @@ impl Holding {
         }
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Every held resource: name, version and (when known) body.
-    pub fn iter(&self) -> Box<dyn Iterator<Item = HeldEntry<'_>> + '_> {
+    pub(crate) fn iter(&self) -> Box<dyn Iterator<Item = HeldEntry<'_>> + '_> {
         match self {
             Holding::Snapshot { map, .. } => {
                 Box::new(map.iter().map(|(n, r)| (n, &r.version, Some(r))))
@@ -134,7 +134,7 @@ impl Holding {
     }
 
     /// The per-resource map, copied out of a shared snapshot set if need be.
-    pub fn own(&mut self) -> &mut HeldMap {
+    pub(crate) fn own(&mut self) -> &mut HeldMap {
         if let Holding::Snapshot { map, .. } = self {
             *self = Holding::from_resources(map);
         }
@@ -147,7 +147,7 @@ impl Holding {
 
 /// Keeps the entries of `map` whose name is in `names`: a merge of two sorted sequences,
 /// linear, where per-name lookups would compare long shared prefixes again and again.
-pub fn retain_names<V>(
+pub(crate) fn retain_names<V>(
     map: BTreeMap<Arc<str>, V>,
     names: &BTreeSet<Arc<str>>,
 ) -> BTreeMap<Arc<str>, V> {
@@ -161,7 +161,7 @@ pub fn retain_names<V>(
 }
 
 /// The resources of `wanted` whose version `held` does not have (a linear merge).
-pub fn changed_from(wanted: &ResourceMap, held: &Holding) -> ResourceMap {
+pub(crate) fn changed_from(wanted: &ResourceMap, held: &Holding) -> ResourceMap {
     let mut held = held.iter().peekable();
     wanted
         .iter()
@@ -180,7 +180,7 @@ pub fn changed_from(wanted: &ResourceMap, held: &Holding) -> ResourceMap {
 /// the resources that changed; `None` otherwise. The common case after a health or
 /// endpoint change, answered by pointer comparisons alone (snapshots share unchanged
 /// resources), with no retention or gating to consider: no name left, none is new.
-pub fn same_names_change(held: &Holding, current: &ResourceMap) -> Option<ResourceMap> {
+pub(crate) fn same_names_change(held: &Holding, current: &ResourceMap) -> Option<ResourceMap> {
     let Holding::Snapshot { map: old, .. } = held else {
         return None;
     };
@@ -203,7 +203,7 @@ pub fn same_names_change(held: &Holding, current: &ResourceMap) -> Option<Resour
 }
 
 /// Versions one Envoy rejected (NACKed), by name: it keeps what it held before.
-pub type Rejected = BTreeMap<Arc<str>, Arc<str>>;
+pub(crate) type Rejected = BTreeMap<Arc<str>, Arc<str>>;
 
 /// What one Envoy rejected of one type, and the search for what it rejected when it did
 /// not say.
@@ -217,7 +217,7 @@ pub type Rejected = BTreeMap<Arc<str>, Arc<str>>;
 /// log2(n) round trips; the search never repeats itself, since every NACK either
 /// convicts or halves.
 #[derive(Debug, Default)]
-pub struct Rejections {
+pub(crate) struct Rejections {
     /// Versions the Envoy rejected: it keeps what it held before.
     pub rejected: Rejected,
     /// Versions sent together in a response rejected without naming any.
@@ -229,6 +229,7 @@ pub struct Rejections {
     seen_with: BTreeMap<Arc<str>, Arc<str>>,
 }
 
+#[cfg(test)]
 pub(crate) static NOTHING_REJECTED: Rejections = Rejections {
     rejected: BTreeMap::new(),
     suspects: BTreeMap::new(),
@@ -237,14 +238,14 @@ pub(crate) static NOTHING_REJECTED: Rejections = Rejections {
 };
 
 impl Rejections {
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.rejected.is_empty() && self.suspects.is_empty()
     }
 
     /// Whether `name` at `version` must not be offered now (the Envoy holding `held`): a
     /// version it rejected, or, while suspects are searched, any change but the ones
     /// being tried.
-    pub fn holds_back(&self, name: &str, version: &str, held: Option<&Arc<str>>) -> bool {
+    pub(crate) fn holds_back(&self, name: &str, version: &str, held: Option<&Arc<str>>) -> bool {
         if self.rejected.get(name).is_some_and(|v| **v == *version) {
             return true;
         }
@@ -258,7 +259,7 @@ impl Rejections {
     /// content is offered afresh. A rejected version that was never the snapshot's own
     /// (a route merged for this Envoy, a stand-in) is forgotten once the snapshot's
     /// version of that name changes: until then the same merge would be rejected again.
-    pub fn prune(&mut self, current: &ResourceMap) {
+    pub(crate) fn prune(&mut self, current: &ResourceMap) {
         if self.is_empty() && self.seen_with.is_empty() {
             return; // (The common case: nothing to prune, on every poll of every stream.)
         }
@@ -294,7 +295,7 @@ impl Rejections {
 
     /// A NACK of a response that changed `changed` (name and version), with `message`.
     /// Returns the names the Envoy applied nonetheless (it named the others), if any.
-    pub fn on_nack(
+    pub(crate) fn on_nack(
         &mut self,
         changed: Vec<(Arc<str>, Arc<str>)>,
         message: &str,
@@ -323,7 +324,7 @@ impl Rejections {
     }
 
     /// An ACK of a response that carried `sent`: those versions are fine.
-    pub fn on_ack(&mut self, sent: &ResourceMap) {
+    pub(crate) fn on_ack(&mut self, sent: &ResourceMap) {
         let fine =
             |name: &Arc<str>, v: &mut Arc<str>| sent.get(name).is_none_or(|r| r.version != *v);
         self.rejected.retain(fine);
@@ -347,7 +348,7 @@ impl Rejections {
 /// reason"), so when it names some, it holds the rest as sent. A message that names none
 /// blames them all, and nothing is taken as applied. Blaming at most what was sent, and
 /// all of it when in doubt, means a NACK can never make a resource be sent in a loop.
-pub fn blamed<'a>(
+pub(crate) fn blamed<'a>(
     changed: impl IntoIterator<Item = &'a Arc<str>>,
     message: &str,
 ) -> (Vec<Arc<str>>, bool) {
@@ -377,7 +378,7 @@ fn mentions(message: &str, name: &str) -> bool {
 /// not to send again (`K`: how a protocol names a response: its version in the state of
 /// the world, a hash of its content in delta), the last NACK and the counts.
 #[derive(Debug, Default)]
-pub struct TypeLedger<K> {
+pub(crate) struct TypeLedger<K> {
     pub held: Holding,
     pub rejected: Rejections,
     /// The response last NACKed, not to be sent again until the Envoy ACKs something of
@@ -392,7 +393,7 @@ pub struct TypeLedger<K> {
 
 impl<K> TypeLedger<K> {
     /// An ACK of a response that carried `sent`: nothing is held back for it any more.
-    pub fn on_ack(&mut self, sent: &ResourceMap) {
+    pub(crate) fn on_ack(&mut self, sent: &ResourceMap) {
         self.acks += 1;
         self.not_again = None;
         self.rejected.on_ack(sent);
@@ -401,7 +402,7 @@ impl<K> TypeLedger<K> {
     /// A NACK of the response `version` (`key` names it), which changed `changed`: the
     /// names its message says the Envoy applied, when it names any (see
     /// [`Rejections::on_nack`]).
-    pub fn on_nack(
+    pub(crate) fn on_nack(
         &mut self,
         version: String,
         key: K,
@@ -415,16 +416,8 @@ impl<K> TypeLedger<K> {
         self.rejected.on_nack(changed, message)
     }
 
-    /// Whether the response `key` names was NACKed and nothing was ACKed since.
-    pub fn refused_before(&self, key: &K) -> bool
-    where
-        K: PartialEq,
-    {
-        self.not_again.as_ref() == Some(key)
-    }
-
     /// The ledger as `/debug/clients` shows it.
-    pub fn status(
+    pub(crate) fn status(
         &self,
         subscribed: Vec<String>,
         last_acked_version: Option<String>,

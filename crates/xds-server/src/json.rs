@@ -18,13 +18,13 @@ static POOL: LazyLock<Result<DescriptorPool, String>> = LazyLock::new(|| {
 });
 
 /// The message in `any` as proto JSON.
-pub fn any_to_json(any: &Any) -> Value {
+pub(crate) fn any_to_json(any: &Any) -> Value {
     let name = any.type_url.rsplit('/').next().unwrap_or_default();
     to_json(name, &any.value)
 }
 
 /// The message `M` as proto JSON.
-pub fn message_to_json<M: prost::Message + prost::Name>(message: &M) -> Value {
+pub(crate) fn message_to_json<M: prost::Message + prost::Name>(message: &M) -> Value {
     to_json(&M::full_name(), &message.encode_to_vec())
 }
 

@@ -27,7 +27,7 @@
 //! importing anything of the domain.
 
 pub mod budget;
-pub mod clients;
+pub(crate) mod clients;
 pub mod codec;
 pub mod delta;
 #[cfg(test)]

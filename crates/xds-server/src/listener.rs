@@ -60,7 +60,7 @@ pub struct ConnectionStreams(AtomicUsize);
 
 impl ConnectionStreams {
     /// Counts one stream open until the returned guard is dropped.
-    pub fn open(self: &Arc<Self>) -> OpenStream {
+    pub(crate) fn open(self: &Arc<Self>) -> OpenStream {
         self.0.fetch_add(1, Ordering::Relaxed);
         OpenStream(self.clone())
     }
@@ -72,7 +72,7 @@ impl ConnectionStreams {
 
 /// One stream of a connection, counted while it lives.
 #[derive(Debug)]
-pub struct OpenStream(Arc<ConnectionStreams>);
+pub(crate) struct OpenStream(Arc<ConnectionStreams>);
 
 impl Drop for OpenStream {
     fn drop(&mut self) {

@@ -14,7 +14,7 @@ use super::holding::Holding;
 /// (see [`SharedNames::of_list`]): a thousand Envoys subscribed to the same 200 endpoint
 /// names hold one copy of them, not a thousand.
 #[derive(Debug, PartialEq, Eq)]
-pub struct SharedNames {
+pub(crate) struct SharedNames {
     /// As the client listed them (state of the world), or sorted (delta).
     list: Box<[Arc<str>]>,
     set: BTreeSet<Arc<str>>,
@@ -45,7 +45,7 @@ fn list_hash<S: AsRef<str>>(list: &[S]) -> u64 {
 impl SharedNames {
     /// The shared names of `list`, in its order (what a state-of-the-world request
     /// lists: an ACK repeats it, and [`SharedNames::is_list`] compares it exactly).
-    pub fn of_list<S: AsRef<str>>(list: &[S]) -> Arc<SharedNames> {
+    pub(crate) fn of_list<S: AsRef<str>>(list: &[S]) -> Arc<SharedNames> {
         let hash = list_hash(list);
         let mut book = SHARED_NAMES.lock().unwrap_or_else(|e| e.into_inner());
         let (book, swept_at) = book.get_or_insert_with(Default::default);
@@ -78,30 +78,25 @@ impl SharedNames {
     }
 
     /// The shared names of `set` (sorted: what a delta stream subscribes to).
-    pub fn of_set(set: &BTreeSet<Arc<str>>) -> Arc<SharedNames> {
+    pub(crate) fn of_set(set: &BTreeSet<Arc<str>>) -> Arc<SharedNames> {
         let list: Vec<&str> = set.iter().map(|n| &**n).collect();
         SharedNames::of_list(&list)
     }
 
-    /// No names.
-    pub fn none() -> Arc<SharedNames> {
-        SharedNames::of_list::<&str>(&[])
-    }
-
     /// Whether these are exactly `list`, in its order.
-    pub fn is_list<S: AsRef<str>>(&self, list: &[S]) -> bool {
+    pub(crate) fn is_list<S: AsRef<str>>(&self, list: &[S]) -> bool {
         self.list.len() == list.len() && self.list.iter().zip(list).all(|(a, b)| **a == *b.as_ref())
     }
 
     /// The names as listed.
-    pub fn list(&self) -> &[Arc<str>] {
+    pub(crate) fn list(&self) -> &[Arc<str>] {
         &self.list
     }
 }
 
 /// A set of subscribed names that streams share (see [`SharedNames`]); changed whole.
 #[derive(Clone, Debug, Default)]
-pub struct NameSet(Option<Arc<SharedNames>>);
+pub(crate) struct NameSet(Option<Arc<SharedNames>>);
 
 static NO_NAMES: BTreeSet<Arc<str>> = BTreeSet::new();
 
@@ -126,7 +121,7 @@ impl NameSet {
 /// A subscribed name as a shared string: the one some holding already uses (cluster
 /// and endpoint names coincide), so a thousand Envoys subscribed to the same names do
 /// not each keep their own copies.
-pub fn intern<'a>(name: &str, holdings: impl IntoIterator<Item = &'a Holding>) -> Arc<str> {
+pub(crate) fn intern<'a>(name: &str, holdings: impl IntoIterator<Item = &'a Holding>) -> Arc<str> {
     holdings
         .into_iter()
         .find_map(|h| h.key(name))

@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use super::holding::{Held, Holding, Rejections, NOTHING_REJECTED};
+use super::holding::{Held, Holding, Rejections};
 use super::snapshot::{bare_cluster, Resource, ResourceMap, ResourceType, Snapshot};
 
 /// The route configuration `current` with each virtual host whose clusters are all
@@ -150,7 +150,7 @@ fn drop_cold_unweighted(
 /// Fills in the bodies of resources `held` knows only by version (declared on a
 /// reconnect) where `wanted` has the same version: versions are content hashes, so the
 /// Envoy holds exactly that body, and what it names can be known.
-pub fn learn_bodies(held: &mut Holding, wanted: &ResourceMap) {
+pub(crate) fn learn_bodies(held: &mut Holding, wanted: &ResourceMap) {
     let Holding::Own(map) = held else { return };
     for (name, h) in map.iter_mut() {
         if h.resource.is_none() {
@@ -162,7 +162,7 @@ pub fn learn_bodies(held: &mut Holding, wanted: &ResourceMap) {
 }
 
 /// Whether `wanted` is exactly the snapshot's whole set of `ty` (same resources).
-pub fn is_whole_set(wanted: &ResourceMap, snapshot: &Snapshot, ty: ResourceType) -> bool {
+pub(crate) fn is_whole_set(wanted: &ResourceMap, snapshot: &Snapshot, ty: ResourceType) -> bool {
     let all = snapshot.resources(ty);
     wanted.len() == all.len()
         && wanted
@@ -175,7 +175,7 @@ pub fn is_whole_set(wanted: &ResourceMap, snapshot: &Snapshot, ty: ResourceType)
 /// `budget` bytes (at least one). Each response is framed in a buffer of its own and
 /// freed once written (`codec`), so the budget bounds what a stream holds at once while
 /// thousands sync together; each part costs the stream a round trip.
-pub fn take_budget(changed: ResourceMap, budget: usize) -> (ResourceMap, bool) {
+pub(crate) fn take_budget(changed: ResourceMap, budget: usize) -> (ResourceMap, bool) {
     let mut taken = ResourceMap::new();
     let mut size = 0;
     let total = changed.len();
@@ -194,11 +194,11 @@ pub fn take_budget(changed: ResourceMap, budget: usize) -> (ResourceMap, bool) {
 /// 16 KiB a 400 KB endpoint sync took 25 round trips and 1,000 streams synced in 2.4 s;
 /// at 128 KiB it takes 4 and they sync in 1.2 s (the freed burst is given back by
 /// ray-xds's `memory`).
-pub const RESPONSE_BUDGET_BYTES: usize = 128 * 1024;
+pub(crate) const RESPONSE_BUDGET_BYTES: usize = 128 * 1024;
 
 /// What a stream should make the Envoy hold for one type.
 #[derive(Clone, Debug)]
-pub enum Desired {
+pub(crate) enum Desired {
     /// This resource, at this version.
     Send(Arc<Resource>),
     /// Whatever the Envoy already holds under this name: keep it, but we cannot resend it.
@@ -206,7 +206,7 @@ pub enum Desired {
 }
 
 impl Desired {
-    pub fn resource(&self) -> Option<&Arc<Resource>> {
+    pub(crate) fn resource(&self) -> Option<&Arc<Resource>> {
         match self {
             Desired::Send(r) => Some(r),
             Desired::Keep => None,
@@ -215,7 +215,7 @@ impl Desired {
 }
 
 /// The view of one Envoy that the ordering rules need.
-pub struct ClientHolds<'a> {
+pub(crate) struct ClientHolds<'a> {
     /// ACKed resources per type, indexed by [`ResourceType::index`].
     pub acked: [&'a Holding; 4],
     /// Route configurations sent but not yet ACKed or NACKed.
@@ -235,12 +235,13 @@ pub struct ClientHolds<'a> {
 }
 
 impl<'a> ClientHolds<'a> {
+    #[cfg(test)]
     /// An Envoy that holds `acked` and has rejected nothing.
     pub fn new(acked: [&'a Holding; 4], routes_in_flight: Option<&'a ResourceMap>) -> Self {
         ClientHolds {
             acked,
             routes_in_flight,
-            rejected: [&NOTHING_REJECTED; 4],
+            rejected: [&super::holding::NOTHING_REJECTED; 4],
             routes_unknown: false,
             leaving: BTreeSet::new(),
             clusters_in_flight: None,
@@ -301,7 +302,7 @@ impl<'a> ClientHolds<'a> {
 /// snapshot's, but what it rejected (it keeps what it holds), clusters and endpoints a
 /// route it holds still needs, routes merged per virtual host while some of their
 /// clusters are cold, and no content made for it that it rejected.
-pub fn desired(
+pub(crate) fn desired(
     snapshot: &Snapshot,
     ty: ResourceType,
     holds: &ClientHolds<'_>,

@@ -20,11 +20,11 @@ use super::{AdsProtocol, Event, Observer, ResourceType, Snapshot};
 
 /// Responses buffered per stream: enough for one of each type (the state machines keep
 /// at most one in flight per type).
-pub const STREAM_BUFFER: usize = 8;
+pub(crate) const STREAM_BUFFER: usize = 8;
 
 /// How long a reconnected Envoy has to declare what it holds (it sends every request at
 /// once, so on any network this is far more than it needs) before removals go ahead.
-pub const RECONNECT_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+pub(crate) const RECONNECT_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// The most ADS streams one HTTP/2 connection carries at once (HTTP/2's
 /// SETTINGS_MAX_CONCURRENT_STREAMS).
@@ -71,7 +71,7 @@ impl AdsServer {
 
     /// Starts the task that serves one stream: requests from `inbound`, framed
     /// responses (then at most one error) into `tx`.
-    pub fn spawn_stream<P>(
+    pub(crate) fn spawn_stream<P>(
         &self,
         machine: P,
         inbound: RequestStream<P::Wire>,

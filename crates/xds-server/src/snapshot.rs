@@ -73,7 +73,7 @@ pub enum Inconsistent {
 
 impl Resources {
     /// Checks that the resources fit together (see the module doc).
-    pub fn consistent(&self) -> Result<(), Inconsistent> {
+    pub(crate) fn consistent(&self) -> Result<(), Inconsistent> {
         use std::collections::BTreeSet;
         fn names<'a>(
             ty: &'static str,
@@ -152,7 +152,7 @@ pub fn referenced_clusters(config: &RouteConfiguration) -> Vec<String> {
 }
 
 /// The clusters one virtual host sends traffic to.
-pub fn virtual_host_clusters(vh: &route_pb::VirtualHost) -> Vec<String> {
+pub(crate) fn virtual_host_clusters(vh: &route_pb::VirtualHost) -> Vec<String> {
     let mut names = Vec::new();
     for r in &vh.routes {
         if let Some(route_pb::route::Action::Route(action)) = &r.action {
@@ -241,7 +241,7 @@ impl ResourceType {
 
     /// In state-of-the-world, a response of these types carries the complete set and a
     /// missing resource means "removed"; the others are named subscriptions.
-    pub fn is_full_state(self) -> bool {
+    pub(crate) fn is_full_state(self) -> bool {
         matches!(self, ResourceType::Cluster | ResourceType::Listener)
     }
 
@@ -279,7 +279,7 @@ impl fmt::Debug for Resource {
 }
 
 impl Resource {
-    pub fn encode<M: Message + Name>(
+    pub(crate) fn encode<M: Message + Name>(
         name: &str,
         message: &M,
         cluster_refs: Vec<String>,
@@ -304,7 +304,7 @@ impl Resource {
     }
 }
 
-pub type ResourceMap = BTreeMap<Arc<str>, Arc<Resource>>;
+pub(crate) type ResourceMap = BTreeMap<Arc<str>, Arc<Resource>>;
 
 /// Whether a stand-in pattern covers the cluster `name`: a pattern without `*` is a
 /// prefix; one `*` stands for one non-empty segment without `/` (so `a/b/*` covers
@@ -353,7 +353,10 @@ impl Snapshot {
     /// Like [`Snapshot::from_resources`], sharing every unchanged resource with
     /// `previous`: streams still holding the previous snapshot then cost nothing extra,
     /// and an unchanged resource is recognised by pointer.
-    pub fn from_resources_reusing(resources: &Resources, previous: Option<&Snapshot>) -> Snapshot {
+    pub(crate) fn from_resources_reusing(
+        resources: &Resources,
+        previous: Option<&Snapshot>,
+    ) -> Snapshot {
         let mut by_type: [ResourceMap; 4] = Default::default();
         let mut put = |ty: ResourceType, r: Resource| {
             let reused = previous
@@ -394,7 +397,7 @@ impl Snapshot {
 
     /// The longest stand-in pattern that covers the cluster `name`, if any: clusters it
     /// covers are of one kind, and one may stand in for another.
-    pub fn stand_in_pattern(&self, name: &str) -> Option<&str> {
+    pub(crate) fn stand_in_pattern(&self, name: &str) -> Option<&str> {
         self.stand_ins
             .keys()
             .filter(|pattern| name_matches(pattern, name))
@@ -438,7 +441,7 @@ impl Snapshot {
         }
     }
 
-    pub fn from_maps(by_type: [ResourceMap; 4]) -> Snapshot {
+    pub(crate) fn from_maps(by_type: [ResourceMap; 4]) -> Snapshot {
         let type_versions: [Arc<str>; 4] = std::array::from_fn(|i| map_version(&by_type[i]).into());
         let mut hash = Sha256::new();
         for (ty, v) in ResourceType::ALL.iter().zip(&type_versions) {
@@ -462,12 +465,12 @@ impl Snapshot {
     }
 
     /// The shared map of one type.
-    pub fn shared(&self, ty: ResourceType) -> &Arc<ResourceMap> {
+    pub(crate) fn shared(&self, ty: ResourceType) -> &Arc<ResourceMap> {
         &self.by_type[ty.index()]
     }
 
     /// The version of one type's whole set: `set_version` of all its resources.
-    pub fn type_version(&self, ty: ResourceType) -> &Arc<str> {
+    pub(crate) fn type_version(&self, ty: ResourceType) -> &Arc<str> {
         &self.type_versions[ty.index()]
     }
 
@@ -481,13 +484,13 @@ impl Snapshot {
 }
 
 /// `set_version` of every resource in a map.
-pub fn map_version(map: &ResourceMap) -> String {
+pub(crate) fn map_version(map: &ResourceMap) -> String {
     set_version(map.iter().map(|(n, r)| (&**n, &*r.version)))
 }
 
 /// A version for a set of `(name, version)` pairs: what a state-of-the-world response
 /// carries as `version_info`.
-pub fn set_version<'a>(items: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+pub(crate) fn set_version<'a>(items: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
     let mut hash = Sha256::new();
     for (name, version) in items {
         hash.update(name.as_bytes());
@@ -505,7 +508,7 @@ fn short_hex(bytes: &[u8]) -> String {
 /// An EDS cluster named `name` with Envoy's defaults for everything else: what stands in
 /// for a cluster whose own settings are unknown or refused. Its metadata
 /// (`ray-xds: {stand_in: true}`) tells it from any cluster of a snapshot.
-pub fn bare_cluster(name: &str) -> Arc<Resource> {
+pub(crate) fn bare_cluster(name: &str) -> Arc<Resource> {
     use envoy_types::pb::envoy::config::core::v3::Metadata;
     use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
     let marker = Struct {

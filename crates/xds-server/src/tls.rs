@@ -59,7 +59,7 @@ pub enum TlsError {
 
 /// How far in the future a server certificate's `notBefore` may be (clocks differ a
 /// little between the issuer and this node).
-pub const NOT_BEFORE_SKEW: Duration = Duration::from_secs(300);
+pub(crate) const NOT_BEFORE_SKEW: Duration = Duration::from_secs(300);
 
 /// The server's TLS configuration, swapped whole on a good reload.
 pub struct ServerTls {
@@ -81,7 +81,7 @@ impl std::fmt::Debug for ServerTls {
 
 /// What [`ServerTls::reload_if_changed`] did.
 #[derive(Debug)]
-pub enum Reload {
+pub(crate) enum Reload {
     /// The files are as last read.
     Unchanged,
     /// A new configuration serves new handshakes.
@@ -107,12 +107,8 @@ impl ServerTls {
         TlsAcceptor::from(self.current.load_full())
     }
 
-    pub fn files(&self) -> &TlsFiles {
-        &self.files
-    }
-
     /// Reads the files again and, if they changed and make a configuration, serves it.
-    pub fn reload_if_changed(&self) -> Reload {
+    pub(crate) fn reload_if_changed(&self) -> Reload {
         let bytes = match read_all(&self.files) {
             Ok(bytes) => bytes,
             // A file missing for a moment (a Secret being swapped) is a failure only if

@@ -72,11 +72,11 @@ pub use parse::{parse, MAX_APPLICATIONS, MAX_JSON_VALUES, MAX_STRING_BYTES};
 pub const APPLICATIONS_PATH: &str = "/api/serve/applications/";
 
 /// The Serve HTTP proxies' port when `http_options.port` is absent (Ray's default).
-pub const DEFAULT_HTTP_PORT: u16 = 8000;
+pub(crate) const DEFAULT_HTTP_PORT: u16 = 8000;
 
 /// The largest body [`DashboardClient::fetch`] accepts (8 MiB); a bigger one is
 /// [`DashboardError::Malformed`].
-pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+pub(crate) const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 
 /// The most proxies one answer may list (`proxies`), and the most targets its HTTP
 /// `target_groups` may list ([`MAX_TARGETS`]). Ray runs one proxy per node and Ray's
@@ -85,12 +85,12 @@ pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// refused whole, rather than published in part or parsed at any cost. (20,000 kept up to
 /// 130 MB per cluster alive; what answers hold in all is bounded by
 /// `live::dashboards::MEMORY_BUDGET_BYTES` too.)
-pub const MAX_PROXIES: usize = 5_000;
+pub(crate) const MAX_PROXIES: usize = 5_000;
 
 /// The most targets the `target_groups` of one answer may list, all groups and protocols
 /// together: a proxy per node, and with direct ingress an HTTP and a gRPC target per
 /// ingress replica (see [`MAX_PROXIES`]).
-pub const MAX_TARGETS: usize = 20_000;
+pub(crate) const MAX_TARGETS: usize = 20_000;
 
 /// The most dashboard answers read (and waiting to be parsed) at once, over all
 /// clusters: each buffers up to [`MAX_BODY_BYTES`], so bodies in memory stay under
@@ -98,7 +98,7 @@ pub const MAX_TARGETS: usize = 20_000;
 /// (tokio's semaphore is fair); a read holds its turn for at most the dashboard timeout
 /// and then one parse, which builds only the fields read (see `Shape`) and so costs
 /// about a scan of the body.
-pub const MAX_READS_AT_ONCE: usize = 8;
+pub(crate) const MAX_READS_AT_ONCE: usize = 8;
 
 /// What the dashboard says about one Ray Serve instance.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -227,7 +227,7 @@ impl ProxyStatus {
     }
 
     /// Ray's spelling of the status.
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         match self {
             ProxyStatus::Starting => "STARTING",
             ProxyStatus::Healthy => "HEALTHY",

@@ -96,7 +96,7 @@ pub(super) struct Report {
 
 impl ProbeStates {
     /// These states with every proxy's probe `unknown` for `reason` (routes kept).
-    pub fn all_unknown(&self, reason: &str, now: SystemTime) -> ProbeStates {
+    pub(crate) fn all_unknown(&self, reason: &str, now: SystemTime) -> ProbeStates {
         let mut out = self.clone();
         for probe in out.proxies.values_mut() {
             if probe.state != ProbeState::Unknown {
@@ -115,7 +115,11 @@ impl ProbeStates {
 /// How long a proxy's last probe result counts as fresh: three intervals and two
 /// timeouts, plus the time `probes` probes take to get a permit each when every one of
 /// them times out (`max_concurrent` at a time), at least 5 s.
-pub fn stale_after(settings: &ProbePolicy, probes: usize, max_concurrent: usize) -> Duration {
+pub(crate) fn stale_after(
+    settings: &ProbePolicy,
+    probes: usize,
+    max_concurrent: usize,
+) -> Duration {
     let rounds = probes.div_ceil(max_concurrent.max(1)) as u32;
     (settings.interval * 3 + settings.timeout * 2 + settings.timeout * 2 * rounds)
         .max(Duration::from_secs(5))
@@ -126,7 +130,7 @@ pub(super) const MAX_REPORTS_PER_PUBLICATION: usize = 4096;
 
 /// The prober's manager beats its [`Heartbeat`] every second: this long without a beat,
 /// it is wedged, and the pipeline serves no probe result as fresh.
-pub const WEDGED_AFTER: Duration = Duration::from_secs(10);
+pub(crate) const WEDGED_AFTER: Duration = Duration::from_secs(10);
 
 /// When the prober's manager last ran (it beats every second while alive).
 #[derive(Debug)]
@@ -146,13 +150,13 @@ impl Default for Heartbeat {
 }
 
 impl Heartbeat {
-    pub fn beat(&self) {
+    pub(crate) fn beat(&self) {
         let ms = self.epoch.elapsed().as_millis() as u64;
         self.last_ms.store(ms, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// How long since the last beat (since creation before the first).
-    pub fn age(&self) -> Duration {
+    pub(crate) fn age(&self) -> Duration {
         let last = self.last_ms.load(std::sync::atomic::Ordering::Relaxed);
         self.epoch
             .elapsed()

@@ -68,7 +68,7 @@ pub(super) fn classify(error: hyper_util::client::legacy::Error) -> Outcome {
 
 /// The largest `/-/healthz` body a probe reads (64 KiB; Ray answers "success" or a
 /// sentence): up to 256 probes read at once, so this bounds what they hold in flight.
-pub const MAX_PROBE_BODY_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_PROBE_BODY_BYTES: usize = 64 * 1024;
 
 /// The largest `/-/routes` body read (256 KiB: hundreds of routes); a bigger one is read
 /// as a malformed one (routes unknown).
@@ -81,7 +81,7 @@ pub const MAX_ROUTES_BODY_BYTES: usize = 256 * 1024;
 /// its share of the turns (`live::route_turns`), so one cluster's slow reads never starve
 /// another's. A read that does not get its turn within the probe timeout (or whose
 /// cluster holds its share) is tried at the next probe.
-pub const ROUTE_READS_AT_ONCE: usize = 16;
+pub(crate) const ROUTE_READS_AT_ONCE: usize = 16;
 
 /// Whether a 503 (HTTP) or `UNAVAILABLE` (gRPC) health answer says the endpoint drains:
 /// a proxy's `This node is being drained.`, an ingress replica's `DRAINING` (a replica
@@ -176,7 +176,7 @@ pub async fn read_routes(
 /// body is now capped at [`MAX_ROUTES_BODY_BYTES`] too). An answer over the cap is malformed, as one that is
 /// not JSON: the proxy's routes are unknown (`live::health` then drains it where routes
 /// are enforced, as for any unreadable answer); its probe state is untouched.
-pub const MAX_ROUTES: usize = 1_000;
+pub(crate) const MAX_ROUTES: usize = 1_000;
 
 /// The longest route prefix kept, in bytes (256; Serve's are short paths). A longer
 /// one makes the whole answer malformed, as for [`MAX_ROUTES`].

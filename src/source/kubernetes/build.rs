@@ -56,12 +56,12 @@ pub struct Built {
     pub hints: Hints,
 }
 
-pub type Hints = BTreeMap<String, BTreeMap<String, BTreeMap<String, String>>>;
+pub(crate) type Hints = BTreeMap<String, BTreeMap<String, BTreeMap<String, String>>>;
 
 /// One RayService, built alone: what [`assemble`] puts together. The index keeps one per
 /// RayService and rebuilds it only when its object or its clusters' pods change.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct ServiceBuild {
+pub(crate) struct ServiceBuild {
     /// `<namespace>/<name>`.
     pub key: String,
     /// `None` when it is not routed yet or is invalid on its own.
@@ -78,7 +78,7 @@ pub struct ServiceBuild {
 }
 
 /// The clusters a RayService's status names: active (or a lone pending) and pending.
-pub fn cluster_names(r: &RayServiceObject) -> (Option<String>, Option<String>) {
+pub(crate) fn cluster_names(r: &RayServiceObject) -> (Option<String>, Option<String>) {
     let name_of = |s: &Option<super::objects::ClusterStatus>| {
         s.as_ref()
             .and_then(|s| s.ray_cluster_name.clone())
@@ -94,7 +94,7 @@ pub fn cluster_names(r: &RayServiceObject) -> (Option<String>, Option<String>) {
 
 /// Builds one RayService from its object and the pods of its clusters (`pods_of(cluster)`
 /// gives those of the RayService's namespace).
-pub fn service<'a>(
+pub(crate) fn service<'a>(
     r: &RayServiceObject,
     pods_of: impl Fn(&str) -> Vec<&'a PodObject>,
     hosts: &HostPolicy,
@@ -189,7 +189,7 @@ pub fn service<'a>(
 
 /// The most hosts one RayService may claim (`ray-xds.io/hosts`); more, and the annotation
 /// is ignored (its default hosts apply).
-pub const MAX_HOSTS: usize = 256;
+pub(crate) const MAX_HOSTS: usize = 256;
 
 /// Hosts named in one problem; the rest are counted.
 const HOSTS_NAMED: usize = 5;
@@ -287,7 +287,7 @@ fn claimed_hosts(
 /// to the younger, more specific claim), is reported, and keeps its others (left out when
 /// none is left). A RayService whose proxies clash with an older one's (an address that
 /// is HTTP there and gRPC here) is left out alone.
-pub fn assemble<'a>(built: impl IntoIterator<Item = &'a ServiceBuild>) -> Built {
+pub(crate) fn assemble<'a>(built: impl IntoIterator<Item = &'a ServiceBuild>) -> Built {
     let mut out = Built::default();
     let mut services = Vec::new();
     // Host (lowercase) → the RayService holding it; wildcards also with its namespace.

@@ -86,7 +86,7 @@ impl Index {
         self.touch(&cluster);
     }
 
-    pub fn delete_pod(&mut self, key: &Key) {
+    pub(crate) fn delete_pod(&mut self, key: &Key) {
         let Some(cluster) = self.pod_cluster.remove(key) else {
             return;
         };
@@ -99,26 +99,9 @@ impl Index {
         self.touch(&cluster);
     }
 
-    /// Replaces every RayService with `objects` (a full list).
-    pub fn reset_rayservices(&mut self, objects: impl IntoIterator<Item = RayServiceObject>) {
-        let objects: BTreeMap<Key, RayServiceObject> =
-            objects.into_iter().map(|r| (r.key(), r)).collect();
-        let gone: Vec<Key> = self
-            .rayservices
-            .keys()
-            .filter(|k| !objects.contains_key(*k))
-            .cloned()
-            .collect();
-        for key in gone {
-            self.delete_rayservice(&key);
-        }
-        for (_, r) in objects {
-            self.apply_rayservice(r);
-        }
-    }
-
+    #[cfg(test)]
     /// Replaces every pod with `objects` (a full list).
-    pub fn reset_pods(&mut self, objects: impl IntoIterator<Item = PodObject>) {
+    pub(crate) fn reset_pods(&mut self, objects: impl IntoIterator<Item = PodObject>) {
         let objects: BTreeMap<Key, PodObject> = objects.into_iter().map(|p| (p.key(), p)).collect();
         let gone: Vec<Key> = self
             .pod_cluster
@@ -155,8 +138,9 @@ impl Index {
         build::assemble(self.built.values())
     }
 
+    #[cfg(test)]
     /// How many RayServices the next [`Index::built`] rebuilds.
-    pub fn pending_rebuilds(&self) -> usize {
+    pub(crate) fn pending_rebuilds(&self) -> usize {
         self.dirty.len()
     }
 

@@ -43,7 +43,7 @@ use crate::metrics::{Metrics, ObjectProblemLabels, ResourceLabels, SourceLabels}
 use crate::model::Model;
 
 /// `ray.io/v1` RayService.
-pub fn rayservice_resource() -> ApiResource {
+pub(crate) fn rayservice_resource() -> ApiResource {
     ApiResource {
         group: "ray.io".into(),
         version: "v1".into(),
@@ -55,7 +55,7 @@ pub fn rayservice_resource() -> ApiResource {
 
 /// A client for the configured API server: `api_server` if set, else in-cluster
 /// credentials or the kubeconfig.
-pub async fn client(config: &KubernetesSourceConfig) -> anyhow::Result<kube::Client> {
+pub(crate) async fn client(config: &KubernetesSourceConfig) -> anyhow::Result<kube::Client> {
     use anyhow::Context;
     let kube_config = match &config.api_server {
         Some(url) => kube::Config::new(
@@ -110,7 +110,7 @@ struct Watch {
 }
 
 #[derive(Clone)]
-pub struct KubernetesSource {
+pub(crate) struct KubernetesSource {
     pub config: KubernetesSourceConfig,
     pub metrics: Arc<Metrics>,
 }

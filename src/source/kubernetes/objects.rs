@@ -128,13 +128,13 @@ impl RayServiceObject {
 
 /// The longest `serveConfigV2` read for its applications (Kubernetes caps a whole object
 /// at about 1.5 MiB).
-pub const MAX_SERVE_CONFIG_BYTES: usize = 1 << 20;
+pub(crate) const MAX_SERVE_CONFIG_BYTES: usize = 1 << 20;
 
 /// The deepest nesting a Serve config may have: flow collections (`[`, `{`) open at once,
 /// or compact block sequences (`- - -`) opened on one line. A YAML parser's time grows
 /// with the square of the nesting (a 1 MiB `[[[[...` takes minutes), and one tenant's
 /// RayService must not stall the source for all; a real config nests a few levels.
-pub const MAX_SERVE_CONFIG_NESTING: usize = 64;
+pub(crate) const MAX_SERVE_CONFIG_NESTING: usize = 64;
 
 /// Whether `yaml` nests deeper than [`MAX_SERVE_CONFIG_NESTING`], counted over the text
 /// without parsing it: brackets outside quotes and comments, and `- ` indicators at the
@@ -190,7 +190,7 @@ fn too_deep(yaml: &str) -> bool {
 /// [`MAX_SERVE_CONFIG_BYTES`], gives none; an integer name is its decimal string, as Ray
 /// coerces it; an entry with another invalid name is left out, an invalid or repeated
 /// route prefix dropped; at most 1,000 applications.
-pub fn serve_config_applications(yaml: &str) -> Vec<Application> {
+pub(crate) fn serve_config_applications(yaml: &str) -> Vec<Application> {
     if yaml.len() > MAX_SERVE_CONFIG_BYTES || too_deep(yaml) {
         return Vec::new();
     }
@@ -265,8 +265,8 @@ pub struct PodObject {
     pub grpc_port: Option<u16>,
 }
 
-pub const CLUSTER_LABEL: &str = "ray.io/cluster";
-pub const NODE_TYPE_LABEL: &str = "ray.io/node-type";
+pub(crate) const CLUSTER_LABEL: &str = "ray.io/cluster";
+pub(crate) const NODE_TYPE_LABEL: &str = "ray.io/node-type";
 const DEFAULT_SERVE_PORT: u16 = 8000;
 const DEFAULT_DASHBOARD_PORT: u16 = 8265;
 

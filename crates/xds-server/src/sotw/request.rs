@@ -54,7 +54,7 @@ pub struct WireRequest {
 
 impl WireRequest {
     /// The resource names, in the request's order.
-    pub fn resource_names(&self) -> impl Iterator<Item = &str> + '_ {
+    pub(crate) fn resource_names(&self) -> impl Iterator<Item = &str> + '_ {
         let starts = std::iter::once(0).chain(self.ends.iter().copied());
         starts.zip(self.ends.iter().copied()).map(|(start, end)| {
             self.text
