@@ -39,21 +39,47 @@ use super::project_root;
 /// the ephemeral range let a dashboard fail to bind once in CI ("Ray's dashboard did not
 /// come up").
 fn ray_port() -> u16 {
-    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
     let ephemeral_low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|t| t.split_whitespace().next()?.parse().ok())
         .unwrap_or(32768);
-    let (low, high) = (20_000u16, ephemeral_low.max(21_000));
+    // Below Ray's replica ports (30000 up), which `replica_ports` hands out.
+    let (low, high) = (20_000u16, ephemeral_low.clamp(21_000, 30_000));
     loop {
         let port = low + (fastrand::u16(..) % (high - low));
-        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
-            && GIVEN.lock().unwrap_or_else(|e| e.into_inner()).insert(port)
-        {
+        if let Some(port) = take_ports(port, 1) {
             return port;
         }
     }
+}
+
+/// Ports `first..first + n` if each is free now and none was handed out before (then
+/// none will be again in this process).
+fn take_ports(first: u16, n: u16) -> Option<u16> {
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    let ports = first..first.checked_add(n)?;
+    let free = ports.clone().all(|port| {
+        !given.contains(&port) && std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+    });
+    free.then(|| {
+        given.extend(ports);
+        first
+    })
+}
+
+/// How many ports each direct-ingress cluster's replicas may take, per protocol.
+const REPLICA_PORTS: u16 = 24;
+
+/// A block of [`REPLICA_PORTS`] ports of a direct-ingress cluster's own, for its replicas
+/// of one protocol, inside Ray's default range for it (`min..max`, as ray-xds's default
+/// `proxies.replica_ports` expects): the first one free.
+fn replica_ports(min: u16, max: u16) -> u16 {
+    (min..max - REPLICA_PORTS)
+        .step_by(REPLICA_PORTS.into())
+        .find_map(|first| take_ports(first, REPLICA_PORTS))
+        .unwrap_or_else(|| panic!("no {REPLICA_PORTS} free replica ports left in {min}..{max}"))
 }
 
 /// The `ray` command, installed on first use.
@@ -255,7 +281,8 @@ impl RealRayCluster {
     /// Like [`RealRayCluster::start`] (with gRPC when `grpc`), with Ray's direct ingress
     /// on (`RAY_SERVE_ENABLE_DIRECT_INGRESS=1` in every node's environment): the Serve
     /// proxy runs on the head only, and each application's ingress replicas listen on
-    /// ports of their own (HTTP from 30000, gRPC from 40000) on their node.
+    /// ports of their own on their node, from ranges of this cluster's own (see
+    /// `REPLICA_PORTS`).
     pub async fn start_direct_ingress(name: &str, workers: usize, grpc: bool) -> RealRayCluster {
         RealRayCluster::start_with(name, workers, grpc, Ingress::Direct).await
     }
@@ -313,7 +340,30 @@ impl RealRayCluster {
         );
         let ingress_env: Vec<(&str, String)> = match ingress {
             Ingress::Proxies => vec![],
-            Ingress::Direct => vec![("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1".into())],
+            Ingress::Direct => {
+                // Replica ports of this cluster's own, within Ray's default 30000-31000 and
+                // 40000-41000 but no other cluster's: a head node's replicas listen on every address of this
+                // host (the test's network namespace), so with the defaults a port a
+                // killed replica of one test's cluster left could be taken at once by a
+                // replica of another test's cluster (whose controller cannot know it), and
+                // Envoy's connections to the old address would reach the other cluster.
+                // (Within one cluster Ray's own quarantine, RAY_SERVE_PORT_QUARANTINE_S,
+                // keeps a released port out of use.)
+                let (http, grpc) = (replica_ports(30_000, 31_000), replica_ports(40_000, 41_000));
+                vec![
+                    ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1".into()),
+                    ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", http.to_string()),
+                    (
+                        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
+                        (http + REPLICA_PORTS).to_string(),
+                    ),
+                    ("RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", grpc.to_string()),
+                    (
+                        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT",
+                        (grpc + REPLICA_PORTS).to_string(),
+                    ),
+                ]
+            }
             Ingress::HaProxy => {
                 let at = |f: &str| haproxy_dir.join(f).display().to_string();
                 vec![
