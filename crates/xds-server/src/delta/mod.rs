@@ -25,58 +25,9 @@ use super::ordering::{
 use super::snapshot::{ResourceMap, ResourceType, Snapshot};
 use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
 
-#[derive(Debug)]
-struct InFlight {
-    nonce: String,
-    sent: ResourceMap,
-    removed: Vec<Arc<str>>,
-    /// What the Envoy holds once it ACKs, when that is a snapshot's whole set.
-    then_whole: Option<Holding>,
-    /// Clusters: the endpoints of the snapshot they came from, for the ones the Envoy
-    /// warms (it does not ACK them until they are warm, even if they are gone since).
-    endpoints_then: Option<Arc<ResourceMap>>,
-    /// Names (and versions) taken out of `sent` by `forget_endpoints` after sending:
-    /// still suspects if the Envoy rejects this response.
-    forgotten: Vec<(Arc<str>, Arc<str>)>,
-    /// [`content_key`] of the response as sent.
-    content: u64,
-}
+mod type_state;
 
-#[derive(Debug, Default)]
-struct TypeState {
-    subscribed: bool,
-    wildcard: bool,
-    /// Shared with every stream subscribed to the same names.
-    names: NameSet,
-    /// Subscribed names that do not exist and that the client was told so (in
-    /// `removed_resources`), once each.
-    told_absent: BTreeSet<Arc<str>>,
-    /// What the Envoy holds and rejected, the counts; the content of the response last
-    /// NACKed is not sent again until the Envoy ACKs something of this type (a NACK of
-    /// a removal alone would otherwise loop).
-    ledger: TypeLedger<u64>,
-    in_flight: Option<InFlight>,
-    last_acked_version: Option<String>,
-}
-
-/// What a response carries, as a hash: its resources' names and versions, and removals.
-fn content_key(sent: &ResourceMap, removed: &[Arc<str>]) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    for (name, r) in sent {
-        name.hash(&mut h);
-        r.version.hash(&mut h);
-    }
-    0xff_u8.hash(&mut h);
-    removed.hash(&mut h);
-    h.finish()
-}
-
-impl TypeState {
-    fn wants(&self, name: &str) -> bool {
-        self.wildcard || self.names.contains(name)
-    }
-}
+use type_state::{content_key, InFlight, TypeState};
 
 #[derive(Debug, Default)]
 pub struct DeltaStream {
@@ -396,83 +347,6 @@ impl DeltaStream {
             None => self.commit(ty, &f.sent, &f.removed),
         }
         Event::Ack { ty, version }
-    }
-}
-
-impl TypeState {
-    /// What a reconnecting client declares it holds (`initial_resource_versions`), but
-    /// endpoints, which are sent again whatever version the Envoy declares: a cluster it
-    /// was warming when the stream broke waits for a ClusterLoadAssignment sent after it,
-    /// which it would otherwise never get.
-    fn declare_initial(
-        &mut self,
-        ty: ResourceType,
-        versions: &std::collections::HashMap<String, String>,
-    ) {
-        let known = self.ledger.held.own();
-        for (name, version) in versions {
-            let version = if ty == ResourceType::Endpoints {
-                ""
-            } else {
-                version.as_str()
-            };
-            known.insert(
-                name.as_str().into(),
-                Held {
-                    version: version.into(),
-                    resource: None,
-                },
-            );
-        }
-    }
-
-    /// Names subscribed (`wildcard`: `*` among them) and unsubscribed.
-    fn subscribe(
-        &mut self,
-        first: bool,
-        subscribed: Vec<Arc<str>>,
-        wildcard: bool,
-        unsubscribe: &[String],
-    ) {
-        if wildcard {
-            self.wildcard = true;
-        }
-        // A name subscribed to again must be sent again, even if the client seems to hold
-        // it: it may have dropped it meanwhile (not so for the versions a reconnecting
-        // client declares).
-        if !first {
-            for name in &subscribed {
-                if self.ledger.held.contains(name) {
-                    self.ledger.held.own().remove(name);
-                }
-            }
-        }
-        for name in &subscribed {
-            self.told_absent.remove(name);
-        }
-        let unsubscribed = || unsubscribe.iter().filter(|n| *n != "*").map(String::as_str);
-        if subscribed.iter().any(|n| !self.names.contains(n))
-            || unsubscribed().any(|n| self.names.contains(n))
-        {
-            self.names.update(|names| {
-                names.extend(subscribed);
-                for name in unsubscribed() {
-                    names.remove(name);
-                }
-            });
-        }
-        for name in unsubscribe {
-            if name == "*" {
-                self.wildcard = false;
-            } else {
-                self.told_absent.remove(name.as_str());
-            }
-            // The client forgets it; a later subscribe must send it again. One it still
-            // gets through a wildcard is sent again, so that it knows to keep it.
-            if self.ledger.held.contains(name) {
-                self.ledger.held.own().remove(name.as_str());
-            }
-        }
     }
 }
 
