@@ -4,7 +4,7 @@
 //! `cargo bench --bench real_ray_kill -- --help`
 //!
 //! A real Ray 2.60 cluster (head + one worker node in a network namespace, see
-//! `crates/test-support/src/real_ray.rs`), ray-xds probing both proxies and reading the dashboard,
+//! `crates/test-support/src/real_ray/`), ray-xds probing both proxies and reading the dashboard,
 //! a real Envoy with steady requests. Each trial kills the worker node's proxy process and
 //! polls Envoy's admin `/clusters` every 5 ms until that endpoint is no longer healthy,
 //! then waits for Ray to restart the proxy (about 25 s) before the next trial.

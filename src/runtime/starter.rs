@@ -27,24 +27,6 @@ use crate::source::SourceStatus;
 use crate::supervisor::{supervise, Components};
 use crate::xds::{Clients, Snapshot};
 
-/// `supervise(name, ...)` as a task of the runtime's set (it ends only at shutdown).
-fn supervised<F, Fut>(
-    components: &Arc<Components>,
-    name: &'static str,
-    shutdown: &CancellationToken,
-    start: F,
-) -> impl std::future::Future<Output = anyhow::Result<()>> + Send + 'static
-where
-    F: FnMut() -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let (components, shutdown) = (components.clone(), shutdown.clone());
-    async move {
-        supervise(name, components, shutdown, start).await;
-        Ok(())
-    }
-}
-
 /// How long a replica peer has to answer.
 const PEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -76,13 +58,18 @@ pub(super) struct Starter<'a> {
 }
 
 impl Starter<'_> {
+    /// `supervisor::supervise(name, ...)` as a task of the runtime's set (it ends only at
+    /// shutdown).
     fn supervise<F, Fut>(&mut self, name: &'static str, start: F)
     where
         F: FnMut() -> Fut + Send + 'static,
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
-        let task = supervised(&self.components, name, &self.shutdown, start);
-        self.tasks.spawn(task);
+        let (components, shutdown) = (self.components.clone(), self.shutdown.clone());
+        self.tasks.spawn(async move {
+            supervise(name, components, shutdown, start).await;
+            Ok(())
+        });
     }
 
     pub(super) fn spawn(

@@ -1,4 +1,4 @@
-//! Real Ray Serve 2.60 in the loop: real clusters (`crates/test-support/src/real_ray.rs`), ray-xds
+//! Real Ray Serve 2.60 in the loop: real clusters (`crates/test-support/src/real_ray/`), ray-xds
 //! reading their real dashboards and probing their real proxies, a real Envoy in front.
 //!
 //! Every test here is named `real_ray_*`. They are heavy (a Ray node takes ~15 s and
