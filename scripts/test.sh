@@ -195,14 +195,7 @@ build_targets() { # build_targets CARGO-TEST-ARGS...: cargo test --no-run, notin
         >"$listing"
     while read -r name path; do
         exe[$name]=$path
-    done < <(python3 -c '
-import json, sys
-for line in open(sys.argv[1]):
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and \
-            set(m["target"]["kind"]) & {"test", "bench"}:
-        print(m["target"]["name"], m["executable"])
-' "$listing")
+    done < <(python3 scripts/lib/cargo_targets.py executables "$listing")
     rm -f "$listing"
 }
 # The benchmarks first: the timed ones run while the tests build.
@@ -241,13 +234,7 @@ step 2m build_targets --lib --bins --tests
 background --nice 0 envoy-tests 20m "${exe[envoy]}" --test-threads 4
 others=()
 while read -r name; do others+=(--test "$name"); done < <(cargo metadata --no-deps --format-version 1 |
-    python3 -c '
-import json, sys
-for p in json.load(sys.stdin)["packages"]:
-    for t in p["targets"]:
-        if "test" in t["kind"] and t["name"] not in ("envoy", "real_ray"):
-            print(t["name"])
-')
+    python3 scripts/lib/cargo_targets.py tests-except envoy real_ray)
 step 35m cargo test --locked --lib --bins "${others[@]}" -- --test-threads 4
 await envoy-tests
 # deploy/ against the Kubernetes OpenAPI schema (1.30 and the newest), strict, and the

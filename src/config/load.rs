@@ -254,14 +254,25 @@ fn bounded(
     default: usize,
     range: std::ops::RangeInclusive<usize>,
 ) -> Result<usize, ConfigError> {
-    let v = value.unwrap_or(default);
-    if range.contains(&v) {
-        Ok(v)
+    let shown = format!("{}..={}", range.start(), range.end());
+    within(field, flag, value.unwrap_or(default), &range, "", &shown)
+}
+
+/// `value` of `field` (flag `--flag`) if it is in `range`; else an error naming the
+/// value with its `unit` and the range as `shown`.
+fn within(
+    field: &str,
+    flag: &str,
+    value: usize,
+    range: &std::ops::RangeInclusive<usize>,
+    unit: &str,
+    shown: &str,
+) -> Result<usize, ConfigError> {
+    if range.contains(&value) {
+        Ok(value)
     } else {
         Err(ConfigError::Invalid(format!(
-            "{field} (--{flag}) is {v}: it must be in {}..={}",
-            range.start(),
-            range.end()
+            "{field} (--{flag}) is {value}{unit}: it must be in {shown}"
         )))
     }
 }
@@ -327,14 +338,15 @@ fn memory(
 ) -> Result<MemoryBudgets, ConfigError> {
     let defaults = MemoryBudgets::default();
     let budget = |field: &str, flag: &str, value: Option<usize>, default: usize| {
-        let v = value.unwrap_or(default);
-        if MEMORY_BUDGET_RANGE.contains(&v) {
-            Ok(v)
-        } else {
-            Err(ConfigError::Invalid(format!(
-                "{field} (--{flag}) is {v} bytes: it must be in 1Mi..=16Gi"
-            )))
-        }
+        let value = value.unwrap_or(default);
+        within(
+            field,
+            flag,
+            value,
+            &MEMORY_BUDGET_RANGE,
+            " bytes",
+            "1Mi..=16Gi",
+        )
     };
     let memory = MemoryBudgets {
         dashboards: budget(

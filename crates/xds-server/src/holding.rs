@@ -416,6 +416,19 @@ impl<K> TypeLedger<K> {
         self.rejected.on_nack(changed, message)
     }
 
+    /// Whether the Envoy rejected `name` (it keeps what it held before).
+    pub(crate) fn rejects(&self, name: &str) -> bool {
+        self.rejected.rejected.contains_key(name)
+    }
+
+    /// The names and versions the Envoy holds.
+    pub(crate) fn held_versions(&self) -> Vec<(Arc<str>, Arc<str>)> {
+        self.held
+            .iter()
+            .map(|(n, v, _)| (n.clone(), v.clone()))
+            .collect()
+    }
+
     /// The ledger as `/debug/clients` shows it.
     pub(crate) fn status(
         &self,

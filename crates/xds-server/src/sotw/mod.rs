@@ -435,16 +435,9 @@ impl AdsProtocol for SotwStream {
     }
 
     fn rejected(&self, cluster: &str) -> bool {
-        self.types[ResourceType::Cluster.index()]
-            .ledger
-            .rejected
-            .rejected
-            .contains_key(cluster)
-            || self.types[ResourceType::Endpoints.index()]
-                .ledger
-                .rejected
-                .rejected
-                .contains_key(cluster)
+        [ResourceType::Cluster, ResourceType::Endpoints]
+            .iter()
+            .any(|ty| self.types[ty.index()].ledger.rejects(cluster))
     }
 
     fn awaiting_reconnect(&self) -> bool {
@@ -470,12 +463,7 @@ impl AdsProtocol for SotwStream {
     }
 
     fn held(&self, ty: ResourceType) -> Vec<(Arc<str>, Arc<str>)> {
-        self.types[ty.index()]
-            .ledger
-            .held
-            .iter()
-            .map(|(n, v, _)| (n.clone(), v.clone()))
-            .collect()
+        self.types[ty.index()].ledger.held_versions()
     }
 
     fn subscription(&self, ty: ResourceType) -> Option<Option<Vec<Arc<str>>>> {
