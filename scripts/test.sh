@@ -210,16 +210,18 @@ step 8m "${exe[scale]}" --proxies 300 --steady 4 --edits 2
 step 5m "${exe[detection]}" --trials 3 --lanes 3 --cost-proxies 0 --slow-window 2
 # One short chaos scenario per fault family (a proxy dies, a proxy hangs, a proxy drains,
 # a cluster is upgraded, the control plane is down while a proxy dies or hangs): fails
-# when ray-xds loses a request or runs one twice; the baseline's count is printed, not
-# asserted. The arms run at the same time, each with its own processes.
+# when ray-xds loses a request or runs one twice. The arms run at the same time, each
+# with its own processes. Only ray-xds's arms: the baseline's counts, printed and never
+# asserted, are the full benchmark's (docs/benchmarks.md), and here they would only take
+# CPU from the release build beside.
 step 20m "${exe[chaos]}" --scenario head-crash --scenario proxy-hang \
     --scenario proxy-drain --scenario upgrade --scenario control-plane-down-crash \
     --scenario control-plane-down-hang \
-    --arm ray-xds --arm ray-xds-head-include --arm baseline-kuberay \
+    --arm ray-xds --arm ray-xds-head-include \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert --arms-together
 # The same rule for gRPC calls (each node's gRPC proxy): a proxy dies, a cluster is upgraded.
 step 10m "${exe[chaos]}" --protocol grpc --scenario worker-crash --scenario upgrade \
-    --arm ray-xds --arm baseline-kuberay \
+    --arm ray-xds \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert --arms-together
 # The fan-out benchmark, small and unoptimized, ray-xds only: a smoke test that it still
 # runs, both protocols; it fails when a client misses a change. (Its peer,
