@@ -22,21 +22,22 @@ pub(super) fn ray_port() -> u16 {
     let (low, high) = (20_000u16, ephemeral_low.clamp(21_000, 30_000));
     loop {
         let port = low + (fastrand::u16(..) % (high - low));
-        if let Some(port) = take_ports(port, 1) {
+        if let Some(port) = take_ports(port, 1, true) {
             return port;
         }
     }
 }
 
-/// Ports `first..first + n` if each is free now and none was handed out before (then
-/// none will be again in this process).
-fn take_ports(first: u16, n: u16) -> Option<u16> {
+/// Ports `first..first + n` if none was handed out before (then none will be again in
+/// this process) and, when `free_now`, each is free now.
+fn take_ports(first: u16, n: u16, free_now: bool) -> Option<u16> {
     static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
         std::sync::Mutex::new(std::collections::BTreeSet::new());
     let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
     let ports = first..first.checked_add(n)?;
     let free = ports.clone().all(|port| {
-        !given.contains(&port) && std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+        !given.contains(&port)
+            && (!free_now || std::net::TcpListener::bind(("0.0.0.0", port)).is_ok())
     });
     free.then(|| {
         given.extend(ports);
@@ -49,11 +50,13 @@ pub(super) const REPLICA_PORTS: u16 = 24;
 
 /// A block of [`REPLICA_PORTS`] ports of a direct-ingress cluster's own, for its replicas
 /// of one protocol, inside Ray's default range for it (`min..max`, as ray-xds's default
-/// `proxies.replica_ports` expects): the first one free.
+/// `proxies.replica_ports` expects): the first no other cluster has. Not checked free
+/// now: the gRPC range (40000 up) is inside the kernel's ephemeral range, where outgoing
+/// connections come and go, and Ray skips (and blocks) a port it cannot bind.
 pub(super) fn replica_ports(min: u16, max: u16) -> u16 {
     (min..max - REPLICA_PORTS)
         .step_by(REPLICA_PORTS.into())
-        .find_map(|first| take_ports(first, REPLICA_PORTS))
+        .find_map(|first| take_ports(first, REPLICA_PORTS, false))
         .unwrap_or_else(|| panic!("no {REPLICA_PORTS} free replica ports left in {min}..{max}"))
 }
 
