@@ -14,14 +14,10 @@ pub fn write_atomic(path: &Path, text: &str) {
     std::fs::rename(&tmp, path).unwrap();
 }
 
-/// A loopback port free a moment ago.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+/// A port free a moment ago, below the kernel's ephemeral range (see the test harness).
+/// Unused where a benchmark takes it from `support::*` directly.
+#[allow(unused_imports)]
+pub use support::free_port;
 
 /// A bare HTTP/1.0 GET on loopback, enough for the admin API: (status, body), or `None`
 /// on any failure or after `deadline`. The server answers an HTTP/1.0 request with an

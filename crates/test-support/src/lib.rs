@@ -2,7 +2,7 @@
 //! free ports, and processes that die with the test.
 
 use std::collections::BTreeMap;
-use std::net::{SocketAddr, TcpListener as StdListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -19,9 +19,11 @@ use tokio_util::sync::CancellationToken;
 
 mod envoy;
 mod http;
+mod ports;
 
 pub use envoy::*;
 pub use http::*;
+pub use ports::free_port;
 
 pub mod ads;
 pub mod conformance;
@@ -39,24 +41,6 @@ pub use stack::Stack;
 /// The project's root folder (this crate is `crates/test-support` in it).
 pub fn project_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// A port that was free a moment ago (for processes that cannot bind port 0 themselves),
-/// never one this process handed out before: the kernel may give the same free port to
-/// two calls in a row, and a simulator given it twice would fail to bind.
-pub fn free_port() -> u16 {
-    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    loop {
-        let port = StdListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if GIVEN.lock().unwrap_or_else(|e| e.into_inner()).insert(port) {
-            return port;
-        }
-    }
 }
 
 /// Simulated Ray Serve proxies of one cluster, in-process.

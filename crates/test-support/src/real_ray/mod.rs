@@ -35,7 +35,8 @@ use super::project_root;
 mod net;
 mod serve;
 
-use net::{ray_port, replica_ports, run, Subnet, REPLICA_PORTS};
+use crate::ports::ray_port;
+use net::{replica_ports, run, Subnet, REPLICA_PORTS};
 pub use serve::App;
 
 /// The `ray` command, installed on first use.

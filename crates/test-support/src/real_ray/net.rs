@@ -1,49 +1,12 @@
-//! A real-Ray cluster's place on this host: ports (free a moment ago, never handed out
-//! twice, each direct-ingress cluster's replica ports a block of its own) and the
+//! A real-Ray cluster's place on this host: each direct-ingress cluster's replica ports
+//! (a block of its own; Ray's other listeners take [`crate::ports`]' ports) and the
 //! addresses of its nodes (a /24 of 198.18.0.0/15, a network namespace per worker).
 //!
 //! Invariant: no two clusters of one test process get the same port or /24; a subnet's
 //! namespace and veth go when it is dropped.
 
 use super::*;
-
-/// A port for one of Ray's listeners: free a moment ago, never handed out before, and
-/// below the kernel's ephemeral range (`ip_local_port_range`), so that none of the
-/// outgoing connections and port-0 listeners of the Ray processes already running (this
-/// cluster's or another test's) can take it between now and Ray's bind. Ports picked from
-/// the ephemeral range let a dashboard fail to bind once in CI ("Ray's dashboard did not
-/// come up").
-pub(super) fn ray_port() -> u16 {
-    let ephemeral_low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|t| t.split_whitespace().next()?.parse().ok())
-        .unwrap_or(32768);
-    // Below Ray's replica ports (30000 up), which `replica_ports` hands out.
-    let (low, high) = (20_000u16, ephemeral_low.clamp(21_000, 30_000));
-    loop {
-        let port = low + (fastrand::u16(..) % (high - low));
-        if let Some(port) = take_ports(port, 1, true) {
-            return port;
-        }
-    }
-}
-
-/// Ports `first..first + n` if none was handed out before (then none will be again in
-/// this process) and, when `free_now`, each is free now.
-fn take_ports(first: u16, n: u16, free_now: bool) -> Option<u16> {
-    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    let ports = first..first.checked_add(n)?;
-    let free = ports.clone().all(|port| {
-        !given.contains(&port)
-            && (!free_now || std::net::TcpListener::bind(("0.0.0.0", port)).is_ok())
-    });
-    free.then(|| {
-        given.extend(ports);
-        first
-    })
-}
+use crate::ports::take_ports;
 
 /// How many ports each direct-ingress cluster's replicas may take, per protocol.
 pub(super) const REPLICA_PORTS: u16 = 24;
