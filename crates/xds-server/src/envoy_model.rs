@@ -825,4 +825,29 @@ mod tests {
         run(&mut DeltaClient::default(), &actions).unwrap();
         run(&mut SotwClient::default(), &actions).unwrap();
     }
+
+    /// Found by the proptest: an Envoy that rejected a cluster, reconnects holding
+    /// another one, and is then offered only a cluster it rejects whole.
+    #[test]
+    fn a_reconnected_envoy_drops_a_cluster_that_left_while_the_rest_is_rejected() {
+        let d = |c: [Option<(u8, u8)>; 2], active: usize| {
+            Some(ServiceDraw {
+                clusters: c,
+                active,
+            })
+        };
+        use Action::*;
+        let actions = vec![
+            Publish(vec![
+                d([Some((0, 5)), None], 0),
+                None,
+                d([None, Some((0, 0))], 1),
+            ]),
+            Step,
+            Reconnect,
+            Publish(vec![d([Some((0, 6)), None], 0), None, None]),
+        ];
+        run(&mut DeltaClient::default(), &actions).unwrap();
+        run(&mut SotwClient::default(), &actions).unwrap();
+    }
 }

@@ -365,6 +365,9 @@ impl AdsProtocol for SotwStream {
             }
         }
         let mut reconnected = false;
+        let clusters_unanswered = self.types[ResourceType::Cluster.index()]
+            .last_nonce
+            .is_none();
         let st = &mut self.types[ty.index()];
 
         let answers_latest = match &st.last_nonce {
@@ -394,7 +397,14 @@ impl AdsProtocol for SotwStream {
                     if !matches!(ty, ResourceType::Cluster | ResourceType::Endpoints) {
                         st.acked_version = req.version_info.clone();
                     }
-                    reconnected = !req.version_info.is_empty();
+                    // So is one that asks for endpoints before this stream sent it any
+                    // cluster: only clusters it holds (or warms) make it ask, whatever
+                    // versions it reports (none, when it never accepted a whole cluster
+                    // response but applied part of one).
+                    reconnected = !req.version_info.is_empty()
+                        || (ty == ResourceType::Endpoints
+                            && clusters_unanswered
+                            && !names.is_empty());
                 }
                 Event::Subscribed(ty)
             }

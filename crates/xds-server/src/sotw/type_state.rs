@@ -172,7 +172,8 @@ impl TypeState {
     /// Whether the Envoy already holds `wanted` (under `version`), recording that it
     /// does. After a rejection it keeps what it had, which the rules may give again under
     /// another version string: no response then, unless this stream has never answered
-    /// the type (Envoy waits for a first one, even empty, to finish initializing).
+    /// the type (Envoy waits for a first one, even empty, to finish initializing), or it
+    /// declared on a reconnect a name of a full-state type that `wanted` lacks.
     /// (Compared name by name only where it can matter: full-state types, a version
     /// that differs. This runs on every poll of every stream.)
     pub(super) fn holds_already(
@@ -199,6 +200,18 @@ impl TypeState {
             self.acked_version = version.to_string();
         }
         if version != self.acked_version {
+            return false;
+        }
+        // A full-state type whose Envoy declared on a reconnect a name `wanted` lacks (a
+        // cluster its EDS request names, kept from a response it rejected in part, which
+        // its version does not tell): only a response removes it, even an empty one.
+        if ty.is_full_state()
+            && self
+                .ledger
+                .held
+                .iter()
+                .any(|(n, v, _)| v.is_empty() && !wanted.contains_key(n))
+        {
             return false;
         }
         self.ledger.held = if whole {
