@@ -271,6 +271,7 @@ pub fn routes(data: &[u8]) {
                 status: AppStatus::Running,
                 route_prefix: Some("/hello".into()),
                 message: String::new(),
+                capacity: None,
             },
         )]),
         ..Default::default()

@@ -11,7 +11,8 @@ use ray_serve_sim::dashboard::*;
 use ray_serve_sim::NodeType;
 use ray_xds::live::dashboard::APPLICATIONS_PATH;
 use ray_xds::live::dashboard::{
-    parse, AppStatus, Application, DashboardClient, DashboardError, ProxyStatus, ServeProxy,
+    parse, AppStatus, Application, Capacity, DashboardClient, DashboardError, ProxyStatus,
+    ServeProxy,
 };
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
@@ -288,6 +289,10 @@ async fn deploy_app_settles_after_the_duration() {
             status: AppStatus::Running,
             route_prefix: Some("/slow".into()),
             message: String::new(),
+            capacity: Some(Capacity {
+                ready: 5,
+                full: Some(5)
+            }),
         }
     );
     assert_eq!(

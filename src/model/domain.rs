@@ -18,6 +18,10 @@ pub struct RayService {
     pub hosts: Vec<String>,
     pub active_cluster: String,
     pub pending_cluster: Option<String>,
+    /// The most percent of the traffic the source lets the pending cluster take: KubeRay's
+    /// incremental upgrade (`pendingServiceStatus.trafficRoutedPercent`), or
+    /// `pending_traffic_percent` in `services.yaml`. `None`: no cap of the source's.
+    pub pending_traffic_cap: Option<u32>,
     /// Sorted by name.
     pub clusters: Vec<RayCluster>,
     /// Per-RayService settings that override the global ones.

@@ -112,6 +112,7 @@ pub(crate) mod test_support {
     /// A RayService with one cluster of `proxies` ports on 127.0.0.1 (the first is head).
     pub fn service(name: &str, cluster: &str, ports: &[u16]) -> RayService {
         RayService {
+            pending_traffic_cap: None,
             namespace: "default".into(),
             name: name.into(),
             hosts: vec![format!("{name}.example")],

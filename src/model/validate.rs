@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
 use super::names::{check_application_name, check_route_prefix, is_dns_label, validate_host};
-use super::{Model, Protocol, RayService};
+use super::{Model, Protocol, RayCluster, RayService};
 
 /// Why a set of RayServices cannot become a [`Model`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -48,67 +48,10 @@ impl RayService {
         }
         let mut names = BTreeSet::new();
         for cluster in &self.clusters {
-            if !is_dns_label(&cluster.name) {
-                return Err(format!(
-                    "cluster name {:?} is not a DNS label",
-                    cluster.name
-                ));
-            }
             if !names.insert(cluster.name.as_str()) {
                 return Err(format!("cluster {} is defined twice", cluster.name));
             }
-            if cluster.discover && cluster.dashboard.is_none() {
-                return Err(format!(
-                    "cluster {} discovers its proxies from its dashboard but has no dashboard",
-                    cluster.name
-                ));
-            }
-            let mut addrs = BTreeSet::new();
-            for proxy in &cluster.proxies {
-                if !addrs.insert(proxy.address) {
-                    return Err(format!(
-                        "cluster {}: proxy {} is listed twice",
-                        cluster.name, proxy.address
-                    ));
-                }
-            }
-            for grpc in cluster.proxies.iter().filter_map(|p| p.grpc) {
-                if !addrs.insert(grpc) {
-                    return Err(format!(
-                        "cluster {}: gRPC address {grpc} is listed twice, or is also an HTTP proxy's",
-                        cluster.name
-                    ));
-                }
-            }
-            let (mut apps, mut prefixes) = (BTreeSet::new(), BTreeSet::new());
-            for app in &cluster.applications {
-                check_application_name(&app.name)
-                    .map_err(|why| format!("cluster {}: {why}", cluster.name))?;
-                if !apps.insert(app.name.as_str()) {
-                    return Err(format!(
-                        "cluster {}: application {:?} is listed twice",
-                        cluster.name, app.name
-                    ));
-                }
-                if let Some(prefix) = &app.route_prefix {
-                    check_route_prefix(prefix)
-                        .map_err(|why| format!("cluster {}: {why}", cluster.name))?;
-                    if !prefixes.insert(prefix.as_str()) {
-                        return Err(format!(
-                            "cluster {}: route prefix {prefix:?} is listed twice",
-                            cluster.name
-                        ));
-                    }
-                }
-                for replica in app.http_replicas.iter().chain(&app.grpc_replicas) {
-                    if !addrs.insert(*replica) {
-                        return Err(format!(
-                            "cluster {}: replica {replica} of {:?} is listed twice, or is also a proxy's",
-                            cluster.name, app.name
-                        ));
-                    }
-                }
-            }
+            validate_cluster(cluster)?;
         }
         if self.cluster(&self.active_cluster).is_none() {
             return Err(format!(
@@ -128,8 +71,77 @@ impl RayService {
                 ));
             }
         }
-        Ok(())
+        match self.pending_traffic_cap {
+            Some(cap) if cap > 100 => Err(format!("pending_traffic_percent {cap} is over 100")),
+            Some(_) if self.pending_cluster.is_none() => {
+                Err("pending_traffic_percent without a pending_cluster".into())
+            }
+            _ => Ok(()),
+        }
     }
+}
+
+/// One cluster's own invariants: a DNS-label name, a dashboard when it discovers, each
+/// address once (proxies, gRPC proxies, replicas), each application and route prefix once.
+fn validate_cluster(cluster: &RayCluster) -> Result<(), String> {
+    if !is_dns_label(&cluster.name) {
+        return Err(format!(
+            "cluster name {:?} is not a DNS label",
+            cluster.name
+        ));
+    }
+    if cluster.discover && cluster.dashboard.is_none() {
+        return Err(format!(
+            "cluster {} discovers its proxies from its dashboard but has no dashboard",
+            cluster.name
+        ));
+    }
+    let mut addrs = BTreeSet::new();
+    for proxy in &cluster.proxies {
+        if !addrs.insert(proxy.address) {
+            return Err(format!(
+                "cluster {}: proxy {} is listed twice",
+                cluster.name, proxy.address
+            ));
+        }
+    }
+    for grpc in cluster.proxies.iter().filter_map(|p| p.grpc) {
+        if !addrs.insert(grpc) {
+            return Err(format!(
+                "cluster {}: gRPC address {grpc} is listed twice, or is also an HTTP proxy's",
+                cluster.name
+            ));
+        }
+    }
+    let (mut apps, mut prefixes) = (BTreeSet::new(), BTreeSet::new());
+    for app in &cluster.applications {
+        check_application_name(&app.name)
+            .map_err(|why| format!("cluster {}: {why}", cluster.name))?;
+        if !apps.insert(app.name.as_str()) {
+            return Err(format!(
+                "cluster {}: application {:?} is listed twice",
+                cluster.name, app.name
+            ));
+        }
+        if let Some(prefix) = &app.route_prefix {
+            check_route_prefix(prefix).map_err(|why| format!("cluster {}: {why}", cluster.name))?;
+            if !prefixes.insert(prefix.as_str()) {
+                return Err(format!(
+                    "cluster {}: route prefix {prefix:?} is listed twice",
+                    cluster.name
+                ));
+            }
+        }
+        for replica in app.http_replicas.iter().chain(&app.grpc_replicas) {
+            if !addrs.insert(*replica) {
+                return Err(format!(
+                    "cluster {}: replica {replica} of {:?} is listed twice, or is also a proxy's",
+                    cluster.name, app.name
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Model {
@@ -248,6 +260,23 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("also the active"));
+        let mut a = service("a", "a1", &[8000]);
+        a.pending_traffic_cap = Some(10);
+        assert!(Model::new(vec![a])
+            .unwrap_err()
+            .to_string()
+            .contains("without a pending_cluster"));
+        let mut a = service("a", "a1", &[8000]);
+        a.clusters
+            .push(service("a", "b1", &[9000]).clusters.remove(0));
+        a.pending_cluster = Some("b1".into());
+        a.pending_traffic_cap = Some(101);
+        assert!(Model::new(vec![a.clone()])
+            .unwrap_err()
+            .to_string()
+            .contains("over 100"));
+        a.pending_traffic_cap = Some(100);
+        assert!(Model::new(vec![a]).is_ok());
     }
 
     #[test]

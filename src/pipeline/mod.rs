@@ -18,6 +18,7 @@
 //! Invariants: state carried between builds (switchover, departed clusters, what was
 //! published) changes only here; nothing here reads a clock or does I/O.
 
+pub(crate) mod capacity;
 pub mod departed;
 pub(crate) mod leaving;
 pub(crate) mod readiness;

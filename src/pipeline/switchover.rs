@@ -1124,4 +1124,135 @@ mod tests {
             assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
         }
     }
+
+    impl World {
+        /// `hello` on `cluster` runs `ready` requests at once of `full` at full size.
+        fn capacity(&mut self, cluster: &str, ready: u64, full: Option<u64>) {
+            let d = self.dashboards.clusters.get_mut(cluster).unwrap();
+            let mut status = (**d.status.as_ref().unwrap()).clone();
+            status.applications.get_mut("hello").unwrap().capacity =
+                Some(crate::live::dashboard::Capacity { ready, full });
+            d.status = Some(status.into());
+        }
+    }
+
+    /// The case: a cluster of 4 replicas × 2 serving, the new one RUNNING with 1:
+    /// it takes a fifth, more as it grows, and all once it can run what a1 can.
+    #[test]
+    fn traffic_moves_in_proportion_to_ready_capacity_and_completes_at_full_size() {
+        let mut world = World::new();
+        world.capacity("default/s/a1", 8, Some(8));
+        world.capacity("default/s/b1", 2, Some(8));
+        let m = model(A, Some(B), SwitchoverOverrides::default());
+        let mut s = Switchover::default();
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(A, 80), (B, 20)]));
+        assert_eq!(s.services["default/s"].phase, Phase::Shifting);
+        let reason = &s.services["default/s"].reason;
+        assert!(
+            reason.contains("ready capacity") && reason.contains("hello can run 2"),
+            "{reason}"
+        );
+        // A replica restarted now derives the same weights from the same answers.
+        let mut fresh = Switchover::default();
+        advance(&mut fresh, &m, &world, &(), T0 + Duration::from_secs(60));
+        assert_eq!(weights(&fresh), weights(&s));
+
+        world.capacity("default/s/b1", 4, Some(8));
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(A, 67), (B, 33)]));
+        // KubeRay shrinks a1 as b1 grows: b1 still needs what a1 has at full size.
+        world.capacity("default/s/a1", 4, Some(8));
+        world.capacity("default/s/b1", 6, Some(8));
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(A, 40), (B, 60)]));
+        world.capacity("default/s/b1", 8, Some(8));
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+        assert_eq!(s.services["default/s"].phase, Phase::Stable);
+    }
+
+    #[test]
+    fn the_schedule_bounds_a_capacity_weight_and_nothing_ready_moves_nothing() {
+        let mut world = World::new();
+        world.capacity("default/s/a1", 8, Some(8));
+        world.capacity("default/s/b1", 6, Some(8));
+        let m = model(A, Some(B), steps_policy());
+        let mut s = Switchover::default();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        advance(&mut s, &m, &world, &(), at(0));
+        assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]), "the first step");
+        advance(&mut s, &m, &world, &(), at(20));
+        assert_eq!(
+            weights(&s),
+            w(&[(A, 58), (B, 42)]),
+            "capacity below the 50% step"
+        );
+        // RUNNING, no replica running: the route names a1 only.
+        world.capacity("default/s/b1", 0, Some(8));
+        advance(&mut s, &m, &world, &(), at(30));
+        assert_eq!(weights(&s), w(&[(A, 100)]));
+        assert_eq!(s.services["default/s"].phase, Phase::Shifting);
+    }
+
+    #[test]
+    fn capacity_unknown_on_either_side_or_a_dead_serving_cluster_sets_no_limit() {
+        let mut world = World::new();
+        world.capacity("default/s/b1", 1, Some(8));
+        let m = model(A, Some(B), SwitchoverOverrides::default());
+        // a1's dashboard does not say: no limit.
+        let d = world.dashboards.clusters.get_mut("default/s/a1").unwrap();
+        let mut status = (**d.status.as_ref().unwrap()).clone();
+        status.applications.get_mut("hello").unwrap().capacity = None;
+        d.status = Some(status.into());
+        let mut s = Switchover::default();
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+
+        // a1's dashboard has not answered yet (a replica just started): nothing moves
+        // until it has.
+        world
+            .dashboards
+            .clusters
+            .get_mut("default/s/a1")
+            .unwrap()
+            .status = None;
+        let mut s = Switchover::default();
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(A, 100)]));
+        assert!(s.services["default/s"].reason.contains("has not answered"));
+
+        // a1 has nothing routable left: all to b1, whatever it can carry.
+        let mut world = World::new();
+        world.capacity("default/s/a1", 8, Some(8));
+        world.capacity("default/s/b1", 1, Some(8));
+        world.proxy(8000, ProbeState::Unhealthy);
+        let mut s = Switchover::default();
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
+    /// KubeRay's incremental upgrade: the source caps the pending cluster's share; a
+    /// replica restarted mid-upgrade derives the same weights.
+    #[test]
+    fn the_source_s_traffic_percent_caps_the_pending_cluster() {
+        let world = World::new();
+        let mut m = model(A, Some(B), SwitchoverOverrides::default()).services()[0].clone();
+        m.pending_traffic_cap = Some(30);
+        let m = Model::new(vec![m]).unwrap();
+        let mut s = Switchover::default();
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(A, 70), (B, 30)]));
+        assert!(s.services["default/s"].reason.contains("routes 30%"));
+        let mut fresh = Switchover::default();
+        advance(&mut fresh, &m, &world, &(), T0);
+        assert_eq!(weights(&fresh), weights(&s));
+        // At 0, nothing moves; at 100, the move completes.
+        for (cap, want) in [(0, w(&[(A, 100)])), (100, w(&[(B, 100)]))] {
+            let mut m = m.services()[0].clone();
+            m.pending_traffic_cap = Some(cap);
+            advance(&mut s, &Model::new(vec![m]).unwrap(), &world, &(), T0);
+            assert_eq!(weights(&s), want, "{cap}");
+        }
+    }
 }

@@ -49,6 +49,10 @@ struct ServiceSpec {
     hosts: Option<Vec<String>>,
     active_cluster: String,
     pending_cluster: Option<String>,
+    /// The most percent of the traffic the pending cluster may take (as KubeRay's
+    /// incremental upgrade's `trafficRoutedPercent`), 0 to 100.
+    #[serde(default)]
+    pending_traffic_percent: Option<u32>,
     clusters: Vec<ClusterSpec>,
     /// `exclude`, `include` or `fallback` (default).
     #[serde(default)]
@@ -184,6 +188,7 @@ fn service(file: &Path, s: ServiceSpec) -> Result<RayService, ConfigError> {
         name: s.name,
         active_cluster: s.active_cluster,
         pending_cluster: s.pending_cluster,
+        pending_traffic_cap: s.pending_traffic_percent,
         clusters: s.clusters.into_iter().map(cluster).collect(),
     })
 }

@@ -317,3 +317,69 @@ async fn a_switch_waits_until_every_connected_envoy_warmed_the_new_cluster() {
     assert_eq!(sw["phase"], "stable", "{sw}");
     shutdown.cancel();
 }
+
+/// A new cluster RUNNING at a quarter of the serving cluster's replicas takes a share of
+/// the traffic in proportion to what it can run at once (4 × 2 against 1 × 2: a fifth),
+/// not all of it, and all of it once it is scaled to full size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_to_a_smaller_cluster_moves_traffic_in_proportion_to_ready_capacity() {
+    use ray_serve_sim::dashboard::AppSize;
+    let shutdown = CancellationToken::new();
+    let a = SimCluster::start("a", &[NodeType::Head]).await;
+    let b = SimCluster::start("b", &[NodeType::Head]).await;
+    let (da, url_a) = dashboard("RUNNING", &shutdown).await;
+    let (db, url_b) = dashboard("RUNNING", &shutdown).await;
+    let full = AppSize {
+        num_replicas: 4,
+        running: 4,
+        max_ongoing_requests: 2,
+    };
+    da.set_app_size("hello", full);
+    db.set_app_size("hello", AppSize { running: 1, ..full });
+    let s = Stack::with(yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], ""))
+        .envoy(Bootstrap::Sotw)
+        .start()
+        .await;
+    let (xds, port) = (&s.xds, s.gateway_port);
+    let sw = eventually("b takes a fifth", DEADLINE, || async {
+        let sw = switch_state(xds.admin_addr).await?;
+        let b_weight = sw["weights"].as_array()?.iter().find(|w| w[0] == "b")?[1].as_u64();
+        (b_weight == Some(20)).then_some(sw)
+    })
+    .await;
+    assert_eq!(sw["phase"], "shifting", "{sw}");
+    assert!(
+        sw["reason"].as_str().unwrap().contains("ready capacity"),
+        "{sw}"
+    );
+    // Envoy splits the requests (a route's update may still be on its way: wait for b).
+    drive(port, |c| c == "b").await;
+    let mut on = std::collections::BTreeMap::<String, u32>::new();
+    for _ in 0..200 {
+        let served = through_envoy(port)
+            .await
+            .expect("every request is answered");
+        *on.entry(served.cluster).or_default() += 1;
+    }
+    let (on_a, on_b) = (
+        on.get("a").copied().unwrap_or(0),
+        on.get("b").copied().unwrap_or(0),
+    );
+    // 20% of 200 is 40; 10 and 80 are over 4 standard deviations away.
+    assert!((10..=80).contains(&on_b) && on_a + on_b == 200, "{on:?}");
+
+    // b is scaled to full size: it takes everything, and the switch ends.
+    db.set_app_size("hello", full);
+    let failed = eventually("all traffic on b", DEADLINE, || async {
+        let mut all_b = true;
+        for _ in 0..20 {
+            all_b &= through_envoy(port).await.map(|s| s.cluster).as_deref() == Some("b");
+        }
+        all_b.then_some(0)
+    })
+    .await;
+    assert_eq!(failed, 0);
+    let sw = switch_state(xds.admin_addr).await.unwrap();
+    assert_eq!(sw["phase"], "stable", "{sw}");
+    shutdown.cancel();
+}

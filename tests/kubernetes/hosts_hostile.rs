@@ -49,6 +49,7 @@ fn rayservice(ns: &str, name: &str, created: i64, hosts: Option<&str>) -> RaySer
         active: Some(ClusterStatus {
             ray_cluster_name: Some(format!("{name}-c")),
             application_statuses: None,
+            traffic_routed_percent: None,
         }),
         pending: None,
         applications: Vec::new(),

@@ -849,3 +849,79 @@ async fn two_namespaces_contending_for_a_host_the_older_keeps_it_and_none_takes_
     .await;
     shutdown.cancel();
 }
+
+/// The weights `/debug/state` shows for the RayService, `(cluster, percent)`.
+async fn published_weights(admin: SocketAddr) -> Vec<(String, u64)> {
+    let s = debug_state(admin).await;
+    s["rayservices"][0]["switchover"]["weights"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|w| Some((w[0].as_str()?.to_string(), w[1].as_u64()?)))
+        .collect()
+}
+
+/// KubeRay's incremental upgrade (`NewClusterWithIncrementalUpgrade`): it grows the new
+/// cluster through Serve's `target_capacity` and reports the traffic its Gateway sends it
+/// (`pendingServiceStatus.trafficRoutedPercent`). The new cluster never gets more than
+/// that, nor more than its ready capacity allows; the move completes once KubeRay routes
+/// it everything and it can run what the old cluster could, while KubeRay scales the old
+/// one down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incremental_upgrade_follows_kuberays_traffic_percent_and_the_new_clusters_capacity() {
+    use ray_serve_sim::dashboard::AppSize;
+    let shutdown = CancellationToken::new();
+    let api = FakeApiServer::start().await;
+    let a = Cluster::start("rs-a", &[NodeType::Head], "RUNNING", &shutdown).await;
+    let b = Cluster::start("rs-b", &[NodeType::Head], "RUNNING", &shutdown).await;
+    let full = AppSize {
+        num_replicas: 4,
+        running: 4,
+        max_ongoing_requests: 2,
+    };
+    a.dashboard.set_app_size("hello", full);
+    b.dashboard.set_app_size("hello", full);
+    // KubeRay starts the new cluster at a quarter of its size.
+    b.dashboard.set_target_capacity(Some(25.0));
+    let upgrade = |percent: u32| {
+        let mut r = rayservice(Some("rs-a"), Some("rs-b"));
+        r["status"]["pendingServiceStatus"]["trafficRoutedPercent"] = json!(percent);
+        r["status"]["pendingServiceStatus"]["targetCapacity"] = json!(25);
+        r
+    };
+    api.apply(upgrade(10));
+    a.apply_pods(&api);
+    b.apply_pods(&api);
+    let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
+        .await
+        .unwrap();
+    let admin = xds.admin_addr;
+    let weights_are = |want: Vec<(&'static str, u64)>| async move {
+        let want: Vec<(String, u64)> = want.into_iter().map(|(c, w)| (c.into(), w)).collect();
+        eventually(&format!("weights {want:?}"), DEADLINE, || async {
+            (published_weights(admin).await == want).then_some(())
+        })
+        .await;
+    };
+    // KubeRay routes 10%: so does ray-xds (capacity would allow 20%).
+    weights_are(vec![("rs-a", 90), ("rs-b", 10)]).await;
+    let s = debug_state(admin).await;
+    let reason = s["rayservices"][0]["switchover"]["reason"]
+        .as_str()
+        .unwrap();
+    assert!(reason.contains("it routes 10%"), "{reason}");
+    // KubeRay routes 50%: b runs 1 of 4 replicas, so it takes 2 / (2 + 8) = 20%.
+    api.apply(upgrade(50));
+    weights_are(vec![("rs-a", 80), ("rs-b", 20)]).await;
+    // KubeRay grows b to full size and shrinks a: b could carry everything, and takes
+    // the 50% KubeRay routes it (ray-xds does not undo the scale-down of a).
+    b.dashboard.set_target_capacity(Some(100.0));
+    a.dashboard.set_target_capacity(Some(50.0));
+    weights_are(vec![("rs-a", 50), ("rs-b", 50)]).await;
+    // KubeRay routes it everything: the move completes.
+    api.apply(upgrade(100));
+    weights_are(vec![("rs-b", 100)]).await;
+    let s = debug_state(admin).await;
+    assert_eq!(s["rayservices"][0]["switchover"]["phase"], "stable", "{s}");
+    shutdown.cancel();
+}

@@ -306,5 +306,24 @@ async fn the_shared_conformance_assertions_hold_for_the_simulator() {
         ],
     )
     .await;
+
+    // Sizes: 2 replicas × 3 requests, then scaled to half by `target_capacity` (Ray
+    // runs ceil(2 × 50%) = 1; `num_replicas` stays the full size).
+    use ray_serve_sim::dashboard::AppSize;
+    use ray_xds::live::dashboard::Capacity;
+    let size = AppSize {
+        num_replicas: 2,
+        running: 2,
+        max_ongoing_requests: 3,
+    };
+    dashboard.set_app_size("hello", size);
+    let full = Capacity {
+        ready: 6,
+        full: Some(6),
+    };
+    support::conformance::capacity_is(&url, "hello", full, None).await;
+    dashboard.set_target_capacity(Some(50.0));
+    let half = Capacity { ready: 3, ..full };
+    support::conformance::capacity_is(&url, "hello", half, Some(50.0)).await;
     shutdown.cancel();
 }

@@ -376,8 +376,13 @@ async fn real_ray_a_deploy_failed_application_never_gets_traffic() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_ray_conformance_of_the_endpoints_ray_xds_reads() {
     let a = RealRayCluster::start("a", 0).await;
-    a.deploy(&[
-        App::hello("/hello"),
+    // hello is sized for the capacity check at the end (`num_cpus: 0`: replicas are
+    // counted, not this machine's cores).
+    let apps = [
+        App {
+            extra: "deployments: [{ name: Hello, num_replicas: 2, max_ongoing_requests: 3, ray_actor_options: { num_cpus: 0 } }]",
+            ..App::hello("/hello")
+        },
         App {
             name: "slow",
             route_prefix: "/slow",
@@ -390,7 +395,8 @@ async fn real_ray_conformance_of_the_endpoints_ray_xds_reads() {
             import_path: "apps:broken",
             extra: "",
         },
-    ]);
+    ];
+    a.deploy(&apps);
     a.wait_for_app("hello", "RUNNING").await;
     a.wait_for_app("broken", "DEPLOY_FAILED").await;
     let proxy = a.head_proxy();
@@ -430,6 +436,19 @@ async fn real_ray_conformance_of_the_endpoints_ray_xds_reads() {
         ],
     )
     .await;
+
+    // What ray-xds reads of an application's size: 2 replicas × 3 requests at once; then
+    // Serve's `target_capacity` at 50, as KubeRay's incremental upgrade sets it: one
+    // replica RUNNING, the full size (`num_replicas`) unchanged.
+    use ray_xds::live::dashboard::Capacity;
+    let full = Capacity {
+        ready: 6,
+        full: Some(6),
+    };
+    conformance::capacity_is(&a.dashboard_url(), "hello", full, None).await;
+    a.deploy_at(&apps, Some(50));
+    let half = Capacity { ready: 3, ..full };
+    conformance::capacity_is(&a.dashboard_url(), "hello", half, Some(50.0)).await;
 }
 
 /// The health flags Envoy shows for one endpoint of the `demo` service, once it has it.

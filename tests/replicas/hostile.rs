@@ -73,6 +73,7 @@ fn service(
         hosts: vec![format!("{name}.example")],
         active_cluster: active.into(),
         pending_cluster: pending.map(str::to_string),
+        pending_traffic_cap: None,
         clusters,
         policy: ServicePolicy::default(),
     }

@@ -241,3 +241,45 @@ pub async fn grpc_api_is_healthy(proxy: SocketAddr, applications: &[&str]) -> Gr
     assert_eq!(api, want, "{proxy}");
     api
 }
+
+/// What ray-xds reads of an application's size (`live::dashboard::capacity`) comes to
+/// `expected`, and the answer's `target_capacity` is `target_capacity`, within a minute
+/// (replicas start and stop after the application's status changes): each deployment
+/// lists its replicas with a `state` and its `deployment_config` with `num_replicas` and
+/// `max_ongoing_requests`.
+pub async fn capacity_is(
+    dashboard: &str,
+    app: &str,
+    expected: ray_xds::live::dashboard::Capacity,
+    target_capacity: Option<f64>,
+) {
+    let url = format!("{dashboard}/api/serve/applications/");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let (status, body) = http_get(&url).await.unwrap();
+        assert_eq!(status, 200, "{url}: {body}");
+        let doc: Value = serde_json::from_str(&body).unwrap();
+        for (name, d) in doc["applications"][app]["deployments"]
+            .as_object()
+            .expect("deployments is an object")
+        {
+            let config = &d["deployment_config"];
+            assert!(config["num_replicas"].is_u64(), "{name}: {config}");
+            assert!(config["max_ongoing_requests"].is_u64(), "{name}: {config}");
+            for r in d["replicas"].as_array().expect("replicas is a list") {
+                assert!(r["state"].is_string(), "{name}: {r}");
+            }
+        }
+        let parsed = ray_xds::live::dashboard::parse(body.as_bytes()).unwrap();
+        let got = (parsed.applications[app].capacity, parsed.target_capacity);
+        if got == (Some(expected), target_capacity) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{url}: {app}'s capacity and target_capacity are {got:?}, not {:?}",
+            (Some(expected), target_capacity)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}

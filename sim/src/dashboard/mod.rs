@@ -115,6 +115,8 @@ struct SimState {
     /// Ray's direct ingress (`RAY_SERVE_ENABLE_DIRECT_INGRESS=1`): a target group per
     /// application and protocol.
     direct_ingress: bool,
+    /// The top-level `target_capacity` (percent), when set.
+    target_capacity: Option<f64>,
     mode: DashboardMode,
     requests: u64,
 }
@@ -128,6 +130,7 @@ impl Default for SimState {
             grpc_port: GRPC_PORT,
             grpc_servicer_functions: Vec::new(),
             direct_ingress: false,
+            target_capacity: None,
             mode: DashboardMode::default(),
             requests: 0,
         }
@@ -152,6 +155,31 @@ struct SimApp {
     last_deployed_time_s: f64,
     /// Its RUNNING ingress replicas, with direct ingress: (HTTP port, gRPC port).
     replicas: Vec<(SocketAddr, Option<SocketAddr>)>,
+    /// Its deployment's size, as `deployments` reports it.
+    size: AppSize,
+}
+
+/// The size of an application's (one) deployment: `deployment_config.num_replicas` and
+/// `max_ongoing_requests`, and how many of its replicas are RUNNING while the
+/// application is (by default all of them; while it deploys they are STARTING). Serve's
+/// `target_capacity` ([`SimDashboard::set_target_capacity`]) scales the replicas it runs
+/// (`target_num_replicas`) as Ray does; `num_replicas` stays the full size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppSize {
+    pub num_replicas: u32,
+    pub running: u32,
+    pub max_ongoing_requests: u32,
+}
+
+impl Default for AppSize {
+    /// As in the captures: one replica, 5 requests at a time.
+    fn default() -> Self {
+        AppSize {
+            num_replicas: 1,
+            running: 1,
+            max_ongoing_requests: 5,
+        }
+    }
 }
 
 impl SimApp {
@@ -200,6 +228,7 @@ impl SimDashboard {
                 settles: None,
                 last_deployed_time_s: unix_now(),
                 replicas: Vec::new(),
+                size: AppSize::default(),
             },
         );
     }
@@ -215,6 +244,7 @@ impl SimDashboard {
                 settles: Some((Instant::now() + deploying_for, then.to_string())),
                 last_deployed_time_s: unix_now(),
                 replicas: Vec::new(),
+                size: AppSize::default(),
             },
         );
     }
@@ -242,6 +272,23 @@ impl SimDashboard {
             }
             None => false,
         }
+    }
+
+    /// Sets the size of application `name`'s deployment (see [`AppSize`]); false if
+    /// there is no such application.
+    pub fn set_app_size(&self, name: &str, size: AppSize) -> bool {
+        match self.state().apps.get_mut(name) {
+            Some(app) => {
+                app.size = size;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Sets Serve's `target_capacity` (percent; `None`: unset, as by default).
+    pub fn set_target_capacity(&self, percent: Option<f64>) {
+        self.state().target_capacity = percent;
     }
 
     /// Removes application `name`, if present.

@@ -10,7 +10,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
 
-use super::{SimApp, SimDashboard, SimState};
+use super::{AppSize, SimApp, SimDashboard, SimState};
 
 impl SimDashboard {
     /// The controller's health metrics as Ray 2.60 reports them: plausible figures, only
@@ -76,7 +76,13 @@ impl SimDashboard {
         let applications: Map<String, Value> = state
             .apps
             .iter()
-            .map(|(name, app)| (name.clone(), render_app(name, app, app.status_at(now))))
+            .map(|(name, app)| {
+                let status = app.status_at(now);
+                (
+                    name.clone(),
+                    render_app(name, app, status, state.target_capacity),
+                )
+            })
             .collect();
 
         let uptime_s = SystemTime::now()
@@ -132,7 +138,7 @@ impl SimDashboard {
             },
             "proxies": proxies,
             "applications": applications,
-            "target_capacity": null,
+            "target_capacity": state.target_capacity,
             "target_groups": target_groups,
             "controller_health_metrics": self.controller_health_metrics(uptime_s, state.apps.len()),
             "restores_unset_config_options": true,
@@ -243,7 +249,8 @@ fn direct_ingress_groups(
 
 /// One application entry, with one ingress deployment named after the application
 /// (`hello` → `Hello`, as in the captures).
-fn render_app(name: &str, app: &SimApp, status: &str) -> Value {
+fn render_app(name: &str, app: &SimApp, status: &str, target_capacity: Option<f64>) -> Value {
+    let target_replicas = capacity_adjusted(app.size.num_replicas, target_capacity);
     let deployment = deployment_name(name);
     let (deployment_status, trigger, deployment_message) = match status {
         "RUNNING" => ("HEALTHY", "CONFIG_UPDATE_COMPLETED", String::new()),
@@ -287,8 +294,8 @@ fn render_app(name: &str, app: &SimApp, status: &str) -> Value {
                 "message": deployment_message,
                 "deployment_config": {
                     "name": deployment,
-                    "num_replicas": 1,
-                    "max_ongoing_requests": 5,
+                    "num_replicas": app.size.num_replicas,
+                    "max_ongoing_requests": app.size.max_ongoing_requests,
                     "max_queued_requests": -1,
                     "user_config": null,
                     "graceful_shutdown_wait_loop_s": 2.0,
@@ -297,9 +304,9 @@ fn render_app(name: &str, app: &SimApp, status: &str) -> Value {
                     "health_check_timeout_s": 30.0,
                     "ray_actor_options": {"num_cpus": 0.1},
                 },
-                "target_num_replicas": 1,
+                "target_num_replicas": target_replicas,
                 "required_resources": {"CPU": 0.1},
-                "replicas": [],
+                "replicas": replicas(name, &deployment, &app.size, target_replicas, status),
                 "recent_dead_replicas": [],
             }
         },
@@ -317,6 +324,50 @@ fn render_app(name: &str, app: &SimApp, status: &str) -> Value {
             "ingress_deployment": deployment,
         },
     })
+}
+
+/// `num_replicas` scaled by Serve's `target_capacity` (percent), as Ray 2.60's
+/// `get_capacity_adjusted_num_replicas`: rounded half up, at least 1 unless the capacity
+/// or the count is 0.
+fn capacity_adjusted(num_replicas: u32, target_capacity: Option<f64>) -> u32 {
+    match target_capacity {
+        None => num_replicas,
+        Some(t) if t >= 100.0 => num_replicas,
+        Some(t) if t <= 0.0 || num_replicas == 0 => 0,
+        Some(t) => ((f64::from(num_replicas) * t / 100.0 + 0.5).floor() as u32).max(1),
+    }
+}
+
+/// The replicas of an application's deployment in `status`, as the captures list them:
+/// RUNNING ones while it runs, STARTING while it deploys (03-deploying), one STOPPING and
+/// one STARTING while unhealthy (05-unhealthy), none when it failed or goes away.
+fn replicas(app: &str, deployment: &str, size: &AppSize, target: u32, status: &str) -> Vec<Value> {
+    let states: Vec<&str> = match status {
+        "RUNNING" => vec!["RUNNING"; size.running.min(target) as usize],
+        "DEPLOYING" | "NOT_STARTED" => vec!["STARTING"; target as usize],
+        "UNHEALTHY" => vec!["STOPPING", "STARTING"],
+        _ => Vec::new(),
+    };
+    states
+        .into_iter()
+        .enumerate()
+        .map(|(i, state)| {
+            let id = hex_id(&format!("replica/{app}/{i}"), 8);
+            json!({
+                "node_id": node_id_for("127.0.0.1"),
+                "node_ip": "127.0.0.1",
+                "node_instance_id": "",
+                "actor_id": actor_id_for("replica", &format!("{app}/{i}")),
+                "actor_name": format!("SERVE_REPLICA::{app}#{deployment}#{id}"),
+                "worker_id": hex_id(&format!("worker/replica/{app}/{i}"), 56),
+                "log_file_path": format!("/serve/replica_{app}_{deployment}_{id}.log"),
+                "replica_id": id,
+                "state": state,
+                "pid": 11759 + i,
+                "start_time_s": 1795966900.5,
+            })
+        })
+        .collect()
 }
 
 /// The application message Ray gives for `status` (04-mixed-settled, 05-unhealthy).

@@ -62,8 +62,11 @@ use std::net::SocketAddr;
 
 use crate::model::NodeType;
 
+mod capacity;
 mod client;
 mod parse;
+
+pub use capacity::{application_capacity, Capacity, DeploymentSize};
 
 pub use client::DashboardClient;
 pub use parse::{parse, MAX_APPLICATIONS, MAX_JSON_VALUES, MAX_STRING_BYTES};
@@ -146,6 +149,8 @@ pub struct Application {
     pub route_prefix: Option<String>,
     /// Ray's explanation of the status; empty when there is none.
     pub message: String,
+    /// What it can carry here (see `capacity`); `None` when the answer does not say.
+    pub capacity: Option<Capacity>,
 }
 
 /// An application's status, as Ray Serve's `ApplicationStatus`.
@@ -424,6 +429,11 @@ mod tests {
                 status: AppStatus::Running,
                 route_prefix: Some("/hello".into()),
                 message: String::new(),
+                // One RUNNING replica of one, 5 requests at a time.
+                capacity: Some(Capacity {
+                    ready: 5,
+                    full: Some(5)
+                }),
             }
         );
         assert_eq!(s.applications.len(), 1);
@@ -564,6 +574,7 @@ mod tests {
                 status: AppStatus::Other("HIBERNATING".into()),
                 route_prefix: None,
                 message: String::new(),
+                capacity: None,
             }
         );
         assert_eq!(s.applications["future"].status.as_str(), "HIBERNATING");
@@ -1059,17 +1070,29 @@ mod tests {
     fn only_the_fields_read_are_built_and_strings_are_bounded() {
         let running = fixture!("02-running.json").to_vec();
         let mut v: Value = serde_json::from_slice(&running).unwrap();
-        let junk: Map<String, Value> = (0..100_000)
+        let junk: Map<String, Value> = (0..60_000)
             .map(|i| (format!("k{i}"), Value::from(i)))
             .collect();
         v["x"] = Value::Object(junk.clone());
         for app in v["applications"].as_object_mut().unwrap().values_mut() {
-            app["deployments"] = Value::Object(junk.clone());
+            app["x"] = Value::Object(junk.clone());
+            for deployment in app["deployments"].as_object_mut().unwrap().values_mut() {
+                deployment["x"] = Value::Object(junk.clone());
+                deployment["replicas"][0]["x"] = Value::Object(junk.clone());
+            }
         }
         assert_eq!(
             parse(v.to_string().as_bytes()).unwrap(),
             parse(&running).unwrap()
         );
+        // Deployments are read (for capacity): more of one application than any has are
+        // refused as they are read.
+        let mut v: Value = serde_json::from_slice(&running).unwrap();
+        for app in v["applications"].as_object_mut().unwrap().values_mut() {
+            app["deployments"] = Value::Object(junk.clone());
+        }
+        let why = assert_malformed(v.to_string().as_bytes());
+        assert!(why.contains("deployments of one application"), "{why}");
 
         let mut v: Value = serde_json::from_slice(&running).unwrap();
         let app = v["applications"]
@@ -1148,6 +1171,7 @@ mod tests {
             status,
             route_prefix: None,
             message: String::new(),
+            capacity: None,
         };
         s.applications.insert("a".into(), app(AppStatus::Running));
         assert!(s.all_running());

@@ -96,6 +96,8 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
                     .and_then(Value::as_str)
                     .map(str::to_owned),
                 message: string_field(app, "message"),
+                capacity: capacity::deployment_sizes(app)
+                    .and_then(|sizes| capacity::application_capacity(&sizes)),
             },
         );
     }
@@ -165,7 +167,7 @@ pub const MAX_STRING_BYTES: usize = 1024;
 
 /// Which parts of an answer are built into the tree `parse` reads; everything else is
 /// skipped unbuilt (`serde::de::IgnoredAny`), so a hostile answer's bulk in fields ray-xds
-/// never reads (`deployments`, replicas, unknown keys) costs a scan, not a tree.
+/// never reads (a replica's ids and times, unknown keys) costs a scan, not a tree.
 enum Shape {
     /// A scalar (string cut to [`MAX_STRING_BYTES`], number, bool, null); an object or
     /// array here is skipped unbuilt and read as null.
@@ -194,6 +196,31 @@ static ROOT: Shape = Shape::Fields(&[
                 ("status", Shape::Scalar),
                 ("route_prefix", Shape::Scalar),
                 ("message", Shape::Scalar),
+                (
+                    "deployments",
+                    Shape::MapOf(
+                        &Shape::Fields(&[
+                            (
+                                "replicas",
+                                Shape::ArrayOf(
+                                    &Shape::Fields(&[("state", Shape::Scalar)]),
+                                    capacity::MAX_REPLICAS,
+                                    "replicas of one deployment",
+                                ),
+                            ),
+                            (
+                                "deployment_config",
+                                Shape::Fields(&[
+                                    ("num_replicas", Shape::Scalar),
+                                    ("max_ongoing_requests", Shape::Scalar),
+                                    ("autoscaling_config", Shape::Fields(&[])),
+                                ]),
+                            ),
+                        ]),
+                        capacity::MAX_DEPLOYMENTS,
+                        "deployments of one application",
+                    ),
+                ),
             ]),
             MAX_APPLICATIONS,
             "applications listed",

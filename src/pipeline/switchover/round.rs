@@ -14,6 +14,7 @@ use super::{EnvoyWarmth, Phase, SwitchEvent, Switchover};
 use crate::live::dashboards::DashboardStates;
 use crate::live::health::HealthMap;
 use crate::model::RayService;
+use crate::pipeline::capacity::{capacity_limit, CapacityLimit};
 use crate::pipeline::readiness::{app_readiness, readiness, routed_clusters, Unit};
 use crate::policy::switchover::SwitchoverPolicy;
 
@@ -208,8 +209,28 @@ impl Switchover {
             Ok(()) if !cold.is_empty() => st.hold_warming(&target, &cold),
             Err(why) if !desperate => st.hold_not_ready(&target, &why),
             _ => {
-                let weight = self.shift_weight(st, key, &target, policy, desperate, now);
-                st.shift(target, weight, desperate, &warm_note, now);
+                let scheduled = self.shift_weight(st, key, &target, policy, desperate, now);
+                // The schedule bounds the weight; ready capacity may hold it lower (not
+                // when the serving cluster has nothing routable left).
+                let limit = (!desperate)
+                    .then(|| {
+                        let by_source = source_cap(service, &target);
+                        let by_capacity =
+                            capacity_limit(service, unit, &st.serving, &target, dashboards);
+                        by_source
+                            .into_iter()
+                            .chain(by_capacity)
+                            .min_by_key(|l| l.weight)
+                    })
+                    .flatten()
+                    .filter(|limit| limit.weight < scheduled);
+                match limit {
+                    Some(limit) => {
+                        let note = format!(" (held by {}){warm_note}", limit.why);
+                        st.shift(target, limit.weight, false, &note, now);
+                    }
+                    None => st.shift(target, scheduled, desperate, &warm_note, now),
+                }
             }
         }
     }
@@ -222,6 +243,16 @@ struct RoundInputs<'a> {
     dashboards: &'a DashboardStates,
     envoys: &'a dyn EnvoyWarmth,
     now: SystemTime,
+}
+
+/// The source's cap on the pending cluster's traffic (KubeRay's incremental upgrade),
+/// when `target` is the pending cluster.
+fn source_cap(service: &RayService, target: &str) -> Option<CapacityLimit> {
+    let cap = service.pending_traffic_cap?;
+    (service.pending_cluster.as_deref() == Some(target)).then(|| CapacityLimit {
+        weight: cap,
+        why: format!("the source: it routes {cap}% to {target}"),
+    })
 }
 
 /// Connected Envoys that rejected any of `routed`, each once.

@@ -151,7 +151,12 @@ impl ServiceSwitch {
         if weight < 100 {
             self.phase = Phase::Shifting;
             self.reason = format!("{target} is ready: {weight}% of traffic{warm_note}");
-            self.weights = vec![(self.serving.clone(), 100 - weight), (target, weight)];
+            // (At 0, held by capacity: the route names only the serving cluster.)
+            self.weights = if weight == 0 {
+                vec![(self.serving.clone(), 100)]
+            } else {
+                vec![(self.serving.clone(), 100 - weight), (target, weight)]
+            };
             return;
         }
         self.reason = if desperate {

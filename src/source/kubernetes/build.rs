@@ -168,6 +168,10 @@ pub(crate) fn service<'a>(
         name: r.name.clone(),
         hosts: allowed,
         active_cluster: active,
+        pending_traffic_cap: pending
+            .as_ref()
+            .and_then(|_| r.pending.as_ref()?.traffic_routed_percent)
+            .map(|percent| percent.clamp(0, 100) as u32),
         pending_cluster: pending,
         clusters,
         policy,
@@ -493,7 +497,7 @@ mod tests {
         let status = |c: Option<&str>| {
             c.map(|c| ClusterStatus {
                 ray_cluster_name: Some(c.into()),
-                application_statuses: None,
+                ..Default::default()
             })
         };
         RayServiceObject {

@@ -181,7 +181,7 @@ mod tests {
         let status = |c: Option<&str>| {
             c.map(|c| ClusterStatus {
                 ray_cluster_name: Some(c.into()),
-                application_statuses: None,
+                ..Default::default()
             })
         };
         RayServiceObject {

@@ -41,6 +41,10 @@ pub struct ClusterStatus {
     /// during upgrades and while a head is down; absent means unknown.
     #[serde(default)]
     pub application_statuses: Option<BTreeMap<String, AppStatusHint>>,
+    /// KubeRay's incremental upgrade: the percent of traffic its Gateway sends this
+    /// cluster (set on the pending cluster's status).
+    #[serde(default)]
+    pub traffic_routed_percent: Option<i64>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]

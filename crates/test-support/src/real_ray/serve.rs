@@ -35,10 +35,19 @@ impl RealRayCluster {
     /// in every deploy, and each replica also knows the gRPC port and the stubs
     /// (RAY_XDS_GRPC_PORT, RAY_XDS_GRPC_STUBS, as `grpc_apps.py` reads them).
     pub fn deploy(&self, apps: &[App]) {
+        self.deploy_at(apps, None);
+    }
+
+    /// [`RealRayCluster::deploy`] with Serve's `target_capacity` (percent) set, as
+    /// KubeRay's incremental upgrade sets it.
+    pub fn deploy_at(&self, apps: &[App], target_capacity: Option<u32>) {
         let mut yaml = format!(
             "proxy_location: EveryNode\nhttp_options: {{ host: 0.0.0.0, port: {} }}\n",
             self.serve_port
         );
+        if let Some(percent) = target_capacity {
+            yaml += &format!("target_capacity: {percent}\n");
+        }
         let mut env_vars = format!("RAY_XDS_TEST_CLUSTER: {}", self.name);
         if let (Some(port), Some(stubs)) = (self.grpc_port, &self.grpc_stubs) {
             yaml += &format!(

@@ -1,0 +1,145 @@
+//! How much of a switch's traffic its target may take, by the ready capacity of the
+//! target and of the serving cluster (`live::dashboard::Capacity`: per application, its
+//! weakest deployment's RUNNING replicas × `max_ongoing_requests`). Pure.
+//!
+//! While both clusters serve an application, each takes traffic in proportion to its
+//! ready capacity; the target takes all of it once its ready capacity reaches what the
+//! serving cluster has at full target capacity (or has running now, when it autoscales,
+//! or runs more than its full size). A RayService's switch is limited by its most
+//! limited application. The limit is derived from the dashboards alone, so replicas fed
+//! the same answers agree, and a restarted one needs nothing remembered.
+//!
+//! Invariants: an application whose capacity either dashboard does not give (no
+//! dashboard, garbage sizes) sets no limit, as before capacity was known; nor does one
+//! that neither cluster can run anything of now. A serving cluster whose dashboard has
+//! not answered yet holds the target at 0: its capacity is unknown, not nothing (else a
+//! replica that just started would move everything before the serving cluster's
+//! dashboard answered).
+
+use crate::live::dashboard::{Capacity, ServeStatus};
+use crate::live::dashboards::DashboardStates;
+use crate::model::RayService;
+use crate::pipeline::readiness::Unit;
+
+/// The most percent of a switch's traffic the target may take now, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct CapacityLimit {
+    pub(crate) weight: u32,
+    pub(crate) why: String,
+}
+
+/// The capacity limit of a switch of `unit` of `service` from `serving` to `target`;
+/// `None` when capacity sets none (every application may move all its traffic).
+pub(crate) fn capacity_limit(
+    service: &RayService,
+    unit: Unit<'_>,
+    serving: &str,
+    target: &str,
+    dashboards: &DashboardStates,
+) -> Option<CapacityLimit> {
+    let status = |cluster: &str| {
+        dashboards
+            .clusters
+            .get(&service.envoy_cluster_name(cluster))
+            .and_then(|d| d.status.as_deref())
+    };
+    let to = status(target)?;
+    let has_dashboard = service
+        .cluster(serving)
+        .is_some_and(|c| c.dashboard.is_some());
+    let Some(from) = status(serving) else {
+        // Not answered yet (this replica just started): what the serving cluster carries
+        // is unknown, not nothing; a move now could not be taken back by capacity.
+        return has_dashboard.then(|| CapacityLimit {
+            weight: 0,
+            why: format!("ready capacity: {serving}'s dashboard has not answered yet"),
+        });
+    };
+    let apps: Vec<&str> = match unit {
+        Unit::Service => to.applications.keys().map(String::as_str).collect(),
+        Unit::Application(app) => vec![app],
+    };
+    apps.into_iter()
+        .filter_map(|app| {
+            let weight = share(capacity(to, app)?, capacity(from, app)?)?;
+            let why = format!(
+                "ready capacity: {app} can run {} request(s) at once on {target} and {} on {serving} \
+                 (which has {} at full size)",
+                capacity(to, app)?.ready,
+                capacity(from, app)?.ready,
+                reference(capacity(from, app)?),
+            );
+            Some(CapacityLimit { weight, why })
+        })
+        .min_by_key(|limit| limit.weight)
+}
+
+fn capacity(status: &ServeStatus, app: &str) -> Option<Capacity> {
+    status.applications.get(app)?.capacity
+}
+
+/// What the target must be able to run to take all the traffic: the serving cluster's
+/// capacity at full size, or what it runs now when that is more (or it autoscales).
+fn reference(serving: Capacity) -> u64 {
+    serving.ready.max(serving.full.unwrap_or(0))
+}
+
+/// The target's percent of the traffic, in proportion to the ready capacities, or 100
+/// once it can run what the serving cluster can; `None` (no limit) when neither can run
+/// anything now.
+fn share(target: Capacity, serving: Capacity) -> Option<u32> {
+    if target.ready >= reference(serving) {
+        return Some(100);
+    }
+    let both = target.ready.checked_add(serving.ready)?;
+    if both == 0 {
+        return None;
+    }
+    // Below the reference, so below 100 (in u128: no product overflows).
+    Some((u128::from(target.ready) * 100 / u128::from(both)) as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cap(ready: u64, full: Option<u64>) -> Capacity {
+        Capacity { ready, full }
+    }
+
+    #[test]
+    fn traffic_follows_ready_capacity_until_the_target_can_run_what_the_serving_cluster_can() {
+        // 4 replicas × 2 serving, 1 × 2 ready on the target: a fifth.
+        assert_eq!(share(cap(2, Some(8)), cap(8, Some(8))), Some(20));
+        assert_eq!(share(cap(4, Some(8)), cap(8, Some(8))), Some(33));
+        assert_eq!(share(cap(8, Some(8)), cap(8, Some(8))), Some(100));
+        // The serving cluster shrinks (KubeRay scales it down): the target still needs
+        // what the serving cluster has at full size.
+        assert_eq!(share(cap(4, Some(8)), cap(2, Some(8))), Some(66));
+        // It autoscales: what it runs now.
+        assert_eq!(share(cap(4, None), cap(2, None)), Some(100));
+        assert_eq!(share(cap(0, Some(8)), cap(8, Some(8))), Some(0));
+        // Neither runs anything: no opinion.
+        assert_eq!(share(cap(0, Some(8)), cap(0, Some(8))), None);
+        assert_eq!(
+            share(cap(u64::MAX - 1, None), cap(u64::MAX, None)),
+            None,
+            "an overflow is no opinion"
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn a_share_is_a_percent_and_grows_with_the_target(
+            t in 0u64..1_000_000, s in 0u64..1_000_000, full in proptest::option::of(0u64..1_000_000), more in 1u64..1000,
+        ) {
+            let serving = cap(s, full);
+            if let Some(w) = share(cap(t, None), serving) {
+                proptest::prop_assert!(w <= 100);
+                let bigger = share(cap(t + more, None), serving).unwrap();
+                proptest::prop_assert!(bigger >= w);
+                proptest::prop_assert_eq!(w == 100, t >= reference(serving));
+            }
+        }
+    }
+}
