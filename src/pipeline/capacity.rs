@@ -5,16 +5,17 @@
 //! While both clusters serve an application, each takes traffic in proportion to its
 //! ready capacity; the target takes all of it once its ready capacity reaches what the
 //! serving cluster has at full target capacity (or has running now, when it autoscales,
-//! or runs more than its full size). A RayService's switch is limited by its most
-//! limited application. The limit is derived from the dashboards alone, so replicas fed
+//! or runs more than its full size), or its own full size. A RayService's switch is
+//! limited by its most limited application. The limit is derived from the dashboards alone, so replicas fed
 //! the same answers agree, and a restarted one needs nothing remembered.
 //!
 //! Invariants: an application whose capacity either dashboard does not give (no
-//! dashboard, garbage sizes) sets no limit, as before capacity was known; nor does one
-//! that neither cluster can run anything of now. A serving cluster whose dashboard has
-//! not answered yet holds the target at 0: its capacity is unknown, not nothing (else a
-//! replica that just started would move everything before the serving cluster's
-//! dashboard answered).
+//! dashboard, garbage sizes), that the serving cluster does not run, that autoscales on
+//! the target, or that neither cluster can run anything of now, sets no limit, as before
+//! capacity was known. A serving cluster with a dashboard but no answer at hand holds
+//! the share where it is (0 on a replica that just started): its capacity is unknown,
+//! not nothing. Below its reference the target never gets 100, so only capacity (or the
+//! source) ends a move.
 
 use crate::live::dashboard::{Capacity, ServeStatus};
 use crate::live::dashboards::DashboardStates;
@@ -28,13 +29,15 @@ pub(crate) struct CapacityLimit {
     pub(crate) why: String,
 }
 
-/// The capacity limit of a switch of `unit` of `service` from `serving` to `target`;
-/// `None` when capacity sets none (every application may move all its traffic).
+/// The capacity limit of a switch of `unit` of `service` from `serving` to `target`,
+/// whose target has `previous` percent now; `None` when capacity sets none (every
+/// application may move all its traffic).
 pub(crate) fn capacity_limit(
     service: &RayService,
     unit: Unit<'_>,
     serving: &str,
     target: &str,
+    previous: u32,
     dashboards: &DashboardStates,
 ) -> Option<CapacityLimit> {
     let status = |cluster: &str| {
@@ -48,11 +51,12 @@ pub(crate) fn capacity_limit(
         .cluster(serving)
         .is_some_and(|c| c.dashboard.is_some());
     let Some(from) = status(serving) else {
-        // Not answered yet (this replica just started): what the serving cluster carries
-        // is unknown, not nothing; a move now could not be taken back by capacity.
+        // No answer of the serving cluster's at hand (not yet, since this replica
+        // started, or dropped by the memory budget): what it carries is unknown, not
+        // nothing. The share stays where it is (0 on a replica that just started).
         return has_dashboard.then(|| CapacityLimit {
-            weight: 0,
-            why: format!("ready capacity: {serving}'s dashboard has not answered yet"),
+            weight: previous,
+            why: format!("ready capacity: {serving}'s dashboard has not answered"),
         });
     };
     let apps: Vec<&str> = match unit {
@@ -61,13 +65,15 @@ pub(crate) fn capacity_limit(
     };
     apps.into_iter()
         .filter_map(|app| {
-            let weight = share(capacity(to, app)?, capacity(from, app)?)?;
+            let (t, s) = (capacity(to, app)?, capacity(from, app)?);
+            let weight = share(t, s)?;
             let why = format!(
-                "ready capacity: {app} can run {} request(s) at once on {target} and {} on {serving} \
-                 (which has {} at full size)",
-                capacity(to, app)?.ready,
-                capacity(from, app)?.ready,
-                reference(capacity(from, app)?),
+                "ready capacity: {app} can run {} request(s) at once on {target} (of {} at \
+                 full size) and {} on {serving} (of {})",
+                t.ready,
+                t.full.map_or_else(|| "?".to_string(), |f| f.to_string()),
+                s.ready,
+                reference(s),
             );
             Some(CapacityLimit { weight, why })
         })
@@ -78,25 +84,29 @@ fn capacity(status: &ServeStatus, app: &str) -> Option<Capacity> {
     status.applications.get(app)?.capacity
 }
 
-/// What the target must be able to run to take all the traffic: the serving cluster's
-/// capacity at full size, or what it runs now when that is more (or it autoscales).
+/// What the serving cluster can run: at full size, or what it runs now when that is more
+/// (or it autoscales).
 fn reference(serving: Capacity) -> u64 {
     serving.ready.max(serving.full.unwrap_or(0))
 }
 
-/// The target's percent of the traffic, in proportion to the ready capacities, or 100
-/// once it can run what the serving cluster can; `None` (no limit) when neither can run
-/// anything now.
+/// The target's percent of the traffic: 100 once it can run what the serving cluster
+/// can, or once it runs at its own full size (a new version may be smaller on purpose:
+/// nothing more is coming); else in proportion to the ready capacities, below 100 (a
+/// serving cluster running nothing for a moment does not end the move). `None` (no
+/// limit) for a target that autoscales (its size follows the load it is given: a share
+/// by size would hold it where it is, or at zero), or when neither runs anything now.
 fn share(target: Capacity, serving: Capacity) -> Option<u32> {
-    if target.ready >= reference(serving) {
+    let target_full = target.full?;
+    if target.ready >= reference(serving) || target.ready >= target_full {
         return Some(100);
     }
     let both = target.ready.checked_add(serving.ready)?;
     if both == 0 {
         return None;
     }
-    // Below the reference, so below 100 (in u128: no product overflows).
-    Some((u128::from(target.ready) * 100 / u128::from(both)) as u32)
+    // In u128: no product overflows.
+    Some(((u128::from(target.ready) * 100 / u128::from(both)) as u32).min(99))
 }
 
 #[cfg(test)]
@@ -114,15 +124,21 @@ mod tests {
         assert_eq!(share(cap(4, Some(8)), cap(8, Some(8))), Some(33));
         assert_eq!(share(cap(8, Some(8)), cap(8, Some(8))), Some(100));
         // The serving cluster shrinks (KubeRay scales it down): the target still needs
-        // what the serving cluster has at full size.
+        // what the serving cluster has at full size, or its own full size.
         assert_eq!(share(cap(4, Some(8)), cap(2, Some(8))), Some(66));
-        // It autoscales: what it runs now.
-        assert_eq!(share(cap(4, None), cap(2, None)), Some(100));
+        // A smaller new version at its full size: all of it.
+        assert_eq!(share(cap(4, Some(4)), cap(8, Some(8))), Some(100));
+        // The serving cluster autoscales: what it runs now.
+        assert_eq!(share(cap(4, Some(8)), cap(2, None)), Some(100));
         assert_eq!(share(cap(0, Some(8)), cap(8, Some(8))), Some(0));
+        // The serving cluster runs nothing for a moment: most, never all, to the target.
+        assert_eq!(share(cap(2, Some(8)), cap(0, Some(8))), Some(99));
         // Neither runs anything: no opinion.
         assert_eq!(share(cap(0, Some(8)), cap(0, Some(8))), None);
+        // An autoscaling target (or scale-to-zero): no limit by size.
+        assert_eq!(share(cap(0, None), cap(8, Some(8))), None);
         assert_eq!(
-            share(cap(u64::MAX - 1, None), cap(u64::MAX, None)),
+            share(cap(u64::MAX - 1, Some(u64::MAX)), cap(u64::MAX, None)),
             None,
             "an overflow is no opinion"
         );
@@ -130,15 +146,16 @@ mod tests {
 
     proptest::proptest! {
         #[test]
-        fn a_share_is_a_percent_and_grows_with_the_target(
-            t in 0u64..1_000_000, s in 0u64..1_000_000, full in proptest::option::of(0u64..1_000_000), more in 1u64..1000,
+        fn a_share_is_a_percent_grows_with_the_target_and_is_whole_only_when_it_can_carry_it(
+            t in 0u64..1_000, s in 0u64..1_000, full in proptest::option::of(0u64..1_000),
+            t_full in 1u64..2_000, more in 1u64..1000,
         ) {
             let serving = cap(s, full);
-            if let Some(w) = share(cap(t, None), serving) {
+            if let Some(w) = share(cap(t, Some(t_full)), serving) {
                 proptest::prop_assert!(w <= 100);
-                let bigger = share(cap(t + more, None), serving).unwrap();
+                let bigger = share(cap(t + more, Some(t_full)), serving).unwrap();
                 proptest::prop_assert!(bigger >= w);
-                proptest::prop_assert_eq!(w == 100, t >= reference(serving));
+                proptest::prop_assert_eq!(w == 100, t >= reference(serving) || t >= t_full);
             }
         }
     }

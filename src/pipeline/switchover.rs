@@ -1255,4 +1255,48 @@ mod tests {
             assert_eq!(weights(&s), want, "{cap}");
         }
     }
+
+    /// A replica restarted after its peer completed a move on capacity follows it, even
+    /// if the target has lost a replica since (a completed move is not undone).
+    #[test]
+    fn a_peer_that_completed_a_move_on_capacity_is_followed() {
+        let mut world = World::new();
+        world.capacity("default/s/a1", 8, Some(8));
+        world.capacity("default/s/b1", 8, Some(8));
+        let m = model(A, Some(B), SwitchoverOverrides::default());
+        let mut done = Switchover::default();
+        advance(&mut done, &m, &world, &(), T0);
+        assert_eq!(weights(&done), w(&[(B, 100)]));
+        world.capacity("default/s/b1", 6, Some(8));
+        let mut restarted = Switchover::default();
+        restarted.set_peers(heard_from(&[&done]));
+        advance(&mut restarted, &m, &world, &(), T0 + Duration::from_secs(1));
+        assert_eq!(weights(&restarted), w(&[(B, 100)]));
+        // Alone, it would hold b1 at what it can carry.
+        let mut alone = Switchover::default();
+        advance(&mut alone, &m, &world, &(), T0 + Duration::from_secs(1));
+        assert_eq!(weights(&alone), w(&[(A, 58), (B, 42)]));
+    }
+
+    /// The serving cluster's answer dropped (the dashboards' memory budget) or not yet
+    /// given: the share stays where it was, never back to 0 nor up to 100.
+    #[test]
+    fn a_serving_answer_missing_keeps_the_share_where_it_was() {
+        let mut world = World::new();
+        world.capacity("default/s/a1", 8, Some(8));
+        world.capacity("default/s/b1", 4, Some(8));
+        let m = model(A, Some(B), SwitchoverOverrides::default());
+        let mut s = Switchover::default();
+        advance(&mut s, &m, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(A, 67), (B, 33)]));
+        world
+            .dashboards
+            .clusters
+            .get_mut("default/s/a1")
+            .unwrap()
+            .status = None;
+        advance(&mut s, &m, &world, &(), T0 + Duration::from_secs(1));
+        assert_eq!(weights(&s), w(&[(A, 67), (B, 33)]));
+        assert!(s.services["default/s"].reason.contains("has not answered"));
+    }
 }

@@ -410,6 +410,19 @@ async fn real_ray_conformance_of_the_endpoints_ray_xds_reads() {
     )
     .await;
     conformance::healthz_is_healthy(proxy).await;
+    // What ray-xds reads of an application's size: 2 replicas × 3 requests at once; then
+    // Serve's `target_capacity` at 50, as KubeRay's incremental upgrade sets it: one
+    // replica RUNNING, the full size (`num_replicas`) unchanged. (While `slow` still
+    // deploys: the same config for it, one replica at any capacity, so it goes on.)
+    use ray_xds::live::dashboard::Capacity;
+    let full = Capacity {
+        ready: 6,
+        full: Some(6),
+    };
+    conformance::capacity_is(&a.dashboard_url(), "hello", full, None).await;
+    a.deploy_at(&apps, Some(50));
+    let half = Capacity { ready: 3, ..full };
+    conformance::capacity_is(&a.dashboard_url(), "hello", half, Some(50.0)).await;
     a.wait_for_app("slow", "RUNNING").await;
     conformance::applications_are(
         &a.dashboard_url(),
@@ -436,19 +449,6 @@ async fn real_ray_conformance_of_the_endpoints_ray_xds_reads() {
         ],
     )
     .await;
-
-    // What ray-xds reads of an application's size: 2 replicas × 3 requests at once; then
-    // Serve's `target_capacity` at 50, as KubeRay's incremental upgrade sets it: one
-    // replica RUNNING, the full size (`num_replicas`) unchanged.
-    use ray_xds::live::dashboard::Capacity;
-    let full = Capacity {
-        ready: 6,
-        full: Some(6),
-    };
-    conformance::capacity_is(&a.dashboard_url(), "hello", full, None).await;
-    a.deploy_at(&apps, Some(50));
-    let half = Capacity { ready: 3, ..full };
-    conformance::capacity_is(&a.dashboard_url(), "hello", half, Some(50.0)).await;
 }
 
 /// The health flags Envoy shows for one endpoint of the `demo` service, once it has it.

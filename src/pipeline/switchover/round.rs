@@ -212,11 +212,19 @@ impl Switchover {
                 let scheduled = self.shift_weight(st, key, &target, policy, desperate, now);
                 // The schedule bounds the weight; ready capacity may hold it lower (not
                 // when the serving cluster has nothing routable left).
-                let limit = (!desperate)
+                // (A peer that completed the move passed the same gates and limits.)
+                let previous = st.weight_of(&target);
+                let limit = (!desperate && !self.peers.completed(key, &target))
                     .then(|| {
                         let by_source = source_cap(service, &target);
-                        let by_capacity =
-                            capacity_limit(service, unit, &st.serving, &target, dashboards);
+                        let by_capacity = capacity_limit(
+                            service,
+                            unit,
+                            &st.serving,
+                            &target,
+                            previous,
+                            dashboards,
+                        );
                         by_source
                             .into_iter()
                             .chain(by_capacity)

@@ -138,6 +138,14 @@ impl ServiceSwitch {
         self.weights = vec![(self.serving.clone(), 100)];
     }
 
+    /// The percent of traffic `cluster` has now.
+    pub(super) fn weight_of(&self, cluster: &str) -> u32 {
+        self.weights
+            .iter()
+            .find(|(c, _)| c == cluster)
+            .map_or(0, |(_, w)| *w)
+    }
+
     /// `weight` percent of the traffic on `target`; at 100 the target serves and the
     /// switch is done.
     pub(super) fn shift(
