@@ -249,10 +249,11 @@ step 5m bash scripts/validate-deploy.sh
 # meanwhile left 270 s of it to wait for at the end).
 step 25m cargo test --test real_ray -- --test-threads=2
 # The ingress benchmark, short: with direct ingress, Envoy + ray-xds loses nothing and is
-# ahead of the way through the Serve proxies on both figures (HAProxy's arm is left to the
-# full run: on a shared machine the two are within each other's noise). The release build
-# goes on beside it at nice 19: the two arms' figures are far apart (the proxies' way is
-# several times slower), so the noise cannot turn the comparison.
+# ahead of the way through the Serve proxies in throughput and p50, which are far apart
+# (the proxies' way is several times slower), so the noise of the release build going on
+# beside it at nice 19 cannot turn them. Its p99 rests on 100 latencies here (20 rps for
+# 5 s), so it is compared only in longer runs (1,000 or more). HAProxy's arm is left to
+# the full run: on a shared machine the two are within each other's noise.
 step 10m "${exe[ingress]}" --arm ray-xds-direct --arm ray-xds-proxies \
   --trials 1 --duration 5 --step-seconds 2 --max-rate 400 --assert
 # The container image (scripts/build-image.sh, from scratch, no daemon, no pull) checked
