@@ -1125,6 +1125,14 @@ mod tests {
         }
     }
 
+    /// A world where `hello` runs `a` (ready, full) requests at once on a1 and `b` on b1.
+    fn sized(a: (u64, Option<u64>), b: (u64, Option<u64>)) -> World {
+        let mut world = World::new();
+        world.capacity("default/s/a1", a.0, a.1);
+        world.capacity("default/s/b1", b.0, b.1);
+        world
+    }
+
     impl World {
         /// `hello` on `cluster` runs `ready` requests at once of `full` at full size.
         fn capacity(&mut self, cluster: &str, ready: u64, full: Option<u64>) {
@@ -1140,9 +1148,7 @@ mod tests {
     /// it takes a fifth, more as it grows, and all once it can run what a1 can.
     #[test]
     fn traffic_moves_in_proportion_to_ready_capacity_and_completes_at_full_size() {
-        let mut world = World::new();
-        world.capacity("default/s/a1", 8, Some(8));
-        world.capacity("default/s/b1", 2, Some(8));
+        let mut world = sized((8, Some(8)), (2, Some(8)));
         let m = model(A, Some(B), SwitchoverOverrides::default());
         let mut s = Switchover::default();
         advance(&mut s, &m, &world, &(), T0);
@@ -1174,9 +1180,7 @@ mod tests {
 
     #[test]
     fn the_schedule_bounds_a_capacity_weight_and_nothing_ready_moves_nothing() {
-        let mut world = World::new();
-        world.capacity("default/s/a1", 8, Some(8));
-        world.capacity("default/s/b1", 6, Some(8));
+        let mut world = sized((8, Some(8)), (6, Some(8)));
         let m = model(A, Some(B), steps_policy());
         let mut s = Switchover::default();
         let at = |secs| T0 + Duration::from_secs(secs);
@@ -1223,9 +1227,7 @@ mod tests {
         assert!(s.services["default/s"].reason.contains("has not answered"));
 
         // a1 has nothing routable left: all to b1, whatever it can carry.
-        let mut world = World::new();
-        world.capacity("default/s/a1", 8, Some(8));
-        world.capacity("default/s/b1", 1, Some(8));
+        let mut world = sized((8, Some(8)), (1, Some(8)));
         world.proxy(8000, ProbeState::Unhealthy);
         let mut s = Switchover::default();
         advance(&mut s, &m, &world, &(), T0);
@@ -1260,9 +1262,7 @@ mod tests {
     /// if the target has lost a replica since (a completed move is not undone).
     #[test]
     fn a_peer_that_completed_a_move_on_capacity_is_followed() {
-        let mut world = World::new();
-        world.capacity("default/s/a1", 8, Some(8));
-        world.capacity("default/s/b1", 8, Some(8));
+        let mut world = sized((8, Some(8)), (8, Some(8)));
         let m = model(A, Some(B), SwitchoverOverrides::default());
         let mut done = Switchover::default();
         advance(&mut done, &m, &world, &(), T0);
@@ -1282,9 +1282,7 @@ mod tests {
     /// given: the share stays where it was, never back to 0 nor up to 100.
     #[test]
     fn a_serving_answer_missing_keeps_the_share_where_it_was() {
-        let mut world = World::new();
-        world.capacity("default/s/a1", 8, Some(8));
-        world.capacity("default/s/b1", 4, Some(8));
+        let mut world = sized((8, Some(8)), (4, Some(8)));
         let m = model(A, Some(B), SwitchoverOverrides::default());
         let mut s = Switchover::default();
         advance(&mut s, &m, &world, &(), T0);

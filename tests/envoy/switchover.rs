@@ -61,6 +61,18 @@ async fn drive(port: u16, until: impl Fn(&str) -> bool) -> usize {
     }
 }
 
+/// Waits until 20 requests in a row through Envoy are all served by `cluster`.
+async fn all_traffic_on(port: u16, cluster: &str) {
+    eventually(&format!("all traffic on {cluster}"), DEADLINE, || async {
+        let mut all = true;
+        for _ in 0..20 {
+            all &= through_envoy(port).await.map(|s| s.cluster).as_deref() == Some(cluster);
+        }
+        all.then_some(())
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_moves_only_once_the_new_cluster_runs() {
     let shutdown = CancellationToken::new();
@@ -162,15 +174,7 @@ async fn an_early_flip_keeps_serving_from_the_ready_cluster() {
     // Progressive: first half and half, then all on b.
     let failed = drive(port, |c| c == "b").await;
     assert_eq!(failed, 0);
-    let failed = eventually("all traffic on b", DEADLINE, || async {
-        let mut all_b = true;
-        for _ in 0..20 {
-            all_b &= through_envoy(port).await.map(|s| s.cluster).as_deref() == Some("b");
-        }
-        all_b.then_some(0)
-    })
-    .await;
-    assert_eq!(failed, 0);
+    all_traffic_on(port, "b").await;
     shutdown.cancel();
 }
 
@@ -370,15 +374,7 @@ async fn an_upgrade_to_a_smaller_cluster_moves_traffic_in_proportion_to_ready_ca
 
     // b is scaled to full size: it takes everything, and the switch ends.
     db.set_app_size("hello", full);
-    let failed = eventually("all traffic on b", DEADLINE, || async {
-        let mut all_b = true;
-        for _ in 0..20 {
-            all_b &= through_envoy(port).await.map(|s| s.cluster).as_deref() == Some("b");
-        }
-        all_b.then_some(0)
-    })
-    .await;
-    assert_eq!(failed, 0);
+    all_traffic_on(port, "b").await;
     let sw = switch_state(xds.admin_addr).await.unwrap();
     assert_eq!(sw["phase"], "stable", "{sw}");
     shutdown.cancel();
