@@ -6,8 +6,9 @@
 //! ready capacity; the target takes all of it once its ready capacity reaches what the
 //! serving cluster has at full target capacity (or has running now, when it autoscales,
 //! or runs more than its full size), or its own full size. A RayService's switch is
-//! limited by its most limited application. The limit is derived from the dashboards alone, so replicas fed
-//! the same answers agree, and a restarted one needs nothing remembered.
+//! limited by its most limited application. The limit is derived from the dashboards
+//! alone, so replicas fed the same answers agree, and a restarted one needs nothing
+//! remembered.
 //!
 //! Invariants: an application whose capacity either dashboard does not give (no
 //! dashboard, garbage sizes), that the serving cluster does not run, that autoscales on
