@@ -105,6 +105,8 @@ pub struct Metrics {
     pub fail_open_clusters: Gauge,
     pub switchover_weight: Family<WeightLabels, Gauge>,
     pub switchover_transitions: Family<StateLabels, Counter>,
+    /// RayServices whose switch is in each phase now (every phase, zeros too).
+    pub switchovers: Family<StateLabels, Gauge>,
     pub source_objects_skipped: Family<ObjectProblemLabels, Counter>,
     pub source_watch_errors: Family<ResourceLabels, Counter>,
     pub source_synced: Gauge,
@@ -159,6 +161,7 @@ impl Metrics {
             fail_open_clusters: Gauge::default(),
             switchover_weight: Family::default(),
             switchover_transitions: Family::default(),
+            switchovers: Family::default(),
             source_objects_skipped: Family::default(),
             source_watch_errors: Family::default(),
             source_synced: Gauge::default(),
@@ -337,6 +340,11 @@ impl Metrics {
             "switchover_transitions",
             "Switchover state changes, by the phase entered",
             self.switchover_transitions.clone(),
+        );
+        registry.register(
+            "switchovers",
+            "RayServices whose switchover is in each phase now (held and aborted: an operator's word)",
+            self.switchovers.clone(),
         );
     }
 

@@ -86,9 +86,25 @@ pub enum Phase {
     /// A connected Envoy rejected (NACKed) the target: no traffic moves to it, however
     /// long it waits, until its configuration changes.
     Rejected,
+    /// An operator holds the switch (`switchover.control: hold`): the target keeps the
+    /// share it had, gaining nothing.
+    Held,
+    /// An operator aborted the switch (`switchover.control: abort`): the pending cluster
+    /// gets no traffic.
+    Aborted,
 }
 
 impl Phase {
+    pub(crate) const ALL: [Phase; 7] = [
+        Phase::Stable,
+        Phase::Waiting,
+        Phase::Warming,
+        Phase::Shifting,
+        Phase::Rejected,
+        Phase::Held,
+        Phase::Aborted,
+    ];
+
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Phase::Stable => "stable",
@@ -96,6 +112,8 @@ impl Phase {
             Phase::Warming => "warming",
             Phase::Shifting => "shifting",
             Phase::Rejected => "rejected",
+            Phase::Held => "held",
+            Phase::Aborted => "aborted",
         }
     }
 }
@@ -274,7 +292,9 @@ impl Switchover {
             .filter_map(|s| match s.phase {
                 Phase::Shifting => s.step_due,
                 Phase::Warming => s.warming_since.map(|t| t + s.warm_timeout),
-                Phase::Stable | Phase::Waiting | Phase::Rejected => None,
+                Phase::Stable | Phase::Waiting | Phase::Rejected | Phase::Held | Phase::Aborted => {
+                    None
+                }
             })
             .min()
     }
@@ -305,7 +325,7 @@ mod tests {
     use crate::model::test_support::service;
     use crate::model::RayCluster;
     use crate::pipeline::readiness::readiness;
-    use crate::policy::switchover::SwitchoverOverrides;
+    use crate::policy::switchover::{Control, SwitchoverOverrides};
     use crate::policy::Steps;
     use std::net::SocketAddr;
     use std::time::Duration;
@@ -1296,5 +1316,170 @@ mod tests {
         advance(&mut s, &m, &world, &(), T0 + Duration::from_secs(1));
         assert_eq!(weights(&s), w(&[(A, 67), (B, 33)]));
         assert!(s.services["default/s"].reason.contains("has not answered"));
+    }
+
+    fn controlled(control: Control, base: SwitchoverOverrides) -> SwitchoverOverrides {
+        SwitchoverOverrides {
+            control: Some(control),
+            ..base
+        }
+    }
+
+    fn phase(s: &Switchover) -> Phase {
+        s.services["default/s"].phase
+    }
+
+    /// Hold: the target keeps the share it had, whatever the clock says; lifted, the
+    /// schedule goes on from that step, not from where the time held would have taken it.
+    #[test]
+    fn an_operator_s_hold_keeps_the_target_s_share_and_lifting_it_resumes_the_schedule() {
+        let world = World::new();
+        let auto = model(A, Some(B), steps_policy());
+        let held = model(A, Some(B), controlled(Control::Hold, steps_policy()));
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let mut s = Switchover::default();
+        advance(&mut s, &auto, &world, &(), at(0));
+        advance(&mut s, &auto, &world, &(), at(10));
+        assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]));
+        for t in [11, 30, 100] {
+            advance(&mut s, &held, &world, &(), at(t));
+            assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]), "at {t} s");
+            assert_eq!(phase(&s), Phase::Held);
+            assert_eq!(s.next_wake(), None, "time changes nothing while held");
+        }
+        assert!(s.services["default/s"]
+            .reason
+            .contains("held by the operator"));
+        advance(&mut s, &auto, &world, &(), at(101));
+        assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]), "not 100% at once");
+        assert_eq!(phase(&s), Phase::Shifting);
+        advance(&mut s, &auto, &world, &(), at(110));
+        assert_eq!(weights(&s), w(&[(A, 50), (B, 50)]), "one step an interval");
+
+        // Held before traffic moved: it stays on a1. A target that is not ready is
+        // waiting, whatever the operator says.
+        let mut fresh = Switchover::default();
+        advance(&mut fresh, &held, &world, &(), at(0));
+        assert_eq!(weights(&fresh), w(&[(A, 100)]));
+        assert_eq!(phase(&fresh), Phase::Held);
+        let mut deploying = World::new();
+        deploying.apps("default/s/b1", "03-deploying.json");
+        advance(&mut fresh, &held, &deploying, &(), at(1));
+        assert_eq!(phase(&fresh), Phase::Waiting);
+
+        // Held by capacity too: a share that falls stays down, and gains nothing back.
+        let mut world = sized((8, Some(8)), (4, Some(8)));
+        let auto = model(A, Some(B), SwitchoverOverrides::default());
+        let held = model(A, Some(B), controlled(Control::Hold, Default::default()));
+        let mut s = Switchover::default();
+        advance(&mut s, &auto, &world, &(), at(0));
+        assert_eq!(weights(&s), w(&[(A, 67), (B, 33)]));
+        world.capacity("default/s/b1", 2, Some(8));
+        advance(&mut s, &held, &world, &(), at(1));
+        assert_eq!(weights(&s), w(&[(A, 80), (B, 20)]));
+        world.capacity("default/s/b1", 8, Some(8));
+        advance(&mut s, &held, &world, &(), at(2));
+        assert_eq!(weights(&s), w(&[(A, 80), (B, 20)]));
+        advance(&mut s, &auto, &world, &(), at(3));
+        assert_eq!(weights(&s), w(&[(B, 100)]), "lifted: atomic moves at once");
+
+        // Nothing routable left on a1: traffic moves whatever the operator says.
+        let mut dead = World::new();
+        dead.proxy(8000, ProbeState::Unhealthy);
+        let mut s = Switchover::default();
+        advance(&mut s, &held, &dead, &(), at(0));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
+    /// Promote: past the schedule and the capacity limit, never past readiness, warmth
+    /// or the source's own cap.
+    #[test]
+    fn an_operator_s_promote_skips_schedule_and_capacity_but_no_gate_nor_the_source_cap() {
+        let mut world = World::new();
+        world.apps("default/s/b1", "03-deploying.json");
+        let promoted = model(A, Some(B), controlled(Control::Promote, steps_policy()));
+        let mut s = Switchover::default();
+        advance(&mut s, &promoted, &world, &(), T0);
+        assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Waiting));
+        let mut world = sized((8, Some(8)), (2, Some(8)));
+        let cold = ColdFor(vec!["default/s/b1"]);
+        advance(&mut s, &promoted, &world, &cold, T0);
+        assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Warming));
+        advance(&mut s, &promoted, &world, &(), T0);
+        assert_eq!((weights(&s), phase(&s)), (w(&[(B, 100)]), Phase::Stable));
+        assert!(
+            s.services["default/s"].reason.contains("promoted"),
+            "{}",
+            s.services["default/s"].reason
+        );
+
+        // KubeRay's incremental upgrade routes 30%: so do we.
+        world.capacity("default/s/b1", 8, Some(8));
+        let mut capped = promoted.services()[0].clone();
+        capped.pending_traffic_cap = Some(30);
+        let capped = Model::new(vec![capped]).unwrap();
+        let mut s = Switchover::default();
+        advance(&mut s, &capped, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(A, 70), (B, 30)]));
+    }
+
+    /// Abort: the pending cluster gets nothing; traffic that moved there goes back to the
+    /// active cluster, through the same gates; an application's own switch too.
+    #[test]
+    fn an_operator_s_abort_takes_traffic_off_the_pending_cluster_and_back_from_it() {
+        let world = World::new();
+        let auto = model(A, Some(B), steps_policy());
+        let aborted = model(A, Some(B), controlled(Control::Abort, steps_policy()));
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let mut s = Switchover::default();
+        advance(&mut s, &auto, &world, &(), at(0));
+        advance(&mut s, &auto, &world, &(), at(10));
+        assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]));
+        for t in [11, 100] {
+            advance(&mut s, &aborted, &world, &(), at(t));
+            assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Aborted));
+        }
+        assert!(s.services["default/s"].reason.contains("aborted"));
+        // Lifted: the shift starts over.
+        advance(&mut s, &auto, &world, &(), at(101));
+        assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
+
+        // Moved already: back to a1 once it is ready and warm.
+        let auto = model(A, Some(B), SwitchoverOverrides::default());
+        let aborted = model(A, Some(B), controlled(Control::Abort, Default::default()));
+        let mut s = Switchover::default();
+        advance(&mut s, &auto, &world, &(), at(0));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+        let mut a1_down = World::new();
+        a1_down.proxy(8000, ProbeState::Unhealthy);
+        advance(&mut s, &aborted, &a1_down, &(), at(1));
+        assert_eq!((weights(&s), phase(&s)), (w(&[(B, 100)]), Phase::Waiting));
+        advance(
+            &mut s,
+            &aborted,
+            &world,
+            &ColdFor(vec!["default/s/a1"]),
+            at(2),
+        );
+        assert_eq!((weights(&s), phase(&s)), (w(&[(B, 100)]), Phase::Warming));
+        advance(&mut s, &aborted, &world, &(), at(3));
+        assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Stable));
+        advance(&mut s, &aborted, &world, &(), at(4));
+        assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Aborted));
+
+        // Each application's own switch stops too.
+        let mut m = model_with_apps(Some(B), false).services()[0].clone();
+        m.policy.overrides.switchover = controlled(Control::Abort, Default::default());
+        let m = Model::new(vec![m]).unwrap();
+        let mut s = Switchover::default();
+        advance(&mut s, &m, &world, &(), at(0));
+        let all = s.weights();
+        assert_eq!(all["default/s#hello"], w(&[(A, 100)]), "{all:?}");
+        assert_eq!(s.services["default/s#hello"].phase, Phase::Aborted);
+
+        // Nothing routable left on a1: b1 serves, aborted or not.
+        let mut s = Switchover::default();
+        advance(&mut s, &aborted, &a1_down, &(), at(0));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
     }
 }

@@ -26,7 +26,7 @@ use crate::metrics::{Metrics, StateLabels, WeightLabels};
 use crate::model::Model;
 use crate::xds::{Clients, Snapshot};
 
-use super::switchover::Switchover;
+use super::switchover::{Phase, Switchover};
 
 /// The channels the pipeline reads, each written by one task.
 #[derive(Clone)]
@@ -351,12 +351,22 @@ fn record(out: &Output, metrics: &Metrics, exported: &mut BTreeSet<WeightLabels>
     let mut now = BTreeSet::new();
     // RayServices only: an application's own switch is short-lived and may be one of a
     // thousand (its events are logged).
-    for (service, switch) in out
-        .switchover
-        .services
-        .iter()
-        .filter(|(k, _)| !k.contains('#'))
-    {
+    let services = || {
+        out.switchover
+            .services
+            .iter()
+            .filter(|(k, _)| !k.contains('#'))
+    };
+    for phase in Phase::ALL {
+        let count = services().filter(|(_, s)| s.phase == phase).count();
+        metrics
+            .switchovers
+            .get_or_create(&StateLabels {
+                state: phase.as_str(),
+            })
+            .set(count as i64);
+    }
+    for (service, switch) in services() {
         for (cluster, weight) in &switch.weights {
             let labels = WeightLabels {
                 rayservice: service.clone(),

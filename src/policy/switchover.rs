@@ -13,6 +13,29 @@ pub enum ModeKind {
 }
 crate::lowercase_enum_value!(ModeKind { Atomic = "atomic", Progressive = "progressive" });
 
+/// An operator's word on a RayService's switch to its pending cluster.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Control {
+    /// The gates, limits and schedule decide.
+    #[default]
+    Auto,
+    /// The pending cluster gains no more traffic than it has; readiness may still take
+    /// it back to 0.
+    Hold,
+    /// Past the schedule and the capacity limit: all the traffic once the pending cluster
+    /// is ready and warmed everywhere, within the source's own cap.
+    Promote,
+    /// The pending cluster gets none, and traffic that moved there goes back to the
+    /// active cluster (through the same readiness and warmth gates).
+    Abort,
+}
+crate::lowercase_enum_value!(Control {
+    Auto = "auto",
+    Hold = "hold",
+    Promote = "promote",
+    Abort = "abort"
+});
+
 /// The progressive steps used when none are given.
 pub(crate) const DEFAULT_STEPS: [u32; 4] = [10, 25, 50, 100];
 
@@ -36,6 +59,8 @@ crate::declare_policy! {
             /// The longest wait for every connected Envoy to warm the new cluster before traffic moves without the laggards.
             warm_timeout: Duration = Duration::from_secs(10),
                 range(Duration::ZERO, Duration::from_secs(3600)), flag "warm-timeout";
+            /// An operator's word on a switch to the pending cluster: auto, hold (gain no more traffic), promote (past the schedule and capacity limit, never the readiness and warmth gates) or abort (none, and back to the active cluster).
+            control: Control = Control::Auto, flag "switchover-control";
         }
         global {}
     }

@@ -797,6 +797,19 @@ rayservices:
             Some(std::time::Duration::from_secs(30))
         );
         assert_eq!(traffic.route_timeout, None);
+        let text = EXAMPLE.replace(
+            "    active_cluster: demo-a\n",
+            "    active_cluster: demo-a\n    switchover: { control: abort }\n",
+        );
+        let switchover = parse(Path::new("s.yaml"), &text).unwrap().services()[0]
+            .policy
+            .overrides
+            .switchover
+            .clone();
+        assert_eq!(
+            switchover.control,
+            Some(crate::policy::switchover::Control::Abort)
+        );
         let err = parse(
             Path::new("s.yaml"),
             &EXAMPLE.replace(
@@ -889,6 +902,7 @@ rayservices:
                 "retry_back_off",
             ),
             ("switchover: { steps: [50, 90] }", "switchover.steps"),
+            ("switchover: { control: abrot }", "control"),
         ] {
             let text = EXAMPLE.replace(
                 "    active_cluster: demo-a\n",

@@ -925,3 +925,97 @@ async fn an_incremental_upgrade_follows_kuberays_traffic_percent_and_the_new_clu
     assert_eq!(s["rayservices"][0]["switchover"]["phase"], "stable", "{s}");
     shutdown.cancel();
 }
+
+/// An operator's word on a switch, through the `ray-xds.io/switchover-control`
+/// annotation: abort keeps the traffic off a ready pending cluster, hold keeps its share
+/// where it is, promote moves it all at once past a progressive schedule and the capacity
+/// limit; each phase shown in `/debug/state` and counted in `/metrics`. A value that is
+/// not one of them changes nothing and is reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_aborts_holds_and_promotes_a_switch_through_an_annotation() {
+    use ray_serve_sim::dashboard::AppSize;
+    let shutdown = CancellationToken::new();
+    let api = FakeApiServer::start().await;
+    let a = Cluster::start("rs-a", &[NodeType::Head], "RUNNING", &shutdown).await;
+    let b = Cluster::start("rs-b", &[NodeType::Head], "RUNNING", &shutdown).await;
+    let size = |running| AppSize {
+        num_replicas: 4,
+        running,
+        max_ongoing_requests: 2,
+    };
+    a.dashboard.set_app_size("hello", size(4));
+    // b runs 1 replica of 4: capacity alone would give it 2 / (2 + 8) = 20%.
+    b.dashboard.set_app_size("hello", size(1));
+    let with_control = |control: Option<&str>| {
+        let mut r = rayservice(Some("rs-a"), Some("rs-b"));
+        let annotations = &mut r["metadata"]["annotations"];
+        // A first step of 10%, and the next an hour later.
+        annotations["ray-xds.io/switchover-steps"] = json!("10,100");
+        annotations["ray-xds.io/switchover-interval"] = json!("1h");
+        if let Some(c) = control {
+            annotations["ray-xds.io/switchover-control"] = json!(c);
+        }
+        r
+    };
+    api.apply(with_control(Some("abort")));
+    a.apply_pods(&api);
+    b.apply_pods(&api);
+    let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
+        .await
+        .unwrap();
+    let admin = xds.admin_addr;
+    let state_is = |want: Vec<(&'static str, u64)>, phase: &'static str| async move {
+        let want: Vec<(String, u64)> = want.into_iter().map(|(c, w)| (c.into(), w)).collect();
+        eventually(&format!("weights {want:?}, {phase}"), DEADLINE, || async {
+            let s = debug_state(admin).await;
+            let now = s["rayservices"][0]["switchover"]["phase"].as_str() == Some(phase);
+            (now && published_weights(admin).await == want).then_some(())
+        })
+        .await;
+    };
+    let phase_count = |phase: &str| {
+        let series = format!("ray_xds_switchovers{{state=\"{phase}\"}} ");
+        async move {
+            let text = admin_get(admin, "/metrics").await;
+            text.lines()
+                .find_map(|l| l.strip_prefix(&series).map(str::to_string))
+                .unwrap_or_default()
+        }
+    };
+    state_is(vec![("rs-a", 100)], "aborted").await;
+    let reason = debug_state(admin).await["rayservices"][0]["switchover"]["reason"].clone();
+    assert!(
+        reason.to_string().contains("aborted by the operator"),
+        "{reason}"
+    );
+    assert_eq!(phase_count("aborted").await, "1");
+    assert_eq!(phase_count("shifting").await, "0");
+
+    // Held before anything moved: nothing moves.
+    api.apply(with_control(Some("hold")));
+    state_is(vec![("rs-a", 100)], "held").await;
+    assert_eq!(phase_count("held").await, "1");
+    // Left to ray-xds: the schedule's first step (below what capacity allows).
+    api.apply(with_control(None));
+    state_is(vec![("rs-a", 90), ("rs-b", 10)], "shifting").await;
+    // A typo is reported and changes nothing.
+    api.apply(with_control(Some("abrot")));
+    eventually("the bad value reported", DEADLINE, || async {
+        let s = debug_state(admin).await.to_string();
+        s.contains("abrot").then_some(())
+    })
+    .await;
+    state_is(vec![("rs-a", 90), ("rs-b", 10)], "shifting").await;
+    // Held where it is.
+    api.apply(with_control(Some("hold")));
+    state_is(vec![("rs-a", 90), ("rs-b", 10)], "held").await;
+    // Promoted: all of it now, not 10% for an hour, nor the 20% b's capacity gives.
+    api.apply(with_control(Some("promote")));
+    state_is(vec![("rs-b", 100)], "stable").await;
+    let reason = debug_state(admin).await["rayservices"][0]["switchover"]["reason"].clone();
+    assert!(
+        reason.to_string().contains("promoted by the operator"),
+        "{reason}"
+    );
+    shutdown.cancel();
+}

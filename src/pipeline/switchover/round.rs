@@ -16,7 +16,7 @@ use crate::live::health::HealthMap;
 use crate::model::RayService;
 use crate::pipeline::capacity::{capacity_limit, CapacityLimit};
 use crate::pipeline::readiness::{app_readiness, readiness, routed_clusters, Unit};
-use crate::policy::switchover::SwitchoverPolicy;
+use crate::policy::switchover::{Control, ShiftMode, SwitchoverPolicy};
 
 impl Switchover {
     /// Advances one switch (a RayService's, or one application's) keyed `key`; `serving`
@@ -39,7 +39,8 @@ impl Switchover {
         let policy = self.defaults.with(&service.policy.overrides.switchover);
         let mut st = self.take_switch(key, serving, &policy, now);
         let before = (st.phase, st.weights.clone(), st.reason.clone());
-        self.retarget(&mut st, service, back_to, known, now);
+        let abort = policy.control == Control::Abort;
+        self.retarget(&mut st, service, back_to, abort, known, now);
         match st.target.clone() {
             None => st.stay(),
             Some(target) => {
@@ -93,7 +94,8 @@ impl Switchover {
         st
     }
 
-    /// Where the switch is headed now: the pending cluster, back to `back_to` from a
+    /// Where the switch is headed now: the pending cluster, back to the active cluster
+    /// from the pending one when an operator aborted the switch, back to `back_to` from a
     /// pending cluster where an application failed, the active cluster when this replica
     /// serves another (an early flip, or a replaced cluster), or nowhere. A new target
     /// starts its clocks and asks for a fresh answer from its dashboard.
@@ -102,6 +104,7 @@ impl Switchover {
         st: &mut ServiceSwitch,
         service: &RayService,
         back_to: Option<&str>,
+        abort: bool,
         known: bool,
         now: SystemTime,
     ) {
@@ -115,6 +118,10 @@ impl Switchover {
         }
         let previous_target = st.target.clone();
         st.target = match &service.pending_cluster {
+            // Moved to the pending cluster, and the operator aborted the switch: back.
+            Some(p) if *p == st.serving && abort && service.active_cluster != *p => {
+                Some(service.active_cluster.clone())
+            }
             // Moved on its own to a pending cluster where an application failed: back.
             Some(p) if *p == st.serving && back_to.is_some_and(|b| b != p) => {
                 back_to.map(str::to_string)
@@ -200,7 +207,18 @@ impl Switchover {
             (Vec::new(), String::new())
         };
         let rejecting = rejecting_envoys(&routed, envoys);
+        // The operator's word (never when the serving cluster has nothing routable left
+        // and the target has: that would keep traffic on a dead cluster). Abort stops a
+        // switch to the pending cluster only: a move back to the active one goes on.
+        let control = if desperate {
+            Control::Auto
+        } else {
+            policy.control
+        };
+        let aborted = control == Control::Abort
+            && service.pending_cluster.as_deref() == Some(target.as_str());
         match ready {
+            _ if aborted => st.hold_aborted(&target),
             // (When the serving cluster has no routable proxy left and the target has,
             // traffic moves anyway: an Envoy that rejected the target keeps its own
             // route, merged for it, while every other one stops sending to a dead
@@ -209,37 +227,89 @@ impl Switchover {
             Ok(()) if !cold.is_empty() => st.hold_warming(&target, &cold),
             Err(why) if !desperate => st.hold_not_ready(&target, &why),
             _ => {
-                let scheduled = self.shift_weight(st, key, &target, policy, desperate, now);
-                // The schedule bounds the weight; ready capacity may hold it lower (not
-                // when the serving cluster has nothing routable left).
-                // (A peer that completed the move passed the same gates and limits.)
                 let previous = st.weight_of(&target);
-                let limit = (!desperate && !self.peers.completed(key, &target))
+                let (weight, note) = self.limited_weight(
+                    st, key, service, unit, &target, policy, control, desperate, inputs,
+                );
+                if control == Control::Hold {
+                    // No more than it had; less if a gate or limit says so.
+                    let schedule = match policy.shift() {
+                        ShiftMode::Progressive { steps, interval } => Some((steps, interval)),
+                        ShiftMode::Atomic => None,
+                    };
+                    let schedule = schedule.as_ref().map(|(s, i)| (s.as_slice(), *i));
+                    st.hold_by_operator(target, weight.min(previous), schedule, now);
+                } else {
+                    st.shift(
+                        target,
+                        weight,
+                        desperate,
+                        &format!("{note}{warm_note}"),
+                        now,
+                    );
+                }
+            }
+        }
+    }
+
+    /// The target's percent now, once every gate passed, and a note on what bounds it:
+    /// the schedule (all of it when the operator promotes), then the source's cap and
+    /// ready capacity (not when the serving cluster has nothing routable left, nor after
+    /// a peer completed the move: it passed the same gates and limits; capacity not
+    /// when the operator promotes).
+    #[allow(clippy::too_many_arguments)]
+    fn limited_weight(
+        &self,
+        st: &mut ServiceSwitch,
+        key: &str,
+        service: &RayService,
+        unit: Unit<'_>,
+        target: &str,
+        policy: &SwitchoverPolicy,
+        control: Control,
+        desperate: bool,
+        inputs: &RoundInputs<'_>,
+    ) -> (u32, String) {
+        let promoted = control == Control::Promote;
+        let scheduled = if promoted {
+            100
+        } else {
+            self.shift_weight(st, key, target, policy, desperate, inputs.now)
+        };
+        let previous = st.weight_of(target);
+        let limit = (!desperate && !self.peers.completed(key, target))
+            .then(|| {
+                let by_source = source_cap(service, target);
+                let by_capacity = (!promoted)
                     .then(|| {
-                        let by_source = source_cap(service, &target);
-                        let by_capacity = capacity_limit(
+                        capacity_limit(
                             service,
                             unit,
                             &st.serving,
-                            &target,
+                            target,
                             previous,
-                            dashboards,
-                        );
-                        by_source
-                            .into_iter()
-                            .chain(by_capacity)
-                            .min_by_key(|l| l.weight)
+                            inputs.dashboards,
+                        )
                     })
-                    .flatten()
-                    .filter(|limit| limit.weight < scheduled);
-                match limit {
-                    Some(limit) => {
-                        let note = format!(" (held by {}){warm_note}", limit.why);
-                        st.shift(target, limit.weight, false, &note, now);
-                    }
-                    None => st.shift(target, scheduled, desperate, &warm_note, now),
-                }
-            }
+                    .flatten();
+                by_source
+                    .into_iter()
+                    .chain(by_capacity)
+                    .min_by_key(|l| l.weight)
+            })
+            .flatten()
+            .filter(|limit| limit.weight < scheduled);
+        let promote_note = if promoted {
+            " (promoted by the operator)"
+        } else {
+            ""
+        };
+        match limit {
+            Some(limit) => (
+                limit.weight,
+                format!("{promote_note} (held by {})", limit.why),
+            ),
+            None => (scheduled, promote_note.to_string()),
         }
     }
 }

@@ -138,6 +138,58 @@ impl ServiceSwitch {
         self.weights = vec![(self.serving.clone(), 100)];
     }
 
+    /// Held by the operator (`switchover.control: hold`): the target keeps `weight`
+    /// percent, what it had or less. A progressive schedule's clock is set so that, once
+    /// the hold is lifted, it goes on from its first step at or above `weight`, not from
+    /// where the time spent held would have taken it.
+    pub(super) fn hold_by_operator(
+        &mut self,
+        target: String,
+        weight: u32,
+        schedule: Option<(&[u32], Duration)>,
+        now: SystemTime,
+    ) {
+        self.phase = Phase::Held;
+        self.reason = format!(
+            "{target} is ready; held by the operator (switchover.control: hold) at {weight}%"
+        );
+        if let Some((steps, interval)) = schedule {
+            let next = steps
+                .iter()
+                .position(|s| *s >= weight)
+                .unwrap_or(steps.len().saturating_sub(1));
+            self.step = next + 1;
+            self.shift_started = Some(now - interval * next as u32);
+            self.step_due = None;
+        }
+        self.weights = self.split(target, weight);
+    }
+
+    /// Aborted by the operator (`switchover.control: abort`): the pending cluster
+    /// `target` gets nothing.
+    pub(super) fn hold_aborted(&mut self, target: &str) {
+        self.phase = Phase::Aborted;
+        self.reason = format!(
+            "the switch to {target} was aborted by the operator (switchover.control: abort): \
+             all traffic stays on {}",
+            self.serving
+        );
+        self.step = 0;
+        self.shift_started = None;
+        self.warming_since = None;
+        self.weights = vec![(self.serving.clone(), 100)];
+    }
+
+    /// `weight` percent (below 100) on `target`, the rest on the serving cluster; at 0 the
+    /// route names only the serving cluster.
+    fn split(&self, target: String, weight: u32) -> Vec<(String, u32)> {
+        if weight == 0 {
+            vec![(self.serving.clone(), 100)]
+        } else {
+            vec![(self.serving.clone(), 100 - weight), (target, weight)]
+        }
+    }
+
     /// The percent of traffic `cluster` has now.
     pub(super) fn weight_of(&self, cluster: &str) -> u32 {
         self.weights
@@ -160,11 +212,7 @@ impl ServiceSwitch {
             self.phase = Phase::Shifting;
             self.reason = format!("{target} is ready: {weight}% of traffic{warm_note}");
             // (At 0, held by capacity: the route names only the serving cluster.)
-            self.weights = if weight == 0 {
-                vec![(self.serving.clone(), 100)]
-            } else {
-                vec![(self.serving.clone(), 100 - weight), (target, weight)]
-            };
+            self.weights = self.split(target, weight);
             return;
         }
         self.reason = if desperate {

@@ -147,6 +147,7 @@ mod tests {
             ("min-ready-proxies", "2"),
             ("drain-grace", "45s"),
             ("warm-timeout", "3s"),
+            ("switchover-control", "hold"),
         ];
         let documented = documented();
         assert_eq!(values.len(), documented.len());
@@ -173,6 +174,10 @@ mod tests {
             Some(crate::policy::Steps(vec![20, 60, 100]))
         );
         assert_eq!(p.overrides.switchover.min_ready_proxies, Some(2));
+        assert_eq!(
+            p.overrides.switchover.control,
+            Some(crate::policy::switchover::Control::Hold)
+        );
         assert_eq!(
             p.overrides.switchover.warm_timeout,
             Some(Duration::from_secs(3))
