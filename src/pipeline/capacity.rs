@@ -5,7 +5,9 @@
 //! While both clusters serve an application, each takes traffic in proportion to its
 //! ready capacity; the target takes all of it once its ready capacity reaches what the
 //! serving cluster has at full target capacity (or has running now, when it autoscales,
-//! or runs more than its full size), or its own full size. A RayService's switch is
+//! or runs more than its full size). A smaller new version never reaches that: its move
+//! completes when the source drops the old cluster (KubeRay deletes it after promoting
+//! the new one), or when an operator promotes it. A RayService's switch is
 //! limited by its most limited application. The limit is derived from the dashboards
 //! alone, so replicas fed the same answers agree, and a restarted one needs nothing
 //! remembered.
@@ -92,14 +94,15 @@ fn reference(serving: Capacity) -> u64 {
 }
 
 /// The target's percent of the traffic: 100 once it can run what the serving cluster
-/// can, or once it runs at its own full size (a new version may be smaller on purpose:
-/// nothing more is coming); else in proportion to the ready capacities, below 100 (a
-/// serving cluster running nothing for a moment does not end the move). `None` (no
+/// can; else in proportion to the ready capacities, below 100 (a serving cluster running
+/// nothing for a moment does not end the move, nor does a target at its own full size
+/// that is smaller: the load the serving cluster carries would overflow it). `None` (no
 /// limit) for a target that autoscales (its size follows the load it is given: a share
 /// by size would hold it where it is, or at zero), or when neither runs anything now.
 fn share(target: Capacity, serving: Capacity) -> Option<u32> {
-    let target_full = target.full?;
-    if target.ready >= reference(serving) || target.ready >= target_full {
+    // An autoscaling target (no full size) sets no limit.
+    target.full?;
+    if target.ready >= reference(serving) {
         return Some(100);
     }
     let both = target.ready.checked_add(serving.ready)?;
@@ -125,10 +128,11 @@ mod tests {
         assert_eq!(share(cap(4, Some(8)), cap(8, Some(8))), Some(33));
         assert_eq!(share(cap(8, Some(8)), cap(8, Some(8))), Some(100));
         // The serving cluster shrinks (KubeRay scales it down): the target still needs
-        // what the serving cluster has at full size, or its own full size.
+        // what the serving cluster has at full size.
         assert_eq!(share(cap(4, Some(8)), cap(2, Some(8))), Some(66));
-        // A smaller new version at its full size: all of it.
-        assert_eq!(share(cap(4, Some(4)), cap(8, Some(8))), Some(100));
+        // A smaller new version at its full size: in proportion, until the old cluster
+        // goes (or an operator promotes it).
+        assert_eq!(share(cap(4, Some(4)), cap(8, Some(8))), Some(33));
         // The serving cluster autoscales: what it runs now.
         assert_eq!(share(cap(4, Some(8)), cap(2, None)), Some(100));
         assert_eq!(share(cap(0, Some(8)), cap(8, Some(8))), Some(0));
@@ -156,7 +160,7 @@ mod tests {
                 proptest::prop_assert!(w <= 100);
                 let bigger = share(cap(t + more, Some(t_full)), serving).unwrap();
                 proptest::prop_assert!(bigger >= w);
-                proptest::prop_assert_eq!(w == 100, t >= reference(serving) || t >= t_full);
+                proptest::prop_assert_eq!(w == 100, t >= reference(serving));
             }
         }
     }
