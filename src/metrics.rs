@@ -107,6 +107,8 @@ pub struct Metrics {
     pub switchover_transitions: Family<StateLabels, Counter>,
     /// RayServices whose switch is in each phase now (every phase, zeros too).
     pub switchovers: Family<StateLabels, Gauge>,
+    /// RayServices under each operator's word (`switchover.control` other than `auto`).
+    pub switchover_controls: Family<StateLabels, Gauge>,
     pub source_objects_skipped: Family<ObjectProblemLabels, Counter>,
     pub source_watch_errors: Family<ResourceLabels, Counter>,
     pub source_synced: Gauge,
@@ -162,6 +164,7 @@ impl Metrics {
             switchover_weight: Family::default(),
             switchover_transitions: Family::default(),
             switchovers: Family::default(),
+            switchover_controls: Family::default(),
             source_objects_skipped: Family::default(),
             source_watch_errors: Family::default(),
             source_synced: Gauge::default(),
@@ -345,6 +348,11 @@ impl Metrics {
             "switchovers",
             "RayServices whose switchover is in each phase now (held and aborted: an operator's word)",
             self.switchovers.clone(),
+        );
+        registry.register(
+            "switchover_controls",
+            "RayServices under each operator's word (switchover.control: hold, promote, abort), whatever their phase",
+            self.switchover_controls.clone(),
         );
     }
 

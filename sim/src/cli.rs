@@ -7,6 +7,7 @@
 //!     --app /=hello --dashboard 127.0.0.1:8265 --control 127.0.0.1:8299 \
 //!     --grpc 127.0.0.1:8000=127.0.0.1:9000 --grpc 127.0.0.1:8001=127.0.0.1:9001
 //! curl -X PUT -d draining http://127.0.0.1:8299/proxies/8001/mode   # serving|draining|not-ready|no-replicas|hang|flapping|overloaded|reset-after-read|slow:<ms>
+//! curl -X PUT -d '{"ongoing": 2, "max_queued": 2, "call_ms": 100}' http://127.0.0.1:8299/proxies/8001/capacity  # or null
 //! curl http://127.0.0.1:8299/executions                             # request id -> proxies that ran it
 //! curl -X POST http://127.0.0.1:8299/proxies/8001/kill              # and /start to bring it back
 //! curl -X PUT 'http://127.0.0.1:8299/dashboard/apps/hello?route_prefix=/&status=DEPLOYING'
@@ -35,6 +36,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::capacity::Capacity;
 use crate::dashboard::{DashboardMode, SimDashboard};
 use crate::grpc::serve_grpc_proxy_with;
 use crate::{serve_proxy_with, Executions, NodeType, ProxyConfig, ProxyHandle, ProxyMode};
@@ -217,6 +219,16 @@ fn control_router(control: Control) -> Router {
                 let proxies = c.proxies.lock().unwrap();
                 let p = Control::key(&proxies, port).and_then(|key| proxies.get(&key)).ok_or((StatusCode::NOT_FOUND, format!("no proxy on port {port}")))?;
                 p.handle.set(mode);
+                Ok::<_, (StatusCode, String)>("ok\n")
+            }),
+        )
+        .route(
+            "/proxies/{port}/capacity",
+            put(|State(c): State<Control>, Path(port): Path<u16>, body: String| async move {
+                let capacity: Option<Capacity> = serde_json::from_str(&body).map_err(|e| (StatusCode::BAD_REQUEST, format!("{e}: expected {{\"ongoing\": n, \"max_queued\": n or null, \"call_ms\": n}} or null")))?;
+                let proxies = c.proxies.lock().unwrap();
+                let p = Control::key(&proxies, port).and_then(|key| proxies.get(&key)).ok_or((StatusCode::NOT_FOUND, format!("no proxy on port {port}")))?;
+                p.handle.set_capacity(capacity);
                 Ok::<_, (StatusCode, String)>("ok\n")
             }),
         )

@@ -38,6 +38,7 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+pub mod capacity;
 pub mod cli;
 pub mod dashboard;
 pub mod grpc;
@@ -244,6 +245,8 @@ pub struct ProxyHandle {
     /// Application requests that reached this proxy, run or turned away.
     received: Arc<std::sync::atomic::AtomicU64>,
     executions: Executions,
+    /// What the replicas behind it run at once ([`capacity`]); no bound by default.
+    replicas: Arc<capacity::Replicas>,
 }
 
 impl ProxyHandle {
@@ -272,6 +275,25 @@ impl ProxyHandle {
 
     pub fn get(&self) -> ProxyMode {
         self.mode.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Bounds what the replicas behind this proxy run at once (`None`: no bound).
+    pub fn set_capacity(&self, capacity: Option<capacity::Capacity>) {
+        self.replicas.set(capacity);
+    }
+
+    pub fn capacity(&self) -> Option<capacity::Capacity> {
+        self.replicas.get()
+    }
+
+    /// Requests running on and waiting for the replicas behind this proxy now.
+    pub fn load(&self) -> (u32, u32) {
+        self.replicas.load()
+    }
+
+    /// A request's turn on the replicas ([`capacity::Replicas::admit`]).
+    pub(crate) async fn admit(&self) -> capacity::Admission {
+        self.replicas.admit().await
     }
 }
 
@@ -303,8 +325,16 @@ async fn apply_mode(
         }
     }
     // An application request runs unless the proxy turns it away first (backpressure,
-    // no route table yet): then nothing ran, as in Ray.
+    // no route table yet): then nothing ran, as in Ray. One that may run waits for its
+    // turn on the replicas, or is turned away if too many wait already.
     let turned_away = matches!(mode, ProxyMode::Overloaded | ProxyMode::NotReady);
+    let (mut _slot, mut call) = (None, Duration::ZERO);
+    if !health_path && !turned_away {
+        match handle.admit().await {
+            capacity::Admission::Run(slot, takes) => (_slot, call) = (slot, takes),
+            capacity::Admission::Refused(text) => return unavailable(text),
+        }
+    }
     if !health_path && !turned_away {
         if let Some(id) = request
             .headers()
@@ -314,6 +344,8 @@ async fn apply_mode(
             handle.executions.record(id, address);
         }
     }
+    // The replica's own time (zero unless a capacity says otherwise).
+    tokio::time::sleep(call).await;
     match mode {
         ProxyMode::Serving => next.run(request).await,
         ProxyMode::Draining if health_path => unavailable("This node is being drained."),
@@ -353,11 +385,11 @@ async fn apply_mode(
     }
 }
 
-fn unavailable(message: &'static str) -> Response {
+fn unavailable(message: impl Into<String>) -> Response {
     (
         StatusCode::SERVICE_UNAVAILABLE,
         [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
-        message,
+        message.into(),
     )
         .into_response()
 }

@@ -1341,19 +1341,28 @@ mod tests {
         advance(&mut s, &auto, &world, &(), at(0));
         advance(&mut s, &auto, &world, &(), at(10));
         assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]));
+        let mut views = vec![];
         for t in [11, 30, 100] {
             advance(&mut s, &held, &world, &(), at(t));
             assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]), "at {t} s");
             assert_eq!(phase(&s), Phase::Held);
             assert_eq!(s.next_wake(), None, "time changes nothing while held");
+            views.push(s.replica_view());
         }
-        assert!(s.services["default/s"]
-            .reason
-            .contains("held by the operator"));
-        advance(&mut s, &auto, &world, &(), at(101));
+        assert!(
+            views.windows(2).all(|v| v[0] == v[1]),
+            "what peers read stays put while held (no rebuild loop between replicas)"
+        );
+        let st = &s.services["default/s"];
+        assert!(st.reason.contains("held by the operator"));
+        assert_eq!(st.control.as_deref(), Some("hold"));
+        // Lifted long after the last round (nothing changed meanwhile): from the held
+        // step, not from where the clock would be.
+        advance(&mut s, &auto, &world, &(), at(1000));
         assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]), "not 100% at once");
         assert_eq!(phase(&s), Phase::Shifting);
-        advance(&mut s, &auto, &world, &(), at(110));
+        assert_eq!(s.services["default/s"].control, None);
+        advance(&mut s, &auto, &world, &(), at(1010));
         assert_eq!(weights(&s), w(&[(A, 50), (B, 50)]), "one step an interval");
 
         // Held before traffic moved: it stays on a1. A target that is not ready is
@@ -1366,6 +1375,35 @@ mod tests {
         deploying.apps("default/s/b1", "03-deploying.json");
         advance(&mut fresh, &held, &deploying, &(), at(1));
         assert_eq!(phase(&fresh), Phase::Waiting);
+        // Held at 0 and lifted much later: the warmth gate first, then the first step.
+        advance(&mut fresh, &held, &world, &(), at(2));
+        assert_eq!(
+            (weights(&fresh), phase(&fresh)),
+            (w(&[(A, 100)]), Phase::Held)
+        );
+        let cold = ColdFor(vec!["default/s/b1"]);
+        advance(&mut fresh, &auto, &world, &cold, at(600));
+        assert_eq!(
+            (weights(&fresh), phase(&fresh)),
+            (w(&[(A, 100)]), Phase::Warming)
+        );
+        advance(&mut fresh, &auto, &world, &(), at(601));
+        assert_eq!(weights(&fresh), w(&[(A, 90), (B, 10)]));
+
+        // A peer that completed the move (before the hold reached it) is followed.
+        let mut done = Switchover::default();
+        advance(
+            &mut done,
+            &model(A, Some(B), Default::default()),
+            &world,
+            &(),
+            at(0),
+        );
+        assert_eq!(weights(&done), w(&[(B, 100)]));
+        let mut follower = Switchover::default();
+        follower.set_peers(heard_from(&[&done]));
+        advance(&mut follower, &held, &world, &(), at(1));
+        assert_eq!(weights(&follower), w(&[(B, 100)]));
 
         // Held by capacity too: a share that falls stays down, and gains nothing back.
         let mut world = sized((8, Some(8)), (4, Some(8)));
@@ -1444,11 +1482,14 @@ mod tests {
         advance(&mut s, &auto, &world, &(), at(101));
         assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
 
-        // Moved already: back to a1 once it is ready and warm.
-        let auto = model(A, Some(B), SwitchoverOverrides::default());
-        let aborted = model(A, Some(B), controlled(Control::Abort, Default::default()));
+        // Moved already: back to a1 once it is ready and warm (at once, though the
+        // schedule is progressive).
+        let auto = model(A, Some(B), steps_policy());
+        let aborted = model(A, Some(B), controlled(Control::Abort, steps_policy()));
         let mut s = Switchover::default();
-        advance(&mut s, &auto, &world, &(), at(0));
+        for t in [0, 10, 20, 30] {
+            advance(&mut s, &auto, &world, &(), at(t));
+        }
         assert_eq!(weights(&s), w(&[(B, 100)]));
         let mut a1_down = World::new();
         a1_down.proxy(8000, ProbeState::Unhealthy);
@@ -1466,6 +1507,28 @@ mod tests {
         assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Stable));
         advance(&mut s, &aborted, &world, &(), at(4));
         assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Aborted));
+
+        // A replica restarted while its peers wait on b1 for a1 to be ready again (a1's
+        // application redeploying) does not send everything to a1 meanwhile.
+        let mut a1_deploying = World::new();
+        a1_deploying.apps("default/s/a1", "03-deploying.json");
+        let mut survivor = Switchover::default();
+        for t in [0, 10, 20, 30] {
+            advance(&mut survivor, &auto, &world, &(), at(t));
+        }
+        advance(&mut survivor, &aborted, &a1_deploying, &(), at(31));
+        assert_eq!(weights(&survivor), w(&[(B, 100)]));
+        let mut restarted = Switchover::default();
+        restarted.set_peers(heard_from(&[&survivor]));
+        advance(&mut restarted, &aborted, &a1_deploying, &(), at(35));
+        assert_eq!(weights(&restarted), w(&[(B, 100)]));
+        advance(&mut restarted, &aborted, &a1_deploying, &(), at(36));
+        assert_eq!(
+            (weights(&restarted), phase(&restarted)),
+            (w(&[(B, 100)]), Phase::Waiting)
+        );
+        advance(&mut restarted, &aborted, &world, &(), at(37));
+        assert_eq!(weights(&restarted), w(&[(A, 100)]));
 
         // Each application's own switch stops too.
         let mut m = model_with_apps(Some(B), false).services()[0].clone();

@@ -366,6 +366,15 @@ fn record(out: &Output, metrics: &Metrics, exported: &mut BTreeSet<WeightLabels>
             })
             .set(count as i64);
     }
+    for control in ["hold", "promote", "abort"] {
+        let count = services()
+            .filter(|(_, s)| s.control.as_deref() == Some(control))
+            .count();
+        metrics
+            .switchover_controls
+            .get_or_create(&StateLabels { state: control })
+            .set(count as i64);
+    }
     for (service, switch) in services() {
         for (cluster, weight) in &switch.weights {
             let labels = WeightLabels {

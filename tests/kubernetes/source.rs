@@ -930,7 +930,7 @@ async fn an_incremental_upgrade_follows_kuberays_traffic_percent_and_the_new_clu
 /// annotation: abort keeps the traffic off a ready pending cluster, hold keeps its share
 /// where it is, promote moves it all at once past a progressive schedule and the capacity
 /// limit; each phase shown in `/debug/state` and counted in `/metrics`. A value that is
-/// not one of them changes nothing and is reported.
+/// not one of them is reported and holds the switch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_aborts_holds_and_promotes_a_switch_through_an_annotation() {
     use ray_serve_sim::dashboard::AppSize;
@@ -973,8 +973,8 @@ async fn an_operator_aborts_holds_and_promotes_a_switch_through_an_annotation() 
         })
         .await;
     };
-    let phase_count = |phase: &str| {
-        let series = format!("ray_xds_switchovers{{state=\"{phase}\"}} ");
+    let gauge = |family: &str, state: &str| {
+        let series = format!("ray_xds_{family}{{state=\"{state}\"}} ");
         async move {
             let text = admin_get(admin, "/metrics").await;
             text.lines()
@@ -982,6 +982,8 @@ async fn an_operator_aborts_holds_and_promotes_a_switch_through_an_annotation() 
                 .unwrap_or_default()
         }
     };
+    let phase_count = |phase: &str| gauge("switchovers", phase);
+    let control_count = |control: &str| gauge("switchover_controls", control);
     state_is(vec![("rs-a", 100)], "aborted").await;
     let reason = debug_state(admin).await["rayservices"][0]["switchover"]["reason"].clone();
     assert!(
@@ -990,6 +992,8 @@ async fn an_operator_aborts_holds_and_promotes_a_switch_through_an_annotation() 
     );
     assert_eq!(phase_count("aborted").await, "1");
     assert_eq!(phase_count("shifting").await, "0");
+    assert_eq!(control_count("abort").await, "1");
+    assert_eq!(control_count("hold").await, "0");
 
     // Held before anything moved: nothing moves.
     api.apply(with_control(Some("hold")));
@@ -998,14 +1002,16 @@ async fn an_operator_aborts_holds_and_promotes_a_switch_through_an_annotation() 
     // Left to ray-xds: the schedule's first step (below what capacity allows).
     api.apply(with_control(None));
     state_is(vec![("rs-a", 90), ("rs-b", 10)], "shifting").await;
-    // A typo is reported and changes nothing.
+    // A typo is reported, and holds the switch where it is (a typo in `hold` or
+    // `abort` must not set it going).
     api.apply(with_control(Some("abrot")));
     eventually("the bad value reported", DEADLINE, || async {
         let s = debug_state(admin).await.to_string();
         s.contains("abrot").then_some(())
     })
     .await;
-    state_is(vec![("rs-a", 90), ("rs-b", 10)], "shifting").await;
+    state_is(vec![("rs-a", 90), ("rs-b", 10)], "held").await;
+    assert_eq!(control_count("hold").await, "1");
     // Held where it is.
     api.apply(with_control(Some("hold")));
     state_is(vec![("rs-a", 90), ("rs-b", 10)], "held").await;

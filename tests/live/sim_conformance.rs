@@ -327,3 +327,33 @@ async fn the_shared_conformance_assertions_hold_for_the_simulator() {
     support::conformance::capacity_is(&url, "hello", half, Some(50.0)).await;
     shutdown.cancel();
 }
+
+/// Backpressure as `real_ray_backpressure_ejects_nothing` checks it on real Ray
+/// (`apps:busy`: one replica running one request at a time, one queued, 0.3 s each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulator_pushes_back_as_ray_does() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = ProxyConfig {
+        cluster: "c".into(),
+        node_type: NodeType::Head,
+        routes: BTreeMap::from([("/busy".to_string(), "busy".to_string())]),
+    };
+    let handle = ray_serve_sim::ProxyHandle::default();
+    handle.set_capacity(Some(ray_serve_sim::capacity::Capacity {
+        ongoing: 1,
+        max_queued: Some(1),
+        call_ms: 300,
+    }));
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(ray_serve_sim::serve_proxy_with(
+        listener,
+        config,
+        handle.clone(),
+        shutdown.clone(),
+    ));
+    let url = format!("http://{addr}/busy");
+    support::conformance::backpressure_is(&url, 12, std::time::Duration::from_secs(2)).await;
+    assert_eq!(handle.load(), (0, 0), "every slot and place given back");
+    shutdown.cancel();
+}

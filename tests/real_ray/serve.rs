@@ -593,6 +593,10 @@ async fn real_ray_backpressure_ejects_nothing() {
         extra: "",
     }]);
     a.wait_for_app("busy", "RUNNING").await;
+    // As the simulator pushes back (tests/live/sim_conformance.rs).
+    let busy = format!("http://{}/busy", a.head_proxy());
+    let (ok, refused) = conformance::backpressure_is(&busy, 12, Duration::from_secs(3)).await;
+    eprintln!("straight to the proxy: {ok} answered, {refused} refused");
     let gw = gateway(&services_yaml(
         "a",
         None,

@@ -283,3 +283,51 @@ pub async fn capacity_is(
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }
 }
+
+/// Ray's backpressure at `url`, an application of one replica that runs one request at a
+/// time (`max_ongoing_requests: 1`) with one more queued (`max_queued_requests: 1`):
+/// under `clients` clients at once for `duration`, requests are answered 200 or 503, the
+/// 503s with exactly Ray's `BackPressureError` text, as plain text, and nothing else.
+/// Returns (answered 200, answered 503).
+pub async fn backpressure_is(
+    url: &str,
+    clients: usize,
+    duration: std::time::Duration,
+) -> (usize, usize) {
+    let stop = std::time::Instant::now() + duration;
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let url = url.to_string();
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                while std::time::Instant::now() < stop {
+                    seen.push(get_with_headers(&url).await);
+                }
+                seen
+            })
+        })
+        .collect();
+    let (mut ok, mut refused) = (0, 0);
+    let want = ray_serve_sim::capacity::backpressure_message(1, 1);
+    for task in tasks {
+        for (status, content_type, body) in task.await.unwrap() {
+            match status {
+                200 => ok += 1,
+                503 => {
+                    assert_eq!(body, want, "{url}");
+                    assert!(
+                        content_type.starts_with("text/plain"),
+                        "{url}: {content_type}"
+                    );
+                    refused += 1;
+                }
+                other => panic!("{url}: {other} {body}"),
+            }
+        }
+    }
+    assert!(
+        ok > 0 && refused > 0,
+        "{url}: {ok} answered, {refused} refused"
+    );
+    (ok, refused)
+}

@@ -351,8 +351,15 @@ async fn call(
         match admission {
             Admission::Answer(response) => Ok(response),
             Admission::Reset => Err(ResetStream),
-            Admission::Serve(request) => {
-                Ok(routes.oneshot(request).await.unwrap_or_else(|e| match e {}))
+            Admission::Serve {
+                request,
+                slot,
+                call,
+            } => {
+                tokio::time::sleep(call).await;
+                let response = routes.oneshot(request).await.unwrap_or_else(|e| match e {});
+                drop(slot);
+                Ok(response)
             }
         }
     };
@@ -373,8 +380,23 @@ enum Admission {
     Answer(Response<tonic::body::Body>),
     /// The call ran; its stream is reset without an answer.
     Reset,
-    /// The service answers it.
-    Serve(Request<Incoming>),
+    /// The service answers it, once the call has run for `call` on the replica's `slot`.
+    Serve {
+        request: Request<Incoming>,
+        slot: Option<crate::capacity::Slot>,
+        call: Duration,
+    },
+}
+
+impl Admission {
+    /// The service answers it, with no replica's time of its own (health and listing).
+    fn serve(request: Request<Incoming>) -> Admission {
+        Admission::Serve {
+            request,
+            slot: None,
+            call: Duration::ZERO,
+        }
+    }
 }
 
 /// The proxy's own part of a call to `path`: counts and records an application call,
@@ -394,12 +416,12 @@ async fn admit(node: &Node, path: &str, mut request: Request<Incoming>) -> (Admi
             ProxyMode::Flapping if path == HEALTHZ_PATH => {
                 let n = handle.grpc_healthz_requests.fetch_add(1, Ordering::Relaxed);
                 if n.is_multiple_of(2) {
-                    Admission::Serve(request)
+                    Admission::serve(request)
                 } else {
                     Admission::Answer(status(Code::Internal, "flapping"))
                 }
             }
-            _ => Admission::Serve(request),
+            _ => Admission::serve(request),
         };
         return (admission, mode);
     }
@@ -429,6 +451,16 @@ async fn admit(node: &Node, path: &str, mut request: Request<Incoming>) -> (Admi
             mode,
         );
     }
+    // Its turn on the replicas, or Ray's backpressure when too many wait already.
+    let (slot, call) = match handle.admit().await {
+        crate::capacity::Admission::Run(slot, call) => (slot, call),
+        crate::capacity::Admission::Refused(text) => {
+            return (
+                Admission::Answer(status(Code::ResourceExhausted, &text)),
+                mode,
+            )
+        }
+    };
     let request_id = request
         .headers()
         .get(REQUEST_ID_METADATA)
@@ -448,7 +480,14 @@ async fn admit(node: &Node, path: &str, mut request: Request<Incoming>) -> (Admi
         handle.executions.record(id, node.address);
     }
     request.extensions_mut().insert(SelectedApp(app));
-    (Admission::Serve(request), mode)
+    (
+        Admission::Serve {
+            request,
+            slot,
+            call,
+        },
+        mode,
+    )
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ use crate::model::RayService;
 use crate::pipeline::capacity::{capacity_limit, CapacityLimit};
 use crate::pipeline::readiness::{app_readiness, readiness, routed_clusters, Unit};
 use crate::policy::switchover::{Control, ShiftMode, SwitchoverPolicy};
+use crate::policy::Value;
 
 impl Switchover {
     /// Advances one switch (a RayService's, or one application's) keyed `key`; `serving`
@@ -88,8 +89,11 @@ impl Switchover {
             step: 0,
             shift_started: None,
             step_due: None,
+            control: None,
+            held_at: None,
         });
         st.warm_timeout = policy.warm_timeout;
+        st.control = (policy.control != Control::Auto).then(|| policy.control.show());
         st.step_due = None;
         st
     }
@@ -207,16 +211,22 @@ impl Switchover {
             (Vec::new(), String::new())
         };
         let rejecting = rejecting_envoys(&routed, envoys);
-        // The operator's word (never when the serving cluster has nothing routable left
-        // and the target has: that would keep traffic on a dead cluster). Abort stops a
-        // switch to the pending cluster only: a move back to the active one goes on.
-        let control = if desperate {
-            Control::Auto
-        } else {
-            policy.control
-        };
-        let aborted = control == Control::Abort
-            && service.pending_cluster.as_deref() == Some(target.as_str());
+        let control =
+            self.effective_control(st, key, service, unit, &target, policy, desperate, inputs);
+        let to_pending = service.pending_cluster.as_deref() == Some(target.as_str());
+        let aborted = control == Control::Abort && to_pending;
+        // Back from an aborted pending cluster, or away from a serving cluster that is
+        // not ready where the operator's word would have kept it: not a step at a time.
+        let returning = (policy.control == Control::Abort
+            && service.pending_cluster.as_deref() == Some(st.serving.as_str()))
+            || (!desperate && control != policy.control);
+        if policy.control != Control::Hold {
+            let schedule = match policy.shift() {
+                ShiftMode::Progressive { steps, interval } => Some((steps, interval)),
+                ShiftMode::Atomic => None,
+            };
+            st.resume_after_hold(schedule.as_ref().map(|(s, i)| (s.as_slice(), *i)), now);
+        }
         match ready {
             _ if aborted => st.hold_aborted(&target),
             // (When the serving cluster has no routable proxy left and the target has,
@@ -229,16 +239,11 @@ impl Switchover {
             _ => {
                 let previous = st.weight_of(&target);
                 let (weight, note) = self.limited_weight(
-                    st, key, service, unit, &target, policy, control, desperate, inputs,
+                    st, key, service, unit, &target, policy, control, returning, desperate, inputs,
                 );
                 if control == Control::Hold {
                     // No more than it had; less if a gate or limit says so.
-                    let schedule = match policy.shift() {
-                        ShiftMode::Progressive { steps, interval } => Some((steps, interval)),
-                        ShiftMode::Atomic => None,
-                    };
-                    let schedule = schedule.as_ref().map(|(s, i)| (s.as_slice(), *i));
-                    st.hold_by_operator(target, weight.min(previous), schedule, now);
+                    st.hold_by_operator(target, weight.min(previous));
                 } else {
                     st.shift(
                         target,
@@ -252,11 +257,64 @@ impl Switchover {
         }
     }
 
+    /// The operator's word as this round takes it: none (`auto`) when the serving
+    /// cluster has nothing routable left and the target has, or, under a hold or an
+    /// abort, when the serving cluster is not ready (keeping traffic there would fail
+    /// it: a replica that restarted while its peers had moved away from it), or, under
+    /// a hold, once a peer has completed the move (it passed the same gates).
+    #[allow(clippy::too_many_arguments)]
+    fn effective_control(
+        &self,
+        st: &ServiceSwitch,
+        key: &str,
+        service: &RayService,
+        unit: Unit<'_>,
+        target: &str,
+        policy: &SwitchoverPolicy,
+        desperate: bool,
+        inputs: &RoundInputs<'_>,
+    ) -> Control {
+        let control = policy.control;
+        if desperate || control == Control::Auto || control == Control::Promote {
+            return if desperate { Control::Auto } else { control };
+        }
+        let min_ready = policy.min_ready_proxies;
+        let (health, dashboards) = (inputs.health, inputs.dashboards);
+        let serving = &st.serving;
+        // Known, not merely unknown yet (a replica that just started has probed nothing
+        // and heard no dashboard: that is no reason to pass the operator's word).
+        let name = service.envoy_cluster_name(serving);
+        let probed = health.cluster(&name).awaiting_first_probe == 0;
+        let answered = service
+            .cluster(serving)
+            .is_some_and(|c| c.dashboard.is_none())
+            || dashboards
+                .clusters
+                .get(&name)
+                .is_some_and(|d| d.status.is_some() && !d.stale);
+        let serving_unready = probed
+            && answered
+            && match unit {
+                Unit::Service => readiness(service, serving, health, dashboards, min_ready, None),
+                Unit::Application(app) => {
+                    app_readiness(service, serving, app, health, dashboards, min_ready, None)
+                }
+            }
+            .is_err();
+        let peer_done = control == Control::Hold && self.peers.completed(key, target);
+        if serving_unready || peer_done {
+            Control::Auto
+        } else {
+            control
+        }
+    }
+
     /// The target's percent now, once every gate passed, and a note on what bounds it:
-    /// the schedule (all of it when the operator promotes), then the source's cap and
-    /// ready capacity (not when the serving cluster has nothing routable left, nor after
-    /// a peer completed the move: it passed the same gates and limits; capacity not
-    /// when the operator promotes).
+    /// the schedule (all of it when the operator promotes, or when traffic returns from
+    /// an aborted pending cluster), then the source's cap and ready capacity (not when
+    /// the serving cluster has nothing routable left, nor after a peer completed the
+    /// move: it passed the same gates and limits; capacity not when the operator
+    /// promotes).
     #[allow(clippy::too_many_arguments)]
     fn limited_weight(
         &self,
@@ -267,11 +325,13 @@ impl Switchover {
         target: &str,
         policy: &SwitchoverPolicy,
         control: Control,
+        returning: bool,
         desperate: bool,
         inputs: &RoundInputs<'_>,
     ) -> (u32, String) {
         let promoted = control == Control::Promote;
-        let scheduled = if promoted {
+        // (A hold bounds the weight by what it was: the schedule has nothing to add.)
+        let scheduled = if promoted || returning || control == Control::Hold {
             100
         } else {
             self.shift_weight(st, key, target, policy, desperate, inputs.now)

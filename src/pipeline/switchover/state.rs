@@ -35,6 +35,13 @@ pub struct ServiceSwitch {
     pub reason: String,
     /// Percent of traffic per cluster (only clusters with some).
     pub weights: Vec<(String, u32)>,
+    /// The operator's word on this switch (`switchover.control`), unless `auto`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub control: Option<String>,
+    /// The share an operator's hold kept on the target: when the hold is lifted, a
+    /// progressive schedule resumes from its first step at or above it.
+    #[serde(skip)]
+    pub(super) held_at: Option<u32>,
     /// When the current target became the target: its dashboard must have answered
     /// since, so a status read before an upgrade began is never taken for readiness.
     #[serde(skip)]
@@ -139,30 +146,42 @@ impl ServiceSwitch {
     }
 
     /// Held by the operator (`switchover.control: hold`): the target keeps `weight`
-    /// percent, what it had or less. A progressive schedule's clock is set so that, once
-    /// the hold is lifted, it goes on from its first step at or above `weight`, not from
-    /// where the time spent held would have taken it.
-    pub(super) fn hold_by_operator(
-        &mut self,
-        target: String,
-        weight: u32,
-        schedule: Option<(&[u32], Duration)>,
-        now: SystemTime,
-    ) {
+    /// percent, what it had or less. The schedule's clock stops (no start to share, no
+    /// step due) until the hold is lifted ([`ServiceSwitch::resume_after_hold`]). At 0 no
+    /// traffic has moved, so the warmth gate comes again before the first step.
+    pub(super) fn hold_by_operator(&mut self, target: String, weight: u32) {
         self.phase = Phase::Held;
         self.reason = format!(
             "{target} is ready; held by the operator (switchover.control: hold) at {weight}%"
         );
-        if let Some((steps, interval)) = schedule {
-            let next = steps
-                .iter()
-                .position(|s| *s >= weight)
-                .unwrap_or(steps.len().saturating_sub(1));
-            self.step = next + 1;
-            self.shift_started = Some(now - interval * next as u32);
-            self.step_due = None;
+        self.held_at = Some(weight);
+        self.shift_started = None;
+        self.step_due = None;
+        if weight == 0 {
+            self.step = 0;
         }
         self.weights = self.split(target, weight);
+    }
+
+    /// A hold was lifted: a progressive schedule goes on from its first step at or above
+    /// the held share, now (the time spent held does not count); from its start if
+    /// nothing had moved.
+    pub(super) fn resume_after_hold(
+        &mut self,
+        schedule: Option<(&[u32], Duration)>,
+        now: SystemTime,
+    ) {
+        let Some(held) = self.held_at.take() else {
+            return;
+        };
+        self.shift_started = None;
+        if let (Some((steps, interval)), true) = (schedule, held > 0) {
+            let next = steps
+                .iter()
+                .position(|s| *s >= held)
+                .unwrap_or(steps.len().saturating_sub(1));
+            self.shift_started = Some(now - interval * next as u32);
+        }
     }
 
     /// Aborted by the operator (`switchover.control: abort`): the pending cluster

@@ -2,12 +2,15 @@
 //! probe, traffic and switchover policy.
 //!
 //! Every annotation is optional. A value that does not parse is reported and ignored (the
-//! global value applies); the RayService itself is still served. Annotations with the
+//! global value applies), except `switchover-control`, whose bad value holds the switch
+//! (a typo in `hold` or `abort` must not set it going); the RayService itself is still
+//! served. Annotations with the
 //! `ray-xds.io/` prefix that ray-xds does not know are reported too, so a typo is seen.
 
 use std::collections::BTreeMap;
 
 use crate::model::{HeadProxy, ServicePolicy};
+use crate::policy::switchover::Control;
 use crate::policy::Scope;
 
 pub const PREFIX: &str = "ray-xds.io/";
@@ -81,6 +84,15 @@ pub fn read(annotations: &BTreeMap<String, String>) -> Annotated {
                     None => Err("expected exclude, include or fallback".into()),
                 }
             }
+            // An operator's word that does not parse holds the switch: a typo in `hold`
+            // or `abort` must not set the switch going again.
+            "switchover-control" => match out.policy.overrides.set_annotation(name, value) {
+                Ok(_) => Ok(()),
+                Err(why) => {
+                    out.policy.overrides.switchover.control = Some(Control::Hold);
+                    Err(format!("{why}; the switch is held until it is fixed"))
+                }
+            },
             // Each value is checked alone, by the same rule as everywhere else: a bad one
             // changes nothing.
             _ => match out.policy.overrides.set_annotation(name, value) {
@@ -217,6 +229,27 @@ mod tests {
         let mut other = BTreeMap::new();
         other.insert("example.com/retries".to_string(), "x".to_string());
         assert_eq!(read(&other), Annotated::default());
+    }
+
+    #[test]
+    fn an_operator_s_word_that_does_not_parse_holds_the_switch() {
+        for typo in ["abrot", "Hold", "", "promote now"] {
+            let a = read(&annotations(&[("switchover-control", typo)]));
+            assert_eq!(
+                a.policy.overrides.switchover.control,
+                Some(Control::Hold),
+                "{typo:?}"
+            );
+            assert_eq!(a.problems.len(), 1);
+            assert!(
+                a.problems[0].1.contains("held until it is fixed"),
+                "{:?}",
+                a.problems
+            );
+        }
+        let a = read(&annotations(&[("switchover-control", " abort ")]));
+        assert_eq!(a.policy.overrides.switchover.control, Some(Control::Abort));
+        assert_eq!(a.problems, vec![]);
     }
 
     #[test]
