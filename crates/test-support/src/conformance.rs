@@ -287,7 +287,9 @@ pub async fn capacity_is(
 /// Ray's backpressure at `url`, an application of one replica that runs one request at a
 /// time (`max_ongoing_requests: 1`) with one more queued (`max_queued_requests: 1`):
 /// under `clients` clients at once for `duration`, requests are answered 200 or 503, the
-/// 503s with exactly Ray's `BackPressureError` text, as plain text, and nothing else.
+/// 503s with Ray's `BackPressureError` text, as plain text, and nothing else. (Ray checks
+/// the queue before it counts a request in, across awaits, so the count it reports can
+/// pass the bound: `num_queued_requests=2, max_queued_requests=1` on Ray 2.60.)
 /// Returns (answered 200, answered 503).
 pub async fn backpressure_is(
     url: &str,
@@ -308,13 +310,24 @@ pub async fn backpressure_is(
         })
         .collect();
     let (mut ok, mut refused) = (0, 0);
-    let want = ray_serve_sim::capacity::backpressure_message(1, 1);
+    let (prefix, suffix) = (
+        "Request dropped due to backpressure (num_queued_requests=",
+        ", max_queued_requests=1).",
+    );
     for task in tasks {
         for (status, content_type, body) in task.await.unwrap() {
             match status {
                 200 => ok += 1,
                 503 => {
-                    assert_eq!(body, want, "{url}");
+                    let queued = body
+                        .strip_prefix(prefix)
+                        .and_then(|rest| rest.strip_suffix(suffix))
+                        .and_then(|n| n.parse::<u32>().ok());
+                    assert!(queued.is_some_and(|n| n >= 1), "{url}: {body:?}");
+                    assert_eq!(
+                        body,
+                        ray_serve_sim::capacity::backpressure_message(queued.unwrap(), 1)
+                    );
                     assert!(
                         content_type.starts_with("text/plain"),
                         "{url}: {content_type}"
