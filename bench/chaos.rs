@@ -31,6 +31,12 @@
 //!
 //! ray-xds is given the harder input in the switchover scenarios: its source names the new
 //! cluster active at once (as KubeRay 1.0 did), and ray-xds gates the switch itself.
+//! `upgrade-partial-capacity` is `upgrade` to a cluster whose application comes up
+//! RUNNING with a quarter of its replicas (the simulated proxies run what their share of
+//! replicas can, queue a little, and answer Ray's 503 beyond: [`Sizes`]), under a load
+//! the old cluster carries and the new one cannot alone; it grows to full size
+//! [`PARTIAL_FOR`] later (ray-xds counts the growth after `capacity_settle`, 5 s), and
+//! the load runs 14 s longer.
 //!
 //! With `--protocol grpc` the load is unary gRPC calls (`ray_xds.demo.Echo/Say`, over one
 //! HTTP/2 connection to Envoy) to every node's simulated gRPC proxy, which shares its HTTP
@@ -79,7 +85,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use envoy_types::pb::envoy::config::cluster::v3::cluster::CommonLbConfig;
-use ray_serve_sim::dashboard::SimDashboard;
+use ray_serve_sim::capacity::Capacity;
+use ray_serve_sim::dashboard::{AppSize, SimDashboard};
 use ray_xds::config::GatewaySettings;
 use ray_xds::live::dashboard::DashboardClient;
 use ray_xds::live::probe::Outcome;
@@ -94,12 +101,13 @@ use support::*;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-const SCENARIOS: [&str; 9] = [
+const SCENARIOS: [&str; 10] = [
     "head-crash",
     "worker-crash",
     "proxy-hang",
     "proxy-drain",
     "upgrade",
+    "upgrade-partial-capacity",
     "cluster-replaced",
     "control-plane-restart",
     "control-plane-down-crash",
@@ -218,6 +226,18 @@ impl SimProxy {
         let _ = http("PUT", &url, mode).await;
     }
 
+    /// Bounds what the replicas behind this proxy run at once.
+    async fn capacity(&self, capacity: Capacity) {
+        let url = format!(
+            "http://127.0.0.1:{}/proxies/{}/capacity",
+            self.control,
+            self.address.port()
+        );
+        let body = serde_json::to_string(&capacity).unwrap();
+        let (status, answer) = http("PUT", &url, &body).await.unwrap();
+        assert_eq!(status, 200, "{url}: {answer}");
+    }
+
     async fn ready(&self) {
         eventually(
             "a simulated proxy starts",
@@ -275,10 +295,10 @@ impl SimRayCluster {
         }
     }
 
-    /// Applications deploy for `for_` (proxies answer 503 meanwhile), then run: the
-    /// proxies serve again before the dashboard says RUNNING, so that no arm that
-    /// switches on RUNNING can meet a proxy still refusing.
-    async fn deploy(&self, for_: Duration) {
+    /// Applications deploy for `for_` (proxies answer 503 meanwhile), then run (at
+    /// `size`, when given): the proxies serve again before the dashboard says RUNNING, so
+    /// that no arm that switches on RUNNING can meet a proxy still refusing.
+    async fn deploy(&self, for_: Duration, size: Option<AppSize>) {
         self.dashboard.set_app("hello", "/", "DEPLOYING");
         for p in &self.proxies {
             p.mode("overloaded").await;
@@ -299,8 +319,64 @@ impl SimRayCluster {
                 )
                 .await;
             }
-            dashboard.set_app("hello", "/", "RUNNING");
+            match size {
+                Some(size) => dashboard.set_app_sized("hello", "/", "RUNNING", size),
+                None => dashboard.set_app("hello", "/", "RUNNING"),
+            }
         });
+    }
+
+    /// Every proxy's share of `running` replicas (see [`Sizes`]), and the dashboard's
+    /// size to match: the proxies first, so the dashboard never claims more than they run.
+    async fn size(&self, sizes: &Sizes, running: u32) {
+        for p in &self.proxies {
+            p.capacity(sizes.proxy(running)).await;
+        }
+        self.dashboard.set_app_size("hello", sizes.app(running));
+    }
+}
+
+/// `upgrade-partial-capacity`'s sizes. Every replica runs `2 × unit` requests at once
+/// (`max_ongoing_requests`), each for [`SIZED_CALL_MS`], `unit` growing with the load (one
+/// per 50 requests/s, which keep 10 requests in flight): the serving cluster runs
+/// [`FULL_REPLICAS`] replicas (24 slots per unit: 16 through two of its proxies, 24
+/// through three); the new one comes up RUNNING with a quarter of them (6 slots per
+/// unit: 4 through two proxies, 6 through three), then grows to all. Each proxy holds a third of its cluster's slots,
+/// and `2 × unit` queued (Ray's `max_queued_requests`, per proxy as in Ray): in Ray every
+/// proxy reaches every replica of its cluster, here each proxy is a process of its own.
+/// So ray-xds, routing to two of the three proxies (the head is a fallback), has two
+/// thirds of the slots a baseline routing to all three has: the split favours the
+/// baselines.
+struct Sizes {
+    unit: u32,
+}
+
+const SIZED_CALL_MS: u64 = 200;
+const FULL_REPLICAS: u32 = 12;
+/// How long the new cluster runs with a quarter of its replicas before it grows.
+const PARTIAL_FOR: Duration = Duration::from_secs(5);
+
+impl Sizes {
+    fn of(rps: u64) -> Sizes {
+        Sizes {
+            unit: u32::try_from(rps.div_ceil(50)).unwrap_or(u32::MAX).max(1),
+        }
+    }
+
+    fn app(&self, running: u32) -> AppSize {
+        AppSize {
+            num_replicas: FULL_REPLICAS,
+            running,
+            max_ongoing_requests: 2 * self.unit,
+        }
+    }
+
+    fn proxy(&self, running: u32) -> Capacity {
+        Capacity {
+            ongoing: (running * 2 * self.unit).div_ceil(3),
+            max_queued: Some(2 * self.unit),
+            call_ms: SIZED_CALL_MS,
+        }
     }
 }
 
@@ -993,7 +1069,11 @@ fn arms_of(scenario: &str) -> Vec<&'static str> {
     ARMS.iter()
         .copied()
         .filter(|a| {
-            *a != "baseline-kuberay-1.0" || matches!(scenario, "upgrade" | "cluster-replaced")
+            *a != "baseline-kuberay-1.0"
+                || matches!(
+                    scenario,
+                    "upgrade" | "upgrade-partial-capacity" | "cluster-replaced"
+                )
         })
         .collect()
 }
@@ -1061,8 +1141,17 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
 
-    let duration =
-        Duration::from_secs(args.duration + if scenario == "proxy-drain" { 20 } else { 0 });
+    let sizes = Sizes::of(args.rps);
+    if scenario == "upgrade-partial-capacity" {
+        a.size(&sizes, FULL_REPLICAS).await;
+    }
+    // The drain lasts 30 s; a partial upgrade runs partial, then grows.
+    let extra = match scenario {
+        "proxy-drain" => 20,
+        "upgrade-partial-capacity" => 14,
+        _ => 0,
+    };
+    let duration = Duration::from_secs(args.duration + extra);
     let started = Instant::now();
     let stop = CancellationToken::new();
     let load_task = {
@@ -1082,14 +1171,28 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
         }
         "upgrade" => {
             // The new cluster's applications deploy for 10 s (its proxies answer 503).
-            b.deploy(Duration::from_secs(args.deploy)).await;
+            b.deploy(Duration::from_secs(args.deploy), None).await;
             cp.set_source(&view("b", &[&a, &b])).await;
+        }
+        // The new cluster's applications run with a quarter of their replicas (under a
+        // load the old cluster carries and the new one cannot alone), then it grows to
+        // full size: KubeRay's standard upgrade sees RUNNING at once.
+        "upgrade-partial-capacity" => {
+            let quarter = FULL_REPLICAS / 4;
+            for p in &b.proxies {
+                p.capacity(sizes.proxy(quarter)).await;
+            }
+            let deploy = Duration::from_secs(args.deploy);
+            b.deploy(deploy, Some(sizes.app(quarter))).await;
+            cp.set_source(&view("b", &[&a, &b])).await;
+            tokio::time::sleep(deploy + PARTIAL_FOR).await;
+            b.size(&sizes, FULL_REPLICAS).await;
         }
         "cluster-replaced" => {
             // The head pod dies: its proxy and its dashboard.
             a.proxies[0].process.signal(libc::SIGKILL);
             a.dashboard_stop.cancel();
-            b.deploy(Duration::from_secs(args.deploy)).await;
+            b.deploy(Duration::from_secs(args.deploy), None).await;
             cp.set_source(&view("b", &[&a, &b])).await;
         }
         // Timed from the stop call: stopping ray-xds waits for its tasks, a baseline's
@@ -1335,8 +1438,10 @@ fn broken_by(scenario: &str, r: &LoadResult, args: &Args) -> Option<&'static str
         Some("requests run twice")
     } else if r.count(Ending::Shed) > 0 {
         Some("requests piled up to the load's in-flight bound")
-    } else if matches!(scenario, "upgrade" | "cluster-replaced")
-        && r.served_by.as_deref() != Some("b")
+    } else if matches!(
+        scenario,
+        "upgrade" | "upgrade-partial-capacity" | "cluster-replaced"
+    ) && r.served_by.as_deref() != Some("b")
     {
         Some("traffic not on the new cluster when the load stopped")
     } else if scenario == "proxy-hang" && may_have_run > args.rps {

@@ -1184,18 +1184,50 @@ mod tests {
         advance(&mut fresh, &m, &world, &(), T0 + Duration::from_secs(60));
         assert_eq!(weights(&fresh), weights(&s));
 
+        // b1 grows: its share follows once the rise has held for `capacity_settle` (5 s).
+        let at = |secs| T0 + Duration::from_secs(secs);
         world.capacity("default/s/b1", 4, Some(8));
-        advance(&mut s, &m, &world, &(), T0);
+        advance(&mut s, &m, &world, &(), at(1));
+        assert_eq!(weights(&s), w(&[(A, 80), (B, 20)]), "not yet");
+        let reason = &s.services["default/s"].reason;
+        assert!(reason.contains("rising to 33%"), "{reason}");
+        assert_eq!(s.next_wake(), Some(at(6)), "a round when it is due");
+        advance(&mut s, &m, &world, &(), at(6));
         assert_eq!(weights(&s), w(&[(A, 67), (B, 33)]));
         // KubeRay shrinks a1 as b1 grows: b1 still needs what a1 has at full size.
         world.capacity("default/s/a1", 4, Some(8));
         world.capacity("default/s/b1", 6, Some(8));
-        advance(&mut s, &m, &world, &(), T0);
+        advance(&mut s, &m, &world, &(), at(6));
+        advance(&mut s, &m, &world, &(), at(11));
         assert_eq!(weights(&s), w(&[(A, 40), (B, 60)]));
         world.capacity("default/s/b1", 8, Some(8));
-        advance(&mut s, &m, &world, &(), T0);
+        advance(&mut s, &m, &world, &(), at(12));
+        assert_eq!(
+            weights(&s),
+            w(&[(A, 40), (B, 60)]),
+            "the move completes settled too"
+        );
+        advance(&mut s, &m, &world, &(), at(17));
         assert_eq!(weights(&s), w(&[(B, 100)]));
         assert_eq!(s.services["default/s"].phase, Phase::Stable);
+        // A fall counts at once.
+        let mut s = Switchover::default();
+        let mut world = sized((8, Some(8)), (4, Some(8)));
+        advance(&mut s, &m, &world, &(), at(0));
+        world.capacity("default/s/b1", 2, Some(8));
+        advance(&mut s, &m, &world, &(), at(0));
+        assert_eq!(weights(&s), w(&[(A, 80), (B, 20)]));
+        // A rise seen before the target turned unready (replicas restarting) still
+        // settles when it is ready again.
+        let mut deploying = sized((8, Some(8)), (8, Some(8)));
+        deploying.apps("default/s/b1", "03-deploying.json");
+        advance(&mut s, &m, &deploying, &(), at(1));
+        assert_eq!(weights(&s), w(&[(A, 100)]));
+        let full = sized((8, Some(8)), (8, Some(8)));
+        advance(&mut s, &m, &full, &(), at(2));
+        assert_eq!(weights(&s), w(&[(A, 80), (B, 20)]));
+        advance(&mut s, &m, &full, &(), at(7));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
     }
 
     #[test]
@@ -1419,6 +1451,12 @@ mod tests {
         advance(&mut s, &held, &world, &(), at(2));
         assert_eq!(weights(&s), w(&[(A, 80), (B, 20)]));
         advance(&mut s, &auto, &world, &(), at(3));
+        assert_eq!(
+            weights(&s),
+            w(&[(A, 80), (B, 20)]),
+            "the rise settles first"
+        );
+        advance(&mut s, &auto, &world, &(), at(7));
         assert_eq!(weights(&s), w(&[(B, 100)]), "lifted: atomic moves at once");
 
         // Nothing routable left on a1: traffic moves whatever the operator says.

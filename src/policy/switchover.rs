@@ -59,6 +59,9 @@ crate::declare_policy! {
             /// The longest wait for every connected Envoy to warm the new cluster before traffic moves without the laggards.
             warm_timeout: Duration = Duration::from_secs(10),
                 range(Duration::ZERO, Duration::from_secs(3600)), flag "warm-timeout";
+            /// How long a rise of the new cluster's ready capacity must hold before its share grows (Ray's proxies route to replicas that just turned RUNNING a moment after its dashboard lists them).
+            capacity_settle: Duration = Duration::from_secs(5),
+                range(Duration::ZERO, Duration::from_secs(3600)), flag "capacity-settle";
             /// An operator's word on a switch to the pending cluster: auto, hold (gain no more traffic), promote (past the schedule and capacity limit, never the readiness and warmth gates) or abort (none, and back to the active cluster).
             control: Control = Control::Auto, flag "switchover-control";
         }

@@ -3,5 +3,6 @@
 //! ingress. Every test is named `real_ray_*`; they are heavy (a Ray node takes ~15 s and
 //! ~1 GB to start), so `scripts/test.sh` runs them two at a time, after the others.
 
+mod capacity;
 mod direct_ingress;
 mod serve;

@@ -42,7 +42,7 @@ fn unix_now() -> f64 {
 }
 
 /// One cluster's entry in services.yaml: its real dashboard and listed proxies.
-fn cluster_yaml(c: &RealRayCluster, proxies: &[(SocketAddr, &str)]) -> String {
+pub(crate) fn cluster_yaml(c: &RealRayCluster, proxies: &[(SocketAddr, &str)]) -> String {
     let mut s = format!(
         "      - name: {}\n        dashboard: {}\n        proxies:\n",
         c.name,
@@ -54,7 +54,12 @@ fn cluster_yaml(c: &RealRayCluster, proxies: &[(SocketAddr, &str)]) -> String {
     s
 }
 
-fn services_yaml(active: &str, pending: Option<&str>, extra: &str, clusters: &[String]) -> String {
+pub(crate) fn services_yaml(
+    active: &str,
+    pending: Option<&str>,
+    extra: &str,
+    clusters: &[String],
+) -> String {
     let mut s = format!(
         "rayservices:\n  - name: demo\n    hosts: ['*']\n    head_proxy: include\n    active_cluster: {active}\n{extra}"
     );
@@ -68,14 +73,14 @@ fn services_yaml(active: &str, pending: Option<&str>, extra: &str, clusters: &[S
     s
 }
 
-struct Gateway {
+pub(crate) struct Gateway {
     _dir: tempfile::TempDir,
-    xds: ray_xds::runtime::Running,
-    envoy: Envoy,
-    port: u16,
+    pub(crate) xds: ray_xds::runtime::Running,
+    pub(crate) envoy: Envoy,
+    pub(crate) port: u16,
 }
 
-async fn gateway(services: &str) -> Gateway {
+pub(crate) async fn gateway(services: &str) -> Gateway {
     gateway_allowing(services, vec![]).await
 }
 
@@ -462,7 +467,7 @@ async fn envoy_health_flags(envoy: &Envoy, addr: SocketAddr) -> Option<String> {
 }
 
 impl Gateway {
-    fn xds_services_path(&self) -> std::path::PathBuf {
+    pub(crate) fn xds_services_path(&self) -> std::path::PathBuf {
         self._dir.path().join("services.yaml")
     }
 }

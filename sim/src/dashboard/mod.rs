@@ -220,6 +220,12 @@ impl SimDashboard {
     /// `RUNNING`, `DEPLOY_FAILED`, ...). The message is empty except for `DEPLOY_FAILED`
     /// and `UNHEALTHY`, which get Ray's.
     pub fn set_app(&self, name: &str, route_prefix: &str, status: &str) {
+        self.set_app_sized(name, route_prefix, status, AppSize::default());
+    }
+
+    /// [`SimDashboard::set_app`] with the deployment's size, in one step (no answer in
+    /// between shows the default size).
+    pub fn set_app_sized(&self, name: &str, route_prefix: &str, status: &str, size: AppSize) {
         self.state().apps.insert(
             name.to_string(),
             SimApp {
@@ -228,7 +234,7 @@ impl SimDashboard {
                 settles: None,
                 last_deployed_time_s: unix_now(),
                 replicas: Vec::new(),
-                size: AppSize::default(),
+                size,
             },
         );
     }

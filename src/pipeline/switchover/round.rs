@@ -91,6 +91,8 @@ impl Switchover {
             step_due: None,
             control: None,
             held_at: None,
+            capacity_counted: None,
+            capacity_rising: None,
         });
         st.warm_timeout = policy.warm_timeout;
         st.control = (policy.control != Control::Auto).then(|| policy.control.show());
@@ -139,6 +141,7 @@ impl Switchover {
             None => None,
         };
         if st.target != previous_target {
+            st.forget_capacity();
             st.target_since = st.target.as_ref().map(|_| now);
             st.saw_begin = known && st.target.is_some();
             st.warming_since = None;
@@ -351,7 +354,8 @@ impl Switchover {
                             inputs.dashboards,
                         )
                     })
-                    .flatten();
+                    .flatten()
+                    .map(|l| st.settle_capacity(l, policy.capacity_settle, inputs.now));
                 by_source
                     .into_iter()
                     .chain(by_capacity)

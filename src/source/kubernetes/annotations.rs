@@ -159,6 +159,7 @@ mod tests {
             ("min-ready-proxies", "2"),
             ("drain-grace", "45s"),
             ("warm-timeout", "3s"),
+            ("capacity-settle", "2s"),
             ("switchover-control", "hold"),
         ];
         let documented = documented();

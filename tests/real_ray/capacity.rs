@@ -1,0 +1,220 @@
+//! Ready capacity and an operator's word on real Ray 2.60: a sleep-bound application
+//! (`apps:busy`, each replica running 2 requests at once, 2 queued on the new cluster,
+//! `num_cpus: 0`, so capacity is set by replica counts, not by this machine's cores)
+//! moving from a cluster of 4 replicas to one Serve runs at a quarter (`target_capacity:
+//! 25`), under open-loop load the old cluster carries and the new one cannot alone.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use support::real_ray::{App, RealRayCluster};
+use support::*;
+
+use crate::serve::{cluster_yaml, gateway, services_yaml};
+
+const DEADLINE: Duration = Duration::from_secs(90);
+
+/// `apps:busy` (0.3 s a request) with its size and queue in `extra`.
+const fn busy(extra: &'static str) -> App {
+    App {
+        name: "busy",
+        route_prefix: "/",
+        import_path: "apps:busy",
+        extra,
+    }
+}
+
+/// The new version, b: 4 replicas of 2 requests at once (8 at once, about 26 a second),
+/// 2 queued, so what it cannot carry is answered 503 at once.
+const BUSY_B: App = busy(
+    "deployments: [ { name: Busy, num_replicas: 4, max_ongoing_requests: 2, max_queued_requests: 2, ray_actor_options: { num_cpus: 0 } } ]",
+);
+/// The serving cluster, a: 20 queued. This machine's 2 cores run both clusters, and
+/// starting b's replicas stalls a's proxy for a second or so; with 2 queued that stall
+/// alone was answered 503 on a (about 5 requests a run, Envoy's stats showed them all on
+/// a), which no routing avoids and separate machines would not see.
+const BUSY_A: App = busy(
+    "deployments: [ { name: Busy, num_replicas: 4, max_ongoing_requests: 2, max_queued_requests: 20, ray_actor_options: { num_cpus: 0 } } ]",
+);
+
+/// Requests per second: half of what 4 replicas run, twice what one does.
+const RATE: u64 = 13;
+
+/// Open-loop load through Envoy: a POST every 1/`RATE` s whatever is in flight; each
+/// answer's status (0: no answer) by when it was sent.
+struct OpenLoad {
+    stop: tokio_util::sync::CancellationToken,
+    log: Arc<Mutex<Vec<(std::time::Instant, u16, String)>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl OpenLoad {
+    fn start(port: u16) -> OpenLoad {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let task = tokio::spawn({
+            let (stop, log) = (stop.clone(), log.clone());
+            async move {
+                let mut tick = tokio::time::interval(Duration::from_millis(1000 / RATE));
+                let mut requests = tokio::task::JoinSet::new();
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tick.tick() => {}
+                    }
+                    let log = log.clone();
+                    requests.spawn(async move {
+                        let sent = std::time::Instant::now();
+                        let url = format!("http://127.0.0.1:{port}/");
+                        let (status, body) = match tokio::time::timeout(
+                            Duration::from_secs(10),
+                            http("POST", &url, "{}"),
+                        )
+                        .await
+                        {
+                            Ok(Ok((status, body))) if status != 200 => (status, body),
+                            Ok(Ok((status, _))) => (status, String::new()),
+                            Ok(Err(e)) => (0, e),
+                            Err(_) => (0, "no answer within 10 s".to_string()),
+                        };
+                        log.lock().unwrap().push((sent, status, body));
+                    });
+                    while requests.try_join_next().is_some() {}
+                }
+                while requests.join_next().await.is_some() {}
+            }
+        });
+        OpenLoad { stop, log, task }
+    }
+
+    /// The failures sent since `from`: milliseconds after it, the status and the body.
+    fn failures_since(&self, from: std::time::Instant) -> Vec<(u128, u16, String)> {
+        let log = self.log.lock().unwrap();
+        log.iter()
+            .filter(|(sent, s, _)| *sent >= from && *s != 200)
+            .map(|(sent, s, body)| ((*sent - from).as_millis(), *s, body.clone()))
+            .collect()
+    }
+
+    /// (requests, not answered 200) sent since `from`.
+    fn since(&self, from: std::time::Instant) -> (usize, usize) {
+        let log = self.log.lock().unwrap();
+        let window: Vec<u16> = log
+            .iter()
+            .filter(|(sent, _, _)| *sent >= from)
+            .map(|(_, s, _)| *s)
+            .collect();
+        let failed = window.iter().filter(|s| **s != 200).count();
+        (window.len(), failed)
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        self.task.await.unwrap();
+    }
+}
+
+/// The weights ray-xds publishes for the RayService, `(cluster, percent)`.
+async fn weights(admin: std::net::SocketAddr) -> Vec<(String, u64)> {
+    let state: serde_json::Value =
+        serde_json::from_str(&admin_get(admin, "/debug/state").await).unwrap_or_default();
+    state["rayservices"][0]["switchover"]["weights"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|w| Some((w[0].as_str()?.to_string(), w[1].as_u64()?)))
+        .collect()
+}
+
+async fn weights_become(admin: std::net::SocketAddr, want: &[(&str, u64)]) {
+    let want: Vec<(String, u64)> = want.iter().map(|(c, w)| (c.to_string(), *w)).collect();
+    eventually(&format!("weights {want:?}"), DEADLINE, || async {
+        (weights(admin).await == want).then_some(())
+    })
+    .await;
+}
+
+/// Traffic in proportion to ready capacity loses (almost) nothing where all of it at once
+/// overflows the new cluster; abort takes a completed move back; the move completes once
+/// the new cluster runs at full size. The same run measures today's atomic switch (the
+/// operator's `promote`, which skips the capacity limit) beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ray_capacity_a_quarter_sized_cluster_gets_its_share_and_all_once_full() {
+    let (a, b) = tokio::join!(RealRayCluster::start("a", 0), RealRayCluster::start("b", 0));
+    a.deploy(&[BUSY_A]);
+    b.deploy_at(&[BUSY_B], Some(25));
+    a.wait_for_app("busy", "RUNNING").await;
+    b.wait_for_app("busy", "RUNNING").await;
+    let clusters = [
+        cluster_yaml(&a, &[(a.head_proxy(), "head")]),
+        cluster_yaml(&b, &[(b.head_proxy(), "head")]),
+    ];
+    let gw = gateway(&services_yaml("a", None, "", &clusters[..1])).await;
+    let admin = gw.xds.admin_addr;
+    eventually("traffic flows", DEADLINE, || async {
+        let url = format!("http://127.0.0.1:{}/", gw.port);
+        http("POST", &url, "{}")
+            .await
+            .ok()
+            .filter(|(s, _)| *s == 200)
+    })
+    .await;
+    let upgrade = |control: &str| {
+        let extra = match control {
+            "" => String::new(),
+            c => format!("    switchover: {{ control: {c} }}\n"),
+        };
+        services_yaml("a", Some("b"), &extra, &clusters)
+    };
+    let load = OpenLoad::start(gw.port);
+    let window = Duration::from_secs(8);
+
+    // Today's atomic switch: everything to b once it runs.
+    write_atomic(&gw.xds_services_path(), &upgrade("promote"));
+    weights_become(admin, &[("b", 100)]).await;
+    let since = std::time::Instant::now();
+    tokio::time::sleep(window).await;
+    let (atomic_sent, atomic_failed) = load.since(since);
+
+    // Aborted: back to a, which is ready.
+    write_atomic(&gw.xds_services_path(), &upgrade("abort"));
+    weights_become(admin, &[("a", 100)]).await;
+
+    // By ready capacity: b runs 1 replica of 4, a 4: b takes 2 / (2 + 8).
+    write_atomic(&gw.xds_services_path(), &upgrade(""));
+    weights_become(admin, &[("a", 80), ("b", 20)]).await;
+    let since = std::time::Instant::now();
+    tokio::time::sleep(window).await;
+    // Serve scales b to full size: the move completes.
+    b.deploy_at(&[BUSY_B], Some(100));
+    let growing = std::time::Instant::now();
+    weights_become(admin, &[("b", 100)]).await;
+    eprintln!(
+        "grew at {} ms; all on b after {} ms",
+        (growing - since).as_millis(),
+        growing.elapsed().as_millis()
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (shared_sent, shared_failed) = load.since(since);
+    let failures = load.failures_since(since);
+    load.stop().await;
+    eprintln!("failures by capacity (ms after the share began, status): {failures:?}");
+    let stats = gw.envoy.admin("/stats?filter=upstream_rq_503").await;
+    eprintln!("Envoy's 503s by cluster (the whole run):\n{stats}");
+
+    eprintln!(
+        "capacity figures: atomic switch {atomic_failed} of {atomic_sent} requests failed \
+         ({:.1}%); by ready capacity, then at full size, {shared_failed} of {shared_sent} \
+         ({:.1}%)",
+        percent(atomic_failed, atomic_sent),
+        percent(shared_failed, shared_sent)
+    );
+    assert!(
+        shared_failed * 100 < shared_sent,
+        "fewer than 1% failed while the move followed capacity: {shared_failed} of {shared_sent}"
+    );
+}
+
+fn percent(part: usize, whole: usize) -> f64 {
+    part as f64 * 100.0 / whole.max(1) as f64
+}
