@@ -850,15 +850,21 @@ async fn two_namespaces_contending_for_a_host_the_older_keeps_it_and_none_takes_
     shutdown.cancel();
 }
 
-/// The weights `/debug/state` shows for the RayService, `(cluster, percent)`.
-async fn published_weights(admin: SocketAddr) -> Vec<(String, u64)> {
-    let s = debug_state(admin).await;
-    s["rayservices"][0]["switchover"]["weights"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|w| Some((w[0].as_str()?.to_string(), w[1].as_u64()?)))
-        .collect()
+/// A fake API server and two single-node clusters, `rs-a` and `rs-b`, RUNNING.
+async fn upgrade_pair(shutdown: &CancellationToken) -> (FakeApiServer, Cluster, Cluster) {
+    let api = FakeApiServer::start().await;
+    let a = Cluster::start("rs-a", &[NodeType::Head], "RUNNING", shutdown).await;
+    let b = Cluster::start("rs-b", &[NodeType::Head], "RUNNING", shutdown).await;
+    (api, a, b)
+}
+
+/// `hello` at 4 replicas of 2 requests at once, `running` of them RUNNING.
+fn sized(running: u32) -> ray_serve_sim::dashboard::AppSize {
+    ray_serve_sim::dashboard::AppSize {
+        num_replicas: 4,
+        running,
+        max_ongoing_requests: 2,
+    }
 }
 
 /// KubeRay's incremental upgrade (`NewClusterWithIncrementalUpgrade`): it grows the new
@@ -869,16 +875,9 @@ async fn published_weights(admin: SocketAddr) -> Vec<(String, u64)> {
 /// one down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_incremental_upgrade_follows_kuberays_traffic_percent_and_the_new_clusters_capacity() {
-    use ray_serve_sim::dashboard::AppSize;
     let shutdown = CancellationToken::new();
-    let api = FakeApiServer::start().await;
-    let a = Cluster::start("rs-a", &[NodeType::Head], "RUNNING", &shutdown).await;
-    let b = Cluster::start("rs-b", &[NodeType::Head], "RUNNING", &shutdown).await;
-    let full = AppSize {
-        num_replicas: 4,
-        running: 4,
-        max_ongoing_requests: 2,
-    };
+    let (api, a, b) = upgrade_pair(&shutdown).await;
+    let full = sized(4);
     a.dashboard.set_app_size("hello", full);
     b.dashboard.set_app_size("hello", full);
     // KubeRay starts the new cluster at a quarter of its size.
@@ -933,19 +932,11 @@ async fn an_incremental_upgrade_follows_kuberays_traffic_percent_and_the_new_clu
 /// not one of them is reported and holds the switch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_aborts_holds_and_promotes_a_switch_through_an_annotation() {
-    use ray_serve_sim::dashboard::AppSize;
     let shutdown = CancellationToken::new();
-    let api = FakeApiServer::start().await;
-    let a = Cluster::start("rs-a", &[NodeType::Head], "RUNNING", &shutdown).await;
-    let b = Cluster::start("rs-b", &[NodeType::Head], "RUNNING", &shutdown).await;
-    let size = |running| AppSize {
-        num_replicas: 4,
-        running,
-        max_ongoing_requests: 2,
-    };
-    a.dashboard.set_app_size("hello", size(4));
+    let (api, a, b) = upgrade_pair(&shutdown).await;
+    a.dashboard.set_app_size("hello", sized(4));
     // b runs 1 replica of 4: capacity alone would give it 2 / (2 + 8) = 20%.
-    b.dashboard.set_app_size("hello", size(1));
+    b.dashboard.set_app_size("hello", sized(1));
     let with_control = |control: Option<&str>| {
         let mut r = rayservice(Some("rs-a"), Some("rs-b"));
         let annotations = &mut r["metadata"]["annotations"];

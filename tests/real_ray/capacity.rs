@@ -114,22 +114,10 @@ impl OpenLoad {
     }
 }
 
-/// The weights ray-xds publishes for the RayService, `(cluster, percent)`.
-async fn weights(admin: std::net::SocketAddr) -> Vec<(String, u64)> {
-    let state: serde_json::Value =
-        serde_json::from_str(&admin_get(admin, "/debug/state").await).unwrap_or_default();
-    state["rayservices"][0]["switchover"]["weights"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|w| Some((w[0].as_str()?.to_string(), w[1].as_u64()?)))
-        .collect()
-}
-
 async fn weights_become(admin: std::net::SocketAddr, want: &[(&str, u64)]) {
     let want: Vec<(String, u64)> = want.iter().map(|(c, w)| (c.to_string(), *w)).collect();
     eventually(&format!("weights {want:?}"), DEADLINE, || async {
-        (weights(admin).await == want).then_some(())
+        (published_weights(admin).await == want).then_some(())
     })
     .await;
 }

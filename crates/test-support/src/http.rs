@@ -149,6 +149,19 @@ pub async fn admin_get(admin: SocketAddr, path: &str) -> String {
         .unwrap_or_default()
 }
 
+/// The weights the ray-xds whose admin is `admin` publishes for its first RayService
+/// (`/debug/state`), `(cluster, percent)`; none while it does not answer.
+pub async fn published_weights(admin: SocketAddr) -> Vec<(String, u64)> {
+    let state: serde_json::Value =
+        serde_json::from_str(&admin_get(admin, "/debug/state").await).unwrap_or_default();
+    state["rayservices"][0]["switchover"]["weights"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|w| Some((w[0].as_str()?.to_string(), w[1].as_u64()?)))
+        .collect()
+}
+
 /// Whether every Envoy connected to the ray-xds whose admin is `admin` holds what it
 /// serves now (`/debug/clients`, `in_sync`): what ray-xds's state says has reached them.
 pub async fn every_envoy_in_sync(admin: SocketAddr) -> bool {
