@@ -298,7 +298,7 @@ impl SimRayCluster {
     /// Applications deploy for `for_` (proxies answer 503 meanwhile), then run (at
     /// `size`, when given): the proxies serve again before the dashboard says RUNNING, so
     /// that no arm that switches on RUNNING can meet a proxy still refusing.
-    async fn deploy(&self, for_: Duration, size: Option<AppSize>) {
+    async fn deploy(&self, for_: Duration, size: Option<AppSize>) -> tokio::task::JoinHandle<()> {
         self.dashboard.set_app("hello", "/", "DEPLOYING");
         for p in &self.proxies {
             p.mode("overloaded").await;
@@ -323,7 +323,18 @@ impl SimRayCluster {
                 Some(size) => dashboard.set_app_sized("hello", "/", "RUNNING", size),
                 None => dashboard.set_app("hello", "/", "RUNNING"),
             }
-        });
+        })
+    }
+
+    /// Requests this cluster's proxies have run so far (their execution logs).
+    fn ran(&self, log_dir: &Path) -> usize {
+        self.proxies
+            .iter()
+            .map(|p| {
+                let log = log_dir.join(format!("{}.executions", p.address.port()));
+                std::fs::read_to_string(log).map_or(0, |text| text.lines().count())
+            })
+            .sum()
     }
 
     /// Every proxy's share of `running` replicas (see [`Sizes`]), and the dashboard's
@@ -892,6 +903,8 @@ struct LoadResult {
     served_by: Option<String>,
     /// Proxies (of every cluster) answering their health check once the fault had struck.
     healthy_after_fault: usize,
+    /// `upgrade-partial-capacity`: requests the new cluster ran while it ran a quarter.
+    ran_on_partial: Option<usize>,
 }
 
 impl LoadResult {
@@ -969,6 +982,7 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
         lost_ran: 0,
         served_by: None,
         healthy_after_fault: 0,
+        ran_on_partial: None,
     }
 }
 
@@ -1159,6 +1173,7 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
         tokio::spawn(async move { load(gateway_port, &args, started, stop).await })
     };
     tokio::time::sleep(Duration::from_secs(args.fault_at) + jitter).await;
+    let mut ran_on_partial = None;
 
     match scenario {
         "head-crash" => a.proxies[0].process.signal(libc::SIGKILL),
@@ -1183,9 +1198,11 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
                 p.capacity(sizes.proxy(quarter)).await;
             }
             let deploy = Duration::from_secs(args.deploy);
-            b.deploy(deploy, Some(sizes.app(quarter))).await;
+            let running = b.deploy(deploy, Some(sizes.app(quarter))).await;
             cp.set_source(&view("b", &[&a, &b])).await;
-            tokio::time::sleep(deploy + PARTIAL_FOR).await;
+            running.await.unwrap();
+            tokio::time::sleep(PARTIAL_FOR).await;
+            ran_on_partial = Some(b.ran(logs.path()));
             b.size(&sizes, FULL_REPLICAS).await;
         }
         "cluster-replaced" => {
@@ -1268,6 +1285,7 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     let mut result = load_task.await.unwrap();
     result.served_by = served_by;
     result.healthy_after_fault = healthy_after_fault;
+    result.ran_on_partial = ran_on_partial;
     if std::env::var_os("CHAOS_DEBUG").is_some() {
         // What Envoy's retries, outlier detection and connections did, per cluster.
         let stats = envoy.admin("/stats?filter=(retry|outlier|cx_connect|rq_timeout|rq_total|ejections_active|rq_pending)").await;
@@ -1436,6 +1454,8 @@ fn broken_by(scenario: &str, r: &LoadResult, args: &Args) -> Option<&'static str
         Some("lost requests")
     } else if r.executed_twice > 0 {
         Some("requests run twice")
+    } else if r.ran_on_partial == Some(0) {
+        Some("the new cluster ran nothing while it ran a quarter: no share by capacity shown")
     } else if r.count(Ending::Shed) > 0 {
         Some("requests piled up to the load's in-flight bound")
     } else if matches!(

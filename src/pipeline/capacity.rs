@@ -8,9 +8,10 @@
 //! or runs more than its full size). A smaller new version never reaches that: its move
 //! completes when the source drops the old cluster (KubeRay deletes it after promoting
 //! the new one), or when an operator promotes it. A RayService's switch is
-//! limited by its most limited application. The limit is derived from the dashboards
-//! alone, so replicas fed the same answers agree, and a restarted one needs nothing
-//! remembered.
+//! limited by its most limited application. The limit is derived from the dashboards,
+//! the target's newly RUNNING replicas counted once they have settled
+//! (`pipeline::settle`), so replicas fed the same answers agree, and a restarted one
+//! takes the share at once.
 //!
 //! Invariants: an application whose capacity either dashboard does not give (no
 //! dashboard, garbage sizes), that the serving cluster does not run, that autoscales on
@@ -20,10 +21,13 @@
 //! not nothing. Below its reference the target never gets 100, so only capacity (or the
 //! source) ends a move.
 
+use std::time::{Duration, SystemTime};
+
 use crate::live::dashboard::{Capacity, ServeStatus};
 use crate::live::dashboards::DashboardStates;
 use crate::model::RayService;
 use crate::pipeline::readiness::Unit;
+use crate::pipeline::settle::CapacitySettle;
 
 /// The most percent of a switch's traffic the target may take now, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,9 +36,18 @@ pub(crate) struct CapacityLimit {
     pub(crate) why: String,
 }
 
+/// How the target's newly RUNNING replicas come to count (`pipeline::settle`).
+pub(crate) struct TargetSettle<'a> {
+    pub(crate) settle: &'a CapacitySettle,
+    pub(crate) duration: Duration,
+    pub(crate) now: SystemTime,
+}
+
 /// The capacity limit of a switch of `unit` of `service` from `serving` to `target`,
 /// whose target has `previous` percent now; `None` when capacity sets none (every
-/// application may move all its traffic).
+/// application may move all its traffic). The target's ready capacity is what
+/// `settle` counts of it; the serving cluster's counts as its dashboard says.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn capacity_limit(
     service: &RayService,
     unit: Unit<'_>,
@@ -42,6 +55,7 @@ pub(crate) fn capacity_limit(
     target: &str,
     previous: u32,
     dashboards: &DashboardStates,
+    settle: &TargetSettle<'_>,
 ) -> Option<CapacityLimit> {
     let status = |cluster: &str| {
         dashboards
@@ -68,11 +82,27 @@ pub(crate) fn capacity_limit(
     };
     apps.into_iter()
         .filter_map(|app| {
-            let (t, s) = (capacity(to, app)?, capacity(from, app)?);
+            let (seen, s) = (capacity(to, app)?, capacity(from, app)?);
+            let target_cluster = service.envoy_cluster_name(target);
+            let t = Capacity {
+                ready: settle
+                    .settle
+                    .counted(&target_cluster, app, seen.ready, settle.now),
+                ..seen
+            };
             let weight = share(t, s)?;
+            let settling = if t.ready < seen.ready {
+                format!(
+                    "; {} more RUNNING there, counted {:?} after each turned RUNNING",
+                    seen.ready - t.ready,
+                    settle.duration
+                )
+            } else {
+                String::new()
+            };
             let why = format!(
                 "ready capacity: {app} can run {} request(s) at once on {target} (of {} at \
-                 full size) and {} on {serving} (of {})",
+                 full size) and {} on {serving} (of {}){settling}",
                 t.ready,
                 t.full.map_or_else(|| "?".to_string(), |f| f.to_string()),
                 s.ready,

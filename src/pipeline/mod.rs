@@ -22,6 +22,7 @@ pub(crate) mod capacity;
 pub mod departed;
 pub(crate) mod leaving;
 pub(crate) mod readiness;
+pub(crate) mod settle;
 pub mod switchover;
 pub(crate) mod task;
 
@@ -259,7 +260,7 @@ impl Pipeline {
 
         self.switchover.set_departed(self.departed.view());
         let wake_at = [
-            self.switchover.next_wake(),
+            self.switchover.next_wake(now),
             awaiting.iter().map(|(_, until)| *until).min(),
             self.departed.next_expiry(),
             self.leaving.next_expiry(),

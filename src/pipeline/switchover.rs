@@ -28,6 +28,7 @@ use std::time::SystemTime;
 use serde::Serialize;
 
 use super::readiness::{has_failed_application, Unit};
+use super::settle::CapacitySettle;
 use crate::live::dashboards::DashboardStates;
 use crate::live::health::HealthMap;
 use crate::live::peers::{to_unix, DepartedCluster, PeerStates, PeerSwitch, ReplicaView};
@@ -145,6 +146,8 @@ pub struct Switchover {
     peers: Arc<PeerStates>,
     /// The clusters this replica keeps draining (for [`Switchover::replica_view`]).
     departed: Vec<DepartedCluster>,
+    /// When each cluster's newly RUNNING replicas come to count toward its capacity.
+    settle: CapacitySettle,
 }
 
 impl Switchover {
@@ -201,6 +204,7 @@ impl Switchover {
     ) -> Vec<SwitchEvent> {
         let mut events = Vec::new();
         let mut next = BTreeMap::new();
+        self.observe_capacity(model, dashboards, now);
         for service in model.services() {
             let key = service.key();
             let known = self.services.contains_key(&key);
@@ -267,6 +271,35 @@ impl Switchover {
         events
     }
 
+    /// Records every cluster's ready capacity per application, as its dashboard says
+    /// now ([`CapacitySettle`]).
+    fn observe_capacity(&mut self, model: &Model, dashboards: &DashboardStates, now: SystemTime) {
+        let mut seen: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for service in model.services() {
+            let settle = self
+                .defaults
+                .with(&service.policy.overrides.switchover)
+                .capacity_settle;
+            for cluster in &service.clusters {
+                let name = service.envoy_cluster_name(&cluster.name);
+                let Some(status) = dashboards
+                    .clusters
+                    .get(&name)
+                    .and_then(|d| d.status.as_deref())
+                else {
+                    continue;
+                };
+                for (app, a) in &status.applications {
+                    if let Some(capacity) = a.capacity {
+                        self.settle.observe(&name, app, capacity.ready, settle, now);
+                        seen.entry(name.clone()).or_default().push(app.clone());
+                    }
+                }
+            }
+        }
+        self.settle.forget_unseen(&seen);
+    }
+
     /// Percent of traffic per cluster of every RayService it knows (only clusters with
     /// some); a RayService it does not know yet goes to its active cluster.
     pub fn weights(&self) -> BTreeMap<String, Vec<(String, u32)>> {
@@ -286,7 +319,8 @@ impl Switchover {
 
     /// When time alone next changes something: a progressive step falls due, or a warm
     /// wait reaches its `warm_timeout`.
-    pub(crate) fn next_wake(&self) -> Option<SystemTime> {
+    pub(crate) fn next_wake(&self, now: SystemTime) -> Option<SystemTime> {
+        let switching = self.in_progress();
         self.services
             .values()
             .filter_map(|s| match s.phase {
@@ -296,6 +330,8 @@ impl Switchover {
                     None
                 }
             })
+            // A capacity level that comes to count matters only while something moves.
+            .chain(switching.then(|| self.settle.next_due(now)).flatten())
             .min()
     }
 
@@ -831,7 +867,7 @@ mod tests {
             s.warming(),
             "the pipeline re-runs when the Envoy answers again"
         );
-        assert_eq!(s.next_wake(), None, "time alone changes nothing");
+        assert_eq!(s.next_wake(at(2)), None, "time alone changes nothing");
         // Once the Envoy takes it (its configuration changed), the switch goes ahead.
         advance(&mut s, &m, &world, &(), at(3601));
         assert_eq!(weights(&s), w(&[(B, 100)]));
@@ -1190,14 +1226,16 @@ mod tests {
         advance(&mut s, &m, &world, &(), at(1));
         assert_eq!(weights(&s), w(&[(A, 80), (B, 20)]), "not yet");
         let reason = &s.services["default/s"].reason;
-        assert!(reason.contains("rising to 33%"), "{reason}");
-        assert_eq!(s.next_wake(), Some(at(6)), "a round when it is due");
+        assert!(reason.contains("2 more RUNNING there"), "{reason}");
+        assert_eq!(s.next_wake(at(1)), Some(at(6)), "a round when it is due");
         advance(&mut s, &m, &world, &(), at(6));
         assert_eq!(weights(&s), w(&[(A, 67), (B, 33)]));
-        // KubeRay shrinks a1 as b1 grows: b1 still needs what a1 has at full size.
+        // KubeRay shrinks a1 as b1 grows: a1's fall counts at once, b1's rise once it
+        // has held; b1 still needs what a1 has at full size.
         world.capacity("default/s/a1", 4, Some(8));
         world.capacity("default/s/b1", 6, Some(8));
         advance(&mut s, &m, &world, &(), at(6));
+        assert_eq!(weights(&s), w(&[(A, 50), (B, 50)]));
         advance(&mut s, &m, &world, &(), at(11));
         assert_eq!(weights(&s), w(&[(A, 40), (B, 60)]));
         world.capacity("default/s/b1", 8, Some(8));
@@ -1378,7 +1416,7 @@ mod tests {
             advance(&mut s, &held, &world, &(), at(t));
             assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]), "at {t} s");
             assert_eq!(phase(&s), Phase::Held);
-            assert_eq!(s.next_wake(), None, "time changes nothing while held");
+            assert_eq!(s.next_wake(at(t)), None, "time changes nothing while held");
             views.push(s.replica_view());
         }
         assert!(

@@ -14,7 +14,7 @@ use super::{EnvoyWarmth, Phase, SwitchEvent, Switchover};
 use crate::live::dashboards::DashboardStates;
 use crate::live::health::HealthMap;
 use crate::model::RayService;
-use crate::pipeline::capacity::{capacity_limit, CapacityLimit};
+use crate::pipeline::capacity::{capacity_limit, CapacityLimit, TargetSettle};
 use crate::pipeline::readiness::{app_readiness, readiness, routed_clusters, Unit};
 use crate::policy::switchover::{Control, ShiftMode, SwitchoverPolicy};
 use crate::policy::Value;
@@ -91,8 +91,6 @@ impl Switchover {
             step_due: None,
             control: None,
             held_at: None,
-            capacity_counted: None,
-            capacity_rising: None,
         });
         st.warm_timeout = policy.warm_timeout;
         st.control = (policy.control != Control::Auto).then(|| policy.control.show());
@@ -141,7 +139,6 @@ impl Switchover {
             None => None,
         };
         if st.target != previous_target {
-            st.forget_capacity();
             st.target_since = st.target.as_ref().map(|_| now);
             st.saw_begin = known && st.target.is_some();
             st.warming_since = None;
@@ -352,10 +349,14 @@ impl Switchover {
                             target,
                             previous,
                             inputs.dashboards,
+                            &TargetSettle {
+                                settle: &self.settle,
+                                duration: policy.capacity_settle,
+                                now: inputs.now,
+                            },
                         )
                     })
-                    .flatten()
-                    .map(|l| st.settle_capacity(l, policy.capacity_settle, inputs.now));
+                    .flatten();
                 by_source
                     .into_iter()
                     .chain(by_capacity)

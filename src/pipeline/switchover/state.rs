@@ -11,7 +11,6 @@ use std::time::{Duration, SystemTime};
 use serde::Serialize;
 
 use super::{EnvoyWarmth, Phase};
-use crate::pipeline::capacity::CapacityLimit;
 
 /// One RayService's switchover state, as `/debug/state` shows it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -43,12 +42,6 @@ pub struct ServiceSwitch {
     /// progressive schedule resumes from its first step at or above it.
     #[serde(skip)]
     pub(super) held_at: Option<u32>,
-    /// The share by ready capacity this switch counts, and a higher one seen since
-    /// (with when it was first seen): see [`ServiceSwitch::settle_capacity`].
-    #[serde(skip)]
-    pub(super) capacity_counted: Option<u32>,
-    #[serde(skip)]
-    pub(super) capacity_rising: Option<(u32, SystemTime)>,
     /// When the current target became the target: its dashboard must have answered
     /// since, so a status read before an upgrade began is never taken for readiness.
     #[serde(skip)]
@@ -214,52 +207,6 @@ impl ServiceSwitch {
         } else {
             vec![(self.serving.clone(), 100 - weight), (target, weight)]
         }
-    }
-
-    /// The capacity limit as this switch counts it: a rise of the share counts once it
-    /// has held for `settle` (Ray's proxies learn of replicas that just turned RUNNING a
-    /// moment after its dashboard lists them, and turn requests away meanwhile); the
-    /// first share a switch sees, and a fall, count at once. A rise still settling keeps
-    /// the share counted before and asks for a round when it is due.
-    pub(super) fn settle_capacity(
-        &mut self,
-        limit: CapacityLimit,
-        settle: Duration,
-        now: SystemTime,
-    ) -> CapacityLimit {
-        let share = limit.weight;
-        let counted = match self.capacity_counted {
-            Some(counted) if share > counted => counted,
-            _ => {
-                self.capacity_counted = Some(share);
-                self.capacity_rising = None;
-                return limit;
-            }
-        };
-        let since = match self.capacity_rising {
-            Some((rising, since)) if rising == share => since,
-            _ => self.capacity_rising.insert((share, now)).1,
-        };
-        let due = since + settle;
-        if now >= due {
-            self.capacity_counted = Some(share);
-            self.capacity_rising = None;
-            return limit;
-        }
-        self.step_due = Some(self.step_due.map_or(due, |d| d.min(due)));
-        CapacityLimit {
-            weight: counted,
-            why: format!(
-                "{}; rising to {share}%, counted once it has held for {settle:?}",
-                limit.why
-            ),
-        }
-    }
-
-    /// A new target, or none: nothing of the last one's capacity is counted.
-    pub(super) fn forget_capacity(&mut self) {
-        self.capacity_counted = None;
-        self.capacity_rising = None;
     }
 
     /// The percent of traffic `cluster` has now.
