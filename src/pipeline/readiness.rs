@@ -162,6 +162,38 @@ pub(crate) fn readiness(
     Ok(())
 }
 
+/// Whether `unit` (the RayService, or one application) of `service` is ready on `cluster`
+/// ([`readiness`] or [`app_readiness`]).
+pub(crate) fn unit_readiness(
+    service: &RayService,
+    cluster: &str,
+    unit: Unit<'_>,
+    health: &HealthMap,
+    dashboards: &DashboardStates,
+    min_ready_proxies: u32,
+    answered_since: Option<SystemTime>,
+) -> Result<(), String> {
+    match unit {
+        Unit::Service => readiness(
+            service,
+            cluster,
+            health,
+            dashboards,
+            min_ready_proxies,
+            answered_since,
+        ),
+        Unit::Application(app) => app_readiness(
+            service,
+            cluster,
+            app,
+            health,
+            dashboards,
+            min_ready_proxies,
+            answered_since,
+        ),
+    }
+}
+
 /// Whether application `app` of `service` may move to `cluster`, and why not: its status
 /// there RUNNING (the others' may still be deploying, but none DEPLOY_FAILED or UNHEALTHY),
 /// and where its requests would go

@@ -1399,6 +1399,16 @@ mod tests {
         s.services["default/s"].phase
     }
 
+    /// A progressive switch from a1 to b1 at its second step (25%), 10 s in.
+    fn at_second_step(world: &World) -> Switchover {
+        let m = model(A, Some(B), steps_policy());
+        let mut s = Switchover::default();
+        advance(&mut s, &m, world, &(), T0);
+        advance(&mut s, &m, world, &(), T0 + Duration::from_secs(10));
+        assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]));
+        s
+    }
+
     /// Hold: the target keeps the share it had, whatever the clock says; lifted, the
     /// schedule goes on from that step, not from where the time held would have taken it.
     #[test]
@@ -1407,10 +1417,7 @@ mod tests {
         let auto = model(A, Some(B), steps_policy());
         let held = model(A, Some(B), controlled(Control::Hold, steps_policy()));
         let at = |secs| T0 + Duration::from_secs(secs);
-        let mut s = Switchover::default();
-        advance(&mut s, &auto, &world, &(), at(0));
-        advance(&mut s, &auto, &world, &(), at(10));
-        assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]));
+        let mut s = at_second_step(&world);
         let mut views = vec![];
         for t in [11, 30, 100] {
             advance(&mut s, &held, &world, &(), at(t));
@@ -1545,10 +1552,7 @@ mod tests {
         let auto = model(A, Some(B), steps_policy());
         let aborted = model(A, Some(B), controlled(Control::Abort, steps_policy()));
         let at = |secs| T0 + Duration::from_secs(secs);
-        let mut s = Switchover::default();
-        advance(&mut s, &auto, &world, &(), at(0));
-        advance(&mut s, &auto, &world, &(), at(10));
-        assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]));
+        let mut s = at_second_step(&world);
         for t in [11, 100] {
             advance(&mut s, &aborted, &world, &(), at(t));
             assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Aborted));

@@ -850,11 +850,14 @@ async fn two_namespaces_contending_for_a_host_the_older_keeps_it_and_none_takes_
     shutdown.cancel();
 }
 
-/// A fake API server and two single-node clusters, `rs-a` and `rs-b`, RUNNING.
+/// A fake API server and two single-node clusters, `rs-a` and `rs-b`, RUNNING, their
+/// pods listed.
 async fn upgrade_pair(shutdown: &CancellationToken) -> (FakeApiServer, Cluster, Cluster) {
     let api = FakeApiServer::start().await;
     let a = Cluster::start("rs-a", &[NodeType::Head], "RUNNING", shutdown).await;
     let b = Cluster::start("rs-b", &[NodeType::Head], "RUNNING", shutdown).await;
+    a.apply_pods(&api);
+    b.apply_pods(&api);
     (api, a, b)
 }
 
@@ -889,8 +892,6 @@ async fn an_incremental_upgrade_follows_kuberays_traffic_percent_and_the_new_clu
         r
     };
     api.apply(upgrade(10));
-    a.apply_pods(&api);
-    b.apply_pods(&api);
     let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
         .await
         .unwrap();
@@ -949,8 +950,6 @@ async fn an_operator_aborts_holds_and_promotes_a_switch_through_an_annotation() 
         r
     };
     api.apply(with_control(Some("abort")));
-    a.apply_pods(&api);
-    b.apply_pods(&api);
     let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
         .await
         .unwrap();

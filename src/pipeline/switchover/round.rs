@@ -15,8 +15,8 @@ use crate::live::dashboards::DashboardStates;
 use crate::live::health::HealthMap;
 use crate::model::RayService;
 use crate::pipeline::capacity::{capacity_limit, CapacityLimit, TargetSettle};
-use crate::pipeline::readiness::{app_readiness, readiness, routed_clusters, Unit};
-use crate::policy::switchover::{Control, ShiftMode, SwitchoverPolicy};
+use crate::pipeline::readiness::{routed_clusters, unit_readiness, Unit};
+use crate::policy::switchover::{Control, SwitchoverPolicy};
 use crate::policy::Value;
 
 impl Switchover {
@@ -183,12 +183,7 @@ impl Switchover {
             (own, peer) => own.or(peer),
         };
         let min_ready = policy.min_ready_proxies;
-        let ready = match unit {
-            Unit::Service => readiness(service, &target, health, dashboards, min_ready, since),
-            Unit::Application(app) => {
-                app_readiness(service, &target, app, health, dashboards, min_ready, since)
-            }
-        };
+        let ready = unit_readiness(service, &target, unit, health, dashboards, min_ready, since);
         let routable = |c: &str| health.cluster(&service.envoy_cluster_name(c)).routable > 0;
         // Proxies still awaiting their first probe (a restart, or new ones) are not known
         // to be down: no emergency move on their account, or one replica that probed the
@@ -221,11 +216,7 @@ impl Switchover {
             && service.pending_cluster.as_deref() == Some(st.serving.as_str()))
             || (!desperate && control != policy.control);
         if policy.control != Control::Hold {
-            let schedule = match policy.shift() {
-                ShiftMode::Progressive { steps, interval } => Some((steps, interval)),
-                ShiftMode::Atomic => None,
-            };
-            st.resume_after_hold(schedule.as_ref().map(|(s, i)| (s.as_slice(), *i)), now);
+            st.resume_after_hold(&policy.shift(), now);
         }
         match ready {
             _ if aborted => st.hold_aborted(&target),
@@ -275,8 +266,11 @@ impl Switchover {
         inputs: &RoundInputs<'_>,
     ) -> Control {
         let control = policy.control;
-        if desperate || control == Control::Auto || control == Control::Promote {
-            return if desperate { Control::Auto } else { control };
+        if desperate {
+            return Control::Auto;
+        }
+        if matches!(control, Control::Auto | Control::Promote) {
+            return control;
         }
         let min_ready = policy.min_ready_proxies;
         let (health, dashboards) = (inputs.health, inputs.dashboards);
@@ -294,13 +288,7 @@ impl Switchover {
                 .is_some_and(|d| d.status.is_some() && !d.stale);
         let serving_unready = probed
             && answered
-            && match unit {
-                Unit::Service => readiness(service, serving, health, dashboards, min_ready, None),
-                Unit::Application(app) => {
-                    app_readiness(service, serving, app, health, dashboards, min_ready, None)
-                }
-            }
-            .is_err();
+            && unit_readiness(service, serving, unit, health, dashboards, min_ready, None).is_err();
         let peer_done = control == Control::Hold && self.peers.completed(key, target);
         if serving_unready || peer_done {
             Control::Auto

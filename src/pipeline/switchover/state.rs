@@ -11,6 +11,7 @@ use std::time::{Duration, SystemTime};
 use serde::Serialize;
 
 use super::{EnvoyWarmth, Phase};
+use crate::policy::switchover::ShiftMode;
 
 /// One RayService's switchover state, as `/debug/state` shows it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -166,21 +167,17 @@ impl ServiceSwitch {
     /// A hold was lifted: a progressive schedule goes on from its first step at or above
     /// the held share, now (the time spent held does not count); from its start if
     /// nothing had moved.
-    pub(super) fn resume_after_hold(
-        &mut self,
-        schedule: Option<(&[u32], Duration)>,
-        now: SystemTime,
-    ) {
+    pub(super) fn resume_after_hold(&mut self, shift: &ShiftMode, now: SystemTime) {
         let Some(held) = self.held_at.take() else {
             return;
         };
         self.shift_started = None;
-        if let (Some((steps, interval)), true) = (schedule, held > 0) {
+        if let (ShiftMode::Progressive { steps, interval }, true) = (shift, held > 0) {
             let next = steps
                 .iter()
                 .position(|s| *s >= held)
                 .unwrap_or(steps.len().saturating_sub(1));
-            self.shift_started = Some(now - interval * next as u32);
+            self.shift_started = Some(now - *interval * next as u32);
         }
     }
 
