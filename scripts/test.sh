@@ -147,13 +147,8 @@ install_packages() {
 }
 step 10m install_packages
 # Lints need nothing the next steps install: they run at once, at normal priority, beside
-# the installs (which mostly wait on the network and the disk). Nor does the release
-# build the image check packs (scripts/build-image.sh runs the same cargo command, then
-# finds it done; target/release has a build lock of its own, so it never waits for the
-# debug builds): about 700 s of CPU at nice 19, taken where the steps leave the CPU idle,
-# beside every step up to the image check.
+# the installs (which mostly wait on the network and the disk).
 background --nice 0 clippy 20m cargo clippy --all-targets -- -D warnings
-[ -n "$build_only" ] || background release 60m cargo build --release --locked --bin ray-xds
 step 10m bash scripts/install-envoy.sh
 step 20m bash scripts/install-ray.sh
 step 10m bash scripts/validate-deploy.sh --install-only
@@ -214,7 +209,7 @@ step 5m "${exe[detection]}" --trials 3 --lanes 3 --cost-proxies 0 --slow-window 
 # (a 503 of Ray's backpressure included) or runs one twice. The arms run at the same time, each
 # with its own processes. Only ray-xds's arms: the baseline's counts, printed and never
 # asserted, are the full benchmark's (docs/benchmarks.md), and here they would only take
-# CPU from the release build beside.
+# CPU and time.
 step 20m "${exe[chaos]}" --scenario head-crash --scenario proxy-hang \
     --scenario proxy-drain --scenario upgrade --scenario upgrade-partial-capacity \
     --scenario control-plane-down-crash \
@@ -246,14 +241,13 @@ await envoy-tests
 step 5m bash scripts/validate-deploy.sh
 # Real Ray Serve clusters (about 1 GB and 15 s per node): two tests at a time (each
 # test's clusters have their own addresses, ports, replica ports and --temp-dir; most of a
-# test is waiting for Ray), 380 s where one at a time took 530. The release build goes on
-# beside them at nice 19 (they took about 440 s with it, 350 s without; stopping it
-# meanwhile left 270 s of it to wait for at the end).
+# test is waiting for Ray), 380 s where one at a time took 530. Nothing builds beside
+# them: a release build at nice 19 there made them take about 440 s instead of 350, and
+# its CPU stalls reached the capacity test's replicas (see the image check below).
 step 25m cargo test --test real_ray -- --test-threads=2
 # The ingress benchmark, short: with direct ingress, Envoy + ray-xds loses nothing and is
 # ahead of the way through the Serve proxies in throughput and p50, which are far apart
-# (the proxies' way is several times slower), so the noise of the release build going on
-# beside it at nice 19 cannot turn them. Its p99 rests on 100 latencies here (20 rps for
+# (the proxies' way is several times slower), so a noisy machine cannot turn them. Its p99 rests on 100 latencies here (20 rps for
 # 5 s), so it is compared only in longer runs (1,000 or more). The throughput search
 # runs from 20 rps to 250: the proxies' way has topped out between 22 and 109 in CI runs
 # and the direct way above 360, so the bounds leave the comparison as it was and save
@@ -262,7 +256,9 @@ step 25m cargo test --test real_ray -- --test-threads=2
 step 10m "${exe[ingress]}" --arm ray-xds-direct --arm ray-xds-proxies \
   --trials 1 --duration 5 --step-seconds 2 --search-from 20 --max-rate 250 --assert
 # The container image (scripts/build-image.sh, from scratch, no daemon, no pull) checked
-# and run read-only as user 65532 (podman + runc), from the release build that went on
-# beside the steps above.
-await release
-step 15m bash scripts/check-image.sh
+# and run read-only as user 65532 (podman + runc). It packs the debug binary the tests
+# ran: what the check proves is the image (its files, libraries, user, read-only run,
+# SIGTERM), the same for either profile. A release build (about 700 s of CPU, the
+# README's first command and `--build-only` make one) would have to run beside the steps
+# above, and there it slowed the real-Ray tests by about 90 s.
+step 15m bash scripts/check-image.sh --binary target/debug/ray-xds

@@ -1,5 +1,5 @@
 //! Ready capacity and an operator's word on real Ray 2.60: a sleep-bound application
-//! (`apps:busy`, each replica running 2 requests at once, 2 queued on the new cluster,
+//! (`apps:busy`, each replica running 2 requests at once, 6 queued on the new cluster,
 //! `num_cpus: 0`, so capacity is set by replica counts, not by this machine's cores)
 //! moving from a cluster of 4 replicas to one Serve runs at a quarter (`target_capacity:
 //! 25`), under open-loop load the old cluster carries and the new one cannot alone.
@@ -25,9 +25,14 @@ const fn busy(extra: &'static str) -> App {
 }
 
 /// The new version, b: 4 replicas of 2 requests at once (8 at once, about 26 a second),
-/// 2 queued, so what it cannot carry is answered 503 at once.
+/// 6 queued, so what it cannot carry is answered 503 within a second (all of the load on
+/// its one replica overflows 8 in about 1.3 s). Not fewer: its share (20%, 2.6 requests a
+/// second) holds under 1 in flight, but a CPU stall of this 2-core machine (Serve starting
+/// b's other replicas, the other real-Ray test beside this one) stops that replica for a
+/// second or more, and with 2 queued a stall of 1.5 s alone was answered 503 on b (6 of
+/// 326 requests in one CI run), which no routing avoids.
 const BUSY_B: App = busy(
-    "deployments: [ { name: Busy, num_replicas: 4, max_ongoing_requests: 2, max_queued_requests: 2, ray_actor_options: { num_cpus: 0 } } ]",
+    "deployments: [ { name: Busy, num_replicas: 4, max_ongoing_requests: 2, max_queued_requests: 6, ray_actor_options: { num_cpus: 0 } } ]",
 );
 /// The serving cluster, a: 20 queued. This machine's 2 cores run both clusters, and
 /// starting b's replicas stalls a's proxy for a second or so; with 2 queued that stall
