@@ -272,6 +272,7 @@ pub fn routes(data: &[u8]) {
                 route_prefix: Some("/hello".into()),
                 message: String::new(),
                 capacity: None,
+                deployed_at: None,
             },
         )]),
         ..Default::default()

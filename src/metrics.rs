@@ -91,6 +91,8 @@ pub struct Metrics {
     pub nacks: Family<TypeLabels, Counter>,
     pub stream_errors: Family<ReasonLabels, Counter>,
     pub tls_reloads: Family<ResultLabels, Counter>,
+    pub load_streams: Gauge,
+    pub load_report_clusters: Family<ResultLabels, Counter>,
     pub snapshots: Counter,
     pub snapshot_resources: Gauge,
     snapshot_info: Family<VersionLabels, Gauge>,
@@ -149,6 +151,8 @@ impl Metrics {
             nacks: Family::default(),
             stream_errors: Family::default(),
             tls_reloads: Family::default(),
+            load_streams: Gauge::default(),
+            load_report_clusters: Family::default(),
             snapshots: Counter::default(),
             snapshot_resources: Gauge::default(),
             snapshot_info: Family::default(),
@@ -227,6 +231,16 @@ impl Metrics {
             "xds_tls_reloads",
             "Changes of the xDS listener's certificate files: loaded (ok) or unusable and the last good ones kept (error)",
             self.tls_reloads.clone(),
+        );
+        registry.register(
+            "load_streams",
+            "Envoys' load reporting streams open (Load Reporting Service)",
+            self.load_streams.clone(),
+        );
+        registry.register(
+            "load_report_clusters",
+            "Cluster entries of Envoys' load reports: counted for a switch (tracked) or skipped (untracked)",
+            self.load_report_clusters.clone(),
         );
     }
 
@@ -502,6 +516,31 @@ impl crate::xds::Observer for Metrics {
     fn stream_error(&self, protocol: &'static str, reason: &'static str) {
         self.stream_errors
             .get_or_create(&ReasonLabels { protocol, reason })
+            .inc();
+    }
+
+    fn load_stream(&self, opened: bool) {
+        if opened {
+            self.load_streams.inc();
+        } else {
+            self.load_streams.dec();
+        }
+    }
+
+    fn load_report(&self, tracked: usize, untracked: usize) {
+        for (result, n) in [("tracked", tracked), ("untracked", untracked)] {
+            self.load_report_clusters
+                .get_or_create(&ResultLabels { result })
+                .inc_by(n as u64);
+        }
+    }
+
+    fn load_report_refused(&self, reason: &'static str) {
+        self.stream_errors
+            .get_or_create(&ReasonLabels {
+                protocol: "lrs",
+                reason,
+            })
             .inc();
     }
 

@@ -106,7 +106,13 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
     let dashboards = starter.dashboards(&source);
     let (models, refused) = starter.discovery(&source, &dashboards.states);
     let (probes, heartbeat) = starter.prober(&models);
-    let peers = starter.peers();
+    // Random per start: a replica finds itself among its peers' addresses by it.
+    let replica_id = format!(
+        "{:016x}",
+        std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u8)
+    );
+    let peers = starter.peers(&replica_id);
+    let loads = crate::xds::lrs::LoadReports::new(config.policies.switchover.load_report_interval);
     let sources = Sources {
         source,
         models: models.clone(),
@@ -114,14 +120,22 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         dashboards: dashboards.states.clone(),
         prober: heartbeat,
         peers,
+        loads: loads.clone(),
     };
-    let outputs = starter.pipeline(sources, dashboards.refresh, &source_status, &clients);
+    let outputs = starter.pipeline(
+        sources,
+        dashboards.refresh,
+        &source_status,
+        &clients,
+        &replica_id,
+    );
     starter.xds_server(
         listeners.xds,
         xds_tls,
         outputs.snapshots,
         outputs.published.clone(),
         &clients,
+        loads,
     );
     starter.spawn({
         let token = shutdown.clone();

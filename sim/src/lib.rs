@@ -118,6 +118,11 @@ pub enum ProxyMode {
     /// Reads an application request in full (it runs), then closes the connection
     /// without answering, as a proxy that dies mid-request.
     ResetAfterRead,
+    /// A bad version of the application: healthy, and this percent of its requests run
+    /// and are answered 500 (Ray's answer to an exception in the application), spread
+    /// evenly (every request `n` where `n × percent / 100` steps up). HTTP only: gRPC
+    /// calls are served as under `Serving`.
+    Failing(u8),
     /// An ingress replica (Ray's direct ingress) that is stopping: `/-/healthz` answers 503
     /// `DRAINING` (gRPC `Healthz`: `UNAVAILABLE` `DRAINING`), as Ray 2.60's replicas do
     /// while they finish what they hold; application requests are still served.
@@ -127,7 +132,8 @@ pub enum ProxyMode {
 impl std::str::FromStr for ProxyMode {
     type Err = String;
     /// `serving`, `draining`, `not-ready`, `no-replicas`, `hang`, `flapping`, `overloaded`,
-    /// `reset-after-read`, `replica-draining` or `slow:<milliseconds>`.
+    /// `reset-after-read`, `replica-draining`, `slow:<milliseconds>` or
+    /// `failing:<percent>`.
     fn from_str(s: &str) -> Result<Self, String> {
         Ok(match s {
             "serving" => ProxyMode::Serving,
@@ -139,14 +145,22 @@ impl std::str::FromStr for ProxyMode {
             "overloaded" => ProxyMode::Overloaded,
             "reset-after-read" => ProxyMode::ResetAfterRead,
             "replica-draining" => ProxyMode::ReplicaDraining,
-            other => match other.strip_prefix("slow:").and_then(|ms| ms.parse().ok()) {
-                Some(ms) => ProxyMode::Slow(std::time::Duration::from_millis(ms)),
-                None => {
-                    return Err(format!(
-                        "unknown proxy mode {other:?}: serving, draining, not-ready, no-replicas, hang, flapping, overloaded, reset-after-read, replica-draining or slow:<ms>"
-                    ))
+            other => {
+                let slow = other.strip_prefix("slow:").and_then(|ms| ms.parse().ok());
+                let failing = other
+                    .strip_prefix("failing:")
+                    .and_then(|p| p.parse::<u8>().ok())
+                    .filter(|p| *p <= 100);
+                match (slow, failing) {
+                    (Some(ms), _) => ProxyMode::Slow(std::time::Duration::from_millis(ms)),
+                    (_, Some(percent)) => ProxyMode::Failing(percent),
+                    _ => {
+                        return Err(format!(
+                            "unknown proxy mode {other:?}: serving, draining, not-ready, no-replicas, hang, flapping, overloaded, reset-after-read, replica-draining, slow:<ms> or failing:<percent>"
+                        ))
+                    }
                 }
-            },
+            }
         })
     }
 }
@@ -244,6 +258,8 @@ pub struct ProxyHandle {
     grpc_healthz_requests: Arc<std::sync::atomic::AtomicU64>,
     /// Application requests that reached this proxy, run or turned away.
     received: Arc<std::sync::atomic::AtomicU64>,
+    /// Application requests under [`ProxyMode::Failing`], to spread its failures.
+    failing_requests: Arc<std::sync::atomic::AtomicU64>,
     executions: Executions,
     /// What the replicas behind it run at once ([`capacity`]); no bound by default.
     replicas: Arc<capacity::Replicas>,
@@ -371,6 +387,22 @@ async fn apply_mode(
             }
         }
         ProxyMode::Flapping => next.run(request).await,
+        ProxyMode::Failing(_) if health_path => next.run(request).await,
+        ProxyMode::Failing(percent) => {
+            let n = handle
+                .failing_requests
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let p = u64::from(percent);
+            if (n + 1) * p / 100 > n * p / 100 {
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "Unexpected error, traceback: ray::ServeReplica:app:App.handle_request() (a bad version)",
+                )
+                    .into_response()
+            } else {
+                next.run(request).await
+            }
+        }
         ProxyMode::Overloaded if health_path => next.run(request).await,
         ProxyMode::Overloaded => unavailable(
             "Request dropped due to backpressure (num_queued_requests=100, max_queued_requests=100).",

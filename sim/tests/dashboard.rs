@@ -293,8 +293,13 @@ async fn deploy_app_settles_after_the_duration() {
                 ready: 5,
                 full: Some(5)
             }),
+            // When the simulator deployed it, as Ray gives it.
+            deployed_at: settled.applications["slow"]
+                .deployed_at
+                .filter(|t| *t > 1e9),
         }
     );
+    assert!(settled.applications["slow"].deployed_at.is_some());
     assert_eq!(
         settled.applications["broken"].status,
         AppStatus::DeployFailed

@@ -59,6 +59,10 @@ pub struct PeerSwitch {
     /// started): only such a `serving` is a move done.
     #[serde(default)]
     pub moved: bool,
+    /// That replica's decision to send nothing to the pending cluster, whose requests
+    /// fail (`pipeline::outcomes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback: Option<Rollback>,
 }
 
 impl PeerSwitch {
@@ -75,6 +79,34 @@ impl PeerSwitch {
     }
 }
 
+/// A decision to send no traffic to a pending cluster whose requests fail.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rollback {
+    /// The pending cluster.
+    pub cluster: String,
+    /// Its version when decided: each application's last deploy time, as its dashboard
+    /// said (`None`: unknown, and then any version it turns out to have is the same).
+    #[serde(default)]
+    pub version: Option<String>,
+    /// The figures that decided.
+    pub why: String,
+    /// When (unix seconds).
+    pub at_unix: u64,
+}
+
+/// Load reports by a RayCluster's Envoy cluster name (its gRPC and application clusters
+/// counted in it): what a replica's own Envoys reported over the outcome window.
+pub type LoadTotals = BTreeMap<String, crate::xds::lrs::LoadCounts>;
+
+/// What one replica's Envoys reported of one cluster, and from when it counted them (unix
+/// seconds: a new version of the cluster counts from its deploy time), so that a reader
+/// sums only reports counted from the same time as its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharedLoad {
+    pub since_unix: u64,
+    pub counts: crate::xds::lrs::LoadCounts,
+}
+
 /// A replica's answer: RayService key → its switch, and the clusters it keeps draining.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ReplicaView {
@@ -85,6 +117,14 @@ pub struct ReplicaView {
     /// times to its own clock.
     #[serde(default)]
     pub now_unix: Option<f64>,
+    /// Which replica answered (random per start): a reader finds itself among the
+    /// addresses of its peers' name, and one peer under several addresses.
+    #[serde(default)]
+    pub replica: Option<String>,
+    /// What that replica's own Envoys reported over the outcome window, per RayCluster
+    /// under a switch: summed over the replicas, it is what every Envoy reported.
+    #[serde(default)]
+    pub loads: BTreeMap<String, SharedLoad>,
 }
 
 impl ReplicaView {
@@ -142,6 +182,9 @@ pub struct PeerStates {
     pub departed: Vec<DepartedCluster>,
     /// A first round of asking every peer has ended (answered or not).
     pub polled: bool,
+    /// What the other replicas' Envoys reported, per cluster (each replica once, this
+    /// one never).
+    pub loads: BTreeMap<String, Vec<SharedLoad>>,
 }
 
 impl PeerStates {
@@ -191,6 +234,13 @@ impl PeerStates {
             .and_then(from_unix)
     }
 
+    /// A peer's decision to send nothing to `cluster`, the pending cluster of `service`.
+    pub(crate) fn rollback(&self, service: &str, cluster: &str) -> Option<&Rollback> {
+        self.of(service)
+            .filter_map(|p| p.rollback.as_ref())
+            .find(|r| r.cluster == cluster)
+    }
+
     fn of(&self, service: &str) -> impl Iterator<Item = &PeerSwitch> {
         self.services.get(service).into_iter().flatten()
     }
@@ -217,6 +267,8 @@ pub(crate) struct PeerPoller {
     pub peers: Vec<String>,
     pub interval: Duration,
     pub timeout: Duration,
+    /// This replica's id ([`ReplicaView::replica`]): its own answer adds no loads.
+    pub own_id: String,
 }
 
 impl PeerPoller {
@@ -237,7 +289,17 @@ impl PeerPoller {
                 polled: true,
                 ..Default::default()
             };
+            let mut counted = std::collections::BTreeSet::new();
             for view in answered {
+                let new_replica = match &view.replica {
+                    Some(id) => *id != self.own_id && counted.insert(id.clone()),
+                    None => true,
+                };
+                if new_replica {
+                    for (cluster, load) in &view.loads {
+                        next.loads.entry(cluster.clone()).or_default().push(*load);
+                    }
+                }
                 for (service, switch) in view.services {
                     next.services.entry(service).or_default().push(switch);
                 }
@@ -343,6 +405,7 @@ mod tests {
             shift_started_unix: started,
             serving_since_unix: Some(1.0),
             moved: target.is_none(),
+            rollback: None,
         }
     }
 
@@ -394,6 +457,7 @@ mod tests {
             services: BTreeMap::from([("ns/s".to_string(), switch("a", Some("b"), Some(100.0)))]),
             departed: vec![],
             now_unix: Some(1000.0),
+            ..Default::default()
         };
         // Read at 1000 + 3 h: the peer's clock is 3 h behind.
         let read_at = from_unix(1000.0 + 10_800.0).unwrap();

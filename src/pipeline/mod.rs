@@ -21,6 +21,7 @@
 pub(crate) mod capacity;
 pub mod departed;
 pub(crate) mod leaving;
+pub mod outcomes;
 pub(crate) mod readiness;
 pub(crate) mod settle;
 pub mod switchover;
@@ -121,6 +122,23 @@ impl Pipeline {
     pub fn set_peers(&mut self, peers: Arc<crate::live::peers::PeerStates>) {
         self.switchover.set_peers(peers.clone());
         self.peers = peers;
+    }
+
+    /// What this replica's own Envoys reported over the outcome window, for the next
+    /// builds (the switchover adds its peers').
+    pub fn set_loads(&mut self, own: outcomes::LoadTotals) {
+        self.switchover.set_loads(own);
+    }
+
+    /// How far back load reports count (`switchover.outcome_window`).
+    pub fn outcome_window(&self) -> std::time::Duration {
+        self.policies.switchover.outcome_window
+    }
+
+    /// This replica's id, which its switchover view carries to its peers.
+    pub(crate) fn with_replica_id(mut self, id: String) -> Pipeline {
+        self.switchover.set_replica_id(id);
+        self
     }
 
     /// The address policy proxies taken from peers (departed clusters) must pass.

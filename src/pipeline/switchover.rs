@@ -20,20 +20,23 @@
 //! Pure: time, health and the Envoys' warmth are passed in; [`Switchover::next_wake`]
 //! says when time alone would change something.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Arc;
 use std::time::SystemTime;
 
 use serde::Serialize;
 
+use super::outcomes::{self, LoadTotals, OutcomeRule, Rollback, Verdict};
 use super::readiness::{has_failed_application, Unit};
 use super::settle::CapacitySettle;
 use crate::live::dashboards::DashboardStates;
 use crate::live::health::HealthMap;
-use crate::live::peers::{to_unix, DepartedCluster, PeerStates, PeerSwitch, ReplicaView};
+use crate::live::peers::{
+    to_unix, DepartedCluster, PeerStates, PeerSwitch, ReplicaView, SharedLoad,
+};
 use crate::model::Model;
-use crate::policy::switchover::SwitchoverPolicy;
+use crate::policy::switchover::{Control, SwitchoverPolicy};
 use crate::translate::app_switch_key;
 
 mod round;
@@ -42,6 +45,11 @@ mod state;
 
 pub use self::schedule::PEER_LAG;
 pub use self::state::ServiceSwitch;
+
+fn unix_second(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
 
 /// Which connected Envoys have not yet warmed (ACKed) a cluster and its endpoints.
 pub trait EnvoyWarmth {
@@ -93,10 +101,14 @@ pub enum Phase {
     /// An operator aborted the switch (`switchover.control: abort`): the pending cluster
     /// gets no traffic.
     Aborted,
+    /// The pending cluster failed more of its requests than the active one
+    /// (`pipeline::outcomes`): it gets no traffic until a new version of it, or an
+    /// operator's `promote`.
+    RolledBack,
 }
 
 impl Phase {
-    pub(crate) const ALL: [Phase; 7] = [
+    pub(crate) const ALL: [Phase; 8] = [
         Phase::Stable,
         Phase::Waiting,
         Phase::Warming,
@@ -104,6 +116,7 @@ impl Phase {
         Phase::Rejected,
         Phase::Held,
         Phase::Aborted,
+        Phase::RolledBack,
     ];
 
     pub(crate) fn as_str(self) -> &'static str {
@@ -115,6 +128,7 @@ impl Phase {
             Phase::Rejected => "rejected",
             Phase::Held => "held",
             Phase::Aborted => "aborted",
+            Phase::RolledBack => "rolled_back",
         }
     }
 }
@@ -148,6 +162,20 @@ pub struct Switchover {
     departed: Vec<DepartedCluster>,
     /// When each cluster's newly RUNNING replicas come to count toward its capacity.
     settle: CapacitySettle,
+    /// Per RayService key, the decision to send nothing to its pending cluster, whose
+    /// requests fail ([`outcomes`]).
+    rollbacks: BTreeMap<String, Rollback>,
+    /// What this replica's own Envoys reported over the outcome window, and from when
+    /// each cluster's reports were counted (the clusters judged the round before: the
+    /// task tracks them after a build, and reads the totals before the next).
+    own_loads: LoadTotals,
+    loads_since: BTreeMap<String, SystemTime>,
+    /// The Envoy clusters whose reports count, each from when: every RayService's active
+    /// and pending clusters while it has both, the pending one from when its version
+    /// was deployed.
+    judged: BTreeMap<String, SystemTime>,
+    /// This replica's id, for its peers ([`ReplicaView::replica`]).
+    replica_id: String,
 }
 
 impl Switchover {
@@ -163,6 +191,24 @@ impl Switchover {
         self.peers = peers;
     }
 
+    /// What this replica's own Envoys reported over the outcome window, for the next
+    /// [`Switchover::advance`] (added to its peers') and for its peers.
+    pub fn set_loads(&mut self, own: LoadTotals) {
+        self.own_loads = own;
+    }
+
+    /// This replica's id, which its view carries to its peers.
+    pub(crate) fn set_replica_id(&mut self, id: String) {
+        self.replica_id = id;
+    }
+
+    /// The Envoy clusters whose load reports the outcome rule reads, each from when:
+    /// each RayService's active and pending clusters, while it has both (the pending one
+    /// from when its version was deployed, so a redeploy is judged on its own requests).
+    pub fn judged_clusters(&self) -> &BTreeMap<String, SystemTime> {
+        &self.judged
+    }
+
     /// The clusters this replica keeps draining, for its peers.
     pub(crate) fn set_departed(&mut self, departed: Vec<DepartedCluster>) {
         self.departed = departed;
@@ -172,6 +218,19 @@ impl Switchover {
     pub fn replica_view(&self) -> ReplicaView {
         ReplicaView {
             now_unix: None,
+            replica: (!self.replica_id.is_empty()).then(|| self.replica_id.clone()),
+            loads: self
+                .own_loads
+                .iter()
+                .filter_map(|(cluster, counts)| {
+                    let since = self.loads_since.get(cluster)?;
+                    let load = SharedLoad {
+                        since_unix: unix_second(*since),
+                        counts: *counts,
+                    };
+                    Some((cluster.clone(), load))
+                })
+                .collect(),
             departed: self.departed.clone(),
             services: self
                 .services
@@ -184,6 +243,7 @@ impl Switchover {
                         shift_started_unix: s.shift_started.map(to_unix),
                         serving_since_unix: Some(to_unix(s.serving_since)),
                         moved: s.moved,
+                        rollback: self.rollbacks.get(key).cloned(),
                     };
                     (key.clone(), switch)
                 })
@@ -205,9 +265,13 @@ impl Switchover {
         let mut events = Vec::new();
         let mut next = BTreeMap::new();
         self.observe_capacity(model, dashboards, now);
+        self.loads_since = std::mem::take(&mut self.judged);
+        let keys: BTreeSet<String> = model.services().iter().map(|s| s.key()).collect();
+        self.rollbacks.retain(|key, _| keys.contains(key));
         for service in model.services() {
             let key = service.key();
             let known = self.services.contains_key(&key);
+            let rolled_back = self.outcome_round(service, &key, dashboards, now);
             // New here (a start, or a restart mid-switch) while the source names an active
             // cluster a peer does not serve yet (an early flip): traffic is where the peer
             // serves it, if the source still lists that cluster and does not name it as
@@ -230,7 +294,7 @@ impl Switchover {
                 Unit::Service,
                 serving,
                 None,
-                known,
+                (known, rolled_back),
                 health,
                 dashboards,
                 envoys,
@@ -257,7 +321,7 @@ impl Switchover {
                     Unit::Application(&app.name),
                     serving.clone(),
                     back_to.as_deref(),
-                    known,
+                    (known, rolled_back),
                     health,
                     dashboards,
                     envoys,
@@ -269,6 +333,121 @@ impl Switchover {
         }
         self.services = next;
         events
+    }
+
+    /// The outcome rule's round for one RayService ([`outcomes`]): a decision on a
+    /// cluster no longer pending, or on an older version of it, is cleared; a peer's on
+    /// the same version is taken; otherwise the reports are judged. Whether the pending
+    /// cluster is rolled back now (never while the operator promotes: that clears it).
+    fn outcome_round(
+        &mut self,
+        service: &crate::model::RayService,
+        key: &str,
+        dashboards: &DashboardStates,
+        now: SystemTime,
+    ) -> bool {
+        let policy = self.defaults.with(&service.policy.overrides.switchover);
+        let active = &service.active_cluster;
+        let Some(pending) = service
+            .pending_cluster
+            .clone()
+            .filter(|p| p != active && service.cluster(p).is_some())
+            .filter(|_| service.cluster(active).is_some())
+        else {
+            self.rollbacks.remove(key);
+            return false;
+        };
+        let (new, old) = (
+            service.envoy_cluster_name(&pending),
+            service.envoy_cluster_name(active),
+        );
+        let deployed =
+            outcomes::deployed_at(service, &pending, dashboards).unwrap_or(SystemTime::UNIX_EPOCH);
+        self.judged.insert(new.clone(), deployed);
+        self.judged.insert(old.clone(), SystemTime::UNIX_EPOCH);
+        let version = outcomes::version(service, &pending, dashboards);
+        let stale = self.rollbacks.get(key).is_some_and(|r| {
+            r.cluster != pending
+                || !outcomes::same_version(r.version.as_deref(), version.as_deref())
+        });
+        if stale || policy.control == Control::Promote {
+            if let Some(r) = self.rollbacks.remove(key) {
+                tracing::info!(
+                    rayservice = key,
+                    cluster = r.cluster,
+                    "switchover: the rollback decision is cleared ({})",
+                    if stale {
+                        "a new version of the cluster"
+                    } else {
+                        "the operator promotes it"
+                    }
+                );
+            }
+        }
+        if policy.control == Control::Promote {
+            return false;
+        }
+        if !self.rollbacks.contains_key(key) {
+            let from_peer = self
+                .peers
+                .rollback(key, &pending)
+                .filter(|r| outcomes::same_version(r.version.as_deref(), version.as_deref()))
+                .cloned();
+            if let Some(r) = from_peer {
+                self.rollbacks.insert(key.to_string(), r);
+            }
+        }
+        if !self.rollbacks.contains_key(key) {
+            let loads = self.reported(&[(&new, deployed), (&old, SystemTime::UNIX_EPOCH)]);
+            let rule = OutcomeRule {
+                margin: policy.outcome_margin,
+                min_requests: policy.outcome_min_requests,
+            };
+            let capacity = outcomes::ready_capacity(service, &pending, dashboards);
+            if let Verdict::Failing(why) =
+                outcomes::judge(loads.get(&new), loads.get(&old), capacity, rule)
+            {
+                let at_unix = now
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                self.rollbacks.insert(
+                    key.to_string(),
+                    Rollback {
+                        cluster: pending,
+                        version,
+                        why,
+                        at_unix,
+                    },
+                );
+            }
+        }
+        self.rollbacks.contains_key(key)
+    }
+
+    /// What every Envoy reported of each of `clusters`, counted from its time: this
+    /// replica's own reports and each peer's, each only if counted from the same time
+    /// (a report of an older version, which a ledger not yet told counts, is left out).
+    fn reported(&self, clusters: &[(&String, SystemTime)]) -> LoadTotals {
+        let mut sum = LoadTotals::new();
+        for (cluster, since) in clusters {
+            let since_unix = unix_second(*since);
+            let own = self.own_loads.get(*cluster).filter(|_| {
+                self.loads_since.get(*cluster).map(|t| unix_second(*t)) == Some(since_unix)
+            });
+            let peers = self.peers.loads.get(*cluster).into_iter().flatten();
+            let peers = peers
+                .filter(|l| l.since_unix == since_unix)
+                .map(|l| &l.counts);
+            for counts in own.into_iter().chain(peers) {
+                sum.entry((*cluster).clone()).or_default().add(counts);
+            }
+        }
+        sum
+    }
+
+    /// The rollback decision on `key`'s pending cluster, if any.
+    pub(crate) fn rollback(&self, key: &str) -> Option<&Rollback> {
+        self.rollbacks.get(key)
     }
 
     /// Records every cluster's ready capacity per application, as its dashboard says
@@ -326,9 +505,12 @@ impl Switchover {
             .filter_map(|s| match s.phase {
                 Phase::Shifting => s.step_due,
                 Phase::Warming => s.warming_since.map(|t| t + s.warm_timeout),
-                Phase::Stable | Phase::Waiting | Phase::Rejected | Phase::Held | Phase::Aborted => {
-                    None
-                }
+                Phase::Stable
+                | Phase::Waiting
+                | Phase::Rejected
+                | Phase::Held
+                | Phase::Aborted
+                | Phase::RolledBack => None,
             })
             // A capacity level that comes to count matters only while something moves.
             .chain(switching.then(|| self.settle.next_due(now)).flatten())
@@ -1029,6 +1211,9 @@ mod tests {
             for (key, switch) in view.services {
                 states.services.entry(key).or_default().push(switch);
             }
+            for (cluster, load) in &view.loads {
+                states.loads.entry(cluster.clone()).or_default().push(*load);
+            }
         }
         Arc::new(states)
     }
@@ -1166,6 +1351,7 @@ mod tests {
                         shift_started_unix: Some(started),
                         serving_since_unix: None,
                         moved: false,
+                        rollback: None,
                     }],
                 )]),
                 polled: true,
@@ -1624,5 +1810,191 @@ mod tests {
         let mut s = Switchover::default();
         advance(&mut s, &aborted, &a1_down, &(), at(0));
         assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
+    /// What Envoys reported: (cluster, succeeded, failed) over the outcome window.
+    fn reported(pairs: &[(&str, u64, u64)]) -> LoadTotals {
+        pairs
+            .iter()
+            .map(|(c, ok, failed)| {
+                let counts = crate::xds::lrs::LoadCounts {
+                    succeeded: *ok,
+                    failed: *failed,
+                    issued: ok + failed,
+                    in_progress_peak: 0,
+                };
+                (c.to_string(), counts)
+            })
+            .collect()
+    }
+
+    /// b1's applications redeployed (a new version of the cluster).
+    fn redeploy(world: &mut World, cluster: &str) {
+        let d = world.dashboards.clusters.get_mut(cluster).unwrap();
+        let mut status = (**d.status.as_ref().unwrap()).clone();
+        for app in status.applications.values_mut() {
+            app.deployed_at = app.deployed_at.map(|t| t + 60.0);
+        }
+        d.status = Some(status.into());
+    }
+
+    /// Outcomes: a pending cluster failing a fifth of its requests, against a fraction of
+    /// a percent on the active one, goes back to no traffic, and stays there with no
+    /// reports left; peers and a restarted replica take the decision; a new version of
+    /// the cluster, or the operator's promote, clears it.
+    #[test]
+    fn a_new_cluster_whose_requests_fail_is_rolled_back_until_a_new_version_or_promote() {
+        let mut world = World::new();
+        let auto = model(A, Some(B), steps_policy());
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let mut s = at_second_step(&world);
+        assert_eq!(
+            s.judged_clusters().keys().collect::<Vec<_>>(),
+            ["default/s/a1", "default/s/b1"]
+        );
+        // Too few ended there yet: nothing decided.
+        s.set_loads(reported(&[
+            ("default/s/b1", 20, 10),
+            ("default/s/a1", 500, 1),
+        ]));
+        advance(&mut s, &auto, &world, &(), at(11));
+        assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]));
+        // Within the margin (5 points above a1's 0.2%): nothing decided.
+        s.set_loads(reported(&[
+            ("default/s/b1", 95, 5),
+            ("default/s/a1", 500, 1),
+        ]));
+        advance(&mut s, &auto, &world, &(), at(12));
+        assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]));
+        s.set_loads(reported(&[
+            ("default/s/b1", 80, 20),
+            ("default/s/a1", 500, 1),
+        ]));
+        let events = advance(&mut s, &auto, &world, &(), at(13));
+        assert_eq!(
+            (weights(&s), phase(&s)),
+            (w(&[(A, 100)]), Phase::RolledBack)
+        );
+        assert!(events.iter().any(|e| e.phase == Phase::RolledBack));
+        let st = &s.services["default/s"];
+        assert!(st.reason.contains("20 of 100"), "{}", st.reason);
+        assert_eq!(st.rollback.as_ref().map(|r| r.cluster.as_str()), Some(B));
+        // The reports age out of the window (b1 gets nothing now): still rolled back.
+        s.set_loads(LoadTotals::new());
+        for t in [14, 100, 1000] {
+            advance(&mut s, &auto, &world, &(), at(t));
+            assert_eq!(
+                (weights(&s), phase(&s)),
+                (w(&[(A, 100)]), Phase::RolledBack)
+            );
+        }
+        assert_eq!(s.next_wake(at(1000)), None, "time alone changes nothing");
+        // A replica restarted meanwhile takes its peer's decision.
+        let mut restarted = Switchover::default();
+        restarted.set_peers(heard_from(&[&s]));
+        advance(&mut restarted, &auto, &world, &(), at(1001));
+        assert_eq!(
+            (weights(&restarted), phase(&restarted)),
+            (w(&[(A, 100)]), Phase::RolledBack)
+        );
+        // A new version of b1: the shift starts over.
+        redeploy(&mut world, "default/s/b1");
+        advance(&mut s, &auto, &world, &(), at(1002));
+        assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
+        assert!(s.rollback("default/s").is_none());
+        // A peer's decision on the old version is not taken for the new one.
+        let mut fresh = Switchover::default();
+        fresh.set_peers(heard_from(&[&restarted]));
+        advance(&mut fresh, &auto, &world, &(), at(1003));
+        assert_eq!(weights(&fresh), w(&[(A, 90), (B, 10)]));
+
+        // The operator promotes a rolled-back cluster: it moves, and the decision goes.
+        let promoted = model(A, Some(B), controlled(Control::Promote, steps_policy()));
+        s.set_loads(reported(&[
+            ("default/s/b1", 80, 20),
+            ("default/s/a1", 500, 1),
+        ]));
+        advance(&mut s, &auto, &world, &(), at(1004));
+        assert_eq!(phase(&s), Phase::RolledBack);
+        advance(&mut s, &promoted, &world, &(), at(1005));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+        assert!(s.rollback("default/s").is_none());
+    }
+
+    /// A move that completed to a pending cluster whose requests then fail goes back to
+    /// the active cluster, through its gates, at once; the applications' own switches
+    /// stop too.
+    #[test]
+    fn a_completed_move_to_a_failing_cluster_goes_back_and_its_applications_stay() {
+        let world = World::new();
+        let m = model(A, Some(B), SwitchoverOverrides::default());
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let mut s = Switchover::default();
+        advance(&mut s, &m, &world, &(), at(0));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+        // a1 ended nothing in the window: b1 is judged against 0%.
+        s.set_loads(reported(&[("default/s/b1", 90, 10)]));
+        advance(&mut s, &m, &world, &ColdFor(vec!["default/s/a1"]), at(1));
+        assert_eq!(
+            (weights(&s), phase(&s)),
+            (w(&[(B, 100)]), Phase::RolledBack)
+        );
+        assert!(
+            s.services["default/s"].reason.contains("too few"),
+            "{}",
+            s.services["default/s"].reason
+        );
+        advance(&mut s, &m, &world, &(), at(2));
+        assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Stable));
+        advance(&mut s, &m, &world, &(), at(3));
+        assert_eq!(
+            (weights(&s), phase(&s)),
+            (w(&[(A, 100)]), Phase::RolledBack)
+        );
+
+        // (b1's `slow` still deploying: `hello` moves on its own.)
+        let apps = model_with_apps(Some(B), false);
+        let mut world = World::new();
+        world.apps("default/s/b1", "03-deploying.json");
+        let mut s = Switchover::default();
+        advance(&mut s, &apps, &world, &(), at(0));
+        assert_eq!(s.weights()["default/s#hello"], w(&[(B, 100)]));
+        s.set_loads(reported(&[("default/s/b1", 0, 100)]));
+        advance(&mut s, &apps, &world, &(), at(1));
+        advance(&mut s, &apps, &world, &(), at(2));
+        let all = s.weights();
+        assert_eq!(all["default/s#hello"], w(&[(A, 100)]), "{all:?}");
+        assert_eq!(s.services["default/s#hello"].phase, Phase::RolledBack);
+    }
+
+    /// Each replica hears only its own Envoys: what they report is summed over the
+    /// replicas, so two that each heard too few to judge decide alike on the whole.
+    #[test]
+    fn replicas_judge_what_every_envoy_reported_and_decide_alike() {
+        let world = World::new();
+        let auto = model(A, Some(B), steps_policy());
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let mut one = at_second_step(&world);
+        let mut two = at_second_step(&world);
+        one.set_loads(reported(&[
+            ("default/s/b1", 20, 10),
+            ("default/s/a1", 250, 0),
+        ]));
+        two.set_loads(reported(&[
+            ("default/s/b1", 25, 5),
+            ("default/s/a1", 250, 1),
+        ]));
+        advance(&mut one, &auto, &world, &(), at(11));
+        advance(&mut two, &auto, &world, &(), at(11));
+        assert_eq!(weights(&one), w(&[(A, 75), (B, 25)]), "30 ended: too few");
+        one.set_peers(heard_from(&[&two]));
+        two.set_peers(heard_from(&[&one]));
+        advance(&mut one, &auto, &world, &(), at(12));
+        advance(&mut two, &auto, &world, &(), at(12));
+        for s in [&one, &two] {
+            assert_eq!((weights(s), phase(s)), (w(&[(A, 100)]), Phase::RolledBack));
+            let why = &s.rollback("default/s").unwrap().why;
+            assert!(why.contains("15 of 60"), "{why}");
+        }
     }
 }

@@ -24,6 +24,7 @@ use crate::live::probe::ProbeState;
 use crate::live::prober::ProbeStates;
 use crate::metrics::{Metrics, StateLabels, WeightLabels};
 use crate::model::Model;
+use crate::xds::lrs::LoadReports;
 use crate::xds::{Clients, Snapshot};
 
 use super::switchover::{Phase, Switchover};
@@ -41,6 +42,9 @@ pub(crate) struct Sources {
     pub prober: Arc<crate::live::prober::Heartbeat>,
     /// What the other replicas say of their switchovers (`live::peers`).
     pub peers: watch::Receiver<Arc<PeerStates>>,
+    /// What this replica's Envoys report of their requests (`xds::lrs`); the pipeline
+    /// says which clusters to track.
+    pub loads: Arc<LoadReports>,
 }
 
 /// The channels the pipeline writes.
@@ -98,11 +102,18 @@ pub async fn run(
         let spent = started.elapsed();
         metrics.translate_seconds.observe(spent.as_secs_f64());
         published.publish(&out, &sinks, &metrics);
-        let wake = out.wake_at.map(|t| {
+        let judged = out.switchover.judged_clusters();
+        sources.loads.track(judged);
+        let mut wake = out.wake_at.map(|t| {
             tokio::time::Instant::now()
                 + t.duration_since(SystemTime::now()).unwrap_or_default()
                 + Duration::from_millis(5)
         });
+        // While a new cluster's outcomes are judged, its reports come in every interval.
+        if !judged.is_empty() {
+            let reports = tokio::time::Instant::now() + sources.loads.interval();
+            wake = Some(wake.map_or(reports, |w| w.min(reports)));
+        }
         // A build that took long is followed by a pause as long (at most 500 ms): changes
         // that come meanwhile are folded into the next build, and a burst (the first
         // probes of thousands of proxies) costs at most half a core.
@@ -116,7 +127,7 @@ pub async fn run(
             wedged,
             wake,
             wake_on_ack: out.wake_on_ack,
-            switch_in_progress: out.switchover.in_progress(),
+            switch_in_progress: out.switchover.in_progress() || !judged.is_empty(),
         };
         if !next_change(
             &pipeline,
@@ -165,6 +176,11 @@ async fn build(
 ) -> Option<(Pipeline, Output)> {
     sources.peers.mark_unchanged();
     pipeline.set_peers(sources.peers.borrow().clone());
+    pipeline.set_loads(
+        sources
+            .loads
+            .totals(pipeline.outcome_window(), SystemTime::now()),
+    );
     sources.models.mark_unchanged();
     sources.probes.mark_unchanged();
     sources.dashboards.mark_unchanged();
@@ -565,6 +581,7 @@ mod freshness_tests {
                 ..Default::default()
             }))
             .1,
+            loads: LoadReports::new(Duration::from_secs(2)),
         };
         let (snapshots, _s) = watch::channel(Arc::new(Snapshot::default()));
         let (published, _pb) = watch::channel(None);

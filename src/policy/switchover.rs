@@ -64,8 +64,19 @@ crate::declare_policy! {
                 range(Duration::ZERO, Duration::from_secs(3600)), flag "capacity-settle";
             /// An operator's word on a switch to the pending cluster: auto, hold (gain no more traffic), promote (past the schedule and capacity limit, never the readiness and warmth gates) or abort (none, and back to the active cluster).
             control: Control = Control::Auto, flag "switchover-control";
+            /// Percentage points by which the new cluster's failure ratio (5xx or no answer, from the Envoys' load reports) may exceed the active cluster's before it is rolled back to no traffic; 100 never rolls back.
+            outcome_margin: u32 = 5, range(0, 100), flag "outcome-margin";
+            /// Requests that must have ended on the new cluster within the outcome window before its failure ratio is judged.
+            outcome_min_requests: u32 = 50, range(1, 10_000_000), flag "outcome-min-requests";
         }
-        global {}
+        global {
+            /// How far back the Envoys' load reports count when a new cluster's failure ratio is judged.
+            outcome_window: Duration = Duration::from_secs(30),
+                range(Duration::from_secs(5), Duration::from_secs(120)), flag "outcome-window";
+            /// How often each Envoy is asked to report its requests per cluster (Load Reporting Service).
+            load_report_interval: Duration = Duration::from_secs(2),
+                range(Duration::from_secs(1), Duration::from_secs(60)), flag "load-report-interval";
+        }
     }
 }
 

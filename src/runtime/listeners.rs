@@ -66,6 +66,7 @@ impl Starter<'_> {
         snapshots: watch::Receiver<Arc<Snapshot>>,
         mut published: watch::Receiver<Option<Arc<Snapshot>>>,
         clients: &Arc<Clients>,
+        loads: Arc<crate::xds::lrs::LoadReports>,
     ) {
         let config = self.config;
         let ads = AdsServer::new(
@@ -76,10 +77,20 @@ impl Starter<'_> {
         )
         .with_max_streams(config.xds_max_streams);
         let limits = config.xds_limits;
-        let service = AdsService::new(ads, config.xds_max_message_bytes).with_partial_requests(
-            crate::xds::codec::PartialRequests::with_limit(config.memory.partial_xds_requests),
-        );
+        let partial =
+            crate::xds::codec::PartialRequests::with_limit(config.memory.partial_xds_requests);
+        let service = AdsService::new(ads, config.xds_max_message_bytes)
+            .with_partial_requests(partial.clone());
         let observer: Arc<dyn crate::xds::Observer> = self.metrics.clone();
+        // Envoy's load reports, on the same port, sharing the bound on requests not yet
+        // whole.
+        let load_reporting = crate::xds::lrs::LrsService::new(
+            loads,
+            observer.clone(),
+            config.xds_max_message_bytes,
+            self.shutdown.clone(),
+        )
+        .with_partial_requests(partial);
         if let Some(tls) = &tls {
             let watch = crate::xds::tls::watch(
                 tls.clone(),
@@ -105,6 +116,7 @@ impl Starter<'_> {
                 .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
                 .max_concurrent_streams(Some(crate::xds::server::MAX_STREAMS_PER_CONNECTION))
                 .add_service(service)
+                .add_service(load_reporting)
                 .serve_with_incoming_shutdown(
                     crate::xds::listener::incoming(
                         listener,

@@ -218,7 +218,10 @@ impl Starter<'_> {
 
     /// The other replicas' switchovers: one writer, the peer poller (none without peers:
     /// the channel says "polled" at once and closes).
-    pub(super) fn peers(&mut self) -> watch::Receiver<Arc<crate::live::peers::PeerStates>> {
+    pub(super) fn peers(
+        &mut self,
+        replica_id: &str,
+    ) -> watch::Receiver<Arc<crate::live::peers::PeerStates>> {
         let config = self.config;
         let (peers_tx, peers_rx) = watch::channel(Arc::new(crate::live::peers::PeerStates {
             polled: config.replica_peers.is_empty(),
@@ -229,6 +232,7 @@ impl Starter<'_> {
                 peers: config.replica_peers.clone(),
                 interval: config.replica_poll_interval,
                 timeout: PEER_TIMEOUT,
+                own_id: replica_id.to_string(),
             };
             let token = self.shutdown.clone();
             self.spawn(async move {
@@ -248,6 +252,7 @@ impl Starter<'_> {
         refresh: tokio::sync::mpsc::UnboundedSender<String>,
         source_status: &watch::Receiver<Arc<SourceStatus>>,
         clients: &Arc<Clients>,
+        replica_id: &str,
     ) -> PipelineOutputs {
         let (health_tx, health) = watch::channel(Arc::new(HealthMap::default()));
         let (snapshots_tx, snapshots) = watch::channel(Arc::new(Snapshot::default()));
@@ -272,11 +277,13 @@ impl Starter<'_> {
         let (clients, metrics, token) =
             (clients.clone(), self.metrics.clone(), self.shutdown.clone());
         let source_status = source_status.clone();
+        let replica_id = replica_id.to_string();
         self.supervise("pipeline", move || {
             // A restarted pipeline starts from scratch, as a restarted ray-xds does; the
             // last snapshot keeps being served until it publishes.
-            let pipe =
-                Pipeline::new(policies.clone(), gateway.clone()).with_addresses(addresses.clone());
+            let pipe = Pipeline::new(policies.clone(), gateway.clone())
+                .with_addresses(addresses.clone())
+                .with_replica_id(replica_id.clone());
             let (sources, sinks, first) = (sources.clone(), sinks.clone(), first.clone());
             let (clients, metrics, token) = (clients.clone(), metrics.clone(), token.clone());
             let mut source_status = source_status.clone();

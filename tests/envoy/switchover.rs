@@ -379,3 +379,72 @@ async fn an_upgrade_to_a_smaller_cluster_moves_traffic_in_proportion_to_ready_ca
     assert_eq!(sw["phase"], "stable", "{sw}");
     shutdown.cancel();
 }
+
+/// Outcomes from the Envoys: a new cluster that answers a fifth of its requests 500 (a
+/// bad version) takes its first step's share, Envoy's load reports show it failing, and
+/// it goes back to no traffic while the old cluster keeps serving; a new version of it
+/// (a redeploy that answers well) clears the decision and the shift starts over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_cluster_whose_requests_fail_is_rolled_back_from_envoy_s_load_reports() {
+    use ray_serve_sim::ProxyMode;
+    let shutdown = CancellationToken::new();
+    let a = SimCluster::start("a", &[NodeType::Head]).await;
+    let b = SimCluster::start("b", &[NodeType::Head]).await;
+    b.set_mode(0, ProxyMode::Failing(20));
+    let (_da, url_a) = dashboard("RUNNING", &shutdown).await;
+    let (db, url_b) = dashboard("RUNNING", &shutdown).await;
+    let policy =
+        "    switchover: { steps: [25, 50, 100], interval: 60s, outcome_min_requests: 20 }\n";
+    let s = Stack::with(yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], policy))
+        .envoy(Bootstrap::Sotw)
+        .start()
+        .await;
+    let (xds, port) = (&s.xds, s.gateway_port);
+    let failed = std::sync::atomic::AtomicUsize::new(0);
+    let sw = eventually("b is rolled back", Duration::from_secs(60), || async {
+        for _ in 0..20 {
+            if through_envoy(port).await.is_none() {
+                failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let sw = switch_state(xds.admin_addr).await?;
+        (sw["phase"] == "rolled_back").then_some(sw)
+    })
+    .await;
+    let failed = failed.into_inner();
+    assert!(failed > 0, "b answered some requests 500 before: {sw}");
+    assert_eq!(sw["weights"], serde_json::json!([["a", 100]]), "{sw}");
+    assert_eq!(sw["rollback"]["cluster"], "b", "{sw}");
+    let why = sw["rollback"]["why"].as_str().unwrap();
+    assert!(why.contains("requests failed"), "{why}");
+    // Every request is answered by a now (a route update may still be on its way).
+    all_traffic_on(port, "a").await;
+    for _ in 0..50 {
+        assert_eq!(
+            through_envoy(port).await.map(|s| s.cluster).as_deref(),
+            Some("a")
+        );
+    }
+    let m = admin_get(xds.admin_addr, "/metrics").await;
+    assert!(
+        metric(&m, "ray_xds_load_report_clusters_total{result=\"tracked\"}") > 0.0,
+        "{m}"
+    );
+    assert_eq!(metric(&m, "ray_xds_load_streams"), 1.0, "{m}");
+    assert!(
+        metric(
+            &m,
+            "ray_xds_switchover_transitions_total{state=\"rolled_back\"}"
+        ) >= 1.0,
+        "{m}"
+    );
+
+    // A new version of b that answers well: the shift starts over.
+    b.set_mode(0, ProxyMode::Serving);
+    db.set_app("hello", "/", "RUNNING");
+    drive(port, |c| c == "b").await;
+    let sw = switch_state(xds.admin_addr).await.unwrap();
+    assert_eq!(sw["phase"], "shifting", "{sw}");
+    assert!(sw.get("rollback").is_none(), "{sw}");
+    shutdown.cancel();
+}

@@ -141,6 +141,7 @@ fn completed_b() -> PeerSwitch {
         shift_started_unix: None,
         serving_since_unix: Some(1.0),
         moved: true,
+        rollback: None,
     }
 }
 
@@ -199,6 +200,7 @@ fn a_peer_shift_for_an_unready_target_or_another_move_moves_nothing() {
         shift_started_unix: Some(1.0),
         serving_since_unix: Some(1.0),
         moved: false,
+        rollback: None,
     }));
     step(&mut s, &m, ProbeState::Unhealthy, &(), at(0));
     assert_eq!(weight(&s, "b"), 0);
@@ -211,6 +213,7 @@ fn a_peer_shift_for_an_unready_target_or_another_move_moves_nothing() {
         shift_started_unix: Some(1.0),
         serving_since_unix: Some(1.0),
         moved: false,
+        rollback: None,
     }));
     step(&mut s, &m, ProbeState::Healthy, &(), at(0));
     assert_eq!(
@@ -235,6 +238,7 @@ fn a_flip_flopping_peer_does_not_make_weights_flap() {
         shift_started_unix: Some(to_unix(at(0)) - 12.0),
         serving_since_unix: Some(1.0),
         moved: false,
+        rollback: None,
     };
     let future = PeerSwitch {
         shift_started_unix: Some(to_unix(at(0)) + 3600.0),
@@ -290,6 +294,7 @@ fn a_restarted_replica_does_not_serve_an_unready_early_flipped_active_cluster() 
         shift_started_unix: None,
         serving_since_unix: Some(1.0),
         moved: false,
+        rollback: None,
     }));
     step(&mut s, &m, ProbeState::Unhealthy, &(), at(0));
     assert_eq!(
@@ -334,6 +339,7 @@ fn a_peer_start_hours_before_the_switch_existed_does_not_skip_the_canary() {
         shift_started_unix: Some(to_unix(at(100)) - skew),
         serving_since_unix: Some(1.0),
         moved: false,
+        rollback: None,
     }));
     step(&mut s, &m, ProbeState::Healthy, &(), at(120));
     assert_eq!(
@@ -635,10 +641,13 @@ async fn garbage_slow_huge_and_lying_peers_are_left_out_and_open_no_gate() {
                 serving_since_unix: Some(1.0),
                 // The liar claims a move done.
                 moved: true,
+                rollback: None,
             },
         )]),
         departed: vec![],
         now_unix: None,
+        replica: None,
+        loads: Default::default(),
     };
     let liar_body = view_json(&liar_view);
     let (liar, liar_count) = fake_peer(Arc::new(move || http_ok(&liar_body)), false).await;

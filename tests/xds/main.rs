@@ -6,4 +6,5 @@ mod descriptors;
 mod fuzz_corpus;
 mod golden;
 mod grpc;
+mod load_reports;
 mod tls_hostile;

@@ -102,7 +102,7 @@ impl tower::Service<http::Request<tonic::body::Body>> for AdsService {
     }
 }
 
-fn grpc_response(
+pub(crate) fn grpc_response(
     rx: mpsc::Receiver<Result<Bytes, Status>>,
     open: Option<super::listener::OpenStream>,
 ) -> http::Response<tonic::body::Body> {

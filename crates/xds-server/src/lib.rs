@@ -20,6 +20,8 @@
 //! - [`gate`], [`listener`] and [`tls`]: the one connection cap of every listener (in
 //!   all and per peer address; ray-xds's admin port uses it too), the xDS port's
 //!   connections (handshake and idle timeouts) and its mTLS;
+//! - [`lrs`]: Envoy's Load Reporting Service, what each Envoy's requests to each cluster
+//!   came to, summed per tracked cluster over a window;
 //! - [`budget`]: a memory bound shared fairly between owners.
 //!
 //! This layer knows Envoy and the xDS protocol, not Ray: it serves whatever consistent
@@ -39,6 +41,7 @@ pub mod grpc;
 pub mod holding;
 pub mod json;
 pub mod listener;
+pub mod lrs;
 pub mod names;
 pub mod ordering;
 pub mod server;
@@ -72,6 +75,12 @@ pub trait Observer: Send + Sync + 'static {
     /// The xDS listener's certificate files changed: read into a new configuration
     /// (`true`), or unusable, the last good one kept (`false`).
     fn tls_reload(&self, _ok: bool) {}
+    /// A load reporting stream opened (`true`) or closed.
+    fn load_stream(&self, _opened: bool) {}
+    /// A load report: cluster entries counted, and skipped as untracked.
+    fn load_report(&self, _tracked: usize, _untracked: usize) {}
+    /// A load reporting stream refused or ended on a client error.
+    fn load_report_refused(&self, _reason: &'static str) {}
 }
 
 /// Observes nothing.

@@ -151,6 +151,9 @@ pub struct Application {
     pub message: String,
     /// What it can carry here (see `capacity`); `None` when the answer does not say.
     pub capacity: Option<Capacity>,
+    /// When it was last deployed (`last_deployed_time_s`, unix seconds): a redeploy is a
+    /// new version. `None` when the answer does not say (or says garbage).
+    pub deployed_at: Option<f64>,
 }
 
 /// An application's status, as Ray Serve's `ApplicationStatus`.
@@ -434,6 +437,7 @@ mod tests {
                     ready: 5,
                     full: Some(5)
                 }),
+                deployed_at: Some(1795966897.9371948),
             }
         );
         assert_eq!(s.applications.len(), 1);
@@ -575,6 +579,7 @@ mod tests {
                 route_prefix: None,
                 message: String::new(),
                 capacity: None,
+                deployed_at: None,
             }
         );
         assert_eq!(s.applications["future"].status.as_str(), "HIBERNATING");
@@ -1172,6 +1177,7 @@ mod tests {
             route_prefix: None,
             message: String::new(),
             capacity: None,
+            deployed_at: None,
         };
         s.applications.insert("a".into(), app(AppStatus::Running));
         assert!(s.all_running());

@@ -45,6 +45,29 @@ pub(super) fn json_values_at_most(body: &[u8], cap: usize) -> usize {
     n
 }
 
+/// One entry of `applications`.
+fn application(name: &str, app: &Value) -> Result<Application, DashboardError> {
+    let Value::Object(app) = app else {
+        return Err(DashboardError::Malformed(format!(
+            "application `{name}` is not an object"
+        )));
+    };
+    Ok(Application {
+        status: AppStatus::from_ray(&string_field(app, "status")),
+        route_prefix: app
+            .get("route_prefix")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        message: string_field(app, "message"),
+        capacity: capacity::deployment_sizes(app)
+            .and_then(|sizes| capacity::application_capacity(&sizes)),
+        deployed_at: app
+            .get("last_deployed_time_s")
+            .and_then(Value::as_f64)
+            .filter(|t| t.is_finite() && *t >= 0.0),
+    })
+}
+
 /// Parses the body of `GET /api/serve/applications/`.
 pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
     // The bound comes before the tree is built (see `MAX_JSON_VALUES`).
@@ -82,24 +105,9 @@ pub fn parse(body: &[u8]) -> Result<ServeStatus, DashboardError> {
         )));
     }
     for (name, app) in object_field(&root, "applications")? {
-        let Value::Object(app) = app else {
-            return Err(DashboardError::Malformed(format!(
-                "application `{name}` is not an object"
-            )));
-        };
-        status.applications.insert(
-            name.clone(),
-            Application {
-                status: AppStatus::from_ray(&string_field(app, "status")),
-                route_prefix: app
-                    .get("route_prefix")
-                    .and_then(Value::as_str)
-                    .map(str::to_owned),
-                message: string_field(app, "message"),
-                capacity: capacity::deployment_sizes(app)
-                    .and_then(|sizes| capacity::application_capacity(&sizes)),
-            },
-        );
+        status
+            .applications
+            .insert(name.clone(), application(name, app)?);
     }
 
     // The caps come before any work on the lists (see `MAX_PROXIES`).
@@ -196,6 +204,7 @@ static ROOT: Shape = Shape::Fields(&[
                 ("status", Shape::Scalar),
                 ("route_prefix", Shape::Scalar),
                 ("message", Shape::Scalar),
+                ("last_deployed_time_s", Shape::Scalar),
                 (
                     "deployments",
                     Shape::MapOf(

@@ -30,15 +30,20 @@ impl Switchover {
         unit: Unit<'_>,
         serving: String,
         back_to: Option<&str>,
-        known: bool,
+        (known, rolled_back): (bool, bool),
         health: &HealthMap,
         dashboards: &DashboardStates,
         envoys: &dyn EnvoyWarmth,
         now: SystemTime,
         events: &mut Vec<SwitchEvent>,
     ) -> ServiceSwitch {
-        let policy = self.defaults.with(&service.policy.overrides.switchover);
+        let mut policy = self.defaults.with(&service.policy.overrides.switchover);
         let mut st = self.take_switch(key, serving, &policy, now);
+        // A rollback works as the operator's abort (its gates included): the pending
+        // cluster gets nothing, and traffic that moved there goes back.
+        if rolled_back {
+            policy.control = Control::Abort;
+        }
         let before = (st.phase, st.weights.clone(), st.reason.clone());
         let abort = policy.control == Control::Abort;
         self.retarget(&mut st, service, back_to, abort, known, now);
@@ -52,6 +57,21 @@ impl Switchover {
                     now,
                 };
                 self.toward(&mut st, key, service, unit, target, &policy, &inputs);
+            }
+        }
+        let service_key = service.key();
+        st.rollback = self
+            .rollback(&service_key)
+            .filter(|_| rolled_back && matches!(unit, Unit::Service))
+            .cloned();
+        if let Some(r) = self.rollback(&service_key).filter(|_| rolled_back) {
+            if st.phase == Phase::Aborted || (st.target.is_some() && st.serving == r.cluster) {
+                st.phase = Phase::RolledBack;
+                st.reason = format!(
+                    "{} is rolled back: {}; traffic stays on (or returns to) {} until a new \
+                     version of it, or the operator's promote",
+                    r.cluster, r.why, service.active_cluster
+                );
             }
         }
         if (st.phase, &st.weights, &st.reason) != (before.0, &before.1, &before.2) {
@@ -91,6 +111,7 @@ impl Switchover {
             step_due: None,
             control: None,
             held_at: None,
+            rollback: None,
         });
         st.warm_timeout = policy.warm_timeout;
         st.control = (policy.control != Control::Auto).then(|| policy.control.show());

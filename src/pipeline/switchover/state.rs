@@ -62,6 +62,10 @@ pub struct ServiceSwitch {
     /// When the next progressive step is due.
     #[serde(skip)]
     pub(super) step_due: Option<SystemTime>,
+    /// The decision to send nothing to the pending cluster, whose requests failed (a
+    /// RayService's switch only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rollback: Option<crate::pipeline::outcomes::Rollback>,
 }
 
 impl ServiceSwitch {

@@ -161,6 +161,8 @@ mod tests {
             ("warm-timeout", "3s"),
             ("capacity-settle", "2s"),
             ("switchover-control", "hold"),
+            ("outcome-margin", "10"),
+            ("outcome-min-requests", "200"),
         ];
         let documented = documented();
         assert_eq!(values.len(), documented.len());
@@ -195,6 +197,8 @@ mod tests {
             p.overrides.switchover.warm_timeout,
             Some(Duration::from_secs(3))
         );
+        assert_eq!(p.overrides.switchover.outcome_margin, Some(10));
+        assert_eq!(p.overrides.switchover.outcome_min_requests, Some(200));
     }
 
     #[test]
