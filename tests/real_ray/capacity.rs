@@ -42,6 +42,16 @@ const BUSY_A: App = busy(
     "deployments: [ { name: Busy, num_replicas: 4, max_ongoing_requests: 2, max_queued_requests: 20, ray_actor_options: { num_cpus: 0 } } ]",
 );
 
+/// Probes that ride out this machine's stalls: each cluster has one proxy (its head's),
+/// and starting Serve replicas on 2 shared cores stalls it for a second or more, which
+/// the default probe (300 ms, 2 in a row) takes for a hung proxy: the serving cluster
+/// then has nothing routable and its traffic moves to the new one whole, past capacity.
+/// (The likely cause of a CI run in which b took everything within the 4.5 s its scale-up
+/// command took, faster than any capacity path allows, and Envoy counted 25 of b's tries
+/// answered 503 and retried. The timeline below says which next time.) Hang detection
+/// is tested elsewhere; this test is about capacity.
+const PROBE: &str = "    probe: { timeout: 3s, unhealthy_threshold: 5 }\n";
+
 /// Requests per second: half of what 4 replicas run, twice what one does.
 const RATE: u64 = 13;
 
@@ -142,7 +152,7 @@ async fn real_ray_capacity_a_quarter_sized_cluster_gets_its_share_and_all_once_f
         cluster_yaml(&a, &[(a.head_proxy(), "head")]),
         cluster_yaml(&b, &[(b.head_proxy(), "head")]),
     ];
-    let gw = gateway(&services_yaml("a", None, "", &clusters[..1])).await;
+    let gw = gateway(&services_yaml("a", None, PROBE, &clusters[..1])).await;
     let admin = gw.xds.admin_addr;
     eventually("traffic flows", DEADLINE, || async {
         let url = format!("http://127.0.0.1:{}/", gw.port);
@@ -154,8 +164,8 @@ async fn real_ray_capacity_a_quarter_sized_cluster_gets_its_share_and_all_once_f
     .await;
     let upgrade = |control: &str| {
         let extra = match control {
-            "" => String::new(),
-            c => format!("    switchover: {{ control: {c} }}\n"),
+            "" => PROBE.to_string(),
+            c => format!("{PROBE}    switchover: {{ control: {c} }}\n"),
         };
         services_yaml("a", Some("b"), &extra, &clusters)
     };
@@ -178,6 +188,7 @@ async fn real_ray_capacity_a_quarter_sized_cluster_gets_its_share_and_all_once_f
     weights_become(admin, &[("a", 80), ("b", 20)]).await;
     let since = std::time::Instant::now();
     let refused_before = refused(&gw.envoy).await;
+    let timeline = Timeline::start(admin, &gw.envoy, since);
     tokio::time::sleep(window).await;
     // Serve scales b to full size: the move completes.
     b.deploy_at(&[BUSY_B], Some(100));
@@ -199,6 +210,13 @@ async fn real_ray_capacity_a_quarter_sized_cluster_gets_its_share_and_all_once_f
     };
     let (on_a, on_b) = (on("a"), on("b"));
     eprintln!("failures by capacity (ms after the share began, status): {failures:?}");
+    eprintln!(
+        "what changed (ms after the share began: weights, 503s from a and b so far, the \
+         switch's reason):"
+    );
+    for line in timeline.stop().await {
+        eprintln!("  {line}");
+    }
 
     eprintln!(
         "capacity figures: atomic switch {atomic_failed} of {atomic_sent} requests failed \
@@ -223,6 +241,65 @@ async fn real_ray_capacity_a_quarter_sized_cluster_gets_its_share_and_all_once_f
         "fewer than 1% turned away by b while the move followed capacity: {on_b} of \
          {shared_sent} ({shared_failed} failed in all)"
     );
+}
+
+/// What ray-xds published and what Envoy counted, sampled every 200 ms: each line where
+/// the weights, the 503 counts or the reason changed, for the failure's message.
+struct Timeline {
+    stop: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<Vec<String>>,
+}
+
+impl Timeline {
+    fn start(admin: std::net::SocketAddr, envoy: &Envoy, since: std::time::Instant) -> Timeline {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let envoy_admin = format!("127.0.0.1:{}", envoy.admin_port);
+        let task = tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                let mut lines = Vec::new();
+                let mut last = String::new();
+                while !stop.is_cancelled() {
+                    let state: serde_json::Value =
+                        serde_json::from_str(&admin_get(admin, "/debug/state").await)
+                            .unwrap_or_default();
+                    let sw = &state["rayservices"][0]["switchover"];
+                    let stats = http_get(&format!(
+                        "http://{envoy_admin}/stats?filter=upstream_rq_503$"
+                    ))
+                    .await
+                    .map(|(_, body)| body)
+                    .unwrap_or_default();
+                    let count = |c: &str| {
+                        stats
+                            .lines()
+                            .find(|l| l.contains(&format!("/demo/{c}.upstream_rq_503")))
+                            .and_then(|l| l.rsplit(": ").next()?.trim().parse::<u64>().ok())
+                            .unwrap_or(0)
+                    };
+                    let now = format!(
+                        "{} a:{} b:{} {}",
+                        sw["weights"],
+                        count("a"),
+                        count("b"),
+                        sw["reason"]
+                    );
+                    if now != last {
+                        lines.push(format!("{} ms: {now}", since.elapsed().as_millis()));
+                        last = now;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                lines
+            }
+        });
+        Timeline { stop, task }
+    }
+
+    async fn stop(self) -> Vec<String> {
+        self.stop.cancel();
+        self.task.await.unwrap_or_default()
+    }
 }
 
 /// Requests each cluster answered 503 so far, as Envoy counts them (`upstream_rq_503`,
