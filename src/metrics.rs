@@ -239,7 +239,7 @@ impl Metrics {
         );
         registry.register(
             "load_report_clusters",
-            "Cluster entries of Envoys' load reports: counted for a switch (tracked) or skipped (untracked)",
+            "Cluster entries of Envoys' load reports: counted for a switch (tracked), skipped (untracked), or refused: no ADS stream of the reporting node takes the cluster (not_held)",
             self.load_report_clusters.clone(),
         );
     }
@@ -527,8 +527,12 @@ impl crate::xds::Observer for Metrics {
         }
     }
 
-    fn load_report(&self, tracked: usize, untracked: usize) {
-        for (result, n) in [("tracked", tracked), ("untracked", untracked)] {
+    fn load_report(&self, recorded: &crate::xds::lrs::Recorded) {
+        for (result, n) in [
+            ("tracked", recorded.tracked),
+            ("untracked", recorded.untracked),
+            ("not_held", recorded.not_held),
+        ] {
             self.load_report_clusters
                 .get_or_create(&ResultLabels { result })
                 .inc_by(n as u64);

@@ -86,6 +86,7 @@ impl Starter<'_> {
         // whole.
         let load_reporting = crate::xds::lrs::LrsService::new(
             loads,
+            clients.clone(),
             observer.clone(),
             config.xds_max_message_bytes,
             self.shutdown.clone(),

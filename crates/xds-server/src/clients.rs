@@ -67,6 +67,18 @@ impl Clients {
         self.streams_where(|s| s.rejected(cluster))
     }
 
+    /// The ADS streams of the connected Envoys whose node id is `node`.
+    pub(crate) fn streams_of_node(&self, node: &str) -> Vec<SharedStream> {
+        let streams: Vec<SharedStream> = lock(&self.streams)
+            .values()
+            .map(|(_, _, s)| s.clone())
+            .collect();
+        streams
+            .into_iter()
+            .filter(|s| lock(s).node_id().as_deref() == Some(node))
+            .collect()
+    }
+
     fn streams_where(&self, pick: impl Fn(&dyn ClientDescribe) -> bool) -> Vec<String> {
         let streams: Vec<_> = lock(&self.streams)
             .iter()
@@ -246,6 +258,12 @@ impl Clients {
             .remove(&id);
         self.notify_acked();
     }
+}
+
+/// Whether `stream` holds `cluster`: it takes it and ACKed it and its endpoints (an
+/// Envoy sends requests only to a cluster it holds).
+pub(crate) fn takes(stream: &SharedStream, cluster: &str) -> bool {
+    lock(stream).warmed(cluster) == Some(true)
 }
 
 pub(super) fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

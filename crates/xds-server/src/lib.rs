@@ -77,8 +77,9 @@ pub trait Observer: Send + Sync + 'static {
     fn tls_reload(&self, _ok: bool) {}
     /// A load reporting stream opened (`true`) or closed.
     fn load_stream(&self, _opened: bool) {}
-    /// A load report: cluster entries counted, and skipped as untracked.
-    fn load_report(&self, _tracked: usize, _untracked: usize) {}
+    /// A load report: its cluster entries counted, skipped as untracked, or refused as
+    /// not held by the reporting node.
+    fn load_report(&self, _recorded: &lrs::Recorded) {}
     /// A load reporting stream refused or ended on a client error.
     fn load_report_refused(&self, _reason: &'static str) {}
 }

@@ -17,7 +17,10 @@
 //! the window, never with what a client sends (an untracked cluster is counted and
 //! skipped); a stream's in-progress counts go when the stream ends; a report's numbers
 //! are added saturating, so garbage cannot wrap a total; a stream that names no node in
-//! its first message is refused.
+//! its first message is refused; an entry counts only for a cluster that an ADS stream of
+//! the reporting node takes (so a client reports only on what it was given); one address
+//! holds at most [`MAX_STREAMS_PER_PEER`] streams, and a stream silent for five report
+//! intervals is closed.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
@@ -35,6 +38,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::server::NamedService;
 use tonic::Status;
 
+use super::clients::{takes, Clients, SharedStream};
 use super::codec::{frame, PartialRequests, RequestStream};
 use super::Observer;
 
@@ -48,6 +52,17 @@ pub const MAX_TRACKED: usize = 4096;
 
 /// The most LRS streams served at once (an Envoy opens one).
 pub const MAX_STREAMS: usize = 20_000;
+
+/// The most LRS streams one client address holds at once (an Envoy opens one; a node
+/// with a few Envoys, a few).
+pub const MAX_STREAMS_PER_PEER: usize = 64;
+
+/// How many report intervals a stream may stay silent before it is closed (Envoy reports
+/// every interval; a stream that says nothing holds a place).
+const SILENT_INTERVALS: u32 = 5;
+
+/// How often a stream whose node has no ADS stream yet looks for one again.
+const NODE_LOOKUP_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// What the requests to one cluster came to, over some time, as Envoy counts them: a
 /// request that got a 5xx, or no answer at all, failed; one in progress has not ended.
@@ -83,6 +98,9 @@ pub struct Recorded {
     pub tracked: usize,
     /// Cluster entries skipped: no tracked name covers them.
     pub untracked: usize,
+    /// Cluster entries refused: no ADS stream of the reporting node takes that cluster
+    /// (an Envoy reports only on clusters it was given).
+    pub not_held: usize,
 }
 
 /// One tracked name's reports.
@@ -92,8 +110,23 @@ struct Tracked {
     since: u64,
     /// Per whole unix second (ascending), what reports received then added.
     buckets: VecDeque<(u64, LoadCounts)>,
-    /// Each stream's latest in-progress count.
+    /// Each stream's latest in-progress count, and their sum.
     in_progress: BTreeMap<u64, u64>,
+    in_progress_sum: u64,
+}
+
+impl Tracked {
+    /// Stream `stream` has `n` in progress now (`None`: it ended).
+    fn set_in_progress(&mut self, stream: u64, n: Option<u64>) {
+        let before = match n {
+            Some(n) => self.in_progress.insert(stream, n),
+            None => self.in_progress.remove(&stream),
+        };
+        self.in_progress_sum = self
+            .in_progress_sum
+            .saturating_sub(before.unwrap_or(0))
+            .saturating_add(n.unwrap_or(0));
+    }
 }
 
 /// Every stream's reports, per tracked name (sans-IO: time is passed in).
@@ -158,12 +191,9 @@ impl LoadLedger {
             let Some(t) = self.tracked.get_mut(&owner) else {
                 continue;
             };
-            t.in_progress.insert(stream, in_progress[&owner]);
+            t.set_in_progress(stream, Some(in_progress[&owner]));
             let mut counts = counts;
-            counts.in_progress_peak = t
-                .in_progress
-                .values()
-                .fold(0u64, |sum, n| sum.saturating_add(*n));
+            counts.in_progress_peak = t.in_progress_sum;
             match t.buckets.back_mut() {
                 // (A clock that went back adds to the newest bucket.)
                 Some((s, bucket)) if *s >= second => {
@@ -185,7 +215,7 @@ impl LoadLedger {
     /// Stream `stream` ended: its requests in progress no longer count.
     pub fn end_stream(&mut self, stream: u64) {
         for t in self.tracked.values_mut() {
-            t.in_progress.remove(&stream);
+            t.set_in_progress(stream, None);
         }
     }
 
@@ -258,28 +288,49 @@ impl LoadReports {
 #[derive(Clone)]
 pub struct LrsService {
     reports: Arc<LoadReports>,
+    clients: Arc<Clients>,
     observer: Arc<dyn Observer>,
     shutdown: CancellationToken,
     max_message_bytes: usize,
     partial: PartialRequests,
     streams: Arc<tokio::sync::Semaphore>,
+    per_peer: Arc<Mutex<BTreeMap<Option<std::net::IpAddr>, usize>>>,
 }
 
 impl LrsService {
+    /// The service recording into `reports`, taking from each node only what its ADS
+    /// streams in `clients` take.
     pub fn new(
         reports: Arc<LoadReports>,
+        clients: Arc<Clients>,
         observer: Arc<dyn Observer>,
         max_message_bytes: usize,
         shutdown: CancellationToken,
     ) -> LrsService {
         LrsService {
             reports,
+            clients,
             observer,
             shutdown,
             max_message_bytes,
             partial: PartialRequests::new(max_message_bytes),
             streams: Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS)),
+            per_peer: Arc::default(),
         }
+    }
+
+    /// A place for one more stream of `peer`, or `None` when it holds its most.
+    fn take_peer_place(&self, peer: Option<std::net::IpAddr>) -> Option<PeerPlace> {
+        let mut places = self.per_peer.lock().unwrap_or_else(|e| e.into_inner());
+        let held = places.entry(peer).or_default();
+        if *held >= MAX_STREAMS_PER_PEER {
+            return None;
+        }
+        *held += 1;
+        Some(PeerPlace {
+            places: self.per_peer.clone(),
+            peer,
+        })
     }
 
     /// Requests still arriving share `partial` with the ADS streams (see `codec`).
@@ -301,10 +352,21 @@ impl LrsService {
         };
         self.observer.load_stream(true);
         let mut node = None;
+        let mut held = NodeStreams::default();
+        let silent = self.reports.interval * SILENT_INTERVALS;
         loop {
             let message = tokio::select! {
                 _ = self.shutdown.cancelled() => return,
-                message = inbound.message() => message,
+                message = tokio::time::timeout(silent, inbound.message()) => match message {
+                    Ok(message) => message,
+                    Err(_) => {
+                        self.observer.load_report_refused("silent");
+                        let _ = tx.send(Err(Status::deadline_exceeded(
+                            "no load report within five report intervals",
+                        ))).await;
+                        return;
+                    }
+                },
             };
             let request = match message {
                 Ok(Some(request)) => request,
@@ -354,12 +416,68 @@ impl LrsService {
             if request.cluster_stats.is_empty() {
                 continue;
             }
-            let recorded =
-                self.reports
-                    .lock()
-                    .record(id, &request.cluster_stats, SystemTime::now());
-            self.observer
-                .load_report(recorded.tracked, recorded.untracked);
+            let node_id = node.as_deref().unwrap_or_default();
+            let (taken, not_held) = held.split(&self.clients, node_id, request.cluster_stats);
+            let mut recorded = self.reports.lock().record(id, &taken, SystemTime::now());
+            recorded.not_held = not_held;
+            self.observer.load_report(&recorded);
+        }
+    }
+}
+
+/// The ADS streams of one LRS stream's node, looked up again at most every
+/// [`NODE_LOOKUP_EVERY`] while it has none or one ended (an Envoy may open LRS before
+/// ADS, and reconnect either).
+#[derive(Default)]
+struct NodeStreams {
+    streams: Vec<SharedStream>,
+    looked: Option<std::time::Instant>,
+}
+
+impl NodeStreams {
+    /// `stats` split into the entries some ADS stream of `node` takes, and how many no
+    /// stream of it does.
+    fn split(
+        &mut self,
+        clients: &Clients,
+        node: &str,
+        stats: Vec<ClusterStats>,
+    ) -> (Vec<ClusterStats>, usize) {
+        // Looked up again only while it has none, or one ended (the registry and the
+        // stream's task let theirs go): a steady Envoy costs no lookup.
+        let ended = self.streams.iter().any(|s| Arc::strong_count(s) == 1);
+        let due = self
+            .looked
+            .is_none_or(|at| at.elapsed() >= NODE_LOOKUP_EVERY);
+        if (self.streams.is_empty() || ended) && due {
+            self.streams = clients.streams_of_node(node);
+            self.looked = Some(std::time::Instant::now());
+        }
+        let total = stats.len();
+        let taken: Vec<ClusterStats> = stats
+            .into_iter()
+            .filter(|c| self.streams.iter().any(|s| takes(s, &c.cluster_name)))
+            .collect();
+        let not_held = total - taken.len();
+        (taken, not_held)
+    }
+}
+
+/// One stream's place among its peer address's ([`MAX_STREAMS_PER_PEER`]), given back
+/// when dropped.
+struct PeerPlace {
+    places: Arc<Mutex<BTreeMap<Option<std::net::IpAddr>, usize>>>,
+    peer: Option<std::net::IpAddr>,
+}
+
+impl Drop for PeerPlace {
+    fn drop(&mut self) {
+        let mut places = self.places.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(held) = places.get_mut(&self.peer) {
+            *held -= 1;
+            if *held == 0 {
+                places.remove(&self.peer);
+            }
         }
     }
 }
@@ -403,7 +521,10 @@ impl tower::Service<http::Request<tonic::body::Body>> for LrsService {
                 "no method {}",
                 request.uri().path()
             ))));
-        } else if let Ok(permit) = self.streams.clone().try_acquire_owned() {
+        } else if let (Ok(permit), Some(place)) = (
+            self.streams.clone().try_acquire_owned(),
+            self.take_peer_place(peer),
+        ) {
             let inbound = RequestStream::new(
                 request.into_body(),
                 self.max_message_bytes,
@@ -412,12 +533,12 @@ impl tower::Service<http::Request<tonic::body::Body>> for LrsService {
             let this = self.clone();
             tokio::spawn(async move {
                 this.run_stream(inbound, tx).await;
-                drop(permit);
+                drop((permit, place));
             });
         } else {
             self.observer.load_report_refused("over_stream_limit");
             let _ = tx.try_send(Err(Status::resource_exhausted(
-                "no more load reporting streams at once; retry later",
+                "no more load reporting streams at once from here; retry later",
             )));
         }
         std::future::ready(Ok(super::grpc::grpc_response(rx, open)))
@@ -475,7 +596,8 @@ mod tests {
             r,
             Recorded {
                 tracked: 3,
-                untracked: 2
+                untracked: 2,
+                not_held: 0
             }
         );
         ledger.record(2, &[stats("ns/s/b", 10, 0, 2)], at(1));
