@@ -27,7 +27,7 @@ use std::time::SystemTime;
 
 use serde::Serialize;
 
-use super::outcomes::{self, LoadTotals, OutcomeRule, Rollback, Verdict};
+use super::outcomes::{LoadTotals, Rollback};
 use super::readiness::{has_failed_application, Unit};
 use super::settle::CapacitySettle;
 use crate::live::dashboards::DashboardStates;
@@ -36,9 +36,10 @@ use crate::live::peers::{
     to_unix, DepartedCluster, PeerStates, PeerSwitch, ReplicaView, SharedLoad,
 };
 use crate::model::Model;
-use crate::policy::switchover::{Control, SwitchoverPolicy};
+use crate::policy::switchover::SwitchoverPolicy;
 use crate::translate::app_switch_key;
 
+mod judge;
 mod round;
 mod schedule;
 mod state;
@@ -165,6 +166,15 @@ pub struct Switchover {
     /// Per RayService key, the decision to send nothing to its pending cluster, whose
     /// requests fail ([`outcomes`]).
     rollbacks: BTreeMap<String, Rollback>,
+    /// Per RayService key, the active cluster's last reports over the window while it
+    /// ended enough to compare (after the move it ends none).
+    baselines: BTreeMap<String, (String, crate::xds::lrs::LoadCounts)>,
+    /// Per RayService key, the pending cluster and version the operator promoted: not
+    /// judged again.
+    promoted: BTreeMap<String, (String, Option<String>)>,
+    /// RayServices whose pending cluster's reports may decide now (no decision held, not
+    /// promoted, and it has traffic): the pipeline reads reports every interval for them.
+    judging: BTreeSet<String>,
     /// What this replica's own Envoys reported over the outcome window, and from when
     /// each cluster's reports were counted (the clusters judged the round before: the
     /// task tracks them after a build, and reads the totals before the next).
@@ -266,8 +276,11 @@ impl Switchover {
         let mut next = BTreeMap::new();
         self.observe_capacity(model, dashboards, now);
         self.loads_since = std::mem::take(&mut self.judged);
+        self.judging.clear();
         let keys: BTreeSet<String> = model.services().iter().map(|s| s.key()).collect();
         self.rollbacks.retain(|key, _| keys.contains(key));
+        self.baselines.retain(|key, _| keys.contains(key));
+        self.promoted.retain(|key, _| keys.contains(key));
         for service in model.services() {
             let key = service.key();
             let known = self.services.contains_key(&key);
@@ -333,121 +346,6 @@ impl Switchover {
         }
         self.services = next;
         events
-    }
-
-    /// The outcome rule's round for one RayService ([`outcomes`]): a decision on a
-    /// cluster no longer pending, or on an older version of it, is cleared; a peer's on
-    /// the same version is taken; otherwise the reports are judged. Whether the pending
-    /// cluster is rolled back now (never while the operator promotes: that clears it).
-    fn outcome_round(
-        &mut self,
-        service: &crate::model::RayService,
-        key: &str,
-        dashboards: &DashboardStates,
-        now: SystemTime,
-    ) -> bool {
-        let policy = self.defaults.with(&service.policy.overrides.switchover);
-        let active = &service.active_cluster;
-        let Some(pending) = service
-            .pending_cluster
-            .clone()
-            .filter(|p| p != active && service.cluster(p).is_some())
-            .filter(|_| service.cluster(active).is_some())
-        else {
-            self.rollbacks.remove(key);
-            return false;
-        };
-        let (new, old) = (
-            service.envoy_cluster_name(&pending),
-            service.envoy_cluster_name(active),
-        );
-        let deployed =
-            outcomes::deployed_at(service, &pending, dashboards).unwrap_or(SystemTime::UNIX_EPOCH);
-        self.judged.insert(new.clone(), deployed);
-        self.judged.insert(old.clone(), SystemTime::UNIX_EPOCH);
-        let version = outcomes::version(service, &pending, dashboards);
-        let stale = self.rollbacks.get(key).is_some_and(|r| {
-            r.cluster != pending
-                || !outcomes::same_version(r.version.as_deref(), version.as_deref())
-        });
-        if stale || policy.control == Control::Promote {
-            if let Some(r) = self.rollbacks.remove(key) {
-                tracing::info!(
-                    rayservice = key,
-                    cluster = r.cluster,
-                    "switchover: the rollback decision is cleared ({})",
-                    if stale {
-                        "a new version of the cluster"
-                    } else {
-                        "the operator promotes it"
-                    }
-                );
-            }
-        }
-        if policy.control == Control::Promote {
-            return false;
-        }
-        if !self.rollbacks.contains_key(key) {
-            let from_peer = self
-                .peers
-                .rollback(key, &pending)
-                .filter(|r| outcomes::same_version(r.version.as_deref(), version.as_deref()))
-                .cloned();
-            if let Some(r) = from_peer {
-                self.rollbacks.insert(key.to_string(), r);
-            }
-        }
-        if !self.rollbacks.contains_key(key) {
-            let loads = self.reported(&[(&new, deployed), (&old, SystemTime::UNIX_EPOCH)]);
-            let rule = OutcomeRule {
-                margin: policy.outcome_margin,
-                min_requests: policy.outcome_min_requests,
-            };
-            let capacity = outcomes::ready_capacity(service, &pending, dashboards);
-            if let Verdict::Failing(why) =
-                outcomes::judge(loads.get(&new), loads.get(&old), capacity, rule)
-            {
-                let at_unix = now
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs());
-                self.rollbacks.insert(
-                    key.to_string(),
-                    Rollback {
-                        cluster: pending,
-                        version,
-                        why,
-                        at_unix,
-                    },
-                );
-            }
-        }
-        self.rollbacks.contains_key(key)
-    }
-
-    /// What every Envoy reported of each of `clusters`, counted from its time: this
-    /// replica's own reports and each peer's, each only if counted from the same time
-    /// (a report of an older version, which a ledger not yet told counts, is left out).
-    fn reported(&self, clusters: &[(&String, SystemTime)]) -> LoadTotals {
-        let mut sum = LoadTotals::new();
-        for (cluster, since) in clusters {
-            let since_unix = unix_second(*since);
-            let own = self.own_loads.get(*cluster).filter(|_| {
-                self.loads_since.get(*cluster).map(|t| unix_second(*t)) == Some(since_unix)
-            });
-            let peers = self.peers.loads.get(*cluster).into_iter().flatten();
-            let peers = peers
-                .filter(|l| l.since_unix == since_unix)
-                .map(|l| &l.counts);
-            for counts in own.into_iter().chain(peers) {
-                sum.entry((*cluster).clone()).or_default().add(counts);
-            }
-        }
-        sum
-    }
-
-    /// The rollback decision on `key`'s pending cluster, if any.
-    pub(crate) fn rollback(&self, key: &str) -> Option<&Rollback> {
-        self.rollbacks.get(key)
     }
 
     /// Records every cluster's ready capacity per application, as its dashboard says
@@ -1919,6 +1817,74 @@ mod tests {
         advance(&mut s, &promoted, &world, &(), at(1005));
         assert_eq!(weights(&s), w(&[(B, 100)]));
         assert!(s.rollback("default/s").is_none());
+        // Back to auto: the operator's word on this version stands.
+        advance(&mut s, &auto, &world, &(), at(1006));
+        assert_eq!((weights(&s), phase(&s)), (w(&[(B, 100)]), Phase::Stable));
+        assert!(!s.judging());
+    }
+
+    /// After a completed move the active cluster ends nothing: the new one is judged
+    /// against what the active cluster had when it last ended enough, not against 0%.
+    #[test]
+    fn a_completed_move_is_judged_against_the_active_cluster_s_last_figures() {
+        let world = World::new();
+        let auto = model(A, Some(B), steps_policy());
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let mut s = at_second_step(&world);
+        assert!(s.judging(), "b1 has a share: its reports may decide");
+        // a1 fails 3%, b1 7%: within the margin.
+        s.set_loads(reported(&[
+            ("default/s/b1", 93, 7),
+            ("default/s/a1", 970, 30),
+        ]));
+        for t in [20, 30] {
+            advance(&mut s, &auto, &world, &(), at(t));
+        }
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+        s.set_loads(reported(&[("default/s/b1", 930, 70)]));
+        advance(&mut s, &auto, &world, &(), at(31));
+        assert_eq!((weights(&s), phase(&s)), (w(&[(B, 100)]), Phase::Stable));
+        assert!(s.judging());
+        // 9% against a1's 3%: rolled back.
+        s.set_loads(reported(&[("default/s/b1", 91, 9)]));
+        advance(&mut s, &auto, &world, &(), at(32));
+        let why = &s.rollback("default/s").unwrap().why;
+        assert!(why.contains("3.0%"), "{why}");
+        assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Stable));
+        advance(&mut s, &auto, &world, &(), at(33));
+        assert_eq!(
+            (weights(&s), phase(&s)),
+            (w(&[(A, 100)]), Phase::RolledBack)
+        );
+        assert!(!s.judging(), "nothing to judge while rolled back");
+    }
+
+    /// A decision a peer took while the version was unknown takes the version once it is
+    /// known, so a redeploy after that clears it.
+    #[test]
+    fn a_decision_on_an_unknown_version_is_cleared_by_a_later_redeploy() {
+        let mut world = World::new();
+        let auto = model(A, Some(B), steps_policy());
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let mut peer = at_second_step(&world);
+        peer.set_loads(reported(&[("default/s/b1", 0, 100)]));
+        advance(&mut peer, &auto, &world, &(), at(11));
+        let mut states = (*heard_from(&[&peer])).clone();
+        for switch in states.services.values_mut().flatten() {
+            if let Some(r) = &mut switch.rollback {
+                r.version = None;
+            }
+        }
+        let mut s = Switchover::default();
+        s.set_peers(Arc::new(states));
+        advance(&mut s, &auto, &world, &(), at(12));
+        assert_eq!(phase(&s), Phase::RolledBack);
+        assert!(s.rollback("default/s").unwrap().version.is_some());
+        s.set_peers(Arc::default());
+        redeploy(&mut world, "default/s/b1");
+        advance(&mut s, &auto, &world, &(), at(13));
+        assert!(s.rollback("default/s").is_none());
+        assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
     }
 
     /// A move that completed to a pending cluster whose requests then fail goes back to

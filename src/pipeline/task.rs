@@ -109,8 +109,9 @@ pub async fn run(
                 + t.duration_since(SystemTime::now()).unwrap_or_default()
                 + Duration::from_millis(5)
         });
-        // While a new cluster's outcomes are judged, its reports come in every interval.
-        if !judged.is_empty() {
+        // While a new cluster with traffic may be rolled back, its reports come in every
+        // interval.
+        if out.switchover.judging() {
             let reports = tokio::time::Instant::now() + sources.loads.interval();
             wake = Some(wake.map_or(reports, |w| w.min(reports)));
         }
@@ -127,7 +128,7 @@ pub async fn run(
             wedged,
             wake,
             wake_on_ack: out.wake_on_ack,
-            switch_in_progress: out.switchover.in_progress() || !judged.is_empty(),
+            switch_in_progress: out.switchover.in_progress() || out.switchover.judging(),
         };
         if !next_change(
             &pipeline,
