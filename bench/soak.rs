@@ -394,21 +394,15 @@ impl SimProxy {
 
 /// A listener on a port below the kernel's ephemeral range, where no outgoing
 /// connection (ray-xds's probes, the ADS clients) can take it while the proxy is killed,
-/// so that it can be restarted on the same port.
+/// and never one this process handed out before (`free_port`): a proxy started while
+/// another is killed cannot take the killed one's port, so that it can be restarted on
+/// the same port. (Without that memory a proxy started meanwhile could take it.)
 async fn bind_below_ephemeral() -> tokio::net::TcpListener {
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32768);
-    if low > 11_000 {
-        for _ in 0..1000 {
-            let port = fastrand::u16(10_000..low);
-            if let Ok(l) = tokio::net::TcpListener::bind(("127.0.0.1", port)).await {
-                return l;
-            }
+    loop {
+        if let Ok(l) = tokio::net::TcpListener::bind(("127.0.0.1", free_port())).await {
+            return l;
         }
     }
-    tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()
 }
 
 impl Drop for SimProxy {
