@@ -36,7 +36,14 @@
 //! replicas can, queue a little, and answer Ray's 503 beyond: [`Sizes`]), under a load
 //! the old cluster carries and the new one cannot alone; it grows to full size
 //! [`PARTIAL_FOR`] later (ray-xds counts the growth after `capacity_settle`, 5 s), and
-//! the load runs 14 s longer.
+//! the load runs 14 s longer. `upgrade-bad-version` is `upgrade` to a cluster whose
+//! application answers a fifth of its requests 500 (a bad model version: they ran, and
+//! failed); ray-xds's source names it pending, as KubeRay 1.1 and later report an upgrade
+//! in the RayService's status until they promote it, and keeps it pending for the run
+//! (KubeRay's standard upgrade would promote it once RUNNING and delete the old cluster,
+//! leaving nothing to go back to: docs/behaviour.md); the baselines switch as KubeRay
+//! does. Its failures are the application's (`app_failed`), not lost ones; the load runs
+//! 10 s longer.
 //!
 //! With `--protocol grpc` the load is unary gRPC calls (`ray_xds.demo.Echo/Say`, over one
 //! HTTP/2 connection to Envoy) to every node's simulated gRPC proxy, which shares its HTTP
@@ -65,7 +72,7 @@
 //! `trial=<i> fault_ms=<t>`. Each scenario ends (in the last trial) with one line per arm,
 //! on stdout:
 //! `chaos scenario=<name> arm=<arm> requests=<n> failed=<f> executed_twice=<k> p99_ms=<x>
-//! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> shed=<s> failed_ran=<r>
+//! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> app_failed=<e> shed=<s> failed_ran=<r>
 //! lost_ran=<q> window_ms=<w>
 //! served_by=<clusters> trials=<N> failed_median=<a> failed_max=<b>
 //! may_have_run_median=<c> may_have_run_max=<d> protocol=<http|grpc>`: counts summed over the trials, latency
@@ -101,13 +108,14 @@ use support::*;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-const SCENARIOS: [&str; 10] = [
+const SCENARIOS: [&str; 11] = [
     "head-crash",
     "worker-crash",
     "proxy-hang",
     "proxy-drain",
     "upgrade",
     "upgrade-partial-capacity",
+    "upgrade-bad-version",
     "cluster-replaced",
     "control-plane-restart",
     "control-plane-down-crash",
@@ -298,7 +306,14 @@ impl SimRayCluster {
     /// Applications deploy for `for_` (proxies answer 503 meanwhile), then run (at
     /// `size`, when given): the proxies serve again before the dashboard says RUNNING, so
     /// that no arm that switches on RUNNING can meet a proxy still refusing.
-    async fn deploy(&self, for_: Duration, size: Option<AppSize>) -> tokio::task::JoinHandle<()> {
+    /// Deploys for `for_` (the proxies answer 503 meanwhile), then RUNNING at `size`, the
+    /// proxies under `then` (`serving`; `failing:20` for a bad version).
+    async fn deploy(
+        &self,
+        for_: Duration,
+        size: Option<AppSize>,
+        then: &'static str,
+    ) -> tokio::task::JoinHandle<()> {
         self.dashboard.set_app("hello", "/", "DEPLOYING");
         for p in &self.proxies {
             p.mode("overloaded").await;
@@ -315,7 +330,7 @@ impl SimRayCluster {
                 let _ = http(
                     "PUT",
                     &format!("http://127.0.0.1:{control}/proxies/{port}/mode"),
-                    "serving",
+                    then,
                 )
                 .await;
             }
@@ -402,6 +417,8 @@ type ClusterView = (
 #[derive(Clone)]
 struct SourceView {
     active: String,
+    /// The cluster being upgraded to, as KubeRay 1.1+ reports it (ray-xds's source only).
+    pending: Option<String>,
     clusters: Vec<ClusterView>,
 }
 
@@ -409,9 +426,13 @@ impl SourceView {
     /// As services.yaml, with `extra` lines for the RayService (e.g. its head policy).
     fn yaml(&self, extra: &str) -> String {
         let mut s = format!(
-            "rayservices:\n  - name: demo\n    hosts: ['*']\n    active_cluster: {}\n{extra}    clusters:\n",
+            "rayservices:\n  - name: demo\n    hosts: ['*']\n    active_cluster: {}\n{extra}",
             self.active
         );
+        if let Some(pending) = &self.pending {
+            s += &format!("    pending_cluster: {pending}\n");
+        }
+        s += "    clusters:\n";
         for (name, proxies, url) in &self.clusters {
             s += &format!("      - name: {name}\n        dashboard: {url}\n        proxies:\n");
             for (addr, t, grpc) in proxies {
@@ -426,6 +447,7 @@ impl SourceView {
 fn view(active: &str, clusters: &[&SimRayCluster]) -> SourceView {
     SourceView {
         active: active.into(),
+        pending: None,
         clusters: clusters
             .iter()
             .map(|c| {
@@ -817,6 +839,7 @@ fn baseline_snapshot(state: &ServiceState, policy: bool, gateway: &GatewaySettin
         .collect();
     let yaml_view = SourceView {
         active: name.clone(),
+        pending: None,
         clusters: vec![(name.clone(), serving, url.clone())],
     };
     // A Service keeps no endpoint when none is ready; the model wants one proxy at
@@ -882,6 +905,9 @@ enum Ending {
     MayHaveRun,
     /// Failed without reaching a proxy that could run it.
     Lost,
+    /// Ran, and the application answered it 5xx (a bad version): the application's
+    /// failure, not the routing's.
+    AppFailed,
     /// Never sent: `--max-in-flight` requests were already in flight (the load
     /// generator's own bound, counted failed for every arm alike).
     Shed,
@@ -1016,6 +1042,9 @@ async fn send(client: &LoadClient, port: u16, id: &str, timeout: Duration) -> En
             ];
             if on_a_proxy.iter().any(|m| body.contains(m)) {
                 Ending::MayHaveRun
+            } else if body.contains("traceback") {
+                // (The simulator's bad version answers as Ray does for an exception.)
+                Ending::AppFailed
             } else {
                 Ending::Lost
             }
@@ -1086,7 +1115,10 @@ fn arms_of(scenario: &str) -> Vec<&'static str> {
             *a != "baseline-kuberay-1.0"
                 || matches!(
                     scenario,
-                    "upgrade" | "upgrade-partial-capacity" | "cluster-replaced"
+                    "upgrade"
+                        | "upgrade-partial-capacity"
+                        | "upgrade-bad-version"
+                        | "cluster-replaced"
                 )
         })
         .collect()
@@ -1163,6 +1195,8 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     let extra = match scenario {
         "proxy-drain" => 20,
         "upgrade-partial-capacity" => 14,
+        // Long enough after the switch for the Envoys' reports to say how it fares.
+        "upgrade-bad-version" => 10,
         _ => 0,
     };
     let duration = Duration::from_secs(args.duration + extra);
@@ -1186,7 +1220,8 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
         }
         "upgrade" => {
             // The new cluster's applications deploy for 10 s (its proxies answer 503).
-            b.deploy(Duration::from_secs(args.deploy), None).await;
+            b.deploy(Duration::from_secs(args.deploy), None, "serving")
+                .await;
             cp.set_source(&view("b", &[&a, &b])).await;
         }
         // The new cluster's applications run with a quarter of their replicas (under a
@@ -1198,18 +1233,35 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
                 p.capacity(sizes.proxy(quarter)).await;
             }
             let deploy = Duration::from_secs(args.deploy);
-            let running = b.deploy(deploy, Some(sizes.app(quarter))).await;
+            let running = b.deploy(deploy, Some(sizes.app(quarter)), "serving").await;
             cp.set_source(&view("b", &[&a, &b])).await;
             running.await.unwrap();
             tokio::time::sleep(PARTIAL_FOR).await;
             ran_on_partial = Some(b.ran(logs.path()));
             b.size(&sizes, FULL_REPLICAS).await;
         }
+        "upgrade-bad-version" => {
+            assert!(
+                !grpc,
+                "upgrade-bad-version is HTTP only (the simulator's bad version)"
+            );
+            b.deploy(Duration::from_secs(args.deploy), None, "failing:20")
+                .await;
+            let source = match &cp {
+                ControlPlane::RayXds { .. } => SourceView {
+                    pending: Some("b".into()),
+                    ..view("a", &[&a, &b])
+                },
+                ControlPlane::Baseline { .. } => view("b", &[&a, &b]),
+            };
+            cp.set_source(&source).await;
+        }
         "cluster-replaced" => {
             // The head pod dies: its proxy and its dashboard.
             a.proxies[0].process.signal(libc::SIGKILL);
             a.dashboard_stop.cancel();
-            b.deploy(Duration::from_secs(args.deploy), None).await;
+            b.deploy(Duration::from_secs(args.deploy), None, "serving")
+                .await;
             cp.set_source(&view("b", &[&a, &b])).await;
         }
         // Timed from the stop call: stopping ray-xds waits for its tasks, a baseline's
@@ -1238,8 +1290,10 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     // The premise of "lost": a healthy proxy existed. Every scenario faults one proxy of
     // three (or switches with the old cluster whole); checked, not assumed.
     let healthy_after_fault = healthy_proxies(&[&a, &b]).await;
-    if std::env::var_os("CHAOS_DEBUG").is_some() {
-        tokio::time::sleep(Duration::from_secs(2)).await;
+    if let Some(after) = std::env::var_os("CHAOS_DEBUG") {
+        // `CHAOS_DEBUG=<seconds>`: how long after the fault to look (2 by default).
+        let after = after.to_str().and_then(|s| s.parse().ok()).unwrap_or(2);
+        tokio::time::sleep(Duration::from_secs(after)).await;
         let served = through_envoy(gateway_port).await.map(|s| s.cluster);
         eprintln!("debug: {arm} served by {served:?}");
         if let ControlPlane::RayXds {
@@ -1247,6 +1301,15 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
         } = &cp
         {
             eprintln!("{}", admin_get(r.admin_addr, "/debug/state").await);
+            eprintln!(
+                "debug: {}",
+                admin_get(r.admin_addr, "/replica/switchover").await
+            );
+
+            let metrics = admin_get(r.admin_addr, "/metrics").await;
+            for line in metrics.lines().filter(|l| l.contains("load_")) {
+                eprintln!("debug: {line}");
+            }
         }
     }
     let elapsed = started.elapsed();
@@ -1314,6 +1377,7 @@ struct TrialStats {
     executed_twice: u64,
     may_have_run: u64,
     lost: u64,
+    app_failed: u64,
     shed: u64,
     failed_ran: u64,
     lost_ran: u64,
@@ -1348,6 +1412,7 @@ impl TrialStats {
             executed_twice: r.executed_twice,
             may_have_run: r.count(Ending::MayHaveRun),
             lost: r.count(Ending::Lost),
+            app_failed: r.count(Ending::AppFailed),
             shed: r.count(Ending::Shed),
             failed_ran: r.failed_ran,
             lost_ran: r.lost_ran,
@@ -1392,7 +1457,7 @@ fn line(scenario: &str, arm: &str, protocol: &str, trials: &[TrialStats]) -> Str
     let failed = per_trial(|t| t.failed);
     let may_have_run = per_trial(|t| t.may_have_run);
     format!(
-        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} shed={} failed_ran={} lost_ran={} window_ms={} served_by={} trials={} failed_median={} failed_max={} may_have_run_median={} may_have_run_max={} protocol={protocol}",
+        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} app_failed={} shed={} failed_ran={} lost_ran={} window_ms={} served_by={} trials={} failed_median={} failed_max={} may_have_run_median={} may_have_run_max={} protocol={protocol}",
         sum(|t| t.requests),
         sum(|t| t.failed),
         sum(|t| t.executed_twice),
@@ -1401,6 +1466,7 @@ fn line(scenario: &str, arm: &str, protocol: &str, trials: &[TrialStats]) -> Str
         latencies.last().copied().unwrap_or_default().as_secs_f64() * 1000.0,
         sum(|t| t.may_have_run),
         sum(|t| t.lost),
+        sum(|t| t.app_failed),
         sum(|t| t.shed),
         sum(|t| t.failed_ran),
         sum(|t| t.lost_ran),
@@ -1464,6 +1530,8 @@ fn broken_by(scenario: &str, r: &LoadResult, args: &Args) -> Option<&'static str
     ) && r.served_by.as_deref() != Some("b")
     {
         Some("traffic not on the new cluster when the load stopped")
+    } else if scenario == "upgrade-bad-version" && r.served_by.as_deref() != Some("a") {
+        Some("traffic not back on the old cluster when the load stopped")
     } else if scenario == "proxy-hang" && may_have_run > args.rps {
         Some("too many requests sent to the hung proxy")
     } else if scenario == "control-plane-down-hang" {

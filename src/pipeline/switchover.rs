@@ -175,6 +175,8 @@ pub struct Switchover {
     /// RayServices whose pending cluster's reports may decide now (no decision held, not
     /// promoted, and it has traffic): the pipeline reads reports every interval for them.
     judging: BTreeSet<String>,
+    /// RayServices whose round this advance left no decision held and not promoted.
+    judgeable: BTreeSet<String>,
     /// What this replica's own Envoys reported over the outcome window, and from when
     /// each cluster's reports were counted (the clusters judged the round before: the
     /// task tracks them after a build, and reads the totals before the next).
@@ -277,6 +279,7 @@ impl Switchover {
         self.observe_capacity(model, dashboards, now);
         self.loads_since = std::mem::take(&mut self.judged);
         self.judging.clear();
+        self.judgeable.clear();
         let keys: BTreeSet<String> = model.services().iter().map(|s| s.key()).collect();
         self.rollbacks.retain(|key, _| keys.contains(key));
         self.baselines.retain(|key, _| keys.contains(key));
@@ -315,6 +318,13 @@ impl Switchover {
                 &mut events,
             );
             let (target, serving) = (st.target.clone(), st.serving.clone());
+            let has_traffic = service
+                .pending_cluster
+                .as_deref()
+                .is_some_and(|p| st.weight_of(p) > 0);
+            if self.judgeable.remove(&key) && has_traffic {
+                self.judging.insert(key.clone());
+            }
             next.insert(key.clone(), st);
             // Each application of the target moves on its own readiness, from where the
             // RayService's traffic is.
@@ -1821,6 +1831,40 @@ mod tests {
         advance(&mut s, &auto, &world, &(), at(1006));
         assert_eq!((weights(&s), phase(&s)), (w(&[(B, 100)]), Phase::Stable));
         assert!(!s.judging());
+    }
+
+    /// The round that first gives the pending cluster traffic asks for its reports at
+    /// once: with nothing else changing, the next build would otherwise come only with
+    /// the schedule's next step (an atomic move: never).
+    #[test]
+    fn the_round_that_gives_the_new_cluster_traffic_asks_for_its_reports() {
+        let world = World::new();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        for policy in [steps_policy(), SwitchoverOverrides::default()] {
+            let m = model(A, Some(B), policy);
+            let mut s = Switchover::default();
+            advance(&mut s, &m, &world, &(), at(0));
+            assert!(s.weight_of_b() > 0);
+            assert!(s.judging(), "{:?}", s.services["default/s"]);
+        }
+        // Before it has any, nothing to ask for.
+        let mut waiting = World::new();
+        waiting.apps("default/s/b1", "03-deploying.json");
+        let mut s = Switchover::default();
+        advance(
+            &mut s,
+            &model(A, Some(B), steps_policy()),
+            &waiting,
+            &(),
+            at(0),
+        );
+        assert!(!s.judging());
+    }
+
+    impl Switchover {
+        fn weight_of_b(&self) -> u32 {
+            self.services["default/s"].weight_of(B)
+        }
     }
 
     /// After a completed move the active cluster ends nothing: the new one is judged

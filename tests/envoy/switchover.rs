@@ -395,11 +395,16 @@ async fn a_new_cluster_whose_requests_fail_is_rolled_back_from_envoy_s_load_repo
     let (db, url_b) = dashboard("RUNNING", &shutdown).await;
     let policy =
         "    switchover: { steps: [25, 50, 100], interval: 60s, outcome_min_requests: 20 }\n";
-    let s = Stack::with(yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], policy))
+    let s = Stack::with(yaml("a", None, &[(&a, &url_a)], policy))
         .envoy(Bootstrap::Sotw)
         .start()
         .await;
     let (xds, port) = (&s.xds, s.gateway_port);
+    // b is named pending once the Envoy runs (its load reports began without it).
+    for _ in 0..50 {
+        through_envoy(port).await;
+    }
+    s.edit(&yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], policy));
     let failed = std::sync::atomic::AtomicUsize::new(0);
     let sw = eventually("b is rolled back", Duration::from_secs(60), || async {
         for _ in 0..20 {

@@ -11,6 +11,8 @@
   every count at `<prefix>/runs`.
 - `busy`: one request at a time, one queued (`max_ongoing_requests: 1`,
   `max_queued_requests: 1`), each 0.3 s: more than that is Ray's 503 backpressure.
+- `flaky`: a bad version: `hello`, except that every fifth request raises, which Ray
+  answers 500.
 """
 
 import asyncio
@@ -78,7 +80,22 @@ class Busy:
         return {"ok": True}
 
 
+@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+class Flaky:
+    def __init__(self):
+        self.cluster = os.environ.get("RAY_XDS_TEST_CLUSTER", "")
+        self.calls = 0
+
+    async def __call__(self, request: Request) -> dict:
+        await request.body()
+        self.calls += 1
+        if self.calls % 5 == 0:
+            raise RuntimeError("a bad version: every fifth request fails, on purpose")
+        return {"cluster": self.cluster, "pid": os.getpid()}
+
+
 hello = Hello.bind()
+flaky = Flaky.bind()
 broken = Broken.bind()
 busy = Busy.bind()
 

@@ -5,4 +5,5 @@
 
 mod capacity;
 mod direct_ingress;
+mod outcomes;
 mod serve;

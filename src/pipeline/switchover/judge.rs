@@ -101,9 +101,7 @@ impl Switchover {
             );
             return true;
         }
-        if self.has_traffic(key, &pending) {
-            self.judging.insert(key.to_string());
-        }
+        self.judgeable.insert(key.to_string());
         false
     }
 
@@ -142,13 +140,6 @@ impl Switchover {
         }
         self.baselines.remove(key);
         self.promoted.remove(key);
-    }
-
-    /// Whether `cluster` has traffic of `key`'s switch now (a share, or all of it).
-    fn has_traffic(&self, key: &str, cluster: &str) -> bool {
-        self.services
-            .get(key)
-            .is_some_and(|s| s.weight_of(cluster) > 0)
     }
 
     /// What every Envoy reported of each of `clusters`, counted from its time: this
