@@ -56,6 +56,12 @@ pub struct ResultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreLabels {
+    pub op: &'static str,
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabels {
     pub state: &'static str,
 }
@@ -93,6 +99,8 @@ pub struct Metrics {
     pub tls_reloads: Family<ResultLabels, Counter>,
     pub load_streams: Gauge,
     pub load_report_clusters: Family<ResultLabels, Counter>,
+    /// Reads and writes of the replicas' kept switchover views (`replicas.state`).
+    pub state_store_ops: Family<StoreLabels, Counter>,
     pub snapshots: Counter,
     pub snapshot_resources: Gauge,
     snapshot_info: Family<VersionLabels, Gauge>,
@@ -153,6 +161,7 @@ impl Metrics {
             tls_reloads: Family::default(),
             load_streams: Gauge::default(),
             load_report_clusters: Family::default(),
+            state_store_ops: Family::default(),
             snapshots: Counter::default(),
             snapshot_resources: Gauge::default(),
             snapshot_info: Family::default(),
@@ -241,6 +250,11 @@ impl Metrics {
             "load_report_clusters",
             "Cluster entries of Envoys' load reports: counted for a switch (tracked), skipped (untracked), or refused: no ADS stream of the reporting node takes the cluster (not_held)",
             self.load_report_clusters.clone(),
+        );
+        registry.register(
+            "state_store_ops",
+            "Reads (at start) and writes of this replica's kept switchover view (replicas.state), by result",
+            self.state_store_ops.clone(),
         );
     }
 

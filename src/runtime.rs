@@ -111,7 +111,15 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         "{:016x}",
         std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u8)
     );
-    let peers = starter.peers(&replica_id);
+    let store = match &config.replica_state {
+        Some(state) => Some(
+            crate::live::state_store::StateStore::connect(state, &config.source)
+                .await
+                .context("replicas.state: the store of the replicas' switchover views")?,
+        ),
+        None => None,
+    };
+    let peers = starter.peers(&replica_id, store.as_ref());
     let loads = crate::xds::lrs::LoadReports::new(config.policies.switchover.load_report_interval);
     let sources = Sources {
         source,
@@ -129,6 +137,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         &clients,
         &replica_id,
     );
+    if let Some(store) = store {
+        starter.state_keeper(store, &replica_id, &outputs.switchover);
+    }
     starter.xds_server(
         listeners.xds,
         xds_tls,

@@ -51,6 +51,12 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_REPLICA_PEERS", value_delimiter = ',')]
     pub replica_peers: Option<Vec<String>>,
 
+    /// A directory where this replica keeps its switchover view (a file per replica), so
+    /// that a restart of every replica at once resumes shifts, rollbacks and drains
+    /// [config: replicas.state.dir, or replicas.state.configmap; default: kept nowhere].
+    #[arg(long, env = "RAY_XDS_REPLICA_STATE_DIR")]
+    pub replica_state_dir: Option<PathBuf>,
+
     /// PEM certificate chain the xDS listener presents. With --xds-tls-key and
     /// --xds-tls-client-ca it turns on mTLS: only clients with a certificate signed by
     /// a client CA connect [config: xds.tls.cert; default: plain TCP].

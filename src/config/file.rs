@@ -86,6 +86,17 @@ pub(super) struct ReplicasSection {
     pub(super) peers: Option<Vec<String>>,
     #[serde(default, with = "humantime_serde")]
     pub(super) poll_interval: Option<Duration>,
+    pub(super) state: Option<ReplicaStateSection>,
+}
+
+/// `replicas.state`: exactly one of `dir` and `configmap` (`namespace/name`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ReplicaStateSection {
+    pub(super) dir: Option<PathBuf>,
+    pub(super) configmap: Option<String>,
+    #[serde(default, with = "humantime_serde")]
+    pub(super) ttl: Option<Duration>,
 }
 
 #[derive(Debug, Default, Deserialize)]

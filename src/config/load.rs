@@ -123,7 +123,9 @@ impl Config {
         let source = source(args, file.source, &base_dir)?;
         let addresses = addresses(args, file.proxies)?;
         let (admin_listen, admin_debug_listen) = admin(args, file.admin)?;
-        let (replica_peers, replica_poll_interval) = replicas(args, file.replicas)?;
+        let kubernetes_source = matches!(source, SourceConfig::Kubernetes(_));
+        let (replica_peers, replica_poll_interval, replica_state) =
+            replicas(args, file.replicas, &base_dir, kubernetes_source)?;
         Ok(Config {
             policies,
             addresses,
@@ -136,6 +138,7 @@ impl Config {
             admin_debug_listen,
             replica_peers,
             replica_poll_interval,
+            replica_state,
             gateway,
             source,
             memory,
@@ -515,12 +518,14 @@ fn admin(
     Ok((admin_listen, admin_debug_listen))
 }
 
-/// `replicas:`: the peers' admin addresses (`host:port`, at most 64) and how often they
-/// are asked.
+/// `replicas:`: the peers' admin addresses (`host:port`, at most 64), how often they
+/// are asked, and where the replicas keep their switchover views.
 fn replicas(
     args: &ServeArgs,
     file: ReplicasSection,
-) -> Result<(Vec<String>, Duration), ConfigError> {
+    base_dir: &Path,
+    kubernetes_source: bool,
+) -> Result<(Vec<String>, Duration, Option<ReplicaStateConfig>), ConfigError> {
     let peers = args
         .replica_peers
         .clone()
@@ -551,5 +556,83 @@ fn replicas(
             humantime::format_duration(poll_interval)
         )));
     }
-    Ok((peers, poll_interval))
+    let state = replica_state(args, file.state, base_dir, kubernetes_source)?;
+    Ok((peers, poll_interval, state))
+}
+
+/// `replicas.state`: a directory (`--replica-state-dir` wins over the file), or a
+/// ConfigMap `namespace/name` with the Kubernetes source; `ttl` in 1m..=24h (15m).
+fn replica_state(
+    args: &ServeArgs,
+    file: Option<ReplicaStateSection>,
+    base_dir: &Path,
+    kubernetes_source: bool,
+) -> Result<Option<ReplicaStateConfig>, ConfigError> {
+    let file = file.unwrap_or_default();
+    let ttl = file.ttl.unwrap_or(Duration::from_secs(15 * 60));
+    if !(Duration::from_secs(60)..=Duration::from_secs(24 * 3600)).contains(&ttl) {
+        return Err(ConfigError::Invalid(format!(
+            "replicas.state.ttl is {}: it must be in 1m..=24h",
+            humantime::format_duration(ttl)
+        )));
+    }
+    if file.dir.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
+        return Err(ConfigError::Invalid("replicas.state.dir is empty".into()));
+    }
+    let dir = args
+        .replica_state_dir
+        .clone()
+        .or_else(|| file.dir.map(|d| base_dir.join(d)));
+    let store = match (dir, file.configmap) {
+        (Some(_), Some(_)) if args.replica_state_dir.is_none() => {
+            return Err(ConfigError::Invalid(
+                "replicas.state: set either dir or configmap, not both".into(),
+            ))
+        }
+        (Some(dir), _) => {
+            if dir.as_os_str().is_empty() {
+                return Err(ConfigError::Invalid(
+                    "replicas.state.dir (--replica-state-dir) is empty".into(),
+                ));
+            }
+            ReplicaStateStore::Dir(dir)
+        }
+        (None, Some(configmap)) => {
+            if !kubernetes_source {
+                return Err(ConfigError::Invalid(format!(
+                    "replicas.state.configmap {configmap:?} needs the Kubernetes source (source.kubernetes); with another source keep the state in a directory (replicas.state.dir)"
+                )));
+            }
+            let (namespace, name) = configmap
+                .split_once('/')
+                .filter(|(ns, name)| is_dns_label(ns) && is_dns_subdomain(name))
+                .ok_or_else(|| {
+                    ConfigError::Invalid(format!(
+                        "replicas.state.configmap {configmap:?} is not namespace/name (e.g. ray-xds/ray-xds-state)"
+                    ))
+                })?;
+            ReplicaStateStore::ConfigMap {
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+            }
+        }
+        (None, None) => return Ok(None),
+    };
+    Ok(Some(ReplicaStateConfig { store, ttl }))
+}
+
+/// A Kubernetes namespace name: a DNS label (RFC 1123), at most 63 characters.
+fn is_dns_label(text: &str) -> bool {
+    !text.is_empty()
+        && text.len() <= 63
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !text.starts_with('-')
+        && !text.ends_with('-')
+}
+
+/// A ConfigMap name: DNS labels joined by dots, at most 253 characters.
+fn is_dns_subdomain(text: &str) -> bool {
+    text.len() <= 253 && text.split('.').all(is_dns_label)
 }

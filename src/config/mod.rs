@@ -44,6 +44,9 @@ pub struct Config {
     pub replica_peers: Vec<String>,
     /// How often they are asked.
     pub replica_poll_interval: Duration,
+    /// Where this replica keeps its switchover view for a restart of every replica
+    /// (`None`: nowhere; a restart then starts from the source and its peers).
+    pub replica_state: Option<ReplicaStateConfig>,
     pub gateway: GatewaySettings,
     pub source: SourceConfig,
     /// Which proxy addresses may be published.
@@ -153,6 +156,22 @@ pub enum SourceConfig {
         poll_interval: Duration,
     },
     Kubernetes(KubernetesSourceConfig),
+}
+
+/// Where replicas keep their switchover views (`replicas.state`), and for how long an
+/// entry counts after it was last written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaStateConfig {
+    pub store: ReplicaStateStore,
+    pub ttl: Duration,
+}
+
+/// The kind of store: a directory (one file per replica, any source) or one ConfigMap
+/// of ray-xds's own namespace (one key per replica, the Kubernetes source's client).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplicaStateStore {
+    Dir(PathBuf),
+    ConfigMap { namespace: String, name: String },
 }
 
 /// Where and what the Kubernetes source watches.
@@ -344,6 +363,74 @@ mod tests {
             .to_string();
             assert!(e.contains("replicas."), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn replica_state_is_a_directory_or_a_configmap_of_the_kubernetes_source() {
+        let k8s = "source: { kubernetes: {} }\n";
+        let c = load(&format!(
+            "replicas: {{ state: {{ configmap: ray-xds/ray-xds-state, ttl: 30m }} }}\n{k8s}"
+        ))
+        .unwrap();
+        assert_eq!(
+            c.replica_state,
+            Some(ReplicaStateConfig {
+                store: ReplicaStateStore::ConfigMap {
+                    namespace: "ray-xds".into(),
+                    name: "ray-xds-state".into(),
+                },
+                ttl: Duration::from_secs(1800),
+            })
+        );
+        let c = load(&format!(
+            "replicas: {{ state: {{ dir: /var/lib/ray-xds }} }}\n{k8s}"
+        ))
+        .unwrap();
+        assert_eq!(
+            c.replica_state.map(|s| (s.store, s.ttl)),
+            Some((
+                ReplicaStateStore::Dir("/var/lib/ray-xds".into()),
+                Duration::from_secs(900)
+            ))
+        );
+        assert_eq!(load(k8s).unwrap().replica_state, None);
+        for (bad, why) in [
+            ("state: { configmap: ray-xds-state }", "not namespace/name"),
+            ("state: { configmap: Ray/x }", "not namespace/name"),
+            (
+                "state: { configmap: a/b, dir: /x }",
+                "either dir or configmap",
+            ),
+            ("state: { dir: '' }", "empty"),
+            ("state: { dir: /x, ttl: 5s }", "1m..=24h"),
+            ("state: { dir: /x, ttl: 48h }", "1m..=24h"),
+            ("state: { dri: /x }", "unknown field"),
+        ] {
+            let e = load(&format!("replicas: {{ {bad} }}\n{k8s}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        // A ConfigMap needs the Kubernetes source's client.
+        let dir = tempfile::tempdir().unwrap();
+        let services = dir.path().join("services.yaml");
+        std::fs::write(&services, "rayservices: []\n").unwrap();
+        let config = dir.path().join("ray-xds.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "replicas: {{ state: {{ configmap: a/b }} }}\nsource: {{ file: {{ path: {} }} }}\n",
+                services.display()
+            ),
+        )
+        .unwrap();
+        let e = Config::load(&ServeArgs {
+            config: Some(config),
+            ..Default::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("needs the Kubernetes source"), "{e}");
     }
 
     #[test]

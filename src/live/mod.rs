@@ -10,7 +10,8 @@
 //! - [`discovery`]: the pure step that gives a cluster known only by its dashboard the
 //!   proxies that dashboard lists, and every cluster its applications and their replicas;
 //! - [`health`]: the pure combination of all of it into each endpoint's health;
-//! - [`peers`]: what the other ray-xds replicas say of their switchovers.
+//! - [`peers`]: what the other ray-xds replicas say of their switchovers;
+//! - [`state_store`]: where each replica keeps its own, for a restart of every replica.
 
 pub mod dashboard;
 pub mod dashboards;
@@ -21,4 +22,5 @@ pub mod probe;
 pub mod prober;
 pub mod route_tables;
 pub(crate) mod route_turns;
+pub mod state_store;
 pub mod target_groups;

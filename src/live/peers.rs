@@ -260,7 +260,7 @@ pub(crate) fn from_unix(t: f64) -> Option<SystemTime> {
 }
 
 /// Asks every peer every `interval` (each answer within `timeout`).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub(crate) struct PeerPoller {
     /// `host:port` of the peers' admin ports; a name is resolved at each round and every
     /// address it has is asked (a headless Service's name gives every replica).
@@ -269,6 +269,45 @@ pub(crate) struct PeerPoller {
     pub timeout: Duration,
     /// This replica's id ([`ReplicaView::replica`]): its own answer adds no loads.
     pub own_id: String,
+    /// Where the replicas keep their views (`live::state_store`), read once at start,
+    /// each entry taken as one more peer's view until its ttl passes.
+    pub kept: Option<KeptViews>,
+}
+
+/// The store of kept views, their ttl, and the metrics that count its reads.
+#[derive(Clone)]
+pub(crate) struct KeptViews {
+    pub store: super::state_store::StateStore,
+    pub ttl: Duration,
+    pub metrics: Arc<crate::metrics::Metrics>,
+}
+
+impl PeerStates {
+    /// What the views `answered` (each a peer's) say together; a replica's loads are
+    /// counted once, and never this replica's (`own_id`).
+    pub(crate) fn merge(answered: Vec<ReplicaView>, own_id: &str) -> PeerStates {
+        let mut next = PeerStates {
+            polled: true,
+            ..Default::default()
+        };
+        let mut counted = std::collections::BTreeSet::new();
+        for view in answered {
+            let new_replica = match &view.replica {
+                Some(id) => *id != own_id && counted.insert(id.clone()),
+                None => true,
+            };
+            if new_replica {
+                for (cluster, load) in &view.loads {
+                    next.loads.entry(cluster.clone()).or_default().push(*load);
+                }
+            }
+            for (service, switch) in view.services {
+                next.services.entry(service).or_default().push(switch);
+            }
+            next.departed.extend(view.departed);
+        }
+        next
+    }
 }
 
 impl PeerPoller {
@@ -279,32 +318,29 @@ impl PeerPoller {
         let client: Client<HttpConnector, Empty<Bytes>> =
             Client::builder(TokioExecutor::new()).build(connector);
         let mut failing: BTreeMap<String, String> = BTreeMap::new();
+        let mut remembered = match &self.kept {
+            Some(kept) => tokio::select! {
+                _ = shutdown.cancelled() => return,
+                read = super::state_store::read_at_start(&kept.store, kept.ttl, &kept.metrics) => read,
+            },
+            None => Vec::new(),
+        };
         loop {
             let round = self.round(&client, &mut failing);
-            let answered = tokio::select! {
+            let mut answered = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 answered = round => answered,
             };
-            let mut next = PeerStates {
-                polled: true,
-                ..Default::default()
-            };
-            let mut counted = std::collections::BTreeSet::new();
-            for view in answered {
-                let new_replica = match &view.replica {
-                    Some(id) => *id != self.own_id && counted.insert(id.clone()),
-                    None => true,
-                };
-                if new_replica {
-                    for (cluster, load) in &view.loads {
-                        next.loads.entry(cluster.clone()).or_default().push(*load);
-                    }
-                }
-                for (service, switch) in view.services {
-                    next.services.entry(service).or_default().push(switch);
-                }
-                next.departed.extend(view.departed);
-            }
+            // A kept view counts until its ttl passes, or until its replica answers
+            // itself (from then on its own answers, and the entries it writes, are
+            // fresher than what was read at start).
+            let now = SystemTime::now();
+            let live: Vec<Option<String>> = answered.iter().map(|v| v.replica.clone()).collect();
+            remembered.retain(|(until, v)| {
+                *until > now && (v.replica.is_none() || !live.contains(&v.replica))
+            });
+            answered.extend(remembered.iter().map(|(_, v)| v.clone()));
+            let next = PeerStates::merge(answered, &self.own_id);
             states.send_if_modified(|current| {
                 if **current == next {
                     return false;

@@ -303,6 +303,11 @@ impl Switchover {
                         && service.pending_cluster.as_ref() != Some(c)
                         && service.cluster(c).is_some()
                 })
+                .or_else(|| {
+                    (!known)
+                        .then(|| self.ready_instead_of_active(service, health, dashboards))
+                        .flatten()
+                })
                 .unwrap_or_else(|| service.active_cluster.clone());
             let st = self.advance_unit(
                 &key,
@@ -356,6 +361,46 @@ impl Switchover {
         }
         self.services = next;
         events
+    }
+
+    /// For a RayService this replica meets with no word of where its traffic was (a
+    /// start, or every replica restarted with nothing kept): when the source's active
+    /// cluster is not ready and another cluster it lists (not the pending one) is, that
+    /// one serves, and the active cluster becomes a target like any other. So a replica
+    /// with no state never trusts an early flip to an unready cluster.
+    fn ready_instead_of_active(
+        &self,
+        service: &crate::model::RayService,
+        health: &HealthMap,
+        dashboards: &DashboardStates,
+    ) -> Option<String> {
+        let min = self
+            .defaults
+            .with(&service.policy.overrides.switchover)
+            .min_ready_proxies;
+        let ready = |cluster: &str| {
+            super::readiness::unit_readiness(
+                service,
+                cluster,
+                Unit::Service,
+                health,
+                dashboards,
+                min,
+                None,
+            )
+            .is_ok()
+        };
+        if ready(&service.active_cluster) {
+            return None;
+        }
+        service
+            .clusters
+            .iter()
+            .map(|c| &c.name)
+            .filter(|c| **c != service.active_cluster)
+            .filter(|c| service.pending_cluster.as_ref() != Some(*c))
+            .find(|c| ready(c))
+            .cloned()
     }
 
     /// Records every cluster's ready capacity per application, as its dashboard says
@@ -772,6 +817,40 @@ mod tests {
         world.apps("default/s/b1", "02-running.json");
         advance(&mut s, &flipped, &world, &(), T0);
         assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
+    #[test]
+    fn a_replica_with_no_state_serves_a_ready_listed_cluster_over_an_unready_active_one() {
+        let mut world = World::new();
+        world.apps("default/s/b1", "03-deploying.json");
+        // Started (or every replica restarted, nothing kept) after an early flip: the
+        // source names b1 active while it deploys; a1 is listed and ready.
+        let flipped = model(B, None, SwitchoverOverrides::default());
+        let mut s = Switchover::default();
+        advance(&mut s, &flipped, &world, &(), T0);
+        assert_eq!(
+            weights(&s),
+            w(&[(A, 100)]),
+            "no trust in an unready active cluster"
+        );
+        assert_eq!(s.services["default/s"].target.as_deref(), Some(B));
+        world.apps("default/s/b1", "02-running.json");
+        advance(&mut s, &flipped, &world, &(), T0);
+        assert_eq!(
+            weights(&s),
+            w(&[(B, 100)]),
+            "then it moves, gated as any target"
+        );
+        // A ready active cluster is trusted as it is, with nothing else listed or not.
+        let mut fresh = Switchover::default();
+        advance(&mut fresh, &flipped, &world, &(), T0);
+        assert_eq!(weights(&fresh), w(&[(B, 100)]));
+        // Nothing ready anywhere: the source's word stands.
+        world.apps("default/s/a1", "03-deploying.json");
+        world.apps("default/s/b1", "03-deploying.json");
+        let mut fresh = Switchover::default();
+        advance(&mut fresh, &flipped, &world, &(), T0);
+        assert_eq!(weights(&fresh), w(&[(B, 100)]));
     }
 
     #[test]
@@ -1975,6 +2054,103 @@ mod tests {
         let all = s.weights();
         assert_eq!(all["default/s#hello"], w(&[(A, 100)]), "{all:?}");
         assert_eq!(s.services["default/s#hello"].phase, Phase::RolledBack);
+    }
+
+    /// What replicas kept in the store (`live::state_store`), read back by a replica
+    /// started after every replica stopped: through the store's filter and wire format,
+    /// taken as the peers' views.
+    fn kept_by(from: &[&Switchover], now: SystemTime) -> Arc<PeerStates> {
+        use crate::live::state_store::{kept, remembered, KeptView};
+        let ttl = Duration::from_secs(900);
+        let entries = from
+            .iter()
+            .enumerate()
+            .map(|(i, replica)| {
+                let entry = KeptView {
+                    written_unix: crate::live::peers::to_unix(now),
+                    view: kept(replica.replica_view(), now, ttl),
+                };
+                let json = serde_json::to_string(&entry).unwrap();
+                (
+                    format!("replica-{i}.json"),
+                    Ok(serde_json::from_str(&json).unwrap()),
+                )
+            })
+            .collect();
+        let views = remembered(entries, now, ttl).into_iter().map(|(_, v)| v);
+        Arc::new(PeerStates::merge(views.collect(), "this-replica"))
+    }
+
+    /// Every replica restarted at once: what no input gives again comes back from what
+    /// they kept: a progressive shift's progress, a rollback decision, and traffic kept
+    /// on the old cluster after the source flipped early to the new one.
+    #[test]
+    fn a_replica_started_after_every_replica_stopped_resumes_from_what_they_kept() {
+        let world = World::new();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        // A shift at its second step (25%).
+        let pending = model(A, Some(B), steps_policy());
+        let one = at_second_step(&world);
+        assert_eq!(weights(&one), w(&[(A, 75), (B, 25)]));
+        let mut fresh = Switchover::default();
+        advance(&mut fresh, &pending, &world, &(), at(11));
+        assert_eq!(
+            weights(&fresh),
+            w(&[(A, 90), (B, 10)]),
+            "nothing kept: over"
+        );
+        let mut resumed = Switchover::default();
+        resumed.set_peers(kept_by(&[&one], at(11)));
+        advance(&mut resumed, &pending, &world, &(), at(11));
+        assert_eq!(weights(&resumed), weights(&one));
+
+        // The source flips to b1 mid-shift (KubeRay's standard upgrade promotes a
+        // RUNNING cluster): the shift goes on from a1 on its schedule, and so it does on
+        // a replica started with what was kept; one with nothing takes b1 whole at once.
+        let flipped = model(B, None, steps_policy());
+        let mut one = at_second_step(&world);
+        advance(&mut one, &flipped, &world, &(), at(11));
+        assert_eq!(one.services["default/s"].serving, A);
+        let mut fresh = Switchover::default();
+        advance(&mut fresh, &flipped, &world, &(), at(12));
+        assert_eq!(weights(&fresh), w(&[(B, 100)]));
+        let mut resumed = Switchover::default();
+        resumed.set_peers(kept_by(&[&one], at(12)));
+        advance(&mut resumed, &flipped, &world, &(), at(12));
+        assert_eq!(resumed.services["default/s"].serving, A);
+        assert_eq!(weights(&resumed), weights(&one));
+
+        // A rollback decision survives, and a replica with it sends b1 nothing.
+        let mut one = at_second_step(&world);
+        one.set_loads(reported(&[
+            ("default/s/b1", 40, 20),
+            ("default/s/a1", 500, 0),
+        ]));
+        advance(&mut one, &pending, &world, &(), at(11));
+        advance(&mut one, &pending, &world, &(), at(12));
+        assert_eq!(
+            (weights(&one), phase(&one)),
+            (w(&[(A, 100)]), Phase::RolledBack)
+        );
+        let mut resumed = Switchover::default();
+        resumed.set_peers(kept_by(&[&one], at(13)));
+        advance(&mut resumed, &pending, &world, &(), at(13));
+        assert_eq!(
+            (weights(&resumed), phase(&resumed)),
+            (w(&[(A, 100)]), Phase::RolledBack)
+        );
+        // Kept longer ago than the ttl (900 s): left out.
+        let entries = vec![(
+            "replica-0.json".to_string(),
+            Ok(crate::live::state_store::KeptView {
+                written_unix: crate::live::peers::to_unix(at(13)),
+                view: one.replica_view(),
+            }),
+        )];
+        let ttl = Duration::from_secs(900);
+        let remembered = crate::live::state_store::remembered;
+        assert_eq!(remembered(entries.clone(), at(13 + 899), ttl).len(), 1);
+        assert!(remembered(entries, at(13 + 900), ttl).is_empty());
     }
 
     /// Each replica hears only its own Envoys: what they report is summed over the

@@ -216,23 +216,33 @@ impl Starter<'_> {
         (probes_rx, heartbeat)
     }
 
-    /// The other replicas' switchovers: one writer, the peer poller (none without peers:
+    /// The other replicas' switchovers, and the views the replicas kept
+    /// (`replicas.state`): one writer, the peer poller (none without peers or a store:
     /// the channel says "polled" at once and closes).
     pub(super) fn peers(
         &mut self,
         replica_id: &str,
+        store: Option<&crate::live::state_store::StateStore>,
     ) -> watch::Receiver<Arc<crate::live::peers::PeerStates>> {
         let config = self.config;
+        let polled = config.replica_peers.is_empty() && store.is_none();
         let (peers_tx, peers_rx) = watch::channel(Arc::new(crate::live::peers::PeerStates {
-            polled: config.replica_peers.is_empty(),
+            polled,
             ..Default::default()
         }));
-        if !config.replica_peers.is_empty() {
+        if !polled {
             let poller = crate::live::peers::PeerPoller {
                 peers: config.replica_peers.clone(),
                 interval: config.replica_poll_interval,
                 timeout: PEER_TIMEOUT,
                 own_id: replica_id.to_string(),
+                kept: store
+                    .zip(config.replica_state.as_ref())
+                    .map(|(store, state)| crate::live::peers::KeptViews {
+                        store: store.clone(),
+                        ttl: state.ttl,
+                        metrics: self.metrics.clone(),
+                    }),
             };
             let token = self.shutdown.clone();
             self.spawn(async move {
@@ -241,6 +251,31 @@ impl Starter<'_> {
             });
         }
         peers_rx
+    }
+
+    /// Keeps this replica's switchover view in the store, for a restart of every replica.
+    pub(super) fn state_keeper(
+        &mut self,
+        store: crate::live::state_store::StateStore,
+        replica_id: &str,
+        switchover: &watch::Receiver<Arc<Switchover>>,
+    ) {
+        let Some(state) = &self.config.replica_state else {
+            return;
+        };
+        let keeper = crate::live::state_store::StateKeeper {
+            store,
+            replica_id: replica_id.to_string(),
+            ttl: state.ttl,
+            metrics: self.metrics.clone(),
+        };
+        let (switchover, token) = (switchover.clone(), self.shutdown.clone());
+        self.spawn(async move {
+            keeper
+                .run(switchover, |s: &Arc<Switchover>| s.replica_view(), token)
+                .await;
+            Ok(())
+        });
     }
 
     /// The pipeline: once the source has its first full state (an empty model from a
@@ -270,7 +305,14 @@ impl Starter<'_> {
             dashboards: config.policies.dashboard.first_answer_wait(),
             probes: config.policies.probe.first_probe_wait(),
             addresses: config.addresses.clone(),
-            peers: PEER_TIMEOUT + std::time::Duration::from_millis(200),
+            // The store of kept views is read before the peers are first asked.
+            peers: PEER_TIMEOUT
+                + std::time::Duration::from_millis(200)
+                + if config.replica_state.is_some() {
+                    crate::live::state_store::STORE_TIMEOUT
+                } else {
+                    std::time::Duration::ZERO
+                },
         };
         let (policies, gateway) = (config.policies.clone(), config.gateway.clone());
         let addresses = config.addresses.clone();

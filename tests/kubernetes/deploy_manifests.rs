@@ -38,7 +38,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use ray_serve_sim::NodeType;
@@ -139,6 +139,8 @@ enum Object {
     ServiceAccount(Box<ServiceAccount>),
     ClusterRole(Box<ClusterRole>),
     ClusterRoleBinding(Box<ClusterRoleBinding>),
+    Role(Box<Role>),
+    RoleBinding(Box<RoleBinding>),
     ConfigMap(Box<ConfigMap>),
     Deployment(Box<Deployment>),
     Service(Box<Service>),
@@ -155,6 +157,8 @@ impl Object {
             "ServiceAccount" => Object::ServiceAccount(typed(doc)?),
             "ClusterRole" => Object::ClusterRole(typed(doc)?),
             "ClusterRoleBinding" => Object::ClusterRoleBinding(typed(doc)?),
+            "Role" => Object::Role(typed(doc)?),
+            "RoleBinding" => Object::RoleBinding(typed(doc)?),
             "ConfigMap" => Object::ConfigMap(typed(doc)?),
             "Deployment" => Object::Deployment(typed(doc)?),
             "Service" => Object::Service(typed(doc)?),
@@ -170,6 +174,8 @@ impl Object {
             Object::ServiceAccount(_) => "ServiceAccount",
             Object::ClusterRole(_) => "ClusterRole",
             Object::ClusterRoleBinding(_) => "ClusterRoleBinding",
+            Object::Role(_) => "Role",
+            Object::RoleBinding(_) => "RoleBinding",
             Object::ConfigMap(_) => "ConfigMap",
             Object::Deployment(_) => "Deployment",
             Object::Service(_) => "Service",
@@ -184,6 +190,8 @@ impl Object {
             Object::ServiceAccount(o) => &o.metadata,
             Object::ClusterRole(o) => &o.metadata,
             Object::ClusterRoleBinding(o) => &o.metadata,
+            Object::Role(o) => &o.metadata,
+            Object::RoleBinding(o) => &o.metadata,
             Object::ConfigMap(o) => &o.metadata,
             Object::Deployment(o) => &o.metadata,
             Object::Service(o) => &o.metadata,
@@ -634,6 +642,9 @@ fn every_manifest_parses_as_its_kubernetes_type_with_nothing_dropped() {
         ("ClusterRole", "ray-xds"),
         ("ClusterRoleBinding", "ray-xds"),
         ("ConfigMap", "ray-xds-config"),
+        ("ConfigMap", "ray-xds-state"),
+        ("Role", "ray-xds-state"),
+        ("RoleBinding", "ray-xds-state"),
         ("Deployment", "ray-xds"),
         ("PodDisruptionBudget", "ray-xds"),
         ("Service", "ray-xds"),
@@ -889,6 +900,42 @@ fn cluster_role_reads_rayservices_and_pods_and_nothing_else() {
     );
 }
 
+/// The one write ray-xds may make: get and patch its own state ConfigMap, by name, in
+/// its own namespace (what `replicas.state.configmap` names), created here.
+#[test]
+fn the_state_role_reads_and_patches_its_own_configmap_and_nothing_else() {
+    let all = manifests();
+    let Object::Role(role) = find(&all, "Role", "ray-xds-state") else {
+        unreachable!()
+    };
+    let rules = role.rules.as_ref().unwrap();
+    assert_eq!(rules.len(), 1, "{rules:?}");
+    let rule = &rules[0];
+    assert_eq!(rule.api_groups.as_deref(), Some(&[String::new()][..]));
+    assert_eq!(
+        rule.resources.as_deref(),
+        Some(&["configmaps".to_string()][..])
+    );
+    assert_eq!(
+        rule.resource_names.as_deref(),
+        Some(&["ray-xds-state".to_string()][..])
+    );
+    assert_eq!(rule.verbs, ["get", "patch"]);
+    let Object::RoleBinding(binding) = find(&all, "RoleBinding", "ray-xds-state") else {
+        unreachable!()
+    };
+    assert_eq!(binding.role_ref.kind, "Role");
+    assert_eq!(binding.role_ref.name, "ray-xds-state");
+    let subjects = binding.subjects.as_ref().unwrap();
+    assert_eq!(subjects.len(), 1);
+    assert_eq!(
+        (subjects[0].kind.as_str(), subjects[0].name.as_str()),
+        ("ServiceAccount", "ray-xds")
+    );
+    assert_eq!(subjects[0].namespace.as_deref(), Some(NAMESPACE));
+    find(&all, "ConfigMap", "ray-xds-state");
+}
+
 #[test]
 fn ray_xds_deployment_is_hardened_probed_spread_and_configured() {
     let all = manifests();
@@ -974,6 +1021,14 @@ fn ray_xds_config_in_the_config_map_loads() {
     assert_eq!(
         config.replica_peers,
         ["ray-xds-peers.ray-xds.svc.cluster.local:19000"]
+    );
+    // Both restarted at once resume from the state ConfigMap the Role lets them patch.
+    assert_eq!(
+        config.replica_state.as_ref().map(|s| &s.store),
+        Some(&ray_xds::config::ReplicaStateStore::ConfigMap {
+            namespace: NAMESPACE.into(),
+            name: "ray-xds-state".into(),
+        })
     );
     let peers = service(&all, "ray-xds-peers");
     let spec = peers.spec.as_ref().unwrap();

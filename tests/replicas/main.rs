@@ -1,5 +1,6 @@
-//! Replicas that agree: two ray-xds replicas through a progressive shift, and peers that
-//! lie, skew, echo, flood or hang.
+//! Replicas that agree: two ray-xds replicas through a progressive shift, peers that
+//! lie, skew, echo, flood or hang, and every replica restarted at once.
 
 mod agree;
 mod hostile;
+mod restart;

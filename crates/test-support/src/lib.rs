@@ -191,6 +191,7 @@ pub fn test_config(services: &Path, gateway_port: u16) -> Config {
         admin_debug_listen: None,
         replica_peers: Vec::new(),
         replica_poll_interval: Duration::from_millis(500),
+        replica_state: None,
         gateway: GatewaySettings {
             listener_address: "127.0.0.1".parse().unwrap(),
             listener_port: gateway_port,

@@ -1,7 +1,7 @@
 //! A fake Kubernetes API server that speaks the real list/watch HTTP protocol, so tests can
 //! point the real kube-rs client (`Api`, `kube::runtime::watcher`) at it.
 //!
-//! What it serves (GET only):
+//! What it serves (GET, and PATCH as a merge patch of one existing object):
 //! - collections: `/api/v1/{plural}`, `/api/v1/namespaces/{ns}/{plural}`,
 //!   `/apis/{group}/{version}/{plural}` and `/apis/{group}/{version}/namespaces/{ns}/{plural}`;
 //!   a list answers `{kind: <Kind>List, metadata: {resourceVersion, continue?}, items}`, a
@@ -29,7 +29,8 @@
 //! - a slow or stuck watch never blocks [`FakeApiServer::apply`]: events are kept in a
 //!   history that every watch reads at its own pace.
 //!
-//! Limits (what it does not implement): writes through HTTP (POST/PUT/PATCH/DELETE get 405),
+//! Limits (what it does not implement): writes through HTTP other than a merge patch (POST,
+//! PUT and DELETE get 405; a JSON patch 415),
 //! subresources (`/status`, `/log`), discovery (`/api`, `/apis`), authentication, protobuf,
 //! table output, multiple versions of one resource, finalizers, garbage collection, a list at
 //! an older resourceVersion (lists always show the current state), and the real server's
@@ -349,6 +350,11 @@ impl FakeApiServer {
     /// Watch requests answered (not counting 503s), including those answered 410.
     pub fn watches(&self, plural: &str) -> usize {
         self.shared.counts(plural, |c| c.watches)
+    }
+
+    /// How many PATCH requests reached objects of `plural` (found or not).
+    pub fn patches(&self, plural: &str) -> usize {
+        self.shared.counts(plural, |c| c.patches)
     }
 
     /// Watch responses still streaming.

@@ -61,6 +61,8 @@ pub(super) async fn handle(
     State(shared): State<Arc<Shared>>,
     method: Method,
     uri: Uri,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
 ) -> Response {
     {
         let mut requests = lock(&shared.requests);
@@ -70,6 +72,9 @@ pub(super) async fn handle(
     }
     if shared.unavailable.load(Ordering::SeqCst) {
         return unavailable();
+    }
+    if method == Method::PATCH {
+        return patch(&shared, uri.path(), &headers, &body);
     }
     if method != Method::GET {
         return status(

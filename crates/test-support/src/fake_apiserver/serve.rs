@@ -25,6 +25,92 @@ pub(super) fn get(shared: &Shared, target: &Target, name: &str) -> Response {
     (StatusCode::NOT_FOUND, axum::Json(body)).into_response()
 }
 
+/// A JSON merge patch (RFC 7386; `application/merge-patch+json`, or a strategic merge
+/// patch, which is the same for the maps tests patch) of one existing object: the next
+/// resourceVersion and a `MODIFIED` event, as on the real server. A patch may not
+/// change the object's name, namespace or kind.
+pub(super) fn patch(
+    shared: &Shared,
+    path: &str,
+    headers: &axum::http::HeaderMap,
+    body: &[u8],
+) -> Response {
+    let Some(target) = Target::parse(path) else {
+        return not_found();
+    };
+    let Some(name) = target.name.clone() else {
+        return status(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "MethodNotAllowed",
+            "PATCH names one object",
+        );
+    };
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    if !matches!(
+        content_type,
+        "application/merge-patch+json" | "application/strategic-merge-patch+json"
+    ) {
+        return status(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "UnsupportedMediaType",
+            format!("the fake API server patches only with merge patches, not {content_type:?}"),
+        );
+    }
+    let Ok(patch) = serde_json::from_slice::<Value>(body) else {
+        return bad_request("the patch is not JSON");
+    };
+    let key = ObjectKey {
+        resource: target.resource.clone(),
+        namespace: target.namespace.clone().unwrap_or_default(),
+        name: name.clone(),
+    };
+    shared.count(&target.resource.plural, |c| c.patches += 1);
+    shared.change(|store| {
+        let Some(current) = store.objects.get(&key).cloned() else {
+            let message = format!("{} \"{name}\" not found", target.resource.plural);
+            return status(StatusCode::NOT_FOUND, "NotFound", message);
+        };
+        let mut next = current.clone();
+        merge_patch(&mut next, &patch);
+        for field in [
+            "/kind",
+            "/apiVersion",
+            "/metadata/name",
+            "/metadata/namespace",
+        ] {
+            if next.pointer(field) != current.pointer(field) {
+                return bad_request(format!("a patch may not change {field}"));
+            }
+        }
+        let rv = store.next_rv();
+        metadata_mut(&mut next).insert("resourceVersion".into(), rv.to_string().into());
+        store.put(key, next.clone());
+        axum::Json(next).into_response()
+    })
+}
+
+/// RFC 7386: an object merges key by key, `null` removes, anything else replaces.
+fn merge_patch(target: &mut Value, patch: &Value) {
+    let Value::Object(fields) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = Value::Object(Map::new());
+    }
+    let object = target.as_object_mut().expect("an object");
+    for (key, value) in fields {
+        if value.is_null() {
+            object.remove(key);
+        } else {
+            merge_patch(object.entry(key.clone()).or_insert(Value::Null), value);
+        }
+    }
+}
+
 pub(super) fn list(shared: &Shared, target: &Target, kind: &str, params: &Params) -> Response {
     shared.count(&target.resource.plural, |c| c.lists += 1);
     let store = lock(&shared.store);

@@ -154,6 +154,7 @@ pub(super) struct Counts {
     pub(super) lists: usize,
     pub(super) watches: usize,
     pub(super) open_watches: usize,
+    pub(super) patches: usize,
 }
 
 /// State shared by the handle and the HTTP handlers.
