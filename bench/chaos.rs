@@ -36,7 +36,11 @@
 //! replicas can, queue a little, and answer Ray's 503 beyond: [`Sizes`]), under a load
 //! the old cluster carries and the new one cannot alone; it grows to full size
 //! [`PARTIAL_FOR`] later (ray-xds counts the growth after `capacity_settle`, 5 s), and
-//! the load runs 14 s longer. `upgrade-bad-version` is `upgrade` to a cluster whose
+//! the load runs 14 s longer. `replicas-restart-mid-shift` is `upgrade-partial-capacity`
+//! with every replica of the control plane restarted at once 1 s after the new cluster is
+//! RUNNING (down 2 s), the new cluster growing 9 s after the stop; `ray-xds-no-state`
+//! (this scenario only) is ray-xds without `replicas.state`: what the kept state buys.
+//! `upgrade-bad-version` is `upgrade` to a cluster whose
 //! application answers a fifth of its requests 500 (a bad model version: they ran, and
 //! failed); ray-xds's source names it pending, as KubeRay 1.1 and later report an upgrade
 //! in the RayService's status until they promote it, and keeps it pending for the run
@@ -108,7 +112,7 @@ use support::*;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-const SCENARIOS: [&str; 11] = [
+const SCENARIOS: [&str; 12] = [
     "head-crash",
     "worker-crash",
     "proxy-hang",
@@ -116,6 +120,7 @@ const SCENARIOS: [&str; 11] = [
     "upgrade",
     "upgrade-partial-capacity",
     "upgrade-bad-version",
+    "replicas-restart-mid-shift",
     "cluster-replaced",
     "control-plane-restart",
     "control-plane-down-crash",
@@ -123,9 +128,10 @@ const SCENARIOS: [&str; 11] = [
 ];
 
 /// Every arm, in the order they run.
-const ARMS: [&str; 5] = [
+const ARMS: [&str; 6] = [
     "ray-xds",
     "ray-xds-head-include",
+    "ray-xds-no-state",
     "baseline-kuberay",
     "baseline-kuberay-policy",
     "baseline-kuberay-1.0",
@@ -493,10 +499,13 @@ enum ControlPlane {
 }
 
 impl ControlPlane {
+    /// ray-xds on a services file in `dir`, keeping its switchover view in `dir/state`
+    /// (`replicas.state.dir`, as deployed) when `keep_state`.
     async fn ray_xds(
         dir: &Path,
         source: &SourceView,
         head_include: bool,
+        keep_state: bool,
         gateway_port: u16,
     ) -> ControlPlane {
         let services = dir.join("services.yaml");
@@ -508,6 +517,10 @@ impl ControlPlane {
         std::fs::write(&services, source.yaml(extra)).unwrap();
         let mut config = test_config(&services, gateway_port);
         config.xds_listen = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        config.replica_state = keep_state.then(|| ray_xds::config::ReplicaStateConfig {
+            store: ray_xds::config::ReplicaStateStore::Dir(dir.join("state")),
+            ttl: Duration::from_secs(900),
+        });
         let mut cp = ControlPlane::RayXds {
             services,
             extra,
@@ -1111,15 +1124,18 @@ async fn healthy_proxies(clusters: &[&SimRayCluster]) -> usize {
 fn arms_of(scenario: &str) -> Vec<&'static str> {
     ARMS.iter()
         .copied()
-        .filter(|a| {
-            *a != "baseline-kuberay-1.0"
-                || matches!(
-                    scenario,
-                    "upgrade"
-                        | "upgrade-partial-capacity"
-                        | "upgrade-bad-version"
-                        | "cluster-replaced"
-                )
+        .filter(|a| match *a {
+            "baseline-kuberay-1.0" => matches!(
+                scenario,
+                "upgrade"
+                    | "upgrade-partial-capacity"
+                    | "upgrade-bad-version"
+                    | "replicas-restart-mid-shift"
+                    | "cluster-replaced"
+            ),
+            // What the kept state buys: ray-xds restarted with nothing kept.
+            "ray-xds-no-state" => scenario == "replicas-restart-mid-shift",
+            _ => true,
         })
         .collect()
 }
@@ -1137,9 +1153,12 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     let gateway_port = 0;
     let initial = view("a", &[&a]);
     let mut cp = match arm {
-        "ray-xds" => ControlPlane::ray_xds(dir.path(), &initial, false, gateway_port).await,
+        "ray-xds" => ControlPlane::ray_xds(dir.path(), &initial, false, true, gateway_port).await,
         "ray-xds-head-include" => {
-            ControlPlane::ray_xds(dir.path(), &initial, true, gateway_port).await
+            ControlPlane::ray_xds(dir.path(), &initial, true, true, gateway_port).await
+        }
+        "ray-xds-no-state" => {
+            ControlPlane::ray_xds(dir.path(), &initial, false, false, gateway_port).await
         }
         "baseline-kuberay" => {
             ControlPlane::baseline(&initial, Switch::WhenRunning, false, gateway_port).await
@@ -1168,7 +1187,7 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     }
     // Every arm starts whole: each proxy it routes to is in Envoy, healthy (ray-xds's
     // default holds the head back as a fallback, so only the workers count there).
-    let serving = if arm == "ray-xds" {
+    let serving = if arm == "ray-xds" || arm == "ray-xds-no-state" {
         &a.proxies[1..]
     } else {
         &a.proxies[..]
@@ -1188,13 +1207,19 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     let sizes = Sizes::of(args.rps);
-    if scenario == "upgrade-partial-capacity" {
+    let partial = matches!(
+        scenario,
+        "upgrade-partial-capacity" | "replicas-restart-mid-shift"
+    );
+    if partial {
         a.size(&sizes, FULL_REPLICAS).await;
     }
     // The drain lasts 30 s; a partial upgrade runs partial, then grows.
     let extra = match scenario {
         "proxy-drain" => 20,
         "upgrade-partial-capacity" => 14,
+        // Partial for 10 s, the control plane down for 2 s of them.
+        "replicas-restart-mid-shift" => 19,
         // Long enough after the switch for the Envoys' reports to say how it fares.
         "upgrade-bad-version" => 10,
         _ => 0,
@@ -1237,6 +1262,28 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
             cp.set_source(&view("b", &[&a, &b])).await;
             running.await.unwrap();
             tokio::time::sleep(PARTIAL_FOR).await;
+            ran_on_partial = Some(b.ran(logs.path()));
+            b.size(&sizes, FULL_REPLICAS).await;
+        }
+        // The same upgrade, and every replica of the control plane restarts at once while
+        // the new cluster runs a quarter of its replicas (its share held by capacity, the
+        // source naming it active): down for 2 s, then partial 7 s more before it grows.
+        // For a baseline, KubeRay's operator restarts (its Service stays as it was).
+        "replicas-restart-mid-shift" => {
+            let quarter = FULL_REPLICAS / 4;
+            for p in &b.proxies {
+                p.capacity(sizes.proxy(quarter)).await;
+            }
+            let deploy = Duration::from_secs(args.deploy);
+            let running = b.deploy(deploy, Some(sizes.app(quarter)), "serving").await;
+            cp.set_source(&view("b", &[&a, &b])).await;
+            running.await.unwrap();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let stopped = tokio::time::Instant::now();
+            cp.stop().await;
+            tokio::time::sleep_until(stopped + Duration::from_secs(2)).await;
+            cp.start().await;
+            tokio::time::sleep_until(stopped + Duration::from_secs(9)).await;
             ran_on_partial = Some(b.ran(logs.path()));
             b.size(&sizes, FULL_REPLICAS).await;
         }
@@ -1526,7 +1573,7 @@ fn broken_by(scenario: &str, r: &LoadResult, args: &Args) -> Option<&'static str
         Some("requests piled up to the load's in-flight bound")
     } else if matches!(
         scenario,
-        "upgrade" | "upgrade-partial-capacity" | "cluster-replaced"
+        "upgrade" | "upgrade-partial-capacity" | "replicas-restart-mid-shift" | "cluster-replaced"
     ) && r.served_by.as_deref() != Some("b")
     {
         Some("traffic not on the new cluster when the load stopped")
@@ -1617,7 +1664,8 @@ async fn bench_main() {
                 if result.healthy_after_fault == 0 {
                     eprintln!("warning: no healthy proxy after the fault: {trial_line}");
                 }
-                if arm.starts_with("ray-xds") {
+                // (`ray-xds-no-state` is a reference, as the baselines are.)
+                if arm.starts_with("ray-xds") && arm != "ray-xds-no-state" {
                     if let Some(why) = broken_by(scenario, &result, &args) {
                         broken.push(format!("{why}: trial={trial} {trial_line}"));
                     }
