@@ -10,7 +10,7 @@ use std::time::Duration;
 use support::real_ray::{App, RealRayCluster};
 use support::*;
 
-use crate::serve::{cluster_yaml, gateway, services_yaml};
+use crate::serve::{cluster_yaml, gateway, services_yaml, Gateway};
 
 const DEADLINE: Duration = Duration::from_secs(90);
 
@@ -138,8 +138,10 @@ async fn weights_become(admin: std::net::SocketAddr, want: &[(&str, u64)]) {
 }
 
 /// Traffic in proportion to ready capacity loses (almost) nothing where all of it at once
-/// overflows the new cluster; abort takes a completed move back; the move completes once
-/// the new cluster runs at full size. The same run measures today's atomic switch (the
+/// overflows the new cluster; abort takes a completed move back; the source promoting the
+/// new cluster mid-shift moves nothing, nor does ray-xds killed and restarted then (every
+/// replica at once: it resumes from what it kept); the move completes once the new
+/// cluster runs at full size. The same run measures today's atomic switch (the
 /// operator's `promote`, which skips the capacity limit) beside it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_ray_capacity_a_quarter_sized_cluster_gets_its_share_and_all_once_full() {
@@ -152,7 +154,7 @@ async fn real_ray_capacity_a_quarter_sized_cluster_gets_its_share_and_all_once_f
         cluster_yaml(&a, &[(a.head_proxy(), "head")]),
         cluster_yaml(&b, &[(b.head_proxy(), "head")]),
     ];
-    let gw = gateway(&services_yaml("a", None, PROBE, &clusters[..1])).await;
+    let mut gw = gateway(&services_yaml("a", None, PROBE, &clusters[..1])).await;
     let admin = gw.xds.admin_addr;
     eventually("traffic flows", DEADLINE, || async {
         let url = format!("http://127.0.0.1:{}/", gw.port);
@@ -189,6 +191,10 @@ async fn real_ray_capacity_a_quarter_sized_cluster_gets_its_share_and_all_once_f
     let since = std::time::Instant::now();
     let refused_before = refused(&gw.envoy).await;
     let timeline = Timeline::start(admin, &gw.envoy, since);
+    // KubeRay's standard upgrade promotes b mid-shift, and every replica of ray-xds is
+    // killed and started again: the shares stay where capacity puts them.
+    gw = promote_and_restart(gw, &clusters).await;
+    let admin = gw.xds.admin_addr;
     tokio::time::sleep(window).await;
     // Serve scales b to full size: the move completes.
     b.deploy_at(&[BUSY_B], Some(100));
@@ -241,6 +247,41 @@ async fn real_ray_capacity_a_quarter_sized_cluster_gets_its_share_and_all_once_f
         "fewer than 1% turned away by b while the move followed capacity: {on_b} of \
          {shared_sent} ({shared_failed} failed in all)"
     );
+}
+
+/// KubeRay's standard upgrade promotes b (RUNNING) mid-shift: the source names it
+/// active, a still listed, and traffic stays where capacity puts it (80% on a). Then
+/// every replica of ray-xds is killed and started again: it resumes at the same weights
+/// from what it kept (with nothing kept it would trust the promotion and send b all).
+async fn promote_and_restart(gw: Gateway, clusters: &[String]) -> Gateway {
+    let admin = gw.xds.admin_addr;
+    let promoted = services_yaml("b", None, PROBE, clusters);
+    write_atomic(&gw.xds_services_path(), &promoted);
+    eventually("the source's promotion seen", DEADLINE, || async {
+        let state: serde_json::Value =
+            serde_json::from_str(&admin_get(admin, "/debug/state").await).ok()?;
+        let clusters = state["rayservices"][0]["clusters"].as_array()?.clone();
+        clusters
+            .iter()
+            .any(|c| c["name"] == "b" && c["role"] == "active")
+            .then_some(())
+    })
+    .await;
+    weights_become(admin, &[("a", 80), ("b", 20)]).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let gw = gw.restart_xds().await;
+    let admin = gw.xds.admin_addr;
+    let resumed = eventually("the restarted ray-xds publishes", DEADLINE, || async {
+        let w = published_weights(admin).await;
+        (!w.is_empty()).then_some(w)
+    })
+    .await;
+    assert_eq!(
+        resumed,
+        [("a".to_string(), 80), ("b".to_string(), 20)],
+        "ray-xds restarted mid-shift resumes at the same weights"
+    );
+    gw
 }
 
 /// What ray-xds published and what Envoy counted, sampled every 200 ms: each line where

@@ -75,6 +75,7 @@ pub(crate) fn services_yaml(
 
 pub(crate) struct Gateway {
     _dir: tempfile::TempDir,
+    config: ray_xds::config::Config,
     pub(crate) xds: ray_xds::runtime::Running,
     pub(crate) envoy: Envoy,
     pub(crate) port: u16,
@@ -91,16 +92,50 @@ async fn gateway_allowing(services: &str, networks: Vec<ipnet::IpNet>) -> Gatewa
     std::fs::write(&path, services).unwrap();
     let mut config = test_config(&path, 0);
     config.addresses.networks = networks;
-    let xds = ray_xds::runtime::start(config, Default::default())
+    // A port of its own that a restart binds again, and the state kept as deployed.
+    config.xds_listen = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    config.admin_listen = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    config.replica_state = Some(ray_xds::config::ReplicaStateConfig {
+        store: ray_xds::config::ReplicaStateStore::Dir(dir.path().join("state")),
+        ttl: Duration::from_secs(900),
+    });
+    let xds = ray_xds::runtime::start(config.clone(), Default::default())
         .await
         .unwrap();
     let envoy = Envoy::start(Bootstrap::Sotw, xds.xds_addr.port());
     let port = envoy.gateway_port().await;
     Gateway {
         _dir: dir,
+        config,
         xds,
         envoy,
         port,
+    }
+}
+
+impl Gateway {
+    /// Stops ray-xds (its only replica: every replica at once) and starts it again on the
+    /// same ports and state directory; Envoy keeps its configuration meanwhile and
+    /// reconnects.
+    pub(crate) async fn restart_xds(self) -> Gateway {
+        let Gateway {
+            _dir,
+            config,
+            xds,
+            envoy,
+            port,
+        } = self;
+        xds.stop().await.unwrap();
+        let xds = ray_xds::runtime::start(config.clone(), Default::default())
+            .await
+            .unwrap();
+        Gateway {
+            _dir,
+            config,
+            xds,
+            envoy,
+            port,
+        }
     }
 }
 
