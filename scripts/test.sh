@@ -205,15 +205,16 @@ step 8m "${exe[scale]}" --proxies 300 --steady 4 --edits 2
 step 5m "${exe[detection]}" --trials 3 --lanes 3 --cost-proxies 0 --slow-window 2
 # One short chaos scenario per fault family (a proxy dies, a proxy hangs, a proxy drains,
 # a cluster is upgraded, to a new cluster running a quarter of its replicas too, or to a
-# bad version that fails a fifth of its requests, the control plane is down while a proxy
-# dies or hangs): fails when ray-xds loses a request (a 503 of Ray's backpressure
+# bad version that fails a fifth of its requests, every replica restarts mid-shift, the
+# control plane is down while a proxy dies or hangs): fails when ray-xds loses a request (a 503 of Ray's backpressure
 # included), runs one twice, or leaves traffic on the bad version. The arms run at the same time, each
 # with its own processes. Only ray-xds's arms: the baseline's counts, printed and never
 # asserted, are the full benchmark's (docs/benchmarks.md), and here they would only take
 # CPU and time.
 step 20m "${exe[chaos]}" --scenario head-crash --scenario proxy-hang \
     --scenario proxy-drain --scenario upgrade --scenario upgrade-partial-capacity \
-    --scenario upgrade-bad-version --scenario control-plane-down-crash \
+    --scenario upgrade-bad-version --scenario replicas-restart-mid-shift \
+    --scenario control-plane-down-crash \
     --scenario control-plane-down-hang \
     --arm ray-xds --arm ray-xds-head-include \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert --arms-together
