@@ -128,14 +128,22 @@ const SCENARIOS: [&str; 12] = [
 ];
 
 /// Every arm, in the order they run.
-const ARMS: [&str; 6] = [
+const ARMS: [&str; 7] = [
     "ray-xds",
     "ray-xds-head-include",
     "ray-xds-no-state",
     "baseline-kuberay",
     "baseline-kuberay-policy",
+    "baseline-kuberay-incremental",
     "baseline-kuberay-1.0",
 ];
+
+/// KubeRay's incremental upgrade in `baseline-kuberay-incremental`: the new cluster's
+/// HTTPRoute weight grows by `stepSizePercent` every `intervalSeconds`, time-compressed
+/// as the scenarios' deploys are (the sample's 10% every 30 s, KubeRay's guide's 60 s,
+/// becomes 10% every 2 s, its reconcile's own period).
+const INCREMENTAL_STEP: u32 = 10;
+const INCREMENTAL_INTERVAL: Duration = Duration::from_secs(2);
 
 #[derive(Parser, Clone)]
 struct Args {
@@ -477,6 +485,12 @@ enum Switch {
     AtOnce,
     /// KubeRay 1.1 and later: when the reconcile sees the new cluster's apps RUNNING.
     WhenRunning,
+    /// KubeRay's `NewClusterWithIncrementalUpgrade`: from when the new cluster's apps are
+    /// RUNNING, Gateway weights on its own schedule ([`INCREMENTAL_STEP`] every
+    /// [`INCREMENTAL_INTERVAL`]), then promoted at 100; no capacity or outcome feedback.
+    /// (Its `target_capacity` steps are not modelled: the new cluster's size is the
+    /// scenario's, the same for every arm.)
+    Incremental,
 }
 
 /// A control plane under test: ray-xds, or a KubeRay-like baseline.
@@ -639,6 +653,9 @@ struct BaselinePlumbing {
 struct ServiceState {
     /// The cluster the Service selects (KubeRay's active cluster), as KubeRay last saw it.
     active: ClusterView,
+    /// An incremental upgrade's new cluster (its own Service, every pod) and its weight
+    /// in the HTTPRoute, with when the weight last moved.
+    pending: Option<(ClusterView, u32, Instant)>,
     /// The head's `ray.io/serve` label (set by the reconcile).
     head_serving: bool,
     /// Workers whose readiness probe failed last (kubelet).
@@ -661,6 +678,7 @@ impl BaselinePlumbing {
             .clone();
         let state = ServiceState {
             active,
+            pending: None,
             head_serving: true,
             workers_not_ready: Vec::new(),
         };
@@ -798,7 +816,9 @@ async fn kuberay_reconcile(
         let view = source.lock().unwrap().clone();
         let current = plumbing.state.lock().unwrap().active.0.clone();
         let mut next = None;
-        if view.active != current {
+        if plumbing.switch == Switch::Incremental {
+            next = incremental_step(&view, &plumbing, &dashboards).await;
+        } else if view.active != current {
             let wanted = view
                 .clusters
                 .iter()
@@ -807,7 +827,7 @@ async fn kuberay_reconcile(
             if let Some(wanted) = wanted {
                 let ready = match plumbing.switch {
                     Switch::AtOnce => true,
-                    Switch::WhenRunning => dashboards
+                    Switch::WhenRunning | Switch::Incremental => dashboards
                         .fetch(&wanted.2)
                         .await
                         .is_ok_and(|s| s.all_running()),
@@ -832,10 +852,51 @@ async fn kuberay_reconcile(
         plumbing.update(|s| {
             if let Some(next) = next {
                 s.active = next;
+                s.pending = None;
                 s.workers_not_ready.clear();
             }
             s.head_serving = head_serving;
         });
+    }
+}
+
+/// One reconcile of KubeRay's incremental upgrade: once the new cluster's applications
+/// are RUNNING it gets an HTTPRoute weight, raised by [`INCREMENTAL_STEP`] once every
+/// [`INCREMENTAL_INTERVAL`]; at 100 it is promoted (returned, to become the active one).
+async fn incremental_step(
+    view: &SourceView,
+    plumbing: &Arc<BaselinePlumbing>,
+    dashboards: &DashboardClient,
+) -> Option<ClusterView> {
+    let (active, pending) = {
+        let state = plumbing.state.lock().unwrap();
+        (state.active.0.clone(), state.pending.clone())
+    };
+    if view.active == active {
+        return None;
+    }
+    let wanted = view.clusters.iter().find(|(n, _, _)| *n == view.active)?;
+    let now = Instant::now();
+    match pending {
+        Some((_, 100, _)) => Some(wanted.clone()),
+        Some((cluster, weight, since)) => {
+            if now.duration_since(since) >= INCREMENTAL_INTERVAL {
+                let weight = (weight + INCREMENTAL_STEP).min(100);
+                plumbing.update(|s| s.pending = Some((cluster, weight, now)));
+            }
+            None
+        }
+        None => {
+            let running = dashboards
+                .fetch(&wanted.2)
+                .await
+                .is_ok_and(|s| s.all_running());
+            if running {
+                let first = (wanted.clone(), INCREMENTAL_STEP, now);
+                plumbing.update(|s| s.pending = Some(first));
+            }
+            None
+        }
     }
 }
 
@@ -850,10 +911,17 @@ fn baseline_snapshot(state: &ServiceState, policy: bool, gateway: &GatewaySettin
         })
         .copied()
         .collect();
+    let mut clusters = vec![(name.clone(), serving, url.clone())];
+    let mut weights = std::collections::BTreeMap::new();
+    if let Some((pending, weight, _)) = &state.pending {
+        clusters.push(pending.clone());
+        let split = vec![(name.clone(), 100 - weight), (pending.0.clone(), *weight)];
+        weights.insert("default/demo".to_string(), split);
+    }
     let yaml_view = SourceView {
         active: name.clone(),
         pending: None,
-        clusters: vec![(name.clone(), serving, url.clone())],
+        clusters,
     };
     // A Service keeps no endpoint when none is ready; the model wants one proxy at
     // least, so an empty list is modelled by a port nothing listens on.
@@ -868,7 +936,7 @@ fn baseline_snapshot(state: &ServiceState, policy: bool, gateway: &GatewaySettin
     let mut resources = ray_xds::translate::translate(
         &model,
         &Default::default(),
-        &Default::default(),
+        &weights,
         gateway,
         &Default::default(),
     );
@@ -1125,7 +1193,7 @@ fn arms_of(scenario: &str) -> Vec<&'static str> {
     ARMS.iter()
         .copied()
         .filter(|a| match *a {
-            "baseline-kuberay-1.0" => matches!(
+            "baseline-kuberay-1.0" | "baseline-kuberay-incremental" => matches!(
                 scenario,
                 "upgrade"
                     | "upgrade-partial-capacity"
@@ -1168,6 +1236,9 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
         }
         "baseline-kuberay-1.0" => {
             ControlPlane::baseline(&initial, Switch::AtOnce, false, gateway_port).await
+        }
+        "baseline-kuberay-incremental" => {
+            ControlPlane::baseline(&initial, Switch::Incremental, false, gateway_port).await
         }
         other => panic!("unknown arm {other}"),
     };

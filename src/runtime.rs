@@ -111,15 +111,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         "{:016x}",
         std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u8)
     );
-    let store = match &config.replica_state {
-        Some(state) => Some(
-            crate::live::state_store::StateStore::connect(state, &config.source)
-                .await
-                .context("replicas.state: the store of the replicas' switchover views")?,
-        ),
-        None => None,
-    };
-    let peers = starter.peers(&replica_id, store.as_ref());
+    let (store, read) = starter.kept_state().await?;
+    let peers = starter.peers(&replica_id, read.views);
     let loads = crate::xds::lrs::LoadReports::new(config.policies.switchover.load_report_interval);
     let sources = Sources {
         source,
@@ -138,7 +131,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         &replica_id,
     );
     if let Some(store) = store {
-        starter.state_keeper(store, &replica_id, &outputs.switchover);
+        starter.state_keeper(store, read.taken_in, &replica_id, &outputs.switchover);
     }
     starter.xds_server(
         listeners.xds,

@@ -269,17 +269,9 @@ pub(crate) struct PeerPoller {
     pub timeout: Duration,
     /// This replica's id ([`ReplicaView::replica`]): its own answer adds no loads.
     pub own_id: String,
-    /// Where the replicas keep their views (`live::state_store`), read once at start,
-    /// each entry taken as one more peer's view until its ttl passes.
-    pub kept: Option<KeptViews>,
-}
-
-/// The store of kept views, their ttl, and the metrics that count its reads.
-#[derive(Clone)]
-pub(crate) struct KeptViews {
-    pub store: super::state_store::StateStore,
-    pub ttl: Duration,
-    pub metrics: Arc<crate::metrics::Metrics>,
+    /// What the replicas kept (`live::state_store`), read at start: each view taken as
+    /// one more peer's until it stops counting.
+    pub remembered: Vec<(SystemTime, ReplicaView)>,
 }
 
 impl PeerStates {
@@ -318,13 +310,7 @@ impl PeerPoller {
         let client: Client<HttpConnector, Empty<Bytes>> =
             Client::builder(TokioExecutor::new()).build(connector);
         let mut failing: BTreeMap<String, String> = BTreeMap::new();
-        let mut remembered = match &self.kept {
-            Some(kept) => tokio::select! {
-                _ = shutdown.cancelled() => return,
-                read = super::state_store::read_at_start(&kept.store, kept.ttl, &kept.metrics) => read,
-            },
-            None => Vec::new(),
-        };
+        let mut remembered = self.remembered.clone();
         loop {
             let round = self.round(&client, &mut failing);
             let mut answered = tokio::select! {

@@ -294,20 +294,22 @@ impl Switchover {
             // where traffic goes next; the active cluster becomes a target like any other,
             // gated, not trusted. (Never the pending cluster: that would move traffic on
             // a peer's word.)
-            let serving = self
-                .peers
-                .serving(&key)
-                .into_iter()
-                .find(|c| {
-                    *c != service.active_cluster
-                        && service.pending_cluster.as_ref() != Some(c)
-                        && service.cluster(c).is_some()
+            // (Only where it is ready here: a peer's word, or a kept one, never
+            // sends traffic to a cluster this replica has not found ready.)
+            let serving = (!known)
+                .then(|| {
+                    self.peers
+                        .serving(&key)
+                        .into_iter()
+                        .find(|c| {
+                            *c != service.active_cluster
+                                && service.pending_cluster.as_ref() != Some(c)
+                                && service.cluster(c).is_some()
+                                && self.ready_here(service, c, health, dashboards)
+                        })
+                        .or_else(|| self.ready_instead_of_active(service, health, dashboards))
                 })
-                .or_else(|| {
-                    (!known)
-                        .then(|| self.ready_instead_of_active(service, health, dashboards))
-                        .flatten()
-                })
+                .flatten()
                 .unwrap_or_else(|| service.active_cluster.clone());
             let st = self.advance_unit(
                 &key,
@@ -374,23 +376,7 @@ impl Switchover {
         health: &HealthMap,
         dashboards: &DashboardStates,
     ) -> Option<String> {
-        let min = self
-            .defaults
-            .with(&service.policy.overrides.switchover)
-            .min_ready_proxies;
-        let ready = |cluster: &str| {
-            super::readiness::unit_readiness(
-                service,
-                cluster,
-                Unit::Service,
-                health,
-                dashboards,
-                min,
-                None,
-            )
-            .is_ok()
-        };
-        if ready(&service.active_cluster) {
+        if self.ready_here(service, &service.active_cluster, health, dashboards) {
             return None;
         }
         service
@@ -399,8 +385,33 @@ impl Switchover {
             .map(|c| &c.name)
             .filter(|c| **c != service.active_cluster)
             .filter(|c| service.pending_cluster.as_ref() != Some(*c))
-            .find(|c| ready(c))
+            .find(|c| self.ready_here(service, c, health, dashboards))
             .cloned()
+    }
+
+    /// Whether `service` is ready on `cluster` as this replica sees it (its dashboard and
+    /// its probes), by the switchover's own readiness rule.
+    fn ready_here(
+        &self,
+        service: &crate::model::RayService,
+        cluster: &str,
+        health: &HealthMap,
+        dashboards: &DashboardStates,
+    ) -> bool {
+        let min = self
+            .defaults
+            .with(&service.policy.overrides.switchover)
+            .min_ready_proxies;
+        super::readiness::unit_readiness(
+            service,
+            cluster,
+            Unit::Service,
+            health,
+            dashboards,
+            min,
+            None,
+        )
+        .is_ok()
     }
 
     /// Records every cluster's ready capacity per application, as its dashboard says
@@ -2056,29 +2067,47 @@ mod tests {
         assert_eq!(s.services["default/s#hello"].phase, Phase::RolledBack);
     }
 
-    /// What replicas kept in the store (`live::state_store`), read back by a replica
-    /// started after every replica stopped: through the store's filter and wire format,
-    /// taken as the peers' views.
-    fn kept_by(from: &[&Switchover], now: SystemTime) -> Arc<PeerStates> {
-        use crate::live::state_store::{kept, remembered, KeptView};
+    /// A replica's entry in the store (`live::state_store`) as its keeper writes it at
+    /// `written`, superseding what it read at start (`took_in`), through the wire format.
+    fn entry_of(
+        replica: &Switchover,
+        key: &str,
+        written: SystemTime,
+        took_in: &[(String, f64)],
+    ) -> (String, Result<crate::live::state_store::KeptView, String>) {
+        use crate::live::state_store::{kept, KeptView};
+        let entry = KeptView {
+            written_unix: crate::live::peers::to_unix(written),
+            view: kept(replica.replica_view(), written, Duration::from_secs(900)),
+            supersedes: took_in.to_vec(),
+        };
+        let json = serde_json::to_string(&entry).unwrap();
+        (key.to_string(), Ok(serde_json::from_str(&json).unwrap()))
+    }
+
+    /// What a replica started at `now` takes from the store holding `entries`: the views
+    /// its peer poller adds to its peers', and what its own entry will supersede.
+    fn read_back(
+        entries: Vec<(String, Result<crate::live::state_store::KeptView, String>)>,
+        now: SystemTime,
+    ) -> (Arc<PeerStates>, Vec<(String, f64)>) {
         let ttl = Duration::from_secs(900);
+        let read = crate::live::state_store::remembered(entries, now, ttl);
+        let views = read.views.into_iter().map(|(_, v)| v).collect();
+        (
+            Arc::new(PeerStates::merge(views, "this-replica")),
+            read.taken_in,
+        )
+    }
+
+    /// What replicas kept, each writing at `now`, read back at `now`.
+    fn kept_by(from: &[&Switchover], now: SystemTime) -> Arc<PeerStates> {
         let entries = from
             .iter()
             .enumerate()
-            .map(|(i, replica)| {
-                let entry = KeptView {
-                    written_unix: crate::live::peers::to_unix(now),
-                    view: kept(replica.replica_view(), now, ttl),
-                };
-                let json = serde_json::to_string(&entry).unwrap();
-                (
-                    format!("replica-{i}.json"),
-                    Ok(serde_json::from_str(&json).unwrap()),
-                )
-            })
+            .map(|(i, s)| entry_of(s, &format!("replica-{i}.json"), now, &[]))
             .collect();
-        let views = remembered(entries, now, ttl).into_iter().map(|(_, v)| v);
-        Arc::new(PeerStates::merge(views.collect(), "this-replica"))
+        read_back(entries, now).0
     }
 
     /// Every replica restarted at once: what no input gives again comes back from what
@@ -2140,17 +2169,122 @@ mod tests {
             (w(&[(A, 100)]), Phase::RolledBack)
         );
         // Kept longer ago than the ttl (900 s): left out.
-        let entries = vec![(
-            "replica-0.json".to_string(),
-            Ok(crate::live::state_store::KeptView {
-                written_unix: crate::live::peers::to_unix(at(13)),
-                view: one.replica_view(),
-            }),
-        )];
-        let ttl = Duration::from_secs(900);
-        let remembered = crate::live::state_store::remembered;
-        assert_eq!(remembered(entries.clone(), at(13 + 899), ttl).len(), 1);
-        assert!(remembered(entries, at(13 + 900), ttl).is_empty());
+        let entries = vec![entry_of(&one, "replica-0.json", at(13), &[])];
+        assert_eq!(read_back(entries.clone(), at(13 + 899)).0.services.len(), 1);
+        assert!(read_back(entries, at(13 + 900)).0.services.is_empty());
+    }
+
+    /// Incarnations: a replica's entry supersedes what it read at start, so an older
+    /// incarnation's decision that a newer one took in and changed does not come back
+    /// after every replica restarts: the operator's promote of a rolled-back cluster
+    /// stands, and a completed move stays completed (even while an Envoy is cold for the
+    /// cluster traffic moved to). A kept rollback on an unknown version is not taken, so a
+    /// redeploy is not rolled back on it. And a cluster a kept view serves is taken only
+    /// where it is ready here.
+    #[test]
+    fn a_newer_incarnation_s_entry_supersedes_what_it_took_in() {
+        let world = World::new();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let auto = model(A, Some(B), steps_policy());
+        let promote = model(A, Some(B), controlled(Control::Promote, steps_policy()));
+        // Incarnation 0 rolls b1 back, writes at 11 s, and dies.
+        let mut zero = at_second_step(&world);
+        zero.set_loads(reported(&[
+            ("default/s/b1", 0, 100),
+            ("default/s/a1", 500, 0),
+        ]));
+        advance(&mut zero, &auto, &world, &(), at(11));
+        assert_eq!(phase(&zero), Phase::RolledBack);
+        let entry0 = entry_of(&zero, "replica-0.json", at(11), &[]);
+        // Incarnation 1 takes it in, the operator promotes b1, then leaves it to ray-xds.
+        let (peers, took_in) = read_back(vec![entry0.clone()], at(12));
+        let mut one = Switchover::default();
+        one.set_peers(peers);
+        advance(&mut one, &auto, &world, &(), at(12));
+        assert_eq!(phase(&one), Phase::RolledBack);
+        advance(&mut one, &promote, &world, &(), at(20));
+        advance(&mut one, &auto, &world, &(), at(30));
+        assert_eq!(
+            (weights(&one), phase(&one)),
+            (w(&[(B, 100)]), Phase::Stable)
+        );
+        let entry1 = entry_of(&one, "replica-1.json", at(30), &took_in);
+        // Every replica restarts: the promote stands.
+        let (peers, _) = read_back(vec![entry0.clone(), entry1.clone()], at(60));
+        let mut two = Switchover::default();
+        two.set_peers(peers);
+        advance(&mut two, &auto, &world, &(), at(60));
+        assert_eq!(
+            weights(&two),
+            w(&[(B, 100)]),
+            "the operator's promote stands"
+        );
+        // Without the supersession (incarnation 1 had read nothing), it would not.
+        let unrelated = entry_of(&one, "replica-1.json", at(30), &[]);
+        let (peers, _) = read_back(vec![entry0, unrelated], at(60));
+        let mut two = Switchover::default();
+        two.set_peers(peers);
+        advance(&mut two, &auto, &world, &(), at(60));
+        assert_eq!(weights(&two), w(&[(A, 100)]));
+
+        // A completed move: incarnation 0 was mid-shift, incarnation 1 moved and the
+        // source promoted b1 (a1 still listed). A restart with an Envoy cold for b1
+        // (reconnecting) keeps b1 serving.
+        let pending = model(A, Some(B), steps_policy());
+        let promoted = model(B, None, steps_policy());
+        let mid = at_second_step(&world);
+        let entry0 = entry_of(&mid, "replica-0.json", at(10), &[]);
+        let (peers, took_in) = read_back(vec![entry0.clone()], at(11));
+        let mut one = Switchover::default();
+        one.set_peers(peers);
+        for t in [11, 20, 30, 31] {
+            advance(&mut one, &pending, &world, &(), at(t));
+        }
+        advance(&mut one, &promoted, &world, &(), at(40));
+        assert_eq!(weights(&one), w(&[(B, 100)]));
+        let entry1 = entry_of(&one, "replica-1.json", at(40), &took_in);
+        let (peers, _) = read_back(vec![entry0.clone(), entry1], at(60));
+        let mut two = Switchover::default();
+        two.set_peers(peers);
+        advance(
+            &mut two,
+            &promoted,
+            &world,
+            &ColdFor(vec!["default/s/b1"]),
+            at(60),
+        );
+        assert_eq!(two.services["default/s"].serving, B);
+        assert_eq!(weights(&two), w(&[(B, 100)]));
+        // A kept view serving a1 (incarnation 0's alone): taken only while a1 is ready.
+        let mut a1_down = World::new();
+        a1_down.proxy(8000, ProbeState::Unhealthy);
+        let (peers, _) = read_back(vec![entry0], at(60));
+        let mut two = Switchover::default();
+        two.set_peers(peers);
+        advance(&mut two, &promoted, &a1_down, &(), at(60));
+        assert_eq!(two.services["default/s"].serving, B, "a1 is not ready here");
+
+        // A rollback decided on an unknown version, kept: not taken (a redeploy would be
+        // rolled back on it).
+        let mut zero = at_second_step(&world);
+        zero.set_loads(reported(&[("default/s/b1", 0, 100)]));
+        advance(&mut zero, &auto, &world, &(), at(11));
+        let mut view = zero.replica_view();
+        for switch in view.services.values_mut() {
+            if let Some(r) = &mut switch.rollback {
+                r.version = None;
+            }
+        }
+        let entry = crate::live::state_store::KeptView {
+            written_unix: crate::live::peers::to_unix(at(11)),
+            view,
+            supersedes: Vec::new(),
+        };
+        let (peers, _) = read_back(vec![("replica-0.json".into(), Ok(entry))], at(12));
+        let mut s = Switchover::default();
+        s.set_peers(peers);
+        advance(&mut s, &auto, &world, &(), at(12));
+        assert!(s.rollback("default/s").is_none());
     }
 
     /// Each replica hears only its own Envoys: what they report is summed over the

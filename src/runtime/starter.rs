@@ -216,16 +216,16 @@ impl Starter<'_> {
         (probes_rx, heartbeat)
     }
 
-    /// The other replicas' switchovers, and the views the replicas kept
-    /// (`replicas.state`): one writer, the peer poller (none without peers or a store:
-    /// the channel says "polled" at once and closes).
+    /// The other replicas' switchovers, and the views the replicas kept (`replicas.state`,
+    /// read at start): one writer, the peer poller (none without peers or kept views: the
+    /// channel says "polled" at once and closes).
     pub(super) fn peers(
         &mut self,
         replica_id: &str,
-        store: Option<&crate::live::state_store::StateStore>,
+        remembered: Vec<(std::time::SystemTime, crate::live::peers::ReplicaView)>,
     ) -> watch::Receiver<Arc<crate::live::peers::PeerStates>> {
         let config = self.config;
-        let polled = config.replica_peers.is_empty() && store.is_none();
+        let polled = config.replica_peers.is_empty() && remembered.is_empty();
         let (peers_tx, peers_rx) = watch::channel(Arc::new(crate::live::peers::PeerStates {
             polled,
             ..Default::default()
@@ -236,13 +236,7 @@ impl Starter<'_> {
                 interval: config.replica_poll_interval,
                 timeout: PEER_TIMEOUT,
                 own_id: replica_id.to_string(),
-                kept: store
-                    .zip(config.replica_state.as_ref())
-                    .map(|(store, state)| crate::live::peers::KeptViews {
-                        store: store.clone(),
-                        ttl: state.ttl,
-                        metrics: self.metrics.clone(),
-                    }),
+                remembered,
             };
             let token = self.shutdown.clone();
             self.spawn(async move {
@@ -253,10 +247,31 @@ impl Starter<'_> {
         peers_rx
     }
 
+    /// The store of the replicas' kept views (`replicas.state`), if any, and what they
+    /// kept, read once, before the first build (at most the store's timeout): a restart
+    /// of every replica resumes from it.
+    pub(super) async fn kept_state(
+        &self,
+    ) -> anyhow::Result<(
+        Option<crate::live::state_store::StateStore>,
+        crate::live::state_store::ReadAtStart,
+    )> {
+        use anyhow::Context;
+        let Some(state) = &self.config.replica_state else {
+            return Ok((None, Default::default()));
+        };
+        let store = crate::live::state_store::StateStore::connect(state, &self.config.source)
+            .await
+            .context("replicas.state: the store of the replicas' switchover views")?;
+        let read = crate::live::state_store::read_at_start(&store, state.ttl, &self.metrics).await;
+        Ok((Some(store), read))
+    }
+
     /// Keeps this replica's switchover view in the store, for a restart of every replica.
     pub(super) fn state_keeper(
         &mut self,
         store: crate::live::state_store::StateStore,
+        taken_in: Vec<(String, f64)>,
         replica_id: &str,
         switchover: &watch::Receiver<Arc<Switchover>>,
     ) {
@@ -268,6 +283,7 @@ impl Starter<'_> {
             replica_id: replica_id.to_string(),
             ttl: state.ttl,
             metrics: self.metrics.clone(),
+            taken_in,
         };
         let (switchover, token) = (switchover.clone(), self.shutdown.clone());
         self.spawn(async move {
@@ -305,14 +321,7 @@ impl Starter<'_> {
             dashboards: config.policies.dashboard.first_answer_wait(),
             probes: config.policies.probe.first_probe_wait(),
             addresses: config.addresses.clone(),
-            // The store of kept views is read before the peers are first asked.
-            peers: PEER_TIMEOUT
-                + std::time::Duration::from_millis(200)
-                + if config.replica_state.is_some() {
-                    crate::live::state_store::STORE_TIMEOUT
-                } else {
-                    std::time::Duration::ZERO
-                },
+            peers: PEER_TIMEOUT + std::time::Duration::from_millis(200),
         };
         let (policies, gateway) = (config.policies.clone(), config.gateway.clone());
         let addresses = config.addresses.clone();

@@ -45,6 +45,7 @@ fn entry(replica: &str, written: SystemTime) -> KeptView {
             replica: Some(replica.into()),
             ..Default::default()
         },
+        supersedes: Vec::new(),
     }
 }
 
@@ -56,7 +57,7 @@ async fn a_configmap_keeps_a_key_per_replica_and_writes_touch_only_their_keys() 
     let missing = store.read().await.unwrap_err();
     assert!(missing.contains("does not exist"), "{missing}");
     let refused = store
-        .write(&entry_key("r1"), &entry("r1", SystemTime::now()), &[])
+        .write(&entry_key("r1"), Some(&entry("r1", SystemTime::now())), &[])
         .await
         .unwrap_err();
     assert!(refused.contains("ray-xds-state"), "{refused}");
@@ -67,8 +68,8 @@ async fn a_configmap_keeps_a_key_per_replica_and_writes_touch_only_their_keys() 
     let (key_1, key_2) = (entry_key("r1"), entry_key("r2"));
     let (entry_1, entry_2) = (entry("r1", now), entry("r2", now));
     let (one, two) = tokio::join!(
-        store.write(&key_1, &entry_1, &[]),
-        store.write(&key_2, &entry_2, &[]),
+        store.write(&key_1, Some(&entry_1), &[]),
+        store.write(&key_2, Some(&entry_2), &[]),
     );
     one.unwrap();
     two.unwrap();
@@ -82,7 +83,11 @@ async fn a_configmap_keeps_a_key_per_replica_and_writes_touch_only_their_keys() 
     assert_eq!(read[0].1.as_ref().unwrap(), &entry("r1", now));
     // A write that removes another replica's (expired) entry removes only that key.
     store
-        .write(&entry_key("r2"), &entry("r2", now), &[entry_key("r1")])
+        .write(
+            &entry_key("r2"),
+            Some(&entry("r2", now)),
+            &[entry_key("r1")],
+        )
         .await
         .unwrap();
     let map: k8s_openapi::api::core::v1::ConfigMap = kube::Api::namespaced(api.client(), STATE_NS)
