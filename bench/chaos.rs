@@ -47,7 +47,7 @@
 //! (KubeRay's standard upgrade would promote it once RUNNING and delete the old cluster,
 //! leaving nothing to go back to: docs/behaviour.md); the baselines switch as KubeRay
 //! does. Its failures are the application's (`app_failed`), not lost ones; the load runs
-//! 10 s longer.
+//! 25 s longer (KubeRay's incremental schedule reaches the whole).
 //!
 //! With `--protocol grpc` the load is unary gRPC calls (`ray_xds.demo.Echo/Say`, over one
 //! HTTP/2 connection to Envoy) to every node's simulated gRPC proxy, which shares its HTTP
@@ -1291,8 +1291,9 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
         "upgrade-partial-capacity" => 14,
         // Partial for 10 s, the control plane down for 2 s of them.
         "replicas-restart-mid-shift" => 19,
-        // Long enough after the switch for the Envoys' reports to say how it fares.
-        "upgrade-bad-version" => 10,
+        // Long enough after the switch for the Envoys' reports to say how it fares, and
+        // for KubeRay's incremental schedule (10% every 2 s) to reach the whole.
+        "upgrade-bad-version" => 25,
         _ => 0,
     };
     let duration = Duration::from_secs(args.duration + extra);
