@@ -1473,6 +1473,35 @@ mod tests {
         assert_eq!(s.services["default/s"].phase, Phase::Shifting);
     }
 
+    /// The progressive schedule bounds the rate of change: while capacity holds the
+    /// target below the schedule's step, the schedule waits; when capacity lifts, the
+    /// weight rises one step per interval from where it was held, not to where the
+    /// schedule's clock would have taken it.
+    #[test]
+    fn a_weight_held_by_capacity_rises_a_step_per_interval_once_capacity_lifts() {
+        let mut world = sized((8, Some(8)), (2, Some(8)));
+        let m = model(A, Some(B), steps_policy());
+        let mut s = Switchover::default();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        for t in (0..=60).step_by(10) {
+            advance(&mut s, &m, &world, &(), at(t));
+            let expected = if t == 0 { 10 } else { 20 };
+            assert_eq!(weights(&s), w(&[(A, 100 - expected), (B, expected)]), "at {t} s");
+        }
+        // b1 runs at full size (counted 5 s later): the next step, then one per 10 s.
+        world.capacity("default/s/b1", 8, Some(8));
+        advance(&mut s, &m, &world, &(), at(61));
+        assert_eq!(weights(&s), w(&[(A, 80), (B, 20)]));
+        advance(&mut s, &m, &world, &(), at(66));
+        assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]), "not all at once");
+        // (Held until 61 s: the 25% step counts from 51 s.)
+        assert_eq!(s.next_wake(at(66)), Some(at(71)));
+        advance(&mut s, &m, &world, &(), at(71));
+        assert_eq!(weights(&s), w(&[(A, 50), (B, 50)]));
+        advance(&mut s, &m, &world, &(), at(81));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+    }
+
     #[test]
     fn capacity_unknown_on_either_side_or_a_dead_serving_cluster_sets_no_limit() {
         let mut world = World::new();

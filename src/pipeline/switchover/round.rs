@@ -16,7 +16,7 @@ use crate::live::health::HealthMap;
 use crate::model::RayService;
 use crate::pipeline::capacity::{capacity_limit, CapacityLimit, TargetSettle};
 use crate::pipeline::readiness::{routed_clusters, unit_readiness, Unit};
-use crate::policy::switchover::{Control, SwitchoverPolicy};
+use crate::policy::switchover::{Control, ShiftMode, SwitchoverPolicy};
 use crate::policy::Value;
 
 impl Switchover {
@@ -378,6 +378,9 @@ impl Switchover {
         } else {
             ""
         };
+        if let (Some(limit), false) = (&limit, promoted || returning || desperate) {
+            hold_schedule_at(st, &policy.shift(), limit.weight, inputs.now);
+        }
         match limit {
             Some(limit) => (
                 limit.weight,
@@ -386,6 +389,31 @@ impl Switchover {
             None => (scheduled, promote_note.to_string()),
         }
     }
+}
+
+/// A progressive schedule bounds the rate of change, not the weight: while a limit (ready
+/// capacity, the source's cap) holds the target below the schedule's step, the schedule
+/// waits at its first step at or above the limited weight (its start moves up to `now`
+/// less that many intervals, never back). So when the limit lifts, the weight rises to
+/// that step at most, and one step per interval after, as it would have from there.
+fn hold_schedule_at(st: &mut ServiceSwitch, shift: &ShiftMode, weight: u32, now: SystemTime) {
+    let ShiftMode::Progressive { steps, interval } = shift else {
+        return;
+    };
+    let Some(started) = st.shift_started else {
+        return;
+    };
+    let waiting_at = steps
+        .iter()
+        .position(|s| *s >= weight)
+        .unwrap_or(steps.len().saturating_sub(1));
+    let start = now
+        .checked_sub(*interval * waiting_at as u32)
+        .unwrap_or(started)
+        .max(started);
+    st.shift_started = Some(start);
+    st.step = waiting_at + 1;
+    st.step_due = Some(start + *interval * st.step as u32);
 }
 
 /// What a round of the switchover reads besides the model.
