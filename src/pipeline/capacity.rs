@@ -14,9 +14,10 @@
 //! takes the share at once.
 //!
 //! Invariants: an application whose capacity either dashboard does not give (no
-//! dashboard, garbage sizes), that the serving cluster does not run, that autoscales on
-//! the target, or that neither cluster can run anything of now, sets no limit, as before
-//! capacity was known. A serving cluster with a dashboard but no answer at hand holds
+//! dashboard, garbage sizes), that the serving cluster does not run, or that neither
+//! cluster can run anything of now, sets no limit, as before capacity was known; one that
+//! autoscales on the target takes its share by what it runs, never less than
+//! [`AUTOSCALING_FLOOR`] (its autoscaler grows it from the load it is given). A serving cluster with a dashboard but no answer at hand holds
 //! the share where it is (0 on a replica that just started): its capacity is unknown,
 //! not nothing. Below its reference the target never gets 100, so only capacity (or the
 //! source) ends a move.
@@ -126,22 +127,31 @@ fn reference(serving: Capacity) -> u64 {
 /// The target's percent of the traffic: 100 once it can run what the serving cluster
 /// can; else in proportion to the ready capacities, below 100 (a serving cluster running
 /// nothing for a moment does not end the move, nor does a target at its own full size
-/// that is smaller: the load the serving cluster carries would overflow it). `None` (no
-/// limit) for a target that autoscales (its size follows the load it is given: a share
-/// by size would hold it where it is, or at zero), or when neither runs anything now.
+/// that is smaller: the load the serving cluster carries would overflow it). A target
+/// that autoscales (no full size: Ray reports it RUNNING at `min_replicas`) takes its
+/// share the same way, and at least [`AUTOSCALING_FLOOR`] percent: its autoscaler grows
+/// it as the load it is given asks (from zero replicas too), and the share follows what
+/// it runs. `None` (no limit) when neither runs anything now.
 fn share(target: Capacity, serving: Capacity) -> Option<u32> {
-    // An autoscaling target (no full size) sets no limit.
-    target.full?;
     if target.ready >= reference(serving) {
         return Some(100);
     }
+    let floor = if target.full.is_none() {
+        AUTOSCALING_FLOOR
+    } else {
+        0
+    };
     let both = target.ready.checked_add(serving.ready)?;
     if both == 0 {
         return None;
     }
     // In u128: no product overflows.
-    Some(((u128::from(target.ready) * 100 / u128::from(both)) as u32).min(99))
+    let share = (u128::from(target.ready) * 100 / u128::from(both)) as u32;
+    Some(share.max(floor).min(99))
 }
+
+/// The least share of an autoscaling target: enough load for its autoscaler to see.
+pub(crate) const AUTOSCALING_FLOOR: u32 = 1;
 
 #[cfg(test)]
 mod tests {
@@ -170,8 +180,13 @@ mod tests {
         assert_eq!(share(cap(2, Some(8)), cap(0, Some(8))), Some(99));
         // Neither runs anything: no opinion.
         assert_eq!(share(cap(0, Some(8)), cap(0, Some(8))), None);
-        // An autoscaling target (or scale-to-zero): no limit by size.
-        assert_eq!(share(cap(0, None), cap(8, Some(8))), None);
+        // An autoscaling target (RUNNING at min_replicas): in proportion to what it
+        // runs, at least 1% (from zero replicas too), all of it once it runs what the
+        // serving cluster does.
+        assert_eq!(share(cap(2, None), cap(8, Some(8))), Some(20));
+        assert_eq!(share(cap(0, None), cap(8, Some(8))), Some(1));
+        assert_eq!(share(cap(8, None), cap(8, Some(8))), Some(100));
+        assert_eq!(share(cap(4, None), cap(6, None)), Some(40));
         assert_eq!(
             share(cap(u64::MAX - 1, Some(u64::MAX)), cap(u64::MAX, None)),
             None,

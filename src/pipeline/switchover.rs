@@ -1486,7 +1486,11 @@ mod tests {
         for t in (0..=60).step_by(10) {
             advance(&mut s, &m, &world, &(), at(t));
             let expected = if t == 0 { 10 } else { 20 };
-            assert_eq!(weights(&s), w(&[(A, 100 - expected), (B, expected)]), "at {t} s");
+            assert_eq!(
+                weights(&s),
+                w(&[(A, 100 - expected), (B, expected)]),
+                "at {t} s"
+            );
         }
         // b1 runs at full size (counted 5 s later): the next step, then one per 10 s.
         world.capacity("default/s/b1", 8, Some(8));
