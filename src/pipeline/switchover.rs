@@ -47,6 +47,28 @@ mod state;
 pub use self::schedule::PEER_LAG;
 pub use self::state::ServiceSwitch;
 
+/// Whether `cluster` of `service` is known here not to serve: its dashboard answered
+/// (fresh) with an application not RUNNING, or every proxy was probed and none is
+/// routable. Not knowing (no answer yet, proxies awaiting a first probe, routes not
+/// re-read) is not that.
+fn known_unable(
+    service: &crate::model::RayService,
+    cluster: &str,
+    health: &HealthMap,
+    dashboards: &DashboardStates,
+) -> bool {
+    let name = service.envoy_cluster_name(cluster);
+    let h = health.cluster(&name);
+    let dead = h.awaiting_first_probe == 0 && h.routable == 0;
+    let failing_apps = dashboards
+        .clusters
+        .get(&name)
+        .filter(|d| !d.stale)
+        .and_then(|d| d.status.as_deref())
+        .is_some_and(|status| !status.all_running());
+    dead || failing_apps
+}
+
 fn unix_second(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -294,8 +316,9 @@ impl Switchover {
             // where traffic goes next; the active cluster becomes a target like any other,
             // gated, not trusted. (Never the pending cluster: that would move traffic on
             // a peer's word.)
-            // (Only where it is ready here: a peer's word, or a kept one, never
-            // sends traffic to a cluster this replica has not found ready.)
+            // (Not where this replica knows it cannot serve: a peer's word, or a kept
+            // one, never sends traffic to a cluster found failing here. Not knowing yet,
+            // just after a start, is not failing: routes not re-read, say.)
             let serving = (!known)
                 .then(|| {
                     self.peers
@@ -305,7 +328,7 @@ impl Switchover {
                             *c != service.active_cluster
                                 && service.pending_cluster.as_ref() != Some(c)
                                 && service.cluster(c).is_some()
-                                && self.ready_here(service, c, health, dashboards)
+                                && !known_unable(service, c, health, dashboards)
                         })
                         .or_else(|| self.ready_instead_of_active(service, health, dashboards))
                 })
