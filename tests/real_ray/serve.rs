@@ -435,10 +435,18 @@ async fn real_ray_conformance_of_the_endpoints_ray_xds_reads() {
             import_path: "apps:broken",
             extra: "",
         },
+        // Autoscaling: RUNNING at its min_replicas, no full size.
+        App {
+            name: "scaled",
+            route_prefix: "/scaled",
+            import_path: "apps:hello",
+            extra: "deployments: [{ name: Hello, autoscaling_config: { min_replicas: 1, max_replicas: 3 }, max_ongoing_requests: 4, ray_actor_options: { num_cpus: 0 } }]",
+        },
     ];
     a.deploy(&apps);
     a.wait_for_app("hello", "RUNNING").await;
     a.wait_for_app("broken", "DEPLOY_FAILED").await;
+    a.wait_for_app("scaled", "RUNNING").await;
     let proxy = a.head_proxy();
     conformance::applications_are(
         &a.dashboard_url(),
@@ -446,6 +454,7 @@ async fn real_ray_conformance_of_the_endpoints_ray_xds_reads() {
             ("hello", "RUNNING", "/hello"),
             ("slow", "DEPLOYING", "/slow"),
             ("broken", "DEPLOY_FAILED", "/broken"),
+            ("scaled", "RUNNING", "/scaled"),
         ],
     )
     .await;
@@ -460,6 +469,13 @@ async fn real_ray_conformance_of_the_endpoints_ray_xds_reads() {
         full: Some(6),
     };
     conformance::capacity_is(&a.dashboard_url(), "hello", full, None).await;
+    // An autoscaling application: what its min_replicas run, and no full size (ray-xds
+    // gives it a share by that, at least 1%, and its autoscaler grows it).
+    let scaled = Capacity {
+        ready: 4,
+        full: None,
+    };
+    conformance::capacity_is(&a.dashboard_url(), "scaled", scaled, None).await;
     a.deploy_at(&apps, Some(50));
     let half = Capacity { ready: 3, ..full };
     conformance::capacity_is(&a.dashboard_url(), "hello", half, Some(50.0)).await;
@@ -470,6 +486,7 @@ async fn real_ray_conformance_of_the_endpoints_ray_xds_reads() {
             ("hello", "RUNNING", "/hello"),
             ("slow", "RUNNING", "/slow"),
             ("broken", "DEPLOY_FAILED", "/broken"),
+            ("scaled", "RUNNING", "/scaled"),
         ],
     )
     .await;
@@ -486,6 +503,7 @@ async fn real_ray_conformance_of_the_endpoints_ray_xds_reads() {
             ("/hello", "hello"),
             ("/slow", "slow"),
             ("/broken", "broken"),
+            ("/scaled", "scaled"),
         ],
     )
     .await;

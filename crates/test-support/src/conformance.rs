@@ -264,7 +264,11 @@ pub async fn capacity_is(
             .expect("deployments is an object")
         {
             let config = &d["deployment_config"];
-            assert!(config["num_replicas"].is_u64(), "{name}: {config}");
+            let autoscaling = !config["autoscaling_config"].is_null();
+            assert!(
+                config["num_replicas"].is_u64() || autoscaling,
+                "{name}: {config}"
+            );
             assert!(config["max_ongoing_requests"].is_u64(), "{name}: {config}");
             for r in d["replicas"].as_array().expect("replicas is a list") {
                 assert!(r["state"].is_string(), "{name}: {r}");
