@@ -355,6 +355,23 @@ impl SimRayCluster {
         })
     }
 
+    /// Its proxies at a quarter of the full size's slots, then its applications deploy
+    /// for `deploy_secs` (answering 503) and come up RUNNING at a quarter of their
+    /// replicas (the task ends then).
+    async fn deploy_at_a_quarter(
+        &self,
+        sizes: &Sizes,
+        deploy_secs: u64,
+    ) -> tokio::task::JoinHandle<()> {
+        let quarter = FULL_REPLICAS / 4;
+        for p in &self.proxies {
+            p.capacity(sizes.proxy(quarter)).await;
+        }
+        let deploy = Duration::from_secs(deploy_secs);
+        self.deploy(deploy, Some(sizes.app(quarter)), "serving")
+            .await
+    }
+
     /// Requests this cluster's proxies have run so far (their execution logs).
     fn ran(&self, log_dir: &Path) -> usize {
         self.proxies
@@ -1325,12 +1342,7 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
         // load the old cluster carries and the new one cannot alone), then it grows to
         // full size: KubeRay's standard upgrade sees RUNNING at once.
         "upgrade-partial-capacity" => {
-            let quarter = FULL_REPLICAS / 4;
-            for p in &b.proxies {
-                p.capacity(sizes.proxy(quarter)).await;
-            }
-            let deploy = Duration::from_secs(args.deploy);
-            let running = b.deploy(deploy, Some(sizes.app(quarter)), "serving").await;
+            let running = b.deploy_at_a_quarter(&sizes, args.deploy).await;
             cp.set_source(&view("b", &[&a, &b])).await;
             running.await.unwrap();
             tokio::time::sleep(PARTIAL_FOR).await;
@@ -1342,12 +1354,7 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
         // source naming it active): down for 2 s, then partial 7 s more before it grows.
         // For a baseline, KubeRay's operator restarts (its Service stays as it was).
         "replicas-restart-mid-shift" => {
-            let quarter = FULL_REPLICAS / 4;
-            for p in &b.proxies {
-                p.capacity(sizes.proxy(quarter)).await;
-            }
-            let deploy = Duration::from_secs(args.deploy);
-            let running = b.deploy(deploy, Some(sizes.app(quarter)), "serving").await;
+            let running = b.deploy_at_a_quarter(&sizes, args.deploy).await;
             cp.set_source(&view("b", &[&a, &b])).await;
             running.await.unwrap();
             tokio::time::sleep(Duration::from_secs(1)).await;

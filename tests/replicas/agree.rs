@@ -35,7 +35,7 @@ fn replica_config(services: &std::path::Path, admin: u16, xds: u16, peer_admin: 
 
 /// The weight of cluster b a replica publishes now (0 when it names only a); `None`
 /// before its first snapshot.
-async fn weight_b(admin: SocketAddr) -> Option<u32> {
+pub(crate) async fn weight_b(admin: SocketAddr) -> Option<u32> {
     let (ready, _) = http_get(&format!("http://{admin}/readyz")).await.ok()?;
     let (status, text) = http_get(&format!("http://{admin}/metrics")).await.ok()?;
     let named = text.contains("ray_xds_switchover_weight{");
@@ -156,7 +156,7 @@ async fn two_replicas_publish_the_same_weights_and_a_restarted_one_resumes_the_s
 }
 
 /// The Envoy clusters in a replica's current snapshot.
-async fn snapshot_clusters(admin: SocketAddr) -> Vec<String> {
+pub(crate) async fn snapshot_clusters(admin: SocketAddr) -> Vec<String> {
     let Ok((200, text)) = http_get(&format!("http://{admin}/debug/snapshot")).await else {
         return Vec::new();
     };

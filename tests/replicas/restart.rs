@@ -12,8 +12,9 @@ use ray_xds::config::{Config, ReplicaStateConfig, ReplicaStateStore};
 use ray_xds::runtime::Running;
 use support::*;
 
+use crate::agree::{snapshot_clusters, weight_b};
+
 const DEADLINE: Duration = Duration::from_secs(30);
-const WEIGHT_B: &str = "ray_xds_switchover_weight{rayservice=\"default/demo\",cluster=\"b\"}";
 
 fn replica_config(services: &Path, state: &Path, admin: u16, peer_admin: u16) -> Config {
     let mut c = test_config(services, 0);
@@ -25,26 +26,6 @@ fn replica_config(services: &Path, state: &Path, admin: u16, peer_admin: u16) ->
         ttl: Duration::from_secs(600),
     });
     c
-}
-
-async fn weight_b(admin: SocketAddr) -> Option<u32> {
-    let (ready, _) = http_get(&format!("http://{admin}/readyz")).await.ok()?;
-    let (status, text) = http_get(&format!("http://{admin}/metrics")).await.ok()?;
-    let named = text.contains("ray_xds_switchover_weight{");
-    (ready == 200 && status == 200 && named).then(|| metric(&text, WEIGHT_B) as u32)
-}
-
-async fn snapshot_clusters(admin: SocketAddr) -> Vec<String> {
-    let Ok((200, text)) = http_get(&format!("http://{admin}/debug/snapshot")).await else {
-        return Vec::new();
-    };
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-    v["types"]["cds"]["resources"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|r| r["name"].as_str().map(str::to_string))
-        .collect()
 }
 
 async fn start(config: &Config) -> Running {
