@@ -3,9 +3,10 @@
 //! and a restarted replica resumes a shift where the others are.
 //!
 //! Each replica decides on its own, from its own probes, dashboards and Envoys; what it
-//! takes from a peer are two facts about a switch both see: when the shift from one
-//! cluster to another started (a progressive schedule runs from the earliest start any
-//! replica saw) and that a peer has completed a move (its serving cluster is our target).
+//! takes from a peer are facts about a switch both see: when the shift from one cluster
+//! to another started (a progressive schedule runs from the earliest start any replica
+//! saw), that a peer has completed a move (its serving cluster is our target), the share
+//! an operator's hold keeps, a rollback decision, and the clusters it drains.
 //! Neither opens a gate: a target this replica does not find ready, or its own Envoys have
 //! not warmed, gets no traffic, whatever a peer says. So a peer that lies can at most
 //! hurry a shift that this replica already finds safe.
@@ -63,6 +64,9 @@ pub struct PeerSwitch {
     /// fail (`pipeline::outcomes`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollback: Option<Rollback>,
+    /// The share an operator's hold keeps on `target` there (percent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_at: Option<u32>,
 }
 
 impl PeerSwitch {
@@ -235,6 +239,16 @@ impl PeerStates {
     }
 
     /// A peer's decision to send nothing to `cluster`, the pending cluster of `service`.
+    /// The largest share a peer's operator hold keeps on `target` while `serving`
+    /// serves (at most 100).
+    pub(crate) fn held_at(&self, service: &str, serving: &str, target: &str) -> Option<u32> {
+        self.of(service)
+            .filter(|p| p.serving == serving && p.target.as_deref() == Some(target))
+            .filter_map(|p| p.held_at)
+            .max()
+            .map(|h| h.min(100))
+    }
+
     pub(crate) fn rollback(&self, service: &str, cluster: &str) -> Option<&Rollback> {
         self.of(service)
             .filter_map(|p| p.rollback.as_ref())
@@ -428,6 +442,7 @@ mod tests {
             serving_since_unix: Some(1.0),
             moved: target.is_none(),
             rollback: None,
+            held_at: None,
         }
     }
 

@@ -543,6 +543,7 @@ mod tests {
             serving_since_unix: moved_at,
             moved: moved_at.is_some(),
             rollback: None,
+            held_at: None,
         }
     }
 

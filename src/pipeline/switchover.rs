@@ -278,6 +278,7 @@ impl Switchover {
                         serving_since_unix: Some(to_unix(s.serving_since)),
                         moved: s.moved,
                         rollback: self.rollbacks.get(key).cloned(),
+                        held_at: s.held_at,
                     };
                     (key.clone(), switch)
                 })
@@ -1373,6 +1374,7 @@ mod tests {
                         serving_since_unix: None,
                         moved: false,
                         rollback: None,
+                        held_at: None,
                     }],
                 )]),
                 polled: true,
@@ -1681,6 +1683,20 @@ mod tests {
         assert_eq!(s.services["default/s"].control, None);
         advance(&mut s, &auto, &world, &(), at(1010));
         assert_eq!(weights(&s), w(&[(A, 50), (B, 50)]), "one step an interval");
+
+        // A replica started while the hold stands (its peer's word, or what every
+        // replica kept) holds the same share, not 0.
+        let mut holding = at_second_step(&world);
+        advance(&mut holding, &held, &world, &(), at(11));
+        for peers in [heard_from(&[&holding]), kept_by(&[&holding], at(12))] {
+            let mut restarted = Switchover::default();
+            restarted.set_peers(peers);
+            advance(&mut restarted, &held, &world, &(), at(12));
+            assert_eq!(
+                (weights(&restarted), phase(&restarted)),
+                (w(&[(A, 75), (B, 25)]), Phase::Held)
+            );
+        }
 
         // Held before traffic moved: it stays on a1. A target that is not ready is
         // waiting, whatever the operator says.

@@ -142,6 +142,7 @@ fn completed_b() -> PeerSwitch {
         serving_since_unix: Some(1.0),
         moved: true,
         rollback: None,
+        held_at: None,
     }
 }
 
@@ -201,6 +202,7 @@ fn a_peer_shift_for_an_unready_target_or_another_move_moves_nothing() {
         serving_since_unix: Some(1.0),
         moved: false,
         rollback: None,
+        held_at: None,
     }));
     step(&mut s, &m, ProbeState::Unhealthy, &(), at(0));
     assert_eq!(weight(&s, "b"), 0);
@@ -214,6 +216,7 @@ fn a_peer_shift_for_an_unready_target_or_another_move_moves_nothing() {
         serving_since_unix: Some(1.0),
         moved: false,
         rollback: None,
+        held_at: None,
     }));
     step(&mut s, &m, ProbeState::Healthy, &(), at(0));
     assert_eq!(
@@ -239,6 +242,7 @@ fn a_flip_flopping_peer_does_not_make_weights_flap() {
         serving_since_unix: Some(1.0),
         moved: false,
         rollback: None,
+        held_at: None,
     };
     let future = PeerSwitch {
         shift_started_unix: Some(to_unix(at(0)) + 3600.0),
@@ -295,6 +299,7 @@ fn a_restarted_replica_does_not_serve_an_unready_early_flipped_active_cluster() 
         serving_since_unix: Some(1.0),
         moved: false,
         rollback: None,
+        held_at: None,
     }));
     step(&mut s, &m, ProbeState::Unhealthy, &(), at(0));
     assert_eq!(
@@ -340,6 +345,7 @@ fn a_peer_start_hours_before_the_switch_existed_does_not_skip_the_canary() {
         serving_since_unix: Some(1.0),
         moved: false,
         rollback: None,
+        held_at: None,
     }));
     step(&mut s, &m, ProbeState::Healthy, &(), at(120));
     assert_eq!(
@@ -642,6 +648,7 @@ async fn garbage_slow_huge_and_lying_peers_are_left_out_and_open_no_gate() {
                 // The liar claims a move done.
                 moved: true,
                 rollback: None,
+                held_at: None,
             },
         )]),
         departed: vec![],

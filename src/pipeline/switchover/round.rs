@@ -249,7 +249,13 @@ impl Switchover {
             Ok(()) if !cold.is_empty() => st.hold_warming(&target, &cold),
             Err(why) if !desperate => st.hold_not_ready(&target, &why),
             _ => {
-                let previous = st.weight_of(&target);
+                let mut previous = st.weight_of(&target);
+                // New to a hold (a restart while it stands): the share a peer, or what
+                // the replicas kept, holds; within this replica's own gates and limits.
+                if control == Control::Hold && st.held_at.is_none() {
+                    let held = self.peers.held_at(key, &st.serving, &target);
+                    previous = previous.max(held.unwrap_or(0));
+                }
                 let (weight, note) = self.limited_weight(
                     st, key, service, unit, &target, policy, control, returning, desperate, inputs,
                 );
