@@ -75,13 +75,8 @@ impl tower::Service<http::Request<tonic::body::Body>> for AdsService {
     fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
         let (tx, rx) = mpsc::channel(super::server::STREAM_BUFFER);
         let path = request.uri().path().to_owned();
-        // The connection counts the stream while its response lives (an idle connection,
-        // one without streams, is closed by the listener).
-        let info = request
-            .extensions()
-            .get::<super::listener::XdsConnectInfo>();
-        let open = info.map(|info| info.streams.open());
-        let peer = info.and_then(|info| info.tcp.remote_addr()).map(|a| a.ip());
+        // The connection counts the stream while its response lives.
+        let (open, peer) = super::listener::XdsConnectInfo::of(&request);
         let body = request.into_body();
         match path.as_str() {
             SOTW_PATH => {

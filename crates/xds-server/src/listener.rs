@@ -87,6 +87,20 @@ pub struct XdsConnectInfo {
     pub streams: Arc<ConnectionStreams>,
 }
 
+impl XdsConnectInfo {
+    /// For a request on this listener: its stream counted on the connection while the
+    /// returned slot lives (an idle connection, one without streams, is closed), and the
+    /// peer's address; neither for a request from elsewhere (a test's in-process call).
+    pub(crate) fn of<B>(
+        request: &http::Request<B>,
+    ) -> (Option<OpenStream>, Option<std::net::IpAddr>) {
+        let info = request.extensions().get::<XdsConnectInfo>();
+        let open = info.map(|info| info.streams.open());
+        let peer = info.and_then(|info| info.tcp.remote_addr()).map(|a| a.ip());
+        (open, peer)
+    }
+}
+
 /// What the listener turned away, for metrics and tests.
 #[derive(Debug, Default)]
 pub struct Refusals {

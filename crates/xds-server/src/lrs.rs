@@ -511,11 +511,8 @@ impl tower::Service<http::Request<tonic::body::Body>> for LrsService {
 
     fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
         let (tx, rx) = mpsc::channel(2);
-        let info = request
-            .extensions()
-            .get::<super::listener::XdsConnectInfo>();
-        let open = info.map(|info| info.streams.open());
-        let peer = info.and_then(|info| info.tcp.remote_addr()).map(|a| a.ip());
+        // The connection counts the stream while its response lives.
+        let (open, peer) = super::listener::XdsConnectInfo::of(&request);
         if request.uri().path() != STREAM_PATH {
             let _ = tx.try_send(Err(Status::unimplemented(format!(
                 "no method {}",
