@@ -12,29 +12,12 @@ use ray_xds::xds::snapshot::{CLUSTER_TYPE_URL, ENDPOINTS_TYPE_URL};
 use support::ads::{delta_stream, next, node, sotw_stream};
 use support::*;
 
+use crate::{server_with, Server};
+
 const DEADLINE: Duration = Duration::from_secs(20);
 
-struct Server {
-    _dir: tempfile::TempDir,
-    services: std::path::PathBuf,
-    running: ray_xds::runtime::Running,
-    _cluster: SimCluster,
-}
-
 async fn server() -> Server {
-    let cluster = SimCluster::start("demo-a", &[NodeType::Head, NodeType::Worker]).await;
-    let dir = tempfile::tempdir().unwrap();
-    let services = dir.path().join("services.yaml");
-    std::fs::write(&services, services_yaml("demo-a", &[&cluster])).unwrap();
-    let running = ray_xds::runtime::start(test_config(&services, free_port()), Default::default())
-        .await
-        .unwrap();
-    Server {
-        _dir: dir,
-        services,
-        running,
-        _cluster: cluster,
-    }
+    server_with(&[NodeType::Head, NodeType::Worker], |_| {}).await
 }
 
 #[tokio::test]

@@ -12,30 +12,15 @@ use ray_serve_sim::NodeType;
 use ray_xds::xds::snapshot::{CLUSTER_TYPE_URL, ENDPOINTS_TYPE_URL};
 use support::ads::node;
 use support::*;
+
+use crate::{server_with, Server};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 const DEADLINE: Duration = Duration::from_secs(20);
 
-struct Server {
-    _dir: tempfile::TempDir,
-    running: ray_xds::runtime::Running,
-    _cluster: SimCluster,
-}
-
 async fn server() -> Server {
-    let cluster = SimCluster::start("demo-a", &[NodeType::Head]).await;
-    let dir = tempfile::tempdir().unwrap();
-    let services = dir.path().join("services.yaml");
-    std::fs::write(&services, services_yaml("demo-a", &[&cluster])).unwrap();
-    let running = ray_xds::runtime::start(test_config(&services, free_port()), Default::default())
-        .await
-        .unwrap();
-    Server {
-        _dir: dir,
-        running,
-        _cluster: cluster,
-    }
+    server_with(&[NodeType::Head], |_| {}).await
 }
 
 async fn lrs_stream(
@@ -240,15 +225,11 @@ async fn a_stream_that_names_no_node_is_refused_and_a_flood_of_clusters_costs_no
 /// intervals; one address holds at most 64 streams, and a place comes back when one ends.
 #[tokio::test]
 async fn a_silent_stream_is_closed_and_one_address_cannot_take_every_place() {
-    let cluster = SimCluster::start("demo-a", &[NodeType::Head]).await;
-    let dir = tempfile::tempdir().unwrap();
-    let services = dir.path().join("services.yaml");
-    std::fs::write(&services, services_yaml("demo-a", &[&cluster])).unwrap();
-    let mut config = test_config(&services, free_port());
-    config.policies.switchover.load_report_interval = Duration::from_secs(1);
-    let running = ray_xds::runtime::start(config, Default::default())
-        .await
-        .unwrap();
+    let s = server_with(&[NodeType::Head], |config| {
+        config.policies.switchover.load_report_interval = Duration::from_secs(1);
+    })
+    .await;
+    let running = &s.running;
     let hello = || LoadStatsRequest {
         node: node("gw-1"),
         cluster_stats: Vec::new(),
