@@ -139,10 +139,10 @@ const ARMS: [&str; 7] = [
 ];
 
 /// KubeRay's incremental upgrade in `baseline-kuberay-incremental`: the new cluster's
-/// HTTPRoute weight grows by `stepSizePercent` every `intervalSeconds`, time-compressed
-/// as the scenarios' deploys are (the sample's 10% every 30 s, KubeRay's guide's 60 s,
-/// becomes 10% every 2 s, its reconcile's own period).
-const INCREMENTAL_STEP: u32 = 10;
+/// HTTPRoute weight grows by `stepSizePercent` (`--incremental-step`, 10 by default)
+/// every `intervalSeconds`, time-compressed as the scenarios' deploys are (the sample's
+/// 10% every 30 s, KubeRay's guide's 60 s, becomes 10% every 2 s, its reconcile's own
+/// period).
 const INCREMENTAL_INTERVAL: Duration = Duration::from_secs(2);
 
 #[derive(Parser, Clone)]
@@ -193,6 +193,9 @@ struct Args {
     /// tables run the arms in turns.
     #[arg(long)]
     arms_together: bool,
+    /// `baseline-kuberay-incremental`'s `stepSizePercent` every 2 s.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=100))]
+    incremental_step: u32,
     #[arg(long, hide = true)]
     bench: bool,
 }
@@ -503,11 +506,11 @@ enum Switch {
     /// KubeRay 1.1 and later: when the reconcile sees the new cluster's apps RUNNING.
     WhenRunning,
     /// KubeRay's `NewClusterWithIncrementalUpgrade`: from when the new cluster's apps are
-    /// RUNNING, Gateway weights on its own schedule ([`INCREMENTAL_STEP`] every
+    /// RUNNING, Gateway weights on its own schedule (this step every
     /// [`INCREMENTAL_INTERVAL`]), then promoted at 100; no capacity or outcome feedback.
     /// (Its `target_capacity` steps are not modelled: the new cluster's size is the
     /// scenario's, the same for every arm.)
-    Incremental,
+    Incremental(u32),
 }
 
 /// A control plane under test: ray-xds, or a KubeRay-like baseline.
@@ -833,8 +836,8 @@ async fn kuberay_reconcile(
         let view = source.lock().unwrap().clone();
         let current = plumbing.state.lock().unwrap().active.0.clone();
         let mut next = None;
-        if plumbing.switch == Switch::Incremental {
-            next = incremental_step(&view, &plumbing, &dashboards).await;
+        if let Switch::Incremental(step) = plumbing.switch {
+            next = incremental_step(&view, &plumbing, &dashboards, step).await;
         } else if view.active != current {
             let wanted = view
                 .clusters
@@ -844,7 +847,7 @@ async fn kuberay_reconcile(
             if let Some(wanted) = wanted {
                 let ready = match plumbing.switch {
                     Switch::AtOnce => true,
-                    Switch::WhenRunning | Switch::Incremental => dashboards
+                    Switch::WhenRunning | Switch::Incremental(_) => dashboards
                         .fetch(&wanted.2)
                         .await
                         .is_ok_and(|s| s.all_running()),
@@ -878,12 +881,13 @@ async fn kuberay_reconcile(
 }
 
 /// One reconcile of KubeRay's incremental upgrade: once the new cluster's applications
-/// are RUNNING it gets an HTTPRoute weight, raised by [`INCREMENTAL_STEP`] once every
+/// are RUNNING it gets an HTTPRoute weight, raised by `step` once every
 /// [`INCREMENTAL_INTERVAL`]; at 100 it is promoted (returned, to become the active one).
 async fn incremental_step(
     view: &SourceView,
     plumbing: &Arc<BaselinePlumbing>,
     dashboards: &DashboardClient,
+    step: u32,
 ) -> Option<ClusterView> {
     let (active, pending) = {
         let state = plumbing.state.lock().unwrap();
@@ -898,7 +902,7 @@ async fn incremental_step(
         Some((_, 100, _)) => Some(wanted.clone()),
         Some((cluster, weight, since)) => {
             if now.duration_since(since) >= INCREMENTAL_INTERVAL {
-                let weight = (weight + INCREMENTAL_STEP).min(100);
+                let weight = (weight + step).min(100);
                 plumbing.update(|s| s.pending = Some((cluster, weight, now)));
             }
             None
@@ -909,7 +913,7 @@ async fn incremental_step(
                 .await
                 .is_ok_and(|s| s.all_running());
             if running {
-                let first = (wanted.clone(), INCREMENTAL_STEP, now);
+                let first = (wanted.clone(), step.min(100), now);
                 plumbing.update(|s| s.pending = Some(first));
             }
             None
@@ -1255,7 +1259,8 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
             ControlPlane::baseline(&initial, Switch::AtOnce, false, gateway_port).await
         }
         "baseline-kuberay-incremental" => {
-            ControlPlane::baseline(&initial, Switch::Incremental, false, gateway_port).await
+            let step = Switch::Incremental(args.incremental_step);
+            ControlPlane::baseline(&initial, step, false, gateway_port).await
         }
         other => panic!("unknown arm {other}"),
     };
