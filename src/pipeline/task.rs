@@ -64,7 +64,7 @@ pub(crate) struct Sinks {
 /// How long the first snapshot waits for what it should not be built without.
 #[derive(Clone, Debug)]
 pub(crate) struct FirstBuild {
-    /// For the dashboards of clusters that discover their proxies to answer once.
+    /// For every cluster's dashboard to answer once.
     pub dashboards: Duration,
     /// For every proxy's first probe.
     pub probes: Duration,
@@ -145,9 +145,10 @@ pub async fn run(
     }
 }
 
-/// What the pipeline waits for before its first build. A cluster known by its dashboard
-/// alone has no proxies until the dashboard answers: wait (briefly) for that, so that a
-/// restart does not publish it empty. Then wait (briefly) for every proxy's first probe,
+/// What the pipeline waits for before its first build. Every dashboard to answer once
+/// (briefly): a cluster known by its dashboard alone has no proxies until it answers, so
+/// that a restart does not publish it empty, and a switch's capacity share needs both
+/// clusters' sizes, so that a restart resumes the share instead of publishing 0 first. Then wait (briefly) for every proxy's first probe,
 /// so that a restarted ray-xds publishes the health Envoy already has, not "unknown" for
 /// everyone; and for the replica peers to answer once.
 async fn first_inputs(sources: &Sources, first: &FirstBuild) {
@@ -438,29 +439,32 @@ async fn first_discovery(
     addresses: &crate::model::AddressPolicy,
 ) {
     let model = sources.source.borrow().clone();
-    let discovering: BTreeSet<String> = model
-        .services()
-        .iter()
-        .flat_map(|s| {
-            s.clusters
-                .iter()
-                .filter(|c| c.discover)
-                .map(|c| s.envoy_cluster_name(&c.name))
-        })
-        .collect();
-    if discovering.is_empty() {
+    let with_dashboard = |discovering_only: bool| -> BTreeSet<String> {
+        model
+            .services()
+            .iter()
+            .flat_map(|s| {
+                s.clusters
+                    .iter()
+                    .filter(|c| c.dashboard.is_some() && (c.discover || !discovering_only))
+                    .map(|c| s.envoy_cluster_name(&c.name))
+            })
+            .collect()
+    };
+    let (asked, discovering) = (with_dashboard(false), with_dashboard(true));
+    if asked.is_empty() {
         return;
     }
     let (mut dashboards, mut effective) = (sources.dashboards.clone(), sources.models.clone());
     let answered = async {
         let polled = dashboards.wait_for(|d| {
-            discovering.iter().all(|c| {
+            asked.iter().all(|c| {
                 d.clusters
                     .get(c)
                     .is_some_and(|d| d.status.is_some() || d.last_error.is_some())
             })
         });
-        if polled.await.is_err() {
+        if polled.await.is_err() || discovering.is_empty() {
             return;
         }
         // Another task derives the effective model from the dashboards: wait until it
@@ -477,7 +481,11 @@ async fn first_discovery(
             .await;
     };
     if tokio::time::timeout(bound, answered).await.is_err() {
-        tracing::warn!(clusters = ?discovering, "a dashboard to discover proxies from has not answered yet; starting without its proxies");
+        if discovering.is_empty() {
+            tracing::warn!("a dashboard has not answered yet; starting without what it says (a switch's capacity holds its share where it is)");
+        } else {
+            tracing::warn!(clusters = ?discovering, "a dashboard to discover proxies from has not answered yet; starting without its proxies");
+        }
     }
 }
 

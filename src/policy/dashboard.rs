@@ -24,7 +24,7 @@ impl CheckOverrides for DashboardOverrides {}
 impl AfterOverride<DashboardOverrides> for DashboardPolicy {}
 
 impl DashboardPolicy {
-    /// How long the first snapshot waits for the dashboards that list proxies to answer.
+    /// How long the first snapshot waits for every dashboard to answer once.
     pub(crate) fn first_answer_wait(&self) -> Duration {
         self.timeout + Duration::from_millis(500)
     }
