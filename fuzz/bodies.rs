@@ -273,6 +273,7 @@ pub fn routes(data: &[u8]) {
                 message: String::new(),
                 capacity: None,
                 deployed_at: None,
+                resizing: false,
             },
         )]),
         ..Default::default()

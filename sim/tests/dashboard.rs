@@ -297,6 +297,7 @@ async fn deploy_app_settles_after_the_duration() {
             deployed_at: settled.applications["slow"]
                 .deployed_at
                 .filter(|t| *t > 1e9),
+            resizing: false,
         }
     );
     assert!(settled.applications["slow"].deployed_at.is_some());

@@ -44,7 +44,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use serde::Serialize;
 
-use super::dashboard::{AppStatus, ProxyStatus};
+use super::dashboard::ProxyStatus;
 use super::dashboards::DashboardStates;
 use super::probe::ProbeState;
 use super::prober::ProbeStates;
@@ -238,7 +238,8 @@ impl ProxyJudge<'_> {
             .clusters
             .get(&service.envoy_cluster_name(&cluster.name))
             .and_then(|d| d.status.as_ref());
-        // Route prefixes of the applications the dashboard says are RUNNING; route
+        // Route prefixes of the applications the dashboard says serve (RUNNING, or
+        // only resizing: `Application::serves`); route
         // prefixes are HTTP's only (the gRPC proxy picks the application from the call's
         // metadata).
         let required: BTreeSet<String> = dashboard
@@ -246,7 +247,7 @@ impl ProxyJudge<'_> {
             .map(|d| {
                 d.applications
                     .values()
-                    .filter(|a| a.status == AppStatus::Running)
+                    .filter(|a| a.serves())
                     .filter_map(|a| a.route_prefix.clone())
                     .collect()
             })
@@ -505,7 +506,7 @@ fn verdict(health: EndpointHealth, reason: Reason) -> Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::live::dashboard::{parse, ServeStatus};
+    use crate::live::dashboard::{parse, AppStatus, ServeStatus};
     use crate::live::dashboards::ClusterDashboard;
     use crate::live::probe::ProxyProbe;
     use crate::model::test_support::service;

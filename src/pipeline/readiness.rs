@@ -2,10 +2,11 @@
 //! which Envoy clusters every Envoy must warm before it does. Pure.
 //!
 //! - A whole RayCluster ([`readiness`]): its dashboard answered since the switch began and
-//!   says every application is RUNNING; enough of its proxies ready (probe healthy,
+//!   says every application serves (`Application::serves`: RUNNING, or DEPLOYING only to
+//!   start or stop replicas, as a raised `target_capacity` does); enough of its proxies ready (probe healthy,
 //!   serving every route prefix), and of its gRPC proxies when it serves gRPC.
-//! - One application ([`app_readiness`]): the same dashboard, saying *that* application is
-//!   RUNNING (another may still be deploying, but none has failed); and where its requests would go there
+//! - One application ([`app_readiness`]): the same dashboard, saying *that* application
+//!   serves (another may still be deploying, but none has failed); and where its requests would go there
 //!   ready: with direct ingress, a ready ingress replica of it, else enough ready proxies
 //!   (each protocol it is served over).
 //!
@@ -138,11 +139,11 @@ pub(crate) fn readiness(
     answered_since: Option<SystemTime>,
 ) -> Result<(), String> {
     if let Some(status) = fresh_status(service, cluster, dashboards, answered_since)? {
-        if !status.all_running() {
+        if !status.all_serving() {
             let waiting: Vec<String> = status
                 .applications
                 .iter()
-                .filter(|(_, a)| a.status != AppStatus::Running)
+                .filter(|(_, a)| !a.serves())
                 .map(|(n, a)| format!("{n} {}", a.status.as_str()))
                 .collect();
             return Err(if waiting.is_empty() {
@@ -210,7 +211,7 @@ pub(crate) fn app_readiness(
 ) -> Result<(), String> {
     if let Some(status) = fresh_status(service, cluster, dashboards, answered_since)? {
         match status.applications.get(app) {
-            Some(a) if a.status == AppStatus::Running => {}
+            Some(a) if a.serves() => {}
             Some(a) => return Err(format!("{app} is {}", a.status.as_str())),
             None => return Err(format!("{app} is not deployed there")),
         }

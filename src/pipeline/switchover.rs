@@ -2,8 +2,8 @@
 //!
 //! Traffic follows readiness, not labels. The cluster *serving* keeps its traffic until a
 //! *target* (the source's pending cluster, or a new active cluster the source named early)
-//! is ready: every application RUNNING on the target's own dashboard (skipped when it has
-//! none configured), and at least `min_ready_proxies` of its proxies ready as
+//! is ready: every application RUNNING on the target's own dashboard (or DEPLOYING only to
+//! start or stop replicas; skipped when it has no dashboard configured), and at least `min_ready_proxies` of its proxies ready as
 //! `live::health` counts them (probe healthy, serving every application's route prefix).
 //! Then traffic moves: `atomic` (0 → 100) or `progressive` (the configured steps, one per
 //! interval). If the target stops being ready mid-shift, traffic goes back to the serving
@@ -65,7 +65,7 @@ fn known_unable(
         .get(&name)
         .filter(|d| !d.stale)
         .and_then(|d| d.status.as_deref())
-        .is_some_and(|status| !status.all_running());
+        .is_some_and(|status| !status.all_serving());
     dead || failing_apps
 }
 
@@ -522,7 +522,7 @@ impl Switchover {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::live::dashboard::parse;
+    use crate::live::dashboard::{parse, AppStatus};
     use crate::live::dashboards::ClusterDashboard;
     use crate::live::health::{assess, Facts};
     use crate::live::probe::ProbeState;
@@ -1407,6 +1407,57 @@ mod tests {
                 Some(crate::live::dashboard::Capacity { ready, full });
             d.status = Some(status.into());
         }
+    }
+
+    impl World {
+        /// `hello` on `cluster` reported `status`, resizing (only starting or stopping
+        /// replicas) or not.
+        fn hello_status(&mut self, cluster: &str, status: AppStatus, resizing: bool) {
+            let d = self.dashboards.clusters.get_mut(cluster).unwrap();
+            let mut s = (**d.status.as_ref().unwrap()).clone();
+            let app = s.applications.get_mut("hello").unwrap();
+            app.status = status;
+            app.resizing = resizing;
+            d.status = Some(s.into());
+        }
+    }
+
+    /// KubeRay's incremental upgrade raises the new cluster's `target_capacity` after it
+    /// has taken traffic (and shrinks the old one): Ray reports the application DEPLOYING
+    /// while the new replicas start, and the ones RUNNING serve on. The share stays where
+    /// the RUNNING replicas put it; it does not fall back onto the shrunk old cluster. A
+    /// new version rolling out there (not only resizing) is not ready: traffic goes back.
+    #[test]
+    fn a_target_deploying_only_to_add_replicas_keeps_its_share() {
+        let mut world = sized((8, Some(8)), (2, Some(8)));
+        let m = model(A, Some(B), SwitchoverOverrides::default());
+        let mut s = Switchover::default();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        advance(&mut s, &m, &world, &(), at(0));
+        assert_eq!(weights(&s), w(&[(A, 80), (B, 20)]));
+        world.capacity("default/s/a1", 6, Some(8));
+        world.hello_status("default/s/b1", AppStatus::Deploying, true);
+        advance(&mut s, &m, &world, &(), at(1));
+        assert_eq!(
+            weights(&s),
+            w(&[(A, 75), (B, 25)]),
+            "{}",
+            s.services["default/s"].reason
+        );
+        // Its new replicas RUNNING, still DEPLOYING for the rest: counted once settled.
+        world.capacity("default/s/b1", 4, Some(8));
+        advance(&mut s, &m, &world, &(), at(7));
+        assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]), "not yet settled");
+        advance(&mut s, &m, &world, &(), at(12));
+        assert_eq!(weights(&s), w(&[(A, 60), (B, 40)]));
+        // A replica of ray-xds started now agrees.
+        let mut fresh = Switchover::default();
+        advance(&mut fresh, &m, &world, &(), at(13));
+        assert_eq!(weights(&fresh), weights(&s));
+        // A new version rolling out on b1 (not only resizing): not ready, back to a1.
+        world.hello_status("default/s/b1", AppStatus::Deploying, false);
+        advance(&mut s, &m, &world, &(), at(14));
+        assert_eq!(weights(&s), w(&[(A, 100)]));
     }
 
     /// The case: a cluster of 4 replicas × 2 serving, the new one RUNNING with 1:

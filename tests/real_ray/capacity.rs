@@ -249,6 +249,191 @@ async fn real_ray_capacity_a_quarter_sized_cluster_gets_its_share_and_all_once_f
     );
 }
 
+/// The new version as KubeRay's incremental upgrade grows it: 8 replicas at full size, 1
+/// request at once each, each taking one of the head's 4 `ray_xds_slot`s, so Serve runs
+/// 2 at `target_capacity: 25` and, at 100, 4, the other 4 waiting for nodes that never
+/// come (as they wait for the Ray autoscaler's).
+const SLOTTED_B: App = busy(
+    "deployments: [ { name: Busy, num_replicas: 8, max_ongoing_requests: 1, max_queued_requests: 6, ray_actor_options: { num_cpus: 0, resources: { ray_xds_slot: 1 } } } ]",
+);
+
+/// KubeRay's incremental upgrade raises the new cluster's `target_capacity` after it has
+/// taken traffic: Ray 2.60 then reports the application DEPLOYING (its deployment
+/// UPSCALING) for as long as the new replicas wait to be placed, while the ones RUNNING
+/// serve on. The new cluster keeps its share, which grows with what runs; it never falls
+/// back onto the old cluster (which KubeRay shrinks meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ray_capacity_a_cluster_growing_mid_shift_keeps_its_share() {
+    assert_eq!(
+        (support::real_ray::SLOT, support::real_ray::HEAD_SLOTS),
+        ("ray_xds_slot", 4),
+        "SLOTTED_B's sizes follow the head's slots"
+    );
+    let (a, b) = tokio::join!(RealRayCluster::start("a", 0), RealRayCluster::start("b", 0));
+    a.deploy(&[BUSY_A]);
+    b.deploy_at(&[SLOTTED_B], Some(25));
+    a.wait_for_app("busy", "RUNNING").await;
+    b.wait_for_app("busy", "RUNNING").await;
+    let clusters = [
+        cluster_yaml(&a, &[(a.head_proxy(), "head")]),
+        cluster_yaml(&b, &[(b.head_proxy(), "head")]),
+    ];
+    let gw = gateway(&services_yaml("a", Some("b"), PROBE, &clusters)).await;
+    let admin = gw.xds.admin_addr;
+    // b runs 2 replicas × 1, a 4 × 2: b takes 2 / (2 + 8).
+    weights_become(admin, &[("a", 80), ("b", 20)]).await;
+    let load = OpenLoad::start(gw.port);
+    let refused_before = refused(&gw.envoy).await;
+    let since = std::time::Instant::now();
+    let timeline = Timeline::start(admin, &gw.envoy, since);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    b.deploy_at(&[SLOTTED_B], Some(100));
+    // What Ray says meanwhile: DEPLOYING, only to start replicas (2 more RUNNING, 4 that
+    // cannot be placed).
+    let url = format!("{}/api/serve/applications/", b.dashboard_url());
+    let resizing = eventually("b DEPLOYING with 4 replicas RUNNING", DEADLINE, || async {
+        let (_, body) = http_get(&url).await.ok()?;
+        let parsed = ray_xds::live::dashboard::parse(body.as_bytes()).ok()?;
+        let app = parsed.applications.get("busy")?.clone();
+        (app.capacity.map(|c| c.ready) == Some(4)).then_some(app)
+    })
+    .await;
+    assert_eq!(
+        (resizing.status.as_str(), resizing.resizing),
+        ("DEPLOYING", true),
+        "Ray 2.60 reports a cluster whose raised target_capacity waits for nodes as \
+         DEPLOYING, only resizing: {resizing:?}"
+    );
+    // 4 × 1 on b against 8 on a: a third, once b's new replicas have settled.
+    weights_become(admin, &[("a", 67), ("b", 33)]).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (sent, failed) = load.since(since);
+    let failures = load.failures_since(since);
+    load.stop().await;
+    let refused_after = refused(&gw.envoy).await;
+    let on_b = refused_after.get("b").copied().unwrap_or(0)
+        - refused_before.get("b").copied().unwrap_or(0);
+    let lines = timeline.stop().await;
+    eprintln!("failures (ms after the load began, status): {failures:?}");
+    eprintln!("what changed (ms after the load began: weights, 503s from a and b, reason):");
+    for line in &lines {
+        eprintln!("  {line}");
+    }
+    let shares = shares_of_b(&lines);
+    assert!(
+        !shares.is_empty() && shares.iter().all(|w| *w >= 20),
+        "b kept its share while it grew (never back to a alone): {shares:?}"
+    );
+    assert!(
+        on_b * 100 < sent as u64,
+        "fewer than 1% turned away by b while it grew: {on_b} of {sent} ({failed} failed in all)"
+    );
+}
+
+/// b's weights in a [`Timeline`]'s lines, in order (a line without b: 0).
+fn shares_of_b(lines: &[String]) -> Vec<u64> {
+    lines
+        .iter()
+        .map(|l| {
+            l.split_once(r#"["b","#)
+                .and_then(|(_, rest)| rest.split(']').next()?.trim().parse().ok())
+                .unwrap_or(0)
+        })
+        .collect()
+}
+
+/// The new version autoscales (Ray reports it RUNNING at `min_replicas`, with no full
+/// size): 1 replica of 2 requests at once to start, up to 4, its autoscaler asking for a
+/// replica per half a request in flight and acting within a second or two. Its share
+/// starts where its one replica puts it (2 of 2 + 8: 20%), the load that share brings
+/// makes its autoscaler add replicas, each replica counted (once settled) raises the
+/// share, and the move completes when it runs what a runs at full size (4 × 2). That loop
+/// is Ray's as much as ray-xds's: it is proven here, on real Ray.
+const AUTOSCALING_B: App = busy(
+    "deployments: [ { name: Busy, autoscaling_config: { min_replicas: 1, initial_replicas: 1, max_replicas: 4, target_ongoing_requests: 0.5, upscale_delay_s: 1, look_back_period_s: 2 }, max_ongoing_requests: 2, max_queued_requests: 6, ray_actor_options: { num_cpus: 0 } } ]",
+);
+
+/// An autoscaling new version grows into the whole: its share follows what its
+/// autoscaler runs (never all of it before it runs what the serving cluster does), and
+/// the move completes. Not one request turned away by the new cluster along the way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_ray_capacity_an_autoscaling_cluster_grows_into_the_whole() {
+    let (a, b) = tokio::join!(RealRayCluster::start("a", 0), RealRayCluster::start("b", 0));
+    a.deploy(&[BUSY_A]);
+    b.deploy(&[AUTOSCALING_B]);
+    a.wait_for_app("busy", "RUNNING").await;
+    b.wait_for_app("busy", "RUNNING").await;
+    let clusters = [
+        cluster_yaml(&a, &[(a.head_proxy(), "head")]),
+        cluster_yaml(&b, &[(b.head_proxy(), "head")]),
+    ];
+    let gw = gateway(&services_yaml("a", None, PROBE, &clusters[..1])).await;
+    let admin = gw.xds.admin_addr;
+    eventually("traffic flows", DEADLINE, || async {
+        let url = format!("http://127.0.0.1:{}/", gw.port);
+        http("POST", &url, "{}")
+            .await
+            .ok()
+            .filter(|(s, _)| *s == 200)
+    })
+    .await;
+    let load = OpenLoad::start(gw.port);
+    let refused_before = refused(&gw.envoy).await;
+    let since = std::time::Instant::now();
+    let timeline = Timeline::start(admin, &gw.envoy, since);
+    write_atomic(
+        &gw.xds_services_path(),
+        &services_yaml("a", Some("b"), PROBE, &clusters),
+    );
+    // Its one replica's share first (or more, once its autoscaler has already acted).
+    let first = eventually("b gets a share", DEADLINE, || async {
+        let w = published_weights(admin).await;
+        let b = w.iter().find(|(c, _)| c == "b").map(|(_, w)| *w)?;
+        (b > 0).then_some(w)
+    })
+    .await;
+    // Grown to 4 replicas (8 at once, what a runs at full size): all of it.
+    eventually(
+        "all on b once its autoscaler has grown it",
+        Duration::from_secs(180),
+        || async { (published_weights(admin).await == [("b".to_string(), 100)]).then_some(()) },
+    )
+    .await;
+    let completed = since.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (sent, failed) = load.since(since);
+    let failures = load.failures_since(since);
+    load.stop().await;
+    let refused_after = refused(&gw.envoy).await;
+    let on_b = refused_after.get("b").copied().unwrap_or(0)
+        - refused_before.get("b").copied().unwrap_or(0);
+    let lines = timeline.stop().await;
+    eprintln!("failures (ms after the upgrade began, status): {failures:?}");
+    eprintln!("what changed (ms after the upgrade began: weights, 503s from a and b, reason):");
+    for line in &lines {
+        eprintln!("  {line}");
+    }
+    eprintln!(
+        "autoscaling figures: first weights {first:?}; all on b after {} ms; {failed} of \
+         {sent} requests failed, {on_b} answered 503 by b",
+        completed.as_millis()
+    );
+    assert!(
+        first.iter().any(|(c, w)| c == "b" && *w < 100),
+        "b's first share is a part, not the whole: {first:?}"
+    );
+    // The share followed b's replicas up: it never went down on the way.
+    let shares = shares_of_b(&lines);
+    assert!(
+        shares.windows(2).all(|w| w[0] <= w[1]),
+        "b's share only grew: {shares:?}"
+    );
+    assert!(
+        on_b * 100 < sent as u64,
+        "fewer than 1% turned away by b while it grew: {on_b} of {sent} ({failed} failed in all)"
+    );
+}
+
 /// KubeRay's standard upgrade promotes b (RUNNING) mid-shift: the source names it
 /// active, a still listed, and traffic stays where capacity puts it (80% on a). Then
 /// every replica of ray-xds is killed and started again: it resumes at the same weights

@@ -103,6 +103,30 @@ pub(super) fn deployment_size(deployment: &Map<String, Value>) -> Option<Deploym
 
 /// The sizes of an application's deployments (`deployments`), or `None` when any is not
 /// an object Ray would send.
+/// Whether an application is `DEPLOYING` only to change how many replicas run: every
+/// deployment `HEALTHY`, `UPSCALING` or `DOWNSCALING` (none `UPDATING` to a new version,
+/// none failed) and each with a replica `RUNNING` (`Application::serves`).
+pub(super) fn only_resizing(app: &Map<String, Value>) -> bool {
+    let status =
+        |v: &Map<String, Value>| v.get("status").and_then(Value::as_str).map(str::to_owned);
+    if status(app).as_deref() != Some("DEPLOYING") {
+        return false;
+    }
+    let Some(deployments) = app.get("deployments").and_then(Value::as_object) else {
+        return false;
+    };
+    !deployments.is_empty()
+        && deployments.values().all(|d| {
+            let Some(d) = d.as_object() else {
+                return false;
+            };
+            matches!(
+                status(d).as_deref(),
+                Some("HEALTHY" | "UPSCALING" | "DOWNSCALING")
+            ) && deployment_size(d).is_some_and(|size| size.running > 0)
+        })
+}
+
 pub(super) fn deployment_sizes(app: &Map<String, Value>) -> Option<Vec<DeploymentSize>> {
     app.get("deployments")?
         .as_object()?
@@ -190,6 +214,44 @@ mod tests {
             deployment_size(json!({"replicas": []}).as_object().unwrap()),
             None
         );
+    }
+
+    #[test]
+    fn deploying_only_to_start_or_stop_replicas_is_resizing_and_nothing_else_is() {
+        // As Ray Serve 2.60 answers while a raised target_capacity starts replicas it
+        // cannot place yet (checked on real Ray: `real_ray_capacity_*`).
+        let app = |app_status: &str, deployments: serde_json::Value| json!({"status": app_status, "deployments": deployments});
+        let deployment = |status: &str, states: &[&str]| {
+            let replicas: Vec<_> = states.iter().map(|s| json!({"state": s})).collect();
+            json!({"status": status, "replicas": replicas,
+                   "deployment_config": {"num_replicas": 8, "max_ongoing_requests": 2}})
+        };
+        let resizing = |a: serde_json::Value| only_resizing(a.as_object().unwrap());
+        let growing = deployment("UPSCALING", &["RUNNING", "RUNNING", "STARTING"]);
+        assert!(resizing(app("DEPLOYING", json!({"Big": growing.clone()}))));
+        assert!(resizing(app(
+            "DEPLOYING",
+            json!({"Ingress": deployment("HEALTHY", &["RUNNING"]), "Big": growing.clone()})
+        )));
+        let shrinking = deployment("DOWNSCALING", &["RUNNING", "STOPPING"]);
+        assert!(resizing(app("DEPLOYING", json!({"Big": shrinking}))));
+        // Not resizing: a new version rolling out, a failure, nothing RUNNING yet (a
+        // first deploy, or from zero), no deployments, a status other than DEPLOYING,
+        // garbage.
+        let updating = deployment("UPDATING", &["RUNNING", "STARTING"]);
+        assert!(!resizing(app(
+            "DEPLOYING",
+            json!({"Big": growing.clone(), "New": updating})
+        )));
+        let failed = deployment("DEPLOY_FAILED", &["RUNNING"]);
+        assert!(!resizing(app("DEPLOYING", json!({"Big": failed}))));
+        let from_zero = deployment("UPSCALING", &["STARTING"]);
+        assert!(!resizing(app("DEPLOYING", json!({"Big": from_zero}))));
+        assert!(!resizing(app("DEPLOYING", json!({}))));
+        assert!(!resizing(app("RUNNING", json!({"Big": growing.clone()}))));
+        assert!(!resizing(app("DEPLOY_FAILED", json!({"Big": growing}))));
+        assert!(!resizing(app("DEPLOYING", json!({"Big": 7}))));
+        assert!(!resizing(app("DEPLOYING", json!([1, 2]))));
     }
 
     #[test]

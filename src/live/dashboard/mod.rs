@@ -154,6 +154,21 @@ pub struct Application {
     /// When it was last deployed (`last_deployed_time_s`, unix seconds): a redeploy is a
     /// new version. `None` when the answer does not say (or says garbage).
     pub deployed_at: Option<f64>,
+    /// `DEPLOYING` only to change how many replicas run (see [`Application::serves`]).
+    pub resizing: bool,
+}
+
+impl Application {
+    /// Whether it serves its requests here: `RUNNING`, or `DEPLOYING` only to change how
+    /// many replicas run. Ray Serve 2.60 reports an application `DEPLOYING` while a
+    /// raised `target_capacity` (KubeRay's incremental upgrade) or `num_replicas` starts
+    /// more replicas (its deployments `UPSCALING`), for as long as they take to be placed
+    /// and start, while the replicas already RUNNING serve on; a new version rolling out
+    /// (a deployment `UPDATING`), a failure, or a deployment with no replica RUNNING is
+    /// not that.
+    pub fn serves(&self) -> bool {
+        self.status == AppStatus::Running || (self.status == AppStatus::Deploying && self.resizing)
+    }
 }
 
 /// An application's status, as Ray Serve's `ApplicationStatus`.
@@ -284,7 +299,14 @@ impl ServeStatus {
         std::mem::size_of::<Self>() + apps + proxies + http + self.ingress.estimated_bytes()
     }
 
-    /// True when there is at least one application and every one is `RUNNING`.
+    /// True when there is at least one application and every one serves
+    /// ([`Application::serves`]: `RUNNING`, or only resizing).
+    pub fn all_serving(&self) -> bool {
+        !self.applications.is_empty() && self.applications.values().all(Application::serves)
+    }
+
+    /// True when there is at least one application and every one is `RUNNING` (what
+    /// KubeRay checks).
     pub fn all_running(&self) -> bool {
         !self.applications.is_empty()
             && self
@@ -438,6 +460,7 @@ mod tests {
                     full: Some(5)
                 }),
                 deployed_at: Some(1795966897.9371948),
+                resizing: false,
             }
         );
         assert_eq!(s.applications.len(), 1);
@@ -580,6 +603,7 @@ mod tests {
                 message: String::new(),
                 capacity: None,
                 deployed_at: None,
+                resizing: false,
             }
         );
         assert_eq!(s.applications["future"].status.as_str(), "HIBERNATING");
@@ -1178,6 +1202,7 @@ mod tests {
             message: String::new(),
             capacity: None,
             deployed_at: None,
+            resizing: false,
         };
         s.applications.insert("a".into(), app(AppStatus::Running));
         assert!(s.all_running());

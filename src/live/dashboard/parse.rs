@@ -65,6 +65,7 @@ fn application(name: &str, app: &Value) -> Result<Application, DashboardError> {
             .get("last_deployed_time_s")
             .and_then(Value::as_f64)
             .filter(|t| t.is_finite() && *t >= 0.0),
+        resizing: capacity::only_resizing(app),
     })
 }
 
@@ -209,6 +210,7 @@ static ROOT: Shape = Shape::Fields(&[
                     "deployments",
                     Shape::MapOf(
                         &Shape::Fields(&[
+                            ("status", Shape::Scalar),
                             (
                                 "replicas",
                                 Shape::ArrayOf(

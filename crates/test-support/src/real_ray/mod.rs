@@ -109,6 +109,12 @@ pub struct RealRayCluster {
     subnet: Subnet,
 }
 
+/// A custom resource every head node offers [`HEAD_SLOTS`] of (and no worker): a
+/// replica that asks for one (`ray_actor_options: { resources: { ray_xds_slot: 1 } }`)
+/// can be left unplaceable, as replicas wait for nodes the Ray autoscaler has yet to add.
+pub const SLOT: &str = "ray_xds_slot";
+pub const HEAD_SLOTS: u32 = 4;
+
 impl RealRayCluster {
     /// Starts the cluster and waits for its dashboard (about 15 s per node).
     pub async fn start(name: &str, workers: usize) -> RealRayCluster {
@@ -235,7 +241,10 @@ impl RealRayCluster {
         };
         let head_ip = subnet.addr(1);
         let mut cmd = Command::new(&ray);
+        // 4 of a resource of the tests' own, which a replica can ask for: 8 such replicas
+        // leave 4 Serve cannot place, as a cluster waiting for the Ray autoscaler's nodes.
         cmd.args(["start", "--head"])
+            .arg(format!("--resources={{\"{SLOT}\": {HEAD_SLOTS}}}"))
             .arg(format!("--port={gcs_port}"))
             .arg(format!("--node-ip-address={head_ip}"))
             .arg("--dashboard-host=127.0.0.1")
