@@ -274,6 +274,7 @@ pub fn routes(data: &[u8]) {
                 capacity: None,
                 deployed_at: None,
                 resizing: false,
+                config_digest: None,
             },
         )]),
         ..Default::default()

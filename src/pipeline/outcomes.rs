@@ -96,8 +96,11 @@ pub(crate) fn judge(
     }
 }
 
-/// The version of `cluster`'s applications: each one's last deploy time, as its
-/// dashboard says now; `None` when it has no dashboard answer or no deploy time.
+/// The version of `cluster`'s applications: each one's config as deployed (its digest),
+/// as its dashboard says now; `None` when it has no dashboard answer or an application
+/// without its config. Not the deploy time: KubeRay's incremental upgrade redeploys the
+/// same config with each `target_capacity` step, which moves the deploy time (Ray 2.60,
+/// `real_ray_conformance_of_the_endpoints_ray_xds_reads`) and would clear a rollback.
 pub(crate) fn version(
     service: &RayService,
     cluster: &str,
@@ -110,7 +113,7 @@ pub(crate) fn version(
         .clone()?;
     let mut parts = Vec::new();
     for (name, app) in &status.applications {
-        parts.push(format!("{name}@{}", app.deployed_at?));
+        parts.push(format!("{name}@{}", app.config_digest.as_deref()?));
     }
     (!parts.is_empty()).then(|| parts.join(","))
 }

@@ -1949,12 +1949,24 @@ mod tests {
             .collect()
     }
 
-    /// b1's applications redeployed (a new version of the cluster).
+    /// b1's applications redeployed with a new config (a new version of the cluster).
     fn redeploy(world: &mut World, cluster: &str) {
         let d = world.dashboards.clusters.get_mut(cluster).unwrap();
         let mut status = (**d.status.as_ref().unwrap()).clone();
         for app in status.applications.values_mut() {
             app.deployed_at = app.deployed_at.map(|t| t + 60.0);
+            app.config_digest = app.config_digest.as_ref().map(|d| format!("{d}-v2"));
+        }
+        d.status = Some(status.into());
+    }
+
+    /// b1's applications redeployed with the same config at another `target_capacity`
+    /// (KubeRay's incremental upgrade): Ray moves the deploy time only.
+    fn retarget(world: &mut World, cluster: &str) {
+        let d = world.dashboards.clusters.get_mut(cluster).unwrap();
+        let mut status = (**d.status.as_ref().unwrap()).clone();
+        for app in status.applications.values_mut() {
+            app.deployed_at = app.deployed_at.map(|t| t + 30.0);
         }
         d.status = Some(status.into());
     }
@@ -2016,6 +2028,14 @@ mod tests {
         advance(&mut restarted, &auto, &world, &(), at(1001));
         assert_eq!(
             (weights(&restarted), phase(&restarted)),
+            (w(&[(A, 100)]), Phase::RolledBack)
+        );
+        // KubeRay raises b1's target_capacity (the same config redeployed): still the
+        // version judged, still rolled back.
+        retarget(&mut world, "default/s/b1");
+        advance(&mut s, &auto, &world, &(), at(1001));
+        assert_eq!(
+            (weights(&s), phase(&s)),
             (w(&[(A, 100)]), Phase::RolledBack)
         );
         // A new version of b1: the shift starts over.

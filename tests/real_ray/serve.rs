@@ -476,9 +476,25 @@ async fn real_ray_conformance_of_the_endpoints_ray_xds_reads() {
         full: None,
     };
     conformance::capacity_is(&a.dashboard_url(), "scaled", scaled, None).await;
+    let hello_now = || async {
+        let url = format!("{}/api/serve/applications/", a.dashboard_url());
+        let (_, body) = http_get(&url).await.unwrap();
+        let parsed = ray_xds::live::dashboard::parse(body.as_bytes()).unwrap();
+        parsed.applications["hello"].clone()
+    };
+    let before = hello_now().await;
     a.deploy_at(&apps, Some(50));
     let half = Capacity { ready: 3, ..full };
     conformance::capacity_is(&a.dashboard_url(), "hello", half, Some(50.0)).await;
+    // The same config at another target_capacity: Ray moves the deploy time (so it is
+    // no version), and the config's digest stays (ray-xds's version of a cluster).
+    let after = hello_now().await;
+    assert!(before.config_digest.is_some(), "{before:?}");
+    assert_eq!(after.config_digest, before.config_digest);
+    assert_ne!(
+        after.deployed_at, before.deployed_at,
+        "Ray 2.60 moves last_deployed_time_s on a target_capacity change"
+    );
     a.wait_for_app("slow", "RUNNING").await;
     conformance::applications_are(
         &a.dashboard_url(),

@@ -280,10 +280,13 @@ fn render_app(name: &str, app: &SimApp, status: &str, target_capacity: Option<f6
         "status": status,
         "message": app_message(status, &deployment),
         "last_deployed_time_s": app.last_deployed_time_s,
+        // Every deploy of an application here is a new config (as a new version is in
+        // Ray: new args, a new import path); a target_capacity change is not a deploy.
         "deployed_app_config": {
             "name": name,
             "route_prefix": app.route_prefix,
             "import_path": format!("apps:{name}"),
+            "args": { "deployed": app.last_deployed_time_s },
         },
         "source": "declarative",
         "deployments": {

@@ -156,6 +156,11 @@ pub struct Application {
     pub deployed_at: Option<f64>,
     /// `DEPLOYING` only to change how many replicas run (see [`Application::serves`]).
     pub resizing: bool,
+    /// A digest of the application's config as deployed (`deployed_app_config`): a new
+    /// version changes it; a `target_capacity` change (KubeRay's incremental upgrade
+    /// redeploys the same config with it, which moves `last_deployed_time_s`) does not.
+    /// `None` when the answer does not give it.
+    pub config_digest: Option<String>,
 }
 
 impl Application {
@@ -461,12 +466,43 @@ mod tests {
                 }),
                 deployed_at: Some(1795966897.9371948),
                 resizing: false,
+                // SHA-256 of {"import_path":"apps:hello","name":"hello","route_prefix":"/hello"},
+                // as Python's hashlib gives it: the same on every replica and version.
+                config_digest: Some("812f36b28aa7f718".into()),
             }
         );
         assert_eq!(s.applications.len(), 1);
         assert!(s.all_running());
         assert_eq!(s.route_prefixes(), BTreeSet::from(["/hello".to_string()]));
         the_one_healthy_proxy(&s);
+    }
+
+    /// A redeploy of the same config with another `target_capacity` (KubeRay's
+    /// incremental upgrade) moves the deploy time, not the config's digest; a changed
+    /// config changes it.
+    #[test]
+    fn the_config_digest_follows_the_config_not_the_deploy_time_or_target_capacity() {
+        let mut doc: serde_json::Value =
+            serde_json::from_slice(&fixture!("02-running.json")).unwrap();
+        let digest = |doc: &serde_json::Value| {
+            parse(&serde_json::to_vec(doc).unwrap())
+                .unwrap()
+                .applications["hello"]
+                .config_digest
+                .clone()
+                .unwrap()
+        };
+        let first = digest(&doc);
+        doc["target_capacity"] = serde_json::json!(50);
+        doc["applications"]["hello"]["last_deployed_time_s"] = serde_json::json!(1.9e9);
+        assert_eq!(digest(&doc), first);
+        doc["applications"]["hello"]["deployed_app_config"]["args"] =
+            serde_json::json!({"model": "v2"});
+        assert_ne!(digest(&doc), first);
+        // Not an object: no digest (and so no version to compare).
+        doc["applications"]["hello"]["deployed_app_config"] = serde_json::json!("garbage");
+        let s = parse(&serde_json::to_vec(&doc).unwrap()).unwrap();
+        assert_eq!(s.applications["hello"].config_digest, None);
     }
 
     /// Ray 2.60 with gRPC servicers: every proxy's gRPC port; with none, no gRPC (Ray
@@ -604,6 +640,7 @@ mod tests {
                 capacity: None,
                 deployed_at: None,
                 resizing: false,
+                config_digest: None,
             }
         );
         assert_eq!(s.applications["future"].status.as_str(), "HIBERNATING");
@@ -1203,6 +1240,7 @@ mod tests {
             capacity: None,
             deployed_at: None,
             resizing: false,
+            config_digest: None,
         };
         s.applications.insert("a".into(), app(AppStatus::Running));
         assert!(s.all_running());

@@ -66,7 +66,20 @@ fn application(name: &str, app: &Value) -> Result<Application, DashboardError> {
             .and_then(Value::as_f64)
             .filter(|t| t.is_finite() && *t >= 0.0),
         resizing: capacity::only_resizing(app),
+        config_digest: app
+            .get("deployed_app_config")
+            .filter(|c| c.is_object())
+            .map(config_digest),
     })
+}
+
+/// The first 16 hex digits of the SHA-256 of `config` as JSON (its keys sorted): the same
+/// for the same application config, on every replica and version of ray-xds.
+fn config_digest(config: &Value) -> String {
+    use sha2::Digest;
+    let bytes = serde_json::to_vec(config).unwrap_or_default();
+    let digest = sha2::Sha256::digest(bytes);
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Parses the body of `GET /api/serve/applications/`.
@@ -181,6 +194,9 @@ enum Shape {
     /// A scalar (string cut to [`MAX_STRING_BYTES`], number, bool, null); an object or
     /// array here is skipped unbuilt and read as null.
     Scalar,
+    /// Any value, built whole (strings uncut): what is read of it is its digest. The
+    /// answer's size bounds it (`MAX_JSON_VALUES`).
+    Whole,
     /// An object: only these keys, each of its shape.
     Fields(&'static [(&'static str, Shape)]),
     /// An object: every key, each value of this shape; more than `max` entries refuse the
@@ -206,6 +222,7 @@ static ROOT: Shape = Shape::Fields(&[
                 ("route_prefix", Shape::Scalar),
                 ("message", Shape::Scalar),
                 ("last_deployed_time_s", Shape::Scalar),
+                ("deployed_app_config", Shape::Whole),
                 (
                     "deployments",
                     Shape::MapOf(
@@ -312,6 +329,9 @@ impl<'de> serde::de::DeserializeSeed<'de> for Pruned {
     type Value = Value;
 
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        if matches!(self.0, Shape::Whole) {
+            return serde::Deserialize::deserialize(d);
+        }
         d.deserialize_any(PrunedVisitor(self.0))
     }
 }
@@ -370,7 +390,8 @@ impl<'de> serde::de::Visitor<'de> for PrunedVisitor {
                 while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
                 return Ok(Value::Null);
             }
-            Shape::Fields(_) | Shape::MapOf(..) => {
+            // (`Whole` never comes here: `Pruned` builds it.)
+            Shape::Fields(_) | Shape::MapOf(..) | Shape::Whole => {
                 while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
                 return Ok(Value::Array(Vec::new()));
             }
@@ -404,7 +425,7 @@ impl<'de> serde::de::Visitor<'de> for PrunedVisitor {
                 }
                 Shape::Fields(fields) => fields.iter().find(|(k, _)| *k == key).map(|(_, s)| s),
                 // Not the object its shape wants: kept as an empty one.
-                Shape::ArrayOf(..) | Shape::Scalar => None,
+                Shape::ArrayOf(..) | Shape::Scalar | Shape::Whole => None,
             };
             match shape {
                 Some(shape) if key.len() <= MAX_STRING_BYTES => {
