@@ -129,6 +129,25 @@ impl OpenLoad {
     }
 }
 
+/// Both clusters as the source lists them, and a gateway whose ray-xds serves a alone,
+/// once traffic flows through it.
+async fn serving_a(a: &RealRayCluster, b: &RealRayCluster) -> ([String; 2], Gateway) {
+    let clusters = [
+        cluster_yaml(a, &[(a.head_proxy(), "head")]),
+        cluster_yaml(b, &[(b.head_proxy(), "head")]),
+    ];
+    let gw = gateway(&services_yaml("a", None, PROBE, &clusters[..1])).await;
+    eventually("traffic flows", DEADLINE, || async {
+        let url = format!("http://127.0.0.1:{}/", gw.port);
+        http("POST", &url, "{}")
+            .await
+            .ok()
+            .filter(|(s, _)| *s == 200)
+    })
+    .await;
+    (clusters, gw)
+}
+
 async fn weights_become(admin: std::net::SocketAddr, want: &[(&str, u64)]) {
     let want: Vec<(String, u64)> = want.iter().map(|(c, w)| (c.to_string(), *w)).collect();
     eventually(&format!("weights {want:?}"), DEADLINE, || async {
@@ -150,20 +169,8 @@ async fn real_ray_capacity_a_quarter_sized_cluster_gets_its_share_and_all_once_f
     b.deploy_at(&[BUSY_B], Some(25));
     a.wait_for_app("busy", "RUNNING").await;
     b.wait_for_app("busy", "RUNNING").await;
-    let clusters = [
-        cluster_yaml(&a, &[(a.head_proxy(), "head")]),
-        cluster_yaml(&b, &[(b.head_proxy(), "head")]),
-    ];
-    let mut gw = gateway(&services_yaml("a", None, PROBE, &clusters[..1])).await;
+    let (clusters, mut gw) = serving_a(&a, &b).await;
     let admin = gw.xds.admin_addr;
-    eventually("traffic flows", DEADLINE, || async {
-        let url = format!("http://127.0.0.1:{}/", gw.port);
-        http("POST", &url, "{}")
-            .await
-            .ok()
-            .filter(|(s, _)| *s == 200)
-    })
-    .await;
     let upgrade = |control: &str| {
         let extra = match control {
             "" => PROBE.to_string(),
@@ -307,18 +314,8 @@ async fn real_ray_capacity_a_cluster_growing_mid_shift_keeps_its_share() {
     // 4 × 1 on b against 8 on a: a third, once b's new replicas have settled.
     weights_become(admin, &[("a", 67), ("b", 33)]).await;
     tokio::time::sleep(Duration::from_secs(4)).await;
-    let (sent, failed) = load.since(since);
-    let failures = load.failures_since(since);
-    load.stop().await;
-    let refused_after = refused(&gw.envoy).await;
-    let on_b = refused_after.get("b").copied().unwrap_or(0)
-        - refused_before.get("b").copied().unwrap_or(0);
-    let lines = timeline.stop().await;
-    eprintln!("failures (ms after the load began, status): {failures:?}");
-    eprintln!("what changed (ms after the load began: weights, 503s from a and b, reason):");
-    for line in &lines {
-        eprintln!("  {line}");
-    }
+    let run = end_run(load, &gw.envoy, &refused_before, timeline, since).await;
+    let (sent, failed, on_b, lines) = (run.sent, run.failed, run.on_b, run.lines);
     let shares = shares_of_b(&lines);
     assert!(
         !shares.is_empty() && shares.iter().all(|w| *w >= 20),
@@ -328,6 +325,45 @@ async fn real_ray_capacity_a_cluster_growing_mid_shift_keeps_its_share() {
         on_b * 100 < sent as u64,
         "fewer than 1% turned away by b while it grew: {on_b} of {sent} ({failed} failed in all)"
     );
+}
+
+/// How a run under [`OpenLoad`] ended, from `since`.
+struct Ended {
+    sent: usize,
+    failed: usize,
+    /// Answered 503 by b (Envoy's count, tries included).
+    on_b: u64,
+    /// The [`Timeline`]'s lines.
+    lines: Vec<String>,
+}
+
+/// Stops the load and the timeline, and prints the failures and what changed (ms after
+/// `since`), for the failure's message.
+async fn end_run(
+    load: OpenLoad,
+    envoy: &Envoy,
+    refused_before: &std::collections::BTreeMap<String, u64>,
+    timeline: Timeline,
+    since: std::time::Instant,
+) -> Ended {
+    let (sent, failed) = load.since(since);
+    let failures = load.failures_since(since);
+    load.stop().await;
+    let refused_after = refused(envoy).await;
+    let on_b = refused_after.get("b").copied().unwrap_or(0)
+        - refused_before.get("b").copied().unwrap_or(0);
+    let lines = timeline.stop().await;
+    eprintln!("failures (ms after the start, status): {failures:?}");
+    eprintln!("what changed (ms after the start: weights, 503s from a and b, reason):");
+    for line in &lines {
+        eprintln!("  {line}");
+    }
+    Ended {
+        sent,
+        failed,
+        on_b,
+        lines,
+    }
 }
 
 /// b's weights in a [`Timeline`]'s lines, in order (a line without b: 0).
@@ -363,20 +399,8 @@ async fn real_ray_capacity_an_autoscaling_cluster_grows_into_the_whole() {
     b.deploy(&[AUTOSCALING_B]);
     a.wait_for_app("busy", "RUNNING").await;
     b.wait_for_app("busy", "RUNNING").await;
-    let clusters = [
-        cluster_yaml(&a, &[(a.head_proxy(), "head")]),
-        cluster_yaml(&b, &[(b.head_proxy(), "head")]),
-    ];
-    let gw = gateway(&services_yaml("a", None, PROBE, &clusters[..1])).await;
+    let (clusters, gw) = serving_a(&a, &b).await;
     let admin = gw.xds.admin_addr;
-    eventually("traffic flows", DEADLINE, || async {
-        let url = format!("http://127.0.0.1:{}/", gw.port);
-        http("POST", &url, "{}")
-            .await
-            .ok()
-            .filter(|(s, _)| *s == 200)
-    })
-    .await;
     let load = OpenLoad::start(gw.port);
     let refused_before = refused(&gw.envoy).await;
     let since = std::time::Instant::now();
@@ -401,18 +425,8 @@ async fn real_ray_capacity_an_autoscaling_cluster_grows_into_the_whole() {
     .await;
     let completed = since.elapsed();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let (sent, failed) = load.since(since);
-    let failures = load.failures_since(since);
-    load.stop().await;
-    let refused_after = refused(&gw.envoy).await;
-    let on_b = refused_after.get("b").copied().unwrap_or(0)
-        - refused_before.get("b").copied().unwrap_or(0);
-    let lines = timeline.stop().await;
-    eprintln!("failures (ms after the upgrade began, status): {failures:?}");
-    eprintln!("what changed (ms after the upgrade began: weights, 503s from a and b, reason):");
-    for line in &lines {
-        eprintln!("  {line}");
-    }
+    let run = end_run(load, &gw.envoy, &refused_before, timeline, since).await;
+    let (sent, failed, on_b, lines) = (run.sent, run.failed, run.on_b, run.lines);
     eprintln!(
         "autoscaling figures: first weights {first:?}; all on b after {} ms; {failed} of \
          {sent} requests failed, {on_b} answered 503 by b",
