@@ -97,8 +97,8 @@ pub(crate) fn judge(
 }
 
 /// The version of `cluster`'s applications: each one's config as deployed (its digest),
-/// as its dashboard says now; `None` when it has no dashboard answer or an application
-/// without its config. Not the deploy time: KubeRay's incremental upgrade redeploys the
+/// as its dashboard says now, or its deploy time when it has no config; `None` when it
+/// has no dashboard answer or an application with neither. Not the deploy time: KubeRay's incremental upgrade redeploys the
 /// same config with each `target_capacity` step, which moves the deploy time (Ray 2.60,
 /// `real_ray_conformance_of_the_endpoints_ray_xds_reads`) and would clear a rollback.
 pub(crate) fn version(
@@ -113,7 +113,13 @@ pub(crate) fn version(
         .clone()?;
     let mut parts = Vec::new();
     for (name, app) in &status.applications {
-        parts.push(format!("{name}@{}", app.config_digest.as_deref()?));
+        // An application not deployed from a config (`serve.run`) has no digest: its
+        // deploy time, then.
+        let version = match &app.config_digest {
+            Some(digest) => digest.clone(),
+            None => format!("t{}", app.deployed_at?),
+        };
+        parts.push(format!("{name}@{version}"));
     }
     (!parts.is_empty()).then(|| parts.join(","))
 }

@@ -431,8 +431,9 @@ pub(crate) async fn first_probes(
     let _ = tokio::time::timeout(bound, probed).await;
 }
 
-/// Waits, at most `bound`, until the dashboard of every cluster that discovers its
-/// proxies has answered (or failed) once and the effective model holds what it said.
+/// Waits, at most `bound`, until the dashboard of every cluster that has one has
+/// answered (or failed) once, and for clusters that discover their proxies, until the
+/// effective model holds what it said.
 async fn first_discovery(
     sources: &Sources,
     bound: Duration,

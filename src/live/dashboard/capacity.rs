@@ -103,9 +103,11 @@ pub(super) fn deployment_size(deployment: &Map<String, Value>) -> Option<Deploym
 
 /// The sizes of an application's deployments (`deployments`), or `None` when any is not
 /// an object Ray would send.
-/// Whether an application is `DEPLOYING` only to change how many replicas run: every
-/// deployment `HEALTHY`, `UPSCALING` or `DOWNSCALING` (none `UPDATING` to a new version,
-/// none failed) and each with a replica `RUNNING` (`Application::serves`).
+/// Whether an application is `DEPLOYING` only to change how many replicas run: a
+/// deployment `UPSCALING` or `DOWNSCALING`, every other `HEALTHY` (none `UPDATING` to a
+/// new version, none failed), and each with a replica `RUNNING` (`Application::serves`).
+/// All `HEALTHY` while `DEPLOYING` is not resizing: that is a new config being built
+/// (imported) before its deployments start to update.
 pub(super) fn only_resizing(app: &Map<String, Value>) -> bool {
     let status =
         |v: &Map<String, Value>| v.get("status").and_then(Value::as_str).map(str::to_owned);
@@ -115,7 +117,12 @@ pub(super) fn only_resizing(app: &Map<String, Value>) -> bool {
     let Some(deployments) = app.get("deployments").and_then(Value::as_object) else {
         return false;
     };
-    !deployments.is_empty()
+    let resizing = |d: &Value| {
+        d.get("status")
+            .and_then(Value::as_str)
+            .is_some_and(|s| matches!(s, "UPSCALING" | "DOWNSCALING"))
+    };
+    deployments.values().any(resizing)
         && deployments.values().all(|d| {
             let Some(d) = d.as_object() else {
                 return false;
@@ -235,6 +242,10 @@ mod tests {
         )));
         let shrinking = deployment("DOWNSCALING", &["RUNNING", "STOPPING"]);
         assert!(resizing(app("DEPLOYING", json!({"Big": shrinking}))));
+        // Every deployment HEALTHY while DEPLOYING: a new config being built (imported)
+        // before its deployments update, not a resize.
+        let healthy = deployment("HEALTHY", &["RUNNING"]);
+        assert!(!resizing(app("DEPLOYING", json!({"Big": healthy}))));
         // Not resizing: a new version rolling out, a failure, nothing RUNNING yet (a
         // first deploy, or from zero), no deployments, a status other than DEPLOYING,
         // garbage.

@@ -388,7 +388,7 @@ mod tests {
     use super::parse::*;
     use super::*;
     use pretty_assertions::assert_eq;
-    use serde_json::{Map, Value};
+    use serde_json::{json, Map, Value};
     use std::net::IpAddr;
     use std::time::Duration;
 
@@ -466,9 +466,9 @@ mod tests {
                 }),
                 deployed_at: Some(1795966897.9371948),
                 resizing: false,
-                // SHA-256 of {"import_path":"apps:hello","name":"hello","route_prefix":"/hello"},
-                // as Python's hashlib gives it: the same on every replica and version.
-                config_digest: Some("812f36b28aa7f718".into()),
+                // SHA-256 of the fixture's `deployed_app_config` bytes as written, as
+                // Python's hashlib gives it: the same on every replica and version.
+                config_digest: Some("08ae6767030c0aa0".into()),
             }
         );
         assert_eq!(s.applications.len(), 1);
@@ -493,16 +493,29 @@ mod tests {
                 .unwrap()
         };
         let first = digest(&doc);
-        doc["target_capacity"] = serde_json::json!(50);
-        doc["applications"]["hello"]["last_deployed_time_s"] = serde_json::json!(1.9e9);
+        doc["target_capacity"] = json!(50);
+        doc["applications"]["hello"]["last_deployed_time_s"] = json!(1.9e9);
         assert_eq!(digest(&doc), first);
-        doc["applications"]["hello"]["deployed_app_config"]["args"] =
-            serde_json::json!({"model": "v2"});
+        doc["applications"]["hello"]["deployed_app_config"]["args"] = json!({"model": "v2"});
         assert_ne!(digest(&doc), first);
         // Not an object: no digest (and so no version to compare).
-        doc["applications"]["hello"]["deployed_app_config"] = serde_json::json!("garbage");
-        let s = parse(&serde_json::to_vec(&doc).unwrap()).unwrap();
-        assert_eq!(s.applications["hello"].config_digest, None);
+        for garbage in [json!("{garbage"), json!(null), json!([1])] {
+            doc["applications"]["hello"]["deployed_app_config"] = garbage;
+            let s = parse(&serde_json::to_vec(&doc).unwrap()).unwrap();
+            assert_eq!(s.applications["hello"].config_digest, None);
+        }
+        // A config nested past serde_json's recursion limit (128) is digested all the
+        // same: it never refuses the answer.
+        let deep = format!("{}1{}", "[".repeat(5_000), "]".repeat(5_000));
+        let body = String::from_utf8(fixture!("02-running.json"))
+            .unwrap()
+            .replacen(
+                r#""import_path": "apps:hello""#,
+                &format!(r#""import_path": "apps:hello", "args": {deep}"#),
+                1,
+            );
+        let s = parse(body.as_bytes()).expect("a deep config is read");
+        assert!(s.applications["hello"].config_digest.is_some());
     }
 
     /// Ray 2.60 with gRPC servicers: every proxy's gRPC port; with none, no gRPC (Ray
@@ -1147,9 +1160,11 @@ mod tests {
                 deployment["replicas"][0]["x"] = Value::Object(junk.clone());
             }
         }
+        // (The same serializer for both: a config's digest is of its bytes as sent.)
+        let plain: Value = serde_json::from_slice(&running).unwrap();
         assert_eq!(
             parse(v.to_string().as_bytes()).unwrap(),
-            parse(&running).unwrap()
+            parse(plain.to_string().as_bytes()).unwrap()
         );
         // Deployments are read (for capacity): more of one application than any has are
         // refused as they are read.

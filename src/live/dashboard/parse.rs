@@ -66,20 +66,25 @@ fn application(name: &str, app: &Value) -> Result<Application, DashboardError> {
             .and_then(Value::as_f64)
             .filter(|t| t.is_finite() && *t >= 0.0),
         resizing: capacity::only_resizing(app),
+        // An object's digest (`Shape::Digest`); anything else (null for an application
+        // not deployed from a config) gives none.
         config_digest: app
             .get("deployed_app_config")
-            .filter(|c| c.is_object())
-            .map(config_digest),
+            .and_then(Value::as_str)
+            .filter(|d| d.starts_with('{'))
+            .map(|d| d[1..].to_string()),
     })
 }
 
-/// The first 16 hex digits of the SHA-256 of `config` as JSON (its keys sorted): the same
-/// for the same application config, on every replica and version of ray-xds.
-fn config_digest(config: &Value) -> String {
+/// The first 16 hex digits of the SHA-256 of `raw`, a JSON value as Ray sent it, after
+/// the value's first character (`{` for an object, which `application` checks for): the
+/// same for the same application config (Ray writes a config the same way each time), on
+/// every replica and version of ray-xds, whatever its depth or numbers.
+fn config_digest(raw: &str) -> String {
     use sha2::Digest;
-    let bytes = serde_json::to_vec(config).unwrap_or_default();
-    let digest = sha2::Sha256::digest(bytes);
-    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+    let digest = sha2::Sha256::digest(raw.as_bytes());
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{}{hex}", raw.chars().next().unwrap_or(' '))
 }
 
 /// Parses the body of `GET /api/serve/applications/`.
@@ -194,9 +199,9 @@ enum Shape {
     /// A scalar (string cut to [`MAX_STRING_BYTES`], number, bool, null); an object or
     /// array here is skipped unbuilt and read as null.
     Scalar,
-    /// Any value, built whole (strings uncut): what is read of it is its digest. The
-    /// answer's size bounds it (`MAX_JSON_VALUES`).
-    Whole,
+    /// Any value, read as the digest of its bytes as sent ([`config_digest`]), a string;
+    /// never built, so no depth or size of it refuses the answer.
+    Digest,
     /// An object: only these keys, each of its shape.
     Fields(&'static [(&'static str, Shape)]),
     /// An object: every key, each value of this shape; more than `max` entries refuse the
@@ -222,7 +227,7 @@ static ROOT: Shape = Shape::Fields(&[
                 ("route_prefix", Shape::Scalar),
                 ("message", Shape::Scalar),
                 ("last_deployed_time_s", Shape::Scalar),
-                ("deployed_app_config", Shape::Whole),
+                ("deployed_app_config", Shape::Digest),
                 (
                     "deployments",
                     Shape::MapOf(
@@ -329,8 +334,9 @@ impl<'de> serde::de::DeserializeSeed<'de> for Pruned {
     type Value = Value;
 
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
-        if matches!(self.0, Shape::Whole) {
-            return serde::Deserialize::deserialize(d);
+        if matches!(self.0, Shape::Digest) {
+            let raw: Box<serde_json::value::RawValue> = serde::Deserialize::deserialize(d)?;
+            return Ok(Value::String(config_digest(raw.get())));
         }
         d.deserialize_any(PrunedVisitor(self.0))
     }
@@ -390,8 +396,8 @@ impl<'de> serde::de::Visitor<'de> for PrunedVisitor {
                 while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
                 return Ok(Value::Null);
             }
-            // (`Whole` never comes here: `Pruned` builds it.)
-            Shape::Fields(_) | Shape::MapOf(..) | Shape::Whole => {
+            // (`Digest` never comes here: `Pruned` reads it.)
+            Shape::Fields(_) | Shape::MapOf(..) | Shape::Digest => {
                 while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
                 return Ok(Value::Array(Vec::new()));
             }
@@ -425,7 +431,7 @@ impl<'de> serde::de::Visitor<'de> for PrunedVisitor {
                 }
                 Shape::Fields(fields) => fields.iter().find(|(k, _)| *k == key).map(|(_, s)| s),
                 // Not the object its shape wants: kept as an empty one.
-                Shape::ArrayOf(..) | Shape::Scalar | Shape::Whole => None,
+                Shape::ArrayOf(..) | Shape::Scalar | Shape::Digest => None,
             };
             match shape {
                 Some(shape) if key.len() <= MAX_STRING_BYTES => {
