@@ -208,6 +208,13 @@ pub struct Switchover {
     /// and pending clusters while it has both, the pending one from when its version
     /// was deployed.
     judged: BTreeMap<String, SystemTime>,
+    /// Per pending Envoy cluster, its version and the deploy time its reports count from:
+    /// the deploy time first seen with that version, so that KubeRay applying the same
+    /// config again (each `target_capacity` step moves the deploy time) does not start
+    /// the count over. Replicas that saw the version deployed agree on it; one started
+    /// after such a step counts from the later time, and adds only the reports of peers
+    /// that count from it too.
+    version_since: BTreeMap<String, (Option<String>, SystemTime)>,
     /// This replica's id, for its peers ([`ReplicaView::replica`]).
     replica_id: String,
 }
@@ -301,6 +308,10 @@ impl Switchover {
         let mut next = BTreeMap::new();
         self.observe_capacity(model, dashboards, now);
         self.loads_since = std::mem::take(&mut self.judged);
+        // (Kept for the pending clusters judged the round before: `judged` is rebuilt.)
+        let loads_since = &self.loads_since;
+        self.version_since
+            .retain(|c, _| loads_since.contains_key(c));
         self.judging.clear();
         self.judgeable.clear();
         let keys: BTreeSet<String> = model.services().iter().map(|s| s.key()).collect();
@@ -2031,16 +2042,19 @@ mod tests {
             (w(&[(A, 100)]), Phase::RolledBack)
         );
         // KubeRay raises b1's target_capacity (the same config redeployed): still the
-        // version judged, still rolled back.
+        // version judged, still rolled back, its reports still counted from its deploy.
+        let counted_from = s.judged_clusters()["default/s/b1"];
         retarget(&mut world, "default/s/b1");
         advance(&mut s, &auto, &world, &(), at(1001));
         assert_eq!(
             (weights(&s), phase(&s)),
             (w(&[(A, 100)]), Phase::RolledBack)
         );
-        // A new version of b1: the shift starts over.
+        assert_eq!(s.judged_clusters()["default/s/b1"], counted_from);
+        // A new version of b1: the shift starts over, counted from its own deploy.
         redeploy(&mut world, "default/s/b1");
         advance(&mut s, &auto, &world, &(), at(1002));
+        assert!(s.judged_clusters()["default/s/b1"] > counted_from);
         assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
         assert!(s.rollback("default/s").is_none());
         // A peer's decision on the old version is not taken for the new one.

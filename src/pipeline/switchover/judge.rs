@@ -41,11 +41,21 @@ impl Switchover {
             service.envoy_cluster_name(&pending),
             service.envoy_cluster_name(active),
         );
-        let deployed =
+        let version = outcomes::version(service, &pending, dashboards);
+        let deployed_now =
             outcomes::deployed_at(service, &pending, dashboards).unwrap_or(SystemTime::UNIX_EPOCH);
+        let deployed = match self.version_since.get(&new) {
+            Some((seen, since))
+                if version.is_some() && *seen == version && *since <= deployed_now =>
+            {
+                *since
+            }
+            _ => deployed_now,
+        };
+        self.version_since
+            .insert(new.clone(), (version.clone(), deployed));
         self.judged.insert(new.clone(), deployed);
         self.judged.insert(old.clone(), SystemTime::UNIX_EPOCH);
-        let version = outcomes::version(service, &pending, dashboards);
         self.clear_stale(key, &pending, version.as_deref());
         if self.baselines.get(key).is_some_and(|(c, _)| *c != pending) {
             self.baselines.remove(key);
