@@ -98,8 +98,9 @@ pub(crate) fn judge(
 
 /// The version of `cluster`'s applications: each one's config as deployed (its digest),
 /// as its dashboard says now, or its deploy time when it has no config; `None` when it
-/// has no dashboard answer or an application with neither. Not the deploy time: KubeRay's incremental upgrade redeploys the
-/// same config with each `target_capacity` step, which moves the deploy time (Ray 2.60,
+/// has no dashboard answer or an application with neither. Not the deploy time alone:
+/// KubeRay's incremental upgrade redeploys the same config with each `target_capacity`
+/// step, which moves the deploy time (Ray 2.60,
 /// `real_ray_conformance_of_the_endpoints_ray_xds_reads`) and would clear a rollback.
 pub(crate) fn version(
     service: &RayService,

@@ -3,7 +3,8 @@
 //!
 //! - A whole RayCluster ([`readiness`]): its dashboard answered since the switch began and
 //!   says every application serves (`Application::serves`: RUNNING, or DEPLOYING only to
-//!   start or stop replicas, as a raised `target_capacity` does); enough of its proxies ready (probe healthy,
+//!   start or stop replicas, as a raised `target_capacity` does); enough of its proxies
+//!   ready (probe healthy,
 //!   serving every route prefix), and of its gRPC proxies when it serves gRPC.
 //! - One application ([`app_readiness`]): the same dashboard, saying *that* application
 //!   serves (another may still be deploying, but none has failed); and where its requests would go there

@@ -71,20 +71,17 @@ fn application(name: &str, app: &Value) -> Result<Application, DashboardError> {
         config_digest: app
             .get("deployed_app_config")
             .and_then(Value::as_str)
-            .filter(|d| d.starts_with('{'))
-            .map(|d| d[1..].to_string()),
+            .map(str::to_owned),
     })
 }
 
-/// The first 16 hex digits of the SHA-256 of `raw`, a JSON value as Ray sent it, after
-/// the value's first character (`{` for an object, which `application` checks for): the
+/// The first 16 hex digits of the SHA-256 of `raw`, a JSON object as Ray sent it: the
 /// same for the same application config (Ray writes a config the same way each time), on
 /// every replica and version of ray-xds, whatever its depth or numbers.
 fn config_digest(raw: &str) -> String {
     use sha2::Digest;
     let digest = sha2::Sha256::digest(raw.as_bytes());
-    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
-    format!("{}{hex}", raw.chars().next().unwrap_or(' '))
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Parses the body of `GET /api/serve/applications/`.
@@ -199,8 +196,9 @@ enum Shape {
     /// A scalar (string cut to [`MAX_STRING_BYTES`], number, bool, null); an object or
     /// array here is skipped unbuilt and read as null.
     Scalar,
-    /// Any value, read as the digest of its bytes as sent ([`config_digest`]), a string;
-    /// never built, so no depth or size of it refuses the answer.
+    /// Any value, never built, so no depth or size of it refuses the answer: an object
+    /// is read as the digest of its bytes as sent ([`config_digest`]), a string; anything
+    /// else as null.
     Digest,
     /// An object: only these keys, each of its shape.
     Fields(&'static [(&'static str, Shape)]),
@@ -336,7 +334,12 @@ impl<'de> serde::de::DeserializeSeed<'de> for Pruned {
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
         if matches!(self.0, Shape::Digest) {
             let raw: Box<serde_json::value::RawValue> = serde::Deserialize::deserialize(d)?;
-            return Ok(Value::String(config_digest(raw.get())));
+            let object = raw.get().starts_with('{');
+            return Ok(if object {
+                Value::String(config_digest(raw.get()))
+            } else {
+                Value::Null
+            });
         }
         d.deserialize_any(PrunedVisitor(self.0))
     }
