@@ -2,8 +2,10 @@
 //!
 //! One task per cluster polls `GET /api/serve/applications/` every interval; the manager
 //! is the single writer of [`DashboardStates`]. A failed poll (unreachable, 503, timeout,
-//! malformed JSON) means "unknown right now": the last known status is kept and marked
-//! stale, the error is counted, and nothing crashes. Publishing happens only on change.
+//! malformed JSON) is counted and logged and crashes nothing; the last known status is
+//! kept. It still counts as current through `misses_tolerated` failed polls in a row (one
+//! slow answer on a busy head does not flap a switch's weights), and is marked stale from
+//! the next. Publishing happens only on change.
 //!
 //! Memory: a status is shared (`Arc`), never copied per publication, and what all
 //! statuses hold is bounded by [`MEMORY_BUDGET_BYTES`], shared fairly between clusters
@@ -49,7 +51,10 @@ pub struct ClusterDashboard {
     pub applications: BTreeMap<String, (String, f64)>,
     pub last_success_unix: Option<f64>,
     pub last_error: Option<String>,
-    /// The last poll failed: `status` is what it said before.
+    /// Polls failed in a row since the last answer.
+    pub misses: u32,
+    /// More polls failed in a row than are tolerated: `status` is what it said before,
+    /// not what it says now.
     pub stale: bool,
 }
 
@@ -104,11 +109,19 @@ impl ClusterDashboard {
             applications: BTreeMap::new(),
             last_success_unix: None,
             last_error: None,
+            misses: 0,
             stale: false,
         }
     }
 
-    fn apply(&mut self, result: Result<ServeStatus, DashboardError>, now: SystemTime) {
+    /// One poll's result; after more than `misses_tolerated` failures in a row the last
+    /// status is stale.
+    fn apply(
+        &mut self,
+        result: Result<ServeStatus, DashboardError>,
+        now: SystemTime,
+        misses_tolerated: u32,
+    ) {
         let now_unix = unix(now);
         match result {
             Ok(status) => {
@@ -125,11 +138,13 @@ impl ClusterDashboard {
                 self.status = Some(Arc::new(status));
                 self.last_success_unix = Some(now_unix);
                 self.last_error = None;
+                self.misses = 0;
                 self.stale = false;
             }
             Err(e) => {
                 self.last_error = Some(e.to_string());
-                self.stale = true;
+                self.misses = self.misses.saturating_add(1);
+                self.stale = self.stale || self.misses > misses_tolerated;
             }
         }
     }
@@ -148,6 +163,8 @@ pub struct DashboardPoller {
     pub answered: Arc<AnsweredAt>,
     pub interval: Duration,
     pub timeout: Duration,
+    /// Failed polls in a row after which a dashboard's last answer is stale.
+    pub misses_tolerated: u32,
     pub metrics: Arc<Metrics>,
     /// What all statuses may hold ([`MEMORY_BUDGET_BYTES`] outside tests).
     pub memory_budget: usize,
@@ -324,18 +341,35 @@ impl Polls<'_> {
                     reason: e.metric_label(),
                 })
                 .inc();
-            if !entry.stale {
+            if entry.misses == 0 {
                 tracing::warn!(cluster, url, error = %e, "Ray dashboard did not answer; keeping its last known state");
             }
-        } else if entry.stale {
-            tracing::info!(cluster, url, "Ray dashboard answers again");
+        } else if entry.misses > 0 {
+            tracing::info!(
+                cluster,
+                url,
+                misses = entry.misses,
+                "Ray dashboard answers again"
+            );
         }
         let before = entry.clone();
-        entry.apply(result, SystemTime::now());
+        entry.apply(result, SystemTime::now(), self.poller.misses_tolerated);
+        if entry.stale && !before.stale {
+            tracing::warn!(
+                cluster,
+                url,
+                misses = entry.misses,
+                "Ray dashboard's last answer is stale"
+            );
+        }
         // Only the status, staleness and errors matter to readers; a poll that changes
         // nothing but the success time is not worth a new snapshot.
+        // (A miss counts as a change only up to the one that makes the status stale: a
+        // dashboard that stays down is published once, not at every poll.)
+        let tolerated = self.poller.misses_tolerated;
         let changed = before.status != entry.status
             || before.stale != entry.stale
+            || (before.misses != entry.misses && entry.misses <= tolerated.saturating_add(1))
             || before.last_error != entry.last_error;
         if changed || forced {
             self.states.send_replace(Arc::new(self.current.clone()));
@@ -381,6 +415,90 @@ fn dashboards(model: &Model) -> BTreeMap<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn running() -> ServeStatus {
+        crate::live::dashboard::parse(include_bytes!(
+            "../../tests/fixtures/ray-serve-2.60/02-running.json"
+        ))
+        .unwrap()
+    }
+
+    /// A dashboard that stays down is published as it goes stale, not at every poll
+    /// after (each publication rebuilds every snapshot).
+    #[tokio::test]
+    async fn a_dashboard_that_stays_down_is_published_once_stale() {
+        let mut s = crate::model::test_support::service("s", "c", &[8000]);
+        // Port 1 on loopback: refused at once.
+        s.clusters[0].dashboard = Some("http://127.0.0.1:1".into());
+        let (_models, models_rx) = watch::channel(Arc::new(Model::new(vec![s]).unwrap()));
+        let (tx, mut rx) = watch::channel(Arc::new(DashboardStates::default()));
+        let metrics = Arc::new(Metrics::new());
+        let poller = DashboardPoller {
+            answered: Default::default(),
+            interval: Duration::from_millis(20),
+            timeout: Duration::from_secs(5),
+            misses_tolerated: 1,
+            metrics: metrics.clone(),
+            memory_budget: MEMORY_BUDGET_BYTES,
+        };
+        let shutdown = CancellationToken::new();
+        let (_refresh, mut refresh_rx) = mpsc::unbounded_channel();
+        let token = shutdown.clone();
+        tokio::spawn(async move { poller.run(models_rx, tx, &mut refresh_rx, token).await });
+        let stale = |d: &Arc<DashboardStates>| d.clusters.values().any(|c| c.stale);
+        tokio::time::timeout(Duration::from_secs(20), rx.wait_for(stale))
+            .await
+            .expect("stale in time")
+            .unwrap();
+        rx.mark_unchanged();
+        let misses = || rx.borrow().clusters.values().map(|c| c.misses).max();
+        assert_eq!(misses(), Some(2), "stale at the second miss");
+        let errors = metrics.dashboard_errors.get_or_create(&ErrorLabels {
+            reason: "unreachable",
+        });
+        let at_stale = errors.get();
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while errors.get() < at_stale + 10 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("10 more polls in time");
+        assert!(
+            !rx.has_changed().unwrap(),
+            "published again at {:?} misses",
+            misses()
+        );
+        shutdown.cancel();
+    }
+
+    #[test]
+    fn a_dashboard_is_stale_only_after_more_misses_in_a_row_than_tolerated() {
+        let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        for tolerated in [0, 1, 3] {
+            let mut d = ClusterDashboard::new("http://192.0.2.1:8265".into());
+            d.apply(Ok(running()), t, tolerated);
+            for round in 0..2 {
+                for miss in 1..=tolerated + 2 {
+                    d.apply(Err(DashboardError::Timeout), t, tolerated);
+                    assert_eq!(d.misses, miss);
+                    assert_eq!(
+                        d.stale,
+                        miss > tolerated,
+                        "{tolerated} tolerated, miss {miss}"
+                    );
+                    assert!(d.status.is_some(), "the last status is kept");
+                    assert_eq!(d.last_success_unix, Some(1_000.0 + round as f64));
+                }
+                d.apply(Ok(running()), t + Duration::from_secs(round + 1), tolerated);
+                assert_eq!(d.last_success_unix, Some(1_001.0 + round as f64));
+                assert_eq!(
+                    (d.misses, d.stale, d.last_error.as_deref()),
+                    (0, false, None)
+                );
+            }
+        }
+    }
 
     /// `/debug/state` shows a bounded part of a cluster's
     /// applications (45 clusters of big statuses made 360 MB pages).

@@ -60,6 +60,10 @@ pub struct PeerSwitch {
     /// started): only such a `serving` is a move done.
     #[serde(default)]
     pub moved: bool,
+    /// Where that move came from: the cluster a completed early flip may go back to
+    /// while the source lists it (`pipeline::switchover`'s judged pair).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moved_from: Option<String>,
     /// That replica's decision to send nothing to the pending cluster, whose requests
     /// fail (`pipeline::outcomes`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -211,6 +215,13 @@ impl PeerStates {
     pub(crate) fn completed(&self, service: &str, target: &str) -> bool {
         self.of(service)
             .any(|p| p.moved && p.serving == target && p.target.is_none())
+    }
+
+    /// Where a peer's move of `service` to `serving` came from (a move it made).
+    pub(crate) fn moved_from(&self, service: &str, serving: &str) -> Option<String> {
+        self.of(service)
+            .filter(|p| p.moved && p.serving == serving)
+            .find_map(|p| p.moved_from.clone())
     }
 
     /// The clusters peers serve `service` from.
@@ -441,6 +452,7 @@ mod tests {
             shift_started_unix: started,
             serving_since_unix: Some(1.0),
             moved: target.is_none(),
+            moved_from: None,
             rollback: None,
             held_at: None,
         }

@@ -542,6 +542,7 @@ mod tests {
             shift_started_unix: None,
             serving_since_unix: moved_at,
             moved: moved_at.is_some(),
+            moved_from: None,
             rollback: None,
             held_at: None,
         }

@@ -36,7 +36,7 @@ use crate::live::peers::{
     to_unix, DepartedCluster, PeerStates, PeerSwitch, ReplicaView, SharedLoad,
 };
 use crate::model::Model;
-use crate::policy::switchover::SwitchoverPolicy;
+use crate::policy::switchover::{Control, SwitchoverPolicy};
 use crate::translate::app_switch_key;
 
 mod judge;
@@ -215,6 +215,9 @@ pub struct Switchover {
     /// after such a step counts from the later time, and adds only the reports of peers
     /// that count from it too.
     version_since: BTreeMap<String, (Option<String>, SystemTime)>,
+    /// Per judged Envoy cluster, the ready capacity it had over the outcome window, as a
+    /// sliding minimum (times and levels both increasing; the first is the least).
+    capacity_seen: BTreeMap<String, std::collections::VecDeque<(SystemTime, u64)>>,
     /// This replica's id, for its peers ([`ReplicaView::replica`]).
     replica_id: String,
 }
@@ -284,6 +287,7 @@ impl Switchover {
                         shift_started_unix: s.shift_started.map(to_unix),
                         serving_since_unix: Some(to_unix(s.serving_since)),
                         moved: s.moved,
+                        moved_from: s.moved_from.clone(),
                         rollback: self.rollbacks.get(key).cloned(),
                         held_at: s.held_at,
                     };
@@ -312,6 +316,8 @@ impl Switchover {
         let loads_since = &self.loads_since;
         self.version_since
             .retain(|c, _| loads_since.contains_key(c));
+        self.capacity_seen
+            .retain(|c, _| loads_since.contains_key(c));
         self.judging.clear();
         self.judgeable.clear();
         let keys: BTreeSet<String> = model.services().iter().map(|s| s.key()).collect();
@@ -321,7 +327,6 @@ impl Switchover {
         for service in model.services() {
             let key = service.key();
             let known = self.services.contains_key(&key);
-            let rolled_back = self.outcome_round(service, &key, dashboards, now);
             // New here (a start, or a restart mid-switch) while the source names an active
             // cluster a peer does not serve yet (an early flip): traffic is where the peer
             // serves it, if the source still lists that cluster and does not name it as
@@ -346,6 +351,14 @@ impl Switchover {
                 })
                 .flatten()
                 .unwrap_or_else(|| service.active_cluster.clone());
+            let pair = match self.services.get(&key) {
+                Some(st) => judge::judged_pair(service, &st.serving, st.moved_from.as_deref()),
+                None => {
+                    let moved_from = self.peers.moved_from(&key, &serving);
+                    judge::judged_pair(service, &serving, moved_from.as_deref())
+                }
+            };
+            let rolled_back = self.outcome_round(service, &key, pair.as_ref(), dashboards, now);
             let st = self.advance_unit(
                 &key,
                 service,
@@ -360,10 +373,7 @@ impl Switchover {
                 &mut events,
             );
             let (target, serving) = (st.target.clone(), st.serving.clone());
-            let has_traffic = service
-                .pending_cluster
-                .as_deref()
-                .is_some_and(|p| st.weight_of(p) > 0);
+            let has_traffic = pair.is_some_and(|(judged, _)| st.weight_of(&judged) > 0);
             if self.judgeable.remove(&key) && has_traffic {
                 self.judging.insert(key.clone());
             }
@@ -372,10 +382,18 @@ impl Switchover {
             // RayService's traffic is.
             let apps = target.as_deref().and_then(|t| service.cluster(t));
             // An application that failed on the new cluster sends those that moved there on
-            // their own back to where the RayService's traffic is.
+            // their own back to where the RayService's traffic is; so does a rollback or
+            // an abort of the move (the switch of an early flip's applications has no
+            // pending cluster to say where "back" is).
+            let stopped = rolled_back
+                || self
+                    .defaults
+                    .with(&service.policy.overrides.switchover)
+                    .control
+                    == Control::Abort;
             let back_to = target
                 .as_deref()
-                .filter(|t| has_failed_application(service, t, dashboards))
+                .filter(|t| stopped || has_failed_application(service, t, dashboards))
                 .map(|_| serving.clone());
             for app in apps.into_iter().flat_map(|c| &c.applications) {
                 let app_key = app_switch_key(&key, &app.name);
@@ -735,6 +753,51 @@ mod tests {
         advance(&mut s, &m, &world, &(), T0 + Duration::from_secs(2));
         assert_eq!(s.weights()["default/s#hello"], w(&[(A, 100)]));
         assert_eq!(weights(&s), w(&[(A, 100)]));
+    }
+
+    /// An early flip's applications move on their own as a pending cluster's do, and go
+    /// back to where the RayService's traffic is when an application fails there, when
+    /// the operator aborts, and when the new cluster is rolled back.
+    #[test]
+    fn an_early_flip_s_applications_go_back_when_the_move_stops() {
+        let flip = |control: Control| {
+            let mut s = model_with_apps(None, false).services()[0].clone();
+            s.active_cluster = B.into();
+            s.policy.overrides.switchover = controlled(control, Default::default());
+            Model::new(vec![s]).unwrap()
+        };
+        let (auto, aborted) = (flip(Control::Auto), flip(Control::Abort));
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let moved_on_its_own = |world: &World| {
+            let mut s = Switchover::default();
+            advance(&mut s, &model(A, None, Default::default()), world, &(), T0);
+            advance(&mut s, &auto, world, &(), T0);
+            assert_eq!(weights(&s), w(&[(A, 100)]));
+            assert_eq!(s.weights()["default/s#hello"], w(&[(B, 100)]));
+            s
+        };
+        let mut world = World::new();
+        world.apps("default/s/b1", "03-deploying.json");
+        // An application fails on b1: `hello` goes back.
+        let mut s = moved_on_its_own(&world);
+        let mut failed = World::new();
+        failed.apps("default/s/b1", "04-mixed-settled.json");
+        advance(&mut s, &auto, &failed, &(), at(1));
+        assert_eq!(s.weights()["default/s#hello"], w(&[(A, 100)]));
+        // The operator aborts: `hello` goes back, at once.
+        let mut s = moved_on_its_own(&world);
+        advance(&mut s, &aborted, &world, &(), at(1));
+        assert_eq!(s.weights()["default/s#hello"], w(&[(A, 100)]));
+        assert_eq!(weights(&s), w(&[(A, 100)]));
+        // b1 fails a fifth of its requests: rolled back, `hello` with it.
+        let mut s = moved_on_its_own(&world);
+        s.set_loads(reported(&[
+            ("default/s/b1", 80, 20),
+            ("default/s/a1", 500, 1),
+        ]));
+        advance(&mut s, &auto, &world, &(), at(1));
+        assert_eq!(phase(&s), Phase::RolledBack);
+        assert_eq!(s.weights()["default/s#hello"], w(&[(A, 100)]));
     }
 
     /// An application whose replicas (direct ingress) are ready moves even with no proxy
@@ -1384,6 +1447,7 @@ mod tests {
                         shift_started_unix: Some(started),
                         serving_since_unix: None,
                         moved: false,
+                        moved_from: None,
                         rollback: None,
                         held_at: None,
                     }],
@@ -1960,6 +2024,38 @@ mod tests {
             .collect()
     }
 
+    /// What b1 ran while it deployed, with no traffic, does not count as its capacity
+    /// when its failures are judged: a peak of 3 in flight is within the 5 it runs once
+    /// traffic moves, so its 5xx are its own, and it is rolled back at once.
+    #[test]
+    fn a_capacity_seen_before_traffic_does_not_hold_a_verdict() {
+        let mut world = World::new();
+        world.apps("default/s/b1", "03-deploying.json");
+        let m = model(A, Some(B), SwitchoverOverrides::default());
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let mut s = Switchover::default();
+        for t in 0..3 {
+            advance(&mut s, &m, &world, &(), at(t));
+            assert_eq!(weights(&s), w(&[(A, 100)]), "b1 deploys (capacity 0)");
+        }
+        world.apps("default/s/b1", "02-running.json");
+        advance(&mut s, &m, &world, &(), at(3));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+        let mut loads = reported(&[("default/s/b1", 80, 20), ("default/s/a1", 500, 1)]);
+        loads.get_mut("default/s/b1").unwrap().in_progress_peak = 3;
+        s.set_loads(loads.clone());
+        advance(&mut s, &m, &world, &(), at(4));
+        assert_eq!(phase(&s), Phase::RolledBack);
+        // Over its capacity now (6 in flight against 5): no verdict, its 5xx may be
+        // Ray's backpressure.
+        let mut s2 = Switchover::default();
+        advance(&mut s2, &m, &world, &(), at(3));
+        loads.get_mut("default/s/b1").unwrap().in_progress_peak = 6;
+        s2.set_loads(loads);
+        advance(&mut s2, &m, &world, &(), at(4));
+        assert_eq!((weights(&s2), phase(&s2)), (w(&[(B, 100)]), Phase::Stable));
+    }
+
     /// b1's applications redeployed with a new config (a new version of the cluster).
     fn redeploy(world: &mut World, cluster: &str) {
         let d = world.dashboards.clusters.get_mut(cluster).unwrap();
@@ -2080,6 +2176,171 @@ mod tests {
         assert!(!s.judging());
     }
 
+    /// An early flip (the source names b1 active while traffic is still on a1, which it
+    /// still lists) is judged as a pending cluster is: b1 failing a fifth of its requests
+    /// goes back to no traffic and stays there while a1 is listed, a peer takes the
+    /// decision, and once the source drops a1 there is nothing to go back to.
+    #[test]
+    fn an_early_flip_whose_requests_fail_is_rolled_back_while_the_old_cluster_is_listed() {
+        let world = World::new();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let flipped = model(B, None, steps_policy());
+        let mut s = Switchover::default();
+        advance(&mut s, &model(A, None, steps_policy()), &world, &(), T0);
+        advance(&mut s, &flipped, &world, &(), T0);
+        advance(&mut s, &flipped, &world, &(), at(10));
+        assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]));
+        assert_eq!(
+            s.judged_clusters().keys().collect::<Vec<_>>(),
+            ["default/s/a1", "default/s/b1"]
+        );
+        assert!(s.judging(), "b1 has traffic and may be rolled back");
+        s.set_loads(reported(&[
+            ("default/s/b1", 80, 20),
+            ("default/s/a1", 500, 1),
+        ]));
+        advance(&mut s, &flipped, &world, &(), at(11));
+        assert_eq!(
+            (weights(&s), phase(&s)),
+            (w(&[(A, 100)]), Phase::RolledBack)
+        );
+        let st = &s.services["default/s"];
+        assert!(st.reason.contains("returns to) a1"), "{}", st.reason);
+        s.set_loads(LoadTotals::new());
+        for t in [12, 100, 1000] {
+            advance(&mut s, &flipped, &world, &(), at(t));
+            assert_eq!(
+                (weights(&s), phase(&s)),
+                (w(&[(A, 100)]), Phase::RolledBack),
+                "at {t} s"
+            );
+        }
+        // A replica restarted meanwhile serves a1 with its peer and takes the decision.
+        let mut restarted = Switchover::default();
+        restarted.set_peers(heard_from(&[&s]));
+        advance(&mut restarted, &flipped, &world, &(), at(1001));
+        assert_eq!(
+            (weights(&restarted), phase(&restarted)),
+            (w(&[(A, 100)]), Phase::RolledBack)
+        );
+        // The operator's promote clears it: the shift starts over.
+        let promoted = model(B, None, controlled(Control::Promote, steps_policy()));
+        let mut p = restarted.clone();
+        advance(&mut p, &promoted, &world, &(), at(1002));
+        assert!(p.rollback("default/s").is_none());
+        assert_eq!(weights(&p), w(&[(B, 100)]));
+        // The source drops a1: nothing to go back to, and nothing held.
+        let only_b = {
+            let mut m = service("s", B, &[9000]);
+            m.clusters[0].dashboard = Some("http://b".into());
+            m.policy.overrides.switchover = steps_policy();
+            Model::new(vec![m]).unwrap()
+        };
+        advance(&mut s, &only_b, &world, &(), at(1002));
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+        assert!(s.rollback("default/s").is_none());
+    }
+
+    /// An early flip that completed at once (atomic) is judged while the source still
+    /// lists the cluster the move came from, and goes back there, at once; a replica
+    /// restarted after the move takes where it came from from its peer and judges alike.
+    #[test]
+    fn a_completed_early_flip_whose_requests_fail_goes_back_while_the_old_cluster_is_listed() {
+        let world = World::new();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let flipped = model(B, None, SwitchoverOverrides::default());
+        let mut s = Switchover::default();
+        advance(&mut s, &model(A, None, Default::default()), &world, &(), T0);
+        advance(&mut s, &flipped, &world, &(), T0);
+        assert_eq!(weights(&s), w(&[(B, 100)]));
+        assert!(
+            s.judging(),
+            "b1 is judged against a1, where the move came from"
+        );
+        let mut restarted = Switchover::default();
+        restarted.set_peers(heard_from(&[&s]));
+        advance(&mut restarted, &flipped, &world, &(), at(1));
+        assert_eq!(weights(&restarted), w(&[(B, 100)]));
+        assert!(
+            restarted.judging(),
+            "the peer's move says where it came from"
+        );
+        for r in [&mut s, &mut restarted] {
+            r.set_loads(reported(&[("default/s/b1", 80, 20)]));
+            advance(r, &flipped, &world, &(), at(2));
+            assert_eq!((weights(r), phase(r)), (w(&[(A, 100)]), Phase::RolledBack));
+            let st = &r.services["default/s"];
+            assert!(st.reason.contains("returns to) a1"), "{}", st.reason);
+            r.set_loads(LoadTotals::new());
+            advance(r, &flipped, &world, &(), at(100));
+            assert_eq!((weights(r), phase(r)), (w(&[(A, 100)]), Phase::RolledBack));
+        }
+        // Which cluster a move came from is what a replica saw, not what is listed.
+        let mut three = flipped.services()[0].clone();
+        let mut c = three.clusters[0].clone();
+        c.name = "c1".into();
+        c.proxies.clear();
+        three.clusters.push(c);
+        let pair = Some((B.to_string(), A.to_string()));
+        assert_eq!(judge::judged_pair(&three, B, None), None);
+        assert_eq!(judge::judged_pair(&three, B, Some(A)), pair);
+        assert_eq!(judge::judged_pair(&three, A, None), pair);
+        assert_eq!(judge::judged_pair(&three, B, Some("gone")), None);
+    }
+
+    /// A cluster listed beside the active one, which traffic never moved from (a standby),
+    /// is no way back: the active cluster failing is not rolled back to it, and an
+    /// abort with no move under way keeps traffic where it is.
+    #[test]
+    fn a_listed_standby_is_no_way_back() {
+        let world = World::new();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let steady = model(A, None, SwitchoverOverrides::default());
+        let mut s = Switchover::default();
+        advance(&mut s, &steady, &world, &(), T0);
+        assert!(!s.judging());
+        s.set_loads(reported(&[("default/s/a1", 90, 10)]));
+        advance(&mut s, &steady, &world, &(), at(1));
+        advance(&mut s, &steady, &world, &(), at(2));
+        assert_eq!(
+            (weights(&s), phase(&s), s.rollback("default/s").is_none()),
+            (w(&[(A, 100)]), Phase::Stable, true)
+        );
+        let aborted = model(A, None, controlled(Control::Abort, Default::default()));
+        let mut fresh = Switchover::default();
+        for t in [3, 4, 5] {
+            advance(&mut s, &aborted, &world, &(), at(t));
+            advance(&mut fresh, &aborted, &world, &(), at(t));
+        }
+        assert_eq!(
+            weights(&s),
+            w(&[(A, 100)]),
+            "{}",
+            s.services["default/s"].reason
+        );
+        assert_eq!(weights(&fresh), w(&[(A, 100)]));
+    }
+
+    /// The operator's abort stops an early flip's move as it stops a pending cluster's:
+    /// all traffic on the cluster it is still served from, at once.
+    #[test]
+    fn an_operator_s_abort_stops_an_early_flip() {
+        let world = World::new();
+        let at = |secs| T0 + Duration::from_secs(secs);
+        let mut s = Switchover::default();
+        advance(&mut s, &model(A, None, steps_policy()), &world, &(), T0);
+        let flipped = model(B, None, steps_policy());
+        advance(&mut s, &flipped, &world, &(), T0);
+        advance(&mut s, &flipped, &world, &(), at(10));
+        assert_eq!(weights(&s), w(&[(A, 75), (B, 25)]));
+        let aborted = model(B, None, controlled(Control::Abort, steps_policy()));
+        advance(&mut s, &aborted, &world, &(), at(11));
+        assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Aborted));
+        // Lifted: the shift starts over.
+        advance(&mut s, &flipped, &world, &(), at(12));
+        assert_eq!(weights(&s), w(&[(A, 90), (B, 10)]));
+    }
+
     /// The round that first gives the pending cluster traffic asks for its reports at
     /// once: with nothing else changing, the next build would otherwise come only with
     /// the schedule's next step (an atomic move: never).
@@ -2141,7 +2402,11 @@ mod tests {
         advance(&mut s, &auto, &world, &(), at(32));
         let why = &s.rollback("default/s").unwrap().why;
         assert!(why.contains("3.0%"), "{why}");
-        assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Stable));
+        // Back on a1 at once, and shown rolled back from that round on.
+        assert_eq!(
+            (weights(&s), phase(&s)),
+            (w(&[(A, 100)]), Phase::RolledBack)
+        );
         advance(&mut s, &auto, &world, &(), at(33));
         assert_eq!(
             (weights(&s), phase(&s)),
@@ -2191,18 +2456,21 @@ mod tests {
         assert_eq!(weights(&s), w(&[(B, 100)]));
         // a1 ended nothing in the window: b1 is judged against 0%.
         s.set_loads(reported(&[("default/s/b1", 90, 10)]));
+        // The way back waits for a1 to be warmed: the phase says so, the reason says
+        // both.
         advance(&mut s, &m, &world, &ColdFor(vec!["default/s/a1"]), at(1));
+        assert_eq!((weights(&s), phase(&s)), (w(&[(B, 100)]), Phase::Warming));
+        let reason = &s.services["default/s"].reason;
+        assert!(
+            reason.contains("too few") && reason.contains("the way back waits"),
+            "{reason}"
+        );
+        assert!(s.services["default/s"].rollback.is_some());
+        advance(&mut s, &m, &world, &(), at(2));
         assert_eq!(
             (weights(&s), phase(&s)),
-            (w(&[(B, 100)]), Phase::RolledBack)
+            (w(&[(A, 100)]), Phase::RolledBack)
         );
-        assert!(
-            s.services["default/s"].reason.contains("too few"),
-            "{}",
-            s.services["default/s"].reason
-        );
-        advance(&mut s, &m, &world, &(), at(2));
-        assert_eq!((weights(&s), phase(&s)), (w(&[(A, 100)]), Phase::Stable));
         advance(&mut s, &m, &world, &(), at(3));
         assert_eq!(
             (weights(&s), phase(&s)),

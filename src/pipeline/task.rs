@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{Event, Inputs, Output, Pipeline};
+use crate::live::dashboard::MAX_READS_AT_ONCE;
 use crate::live::dashboards::DashboardStates;
 use crate::live::discovery::discover;
 use crate::live::health::HealthMap;
@@ -64,8 +65,9 @@ pub(crate) struct Sinks {
 /// How long the first snapshot waits for what it should not be built without.
 #[derive(Clone, Debug)]
 pub(crate) struct FirstBuild {
-    /// For every cluster's dashboard to answer once.
-    pub dashboards: Duration,
+    /// How long one dashboard read may take once it has its turn: the wait for every
+    /// cluster's dashboard to answer once follows from it ([`first_answer_wait`]).
+    pub dashboard_timeout: Duration,
     /// For every proxy's first probe.
     pub probes: Duration,
     /// The address policy discovery applies (to tell when it has caught up).
@@ -152,7 +154,7 @@ pub async fn run(
 /// so that a restarted ray-xds publishes the health Envoy already has, not "unknown" for
 /// everyone; and for the replica peers to answer once.
 async fn first_inputs(sources: &Sources, first: &FirstBuild) {
-    first_discovery(sources, first.dashboards, &first.addresses).await;
+    first_discovery(sources, first.dashboard_timeout, &first.addresses).await;
     let wanted: Vec<SocketAddr> = sources
         .models
         .borrow()
@@ -431,12 +433,29 @@ pub(crate) async fn first_probes(
     let _ = tokio::time::timeout(bound, probed).await;
 }
 
-/// Waits, at most `bound`, until the dashboard of every cluster that has one has
-/// answered (or failed) once, and for clusters that discover their proxies, until the
-/// effective model holds what it said.
+/// The longest the first snapshot waits for the last of a fresh start's `dashboards`
+/// to answer once: reads take turns ([`MAX_READS_AT_ONCE`] at a time, each bounded by
+/// `timeout`), so the last turn may come after `dashboards / MAX_READS_AT_ONCE` rounds of
+/// dashboards that hang; half a second more for the parse, and never over
+/// [`MAX_FIRST_ANSWER_WAIT`].
+fn first_answer_wait(timeout: Duration, dashboards: usize) -> Duration {
+    let rounds = dashboards.div_ceil(MAX_READS_AT_ONCE).max(1);
+    let rounds = u32::try_from(rounds).unwrap_or(u32::MAX);
+    timeout
+        .saturating_mul(rounds)
+        .saturating_add(Duration::from_millis(500))
+        .min(MAX_FIRST_ANSWER_WAIT)
+}
+
+/// The first snapshot waits no longer than this for dashboards, however many hang.
+const MAX_FIRST_ANSWER_WAIT: Duration = Duration::from_secs(15);
+
+/// Waits, at most [`first_answer_wait`], until the dashboard of every cluster that has
+/// one has answered (or failed) once, and for clusters that discover their proxies, until
+/// the effective model holds what it said.
 async fn first_discovery(
     sources: &Sources,
-    bound: Duration,
+    timeout: Duration,
     addresses: &crate::model::AddressPolicy,
 ) {
     let model = sources.source.borrow().clone();
@@ -456,6 +475,7 @@ async fn first_discovery(
     if asked.is_empty() {
         return;
     }
+    let bound = first_answer_wait(timeout, asked.len());
     let (mut dashboards, mut effective) = (sources.dashboards.clone(), sources.models.clone());
     let answered = async {
         let polled = dashboards.wait_for(|d| {
@@ -497,6 +517,20 @@ mod tests {
     use crate::live::probe::ProxyProbe;
     use crate::model::test_support::service;
     use crate::policy::Policies;
+
+    #[test]
+    fn the_first_answer_wait_covers_every_turn_of_dashboards_that_hang() {
+        let second = Duration::from_secs(1);
+        let half = Duration::from_millis(500);
+        assert_eq!(first_answer_wait(second, 1), second + half);
+        assert_eq!(first_answer_wait(second, MAX_READS_AT_ONCE), second + half);
+        assert_eq!(
+            first_answer_wait(second, MAX_READS_AT_ONCE + 1),
+            2 * second + half
+        );
+        assert_eq!(first_answer_wait(second, 10_000), MAX_FIRST_ANSWER_WAIT);
+        assert_eq!(first_answer_wait(Duration::MAX, 3), MAX_FIRST_ANSWER_WAIT);
+    }
 
     #[test]
     fn weight_series_are_kept_only_for_clusters_that_exist() {
@@ -606,7 +640,7 @@ mod freshness_tests {
             refresh,
         };
         let first = FirstBuild {
-            dashboards: Duration::from_secs(1),
+            dashboard_timeout: Duration::from_secs(1),
             probes: Duration::from_secs(1),
             addresses: Default::default(),
             peers: Duration::from_secs(1),

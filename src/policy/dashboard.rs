@@ -16,16 +16,11 @@ crate::declare_policy! {
             /// How long one dashboard poll may take.
             timeout: Duration = Duration::from_secs(1),
                 range(Duration::from_millis(10), Duration::from_secs(60)), flag "dashboard-timeout";
+            /// How many polls of a dashboard in a row may fail while its last answer still counts as current (for readiness and a switch's gates); the next failure marks it stale.
+            misses_tolerated: u32 = 1, range(0, 10), flag "dashboard-misses-tolerated";
         }
     }
 }
 
 impl CheckOverrides for DashboardOverrides {}
 impl AfterOverride<DashboardOverrides> for DashboardPolicy {}
-
-impl DashboardPolicy {
-    /// How long the first snapshot waits for every dashboard to answer once.
-    pub(crate) fn first_answer_wait(&self) -> Duration {
-        self.timeout + Duration::from_millis(500)
-    }
-}

@@ -135,6 +135,7 @@ impl Starter<'_> {
             answered: answered.clone(),
             interval: policy.poll_interval,
             timeout: policy.timeout,
+            misses_tolerated: policy.misses_tolerated,
             metrics: self.metrics.clone(),
             memory_budget: self.config.memory.dashboards,
         };
@@ -318,7 +319,7 @@ impl Starter<'_> {
         };
         let config = self.config;
         let first = FirstBuild {
-            dashboards: config.policies.dashboard.first_answer_wait(),
+            dashboard_timeout: config.policies.dashboard.timeout,
             probes: config.policies.probe.first_probe_wait(),
             addresses: config.addresses.clone(),
             peers: PEER_TIMEOUT + std::time::Duration::from_millis(200),

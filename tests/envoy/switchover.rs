@@ -386,6 +386,23 @@ async fn an_upgrade_to_a_smaller_cluster_moves_traffic_in_proportion_to_ready_ca
 /// (a redeploy that answers well) clears the decision and the shift starts over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_cluster_whose_requests_fail_is_rolled_back_from_envoy_s_load_reports() {
+    rolled_back_from_load_reports(Upgrade::Pending).await;
+}
+
+/// The same when the source names the new cluster active at once (an early flip, as
+/// KubeRay up to 1.0 did, or an operator's edit) while it still lists the old one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_flip_whose_requests_fail_is_rolled_back_from_envoy_s_load_reports() {
+    rolled_back_from_load_reports(Upgrade::EarlyFlip).await;
+}
+
+/// How the source names the new cluster `b`.
+enum Upgrade {
+    Pending,
+    EarlyFlip,
+}
+
+async fn rolled_back_from_load_reports(upgrade: Upgrade) {
     use ray_serve_sim::ProxyMode;
     let shutdown = CancellationToken::new();
     let a = SimCluster::start("a", &[NodeType::Head]).await;
@@ -404,7 +421,11 @@ async fn a_new_cluster_whose_requests_fail_is_rolled_back_from_envoy_s_load_repo
     for _ in 0..50 {
         through_envoy(port).await;
     }
-    s.edit(&yaml("a", Some("b"), &[(&a, &url_a), (&b, &url_b)], policy));
+    let both = [(&a, url_a.as_str()), (&b, url_b.as_str())];
+    s.edit(&match upgrade {
+        Upgrade::Pending => yaml("a", Some("b"), &both, policy),
+        Upgrade::EarlyFlip => yaml("b", None, &both, policy),
+    });
     let failed = std::sync::atomic::AtomicUsize::new(0);
     let sw = eventually("b is rolled back", Duration::from_secs(60), || async {
         for _ in 0..20 {

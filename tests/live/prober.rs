@@ -381,6 +381,7 @@ async fn the_dashboard_poller_keeps_the_last_known_state() {
         answered: answered.clone(),
         interval: Duration::from_millis(100),
         timeout: Duration::from_millis(300),
+        misses_tolerated: 1,
         metrics: metrics.clone(),
         memory_budget: ray_xds::live::dashboards::MEMORY_BUDGET_BYTES,
     };
@@ -434,10 +435,9 @@ async fn the_dashboard_poller_keeps_the_last_known_state() {
     ] {
         dashboard.set_mode(mode);
         let d = wait(&mut rx, |d| d.stale).await;
-        assert!(
-            d.status.as_ref().unwrap().all_running(),
-            "{mode:?}: the last known state is kept"
-        );
+        // The last known state is kept, and is stale only from the second miss.
+        let kept = d.status.as_ref().unwrap().all_running();
+        assert!(kept && d.misses >= 2, "{mode:?}: {d:?}");
         dashboard.set_mode(DashboardMode::Normal);
         wait(&mut rx, |d| !d.stale).await;
     }
@@ -518,6 +518,7 @@ async fn one_clusters_big_dashboard_answer_cannot_crowd_out_another() {
         answered: Default::default(),
         interval: Duration::from_millis(100),
         timeout: Duration::from_secs(5),
+        misses_tolerated: 0,
         metrics: metrics.clone(),
         memory_budget: budget,
     };

@@ -141,6 +141,7 @@ fn completed_b() -> PeerSwitch {
         shift_started_unix: None,
         serving_since_unix: Some(1.0),
         moved: true,
+        moved_from: None,
         rollback: None,
         held_at: None,
     }
@@ -201,6 +202,7 @@ fn a_peer_shift_for_an_unready_target_or_another_move_moves_nothing() {
         shift_started_unix: Some(1.0),
         serving_since_unix: Some(1.0),
         moved: false,
+        moved_from: None,
         rollback: None,
         held_at: None,
     }));
@@ -215,6 +217,7 @@ fn a_peer_shift_for_an_unready_target_or_another_move_moves_nothing() {
         shift_started_unix: Some(1.0),
         serving_since_unix: Some(1.0),
         moved: false,
+        moved_from: None,
         rollback: None,
         held_at: None,
     }));
@@ -241,6 +244,7 @@ fn a_flip_flopping_peer_does_not_make_weights_flap() {
         shift_started_unix: Some(to_unix(at(0)) - 12.0),
         serving_since_unix: Some(1.0),
         moved: false,
+        moved_from: None,
         rollback: None,
         held_at: None,
     };
@@ -298,6 +302,7 @@ fn a_restarted_replica_does_not_serve_an_unready_early_flipped_active_cluster() 
         shift_started_unix: None,
         serving_since_unix: Some(1.0),
         moved: false,
+        moved_from: None,
         rollback: None,
         held_at: None,
     }));
@@ -344,6 +349,7 @@ fn a_peer_start_hours_before_the_switch_existed_does_not_skip_the_canary() {
         shift_started_unix: Some(to_unix(at(100)) - skew),
         serving_since_unix: Some(1.0),
         moved: false,
+        moved_from: None,
         rollback: None,
         held_at: None,
     }));
@@ -647,6 +653,7 @@ async fn garbage_slow_huge_and_lying_peers_are_left_out_and_open_no_gate() {
                 serving_since_unix: Some(1.0),
                 // The liar claims a move done.
                 moved: true,
+                moved_from: None,
                 rollback: None,
                 held_at: None,
             },

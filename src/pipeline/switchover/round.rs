@@ -9,6 +9,7 @@
 
 use std::time::SystemTime;
 
+use super::judge;
 use super::state::ServiceSwitch;
 use super::{EnvoyWarmth, Phase, SwitchEvent, Switchover};
 use crate::live::dashboards::DashboardStates;
@@ -65,12 +66,27 @@ impl Switchover {
             .filter(|_| rolled_back && matches!(unit, Unit::Service))
             .cloned();
         if let Some(r) = self.rollback(&service_key).filter(|_| rolled_back) {
-            if st.phase == Phase::Aborted || (st.target.is_some() && st.serving == r.cluster) {
-                st.phase = Phase::RolledBack;
+            // Held off it, moving back from it, or just back from it. (A way back that a
+            // gate holds keeps its phase and says why.)
+            let returning_from = st.target.is_some() && st.serving == r.cluster;
+            let back = st.phase == Phase::Aborted
+                || (returning_from && st.phase == Phase::Shifting)
+                || (st.target.is_none() && st.weight_of(&r.cluster) == 0);
+            if returning_from && !back {
                 st.reason = format!(
-                    "{} is rolled back: {}; traffic stays on (or returns to) {} until a new \
-                     version of it, or the operator's promote",
-                    r.cluster, r.why, service.active_cluster
+                    "{} is rolled back: {}; the way back waits: {}",
+                    r.cluster, r.why, st.reason
+                );
+            } else if back {
+                st.phase = Phase::RolledBack;
+                let back = match st.target.as_deref() {
+                    Some(t) if st.serving == r.cluster => t,
+                    _ => st.serving.as_str(),
+                };
+                st.reason = format!(
+                    "{} is rolled back: {}; traffic stays on (or returns to) {back} until a \
+                     new version of it, or the operator's promote",
+                    r.cluster, r.why
                 );
             }
         }
@@ -94,7 +110,9 @@ impl Switchover {
         policy: &SwitchoverPolicy,
         now: SystemTime,
     ) -> ServiceSwitch {
+        let moved_from = self.peers.moved_from(key, &serving);
         let mut st = self.services.remove(key).unwrap_or_else(|| ServiceSwitch {
+            moved_from,
             serving,
             serving_since: now,
             moved: false,
@@ -138,6 +156,7 @@ impl Switchover {
             st.serving = service.active_cluster.clone();
             st.serving_since = now;
             st.moved = false;
+            st.moved_from = None;
             st.step = 0;
             st.shift_started = None;
         }
@@ -157,6 +176,14 @@ impl Switchover {
             // The source names an active cluster we do not serve (an early flip, or a
             // replaced cluster): a switchover like any other.
             None if service.active_cluster != st.serving => Some(service.active_cluster.clone()),
+            // Moved to an early flip's cluster, and it is rolled back or the operator
+            // aborted the switch: back, while the source lists the cluster it came from.
+            None if abort => judge::judged_pair(service, &st.serving, st.moved_from.as_deref())
+                .filter(|(new, _)| *new == st.serving)
+                .map(|(_, old)| old),
+            // Moved on its own to an early flip's cluster where an application failed,
+            // or which is rolled back or aborted: back.
+            None if back_to.is_some_and(|b| b != st.serving) => back_to.map(str::to_string),
             None => None,
         };
         if st.target != previous_target {
@@ -229,12 +256,16 @@ impl Switchover {
         let rejecting = rejecting_envoys(&routed, envoys);
         let control =
             self.effective_control(st, key, service, unit, &target, policy, desperate, inputs);
-        let to_pending = service.pending_cluster.as_deref() == Some(target.as_str());
-        let aborted = control == Control::Abort && to_pending;
+        // An abort (or a rollback) stops a move to the new cluster: the pending one, or
+        // the active one an early flip named while traffic is still on another.
+        let to_new = judge::judged_pair(service, &st.serving, st.moved_from.as_deref())
+            .is_some_and(|(new, _)| new == target);
+        let aborted = control == Control::Abort && to_new;
         // Back from an aborted pending cluster, or away from a serving cluster that is
         // not ready where the operator's word would have kept it: not a step at a time.
-        let returning = (policy.control == Control::Abort
-            && service.pending_cluster.as_deref() == Some(st.serving.as_str()))
+        let from_new =
+            judge::judged_pair(service, &target, None).is_some_and(|(new, _)| new == st.serving);
+        let returning = (policy.control == Control::Abort && from_new)
             || (!desperate && control != policy.control);
         if policy.control != Control::Hold {
             st.resume_after_hold(&policy.shift(), now);

@@ -25,6 +25,8 @@ pub struct ServiceSwitch {
     /// peers take it as a move done.
     #[serde(skip)]
     pub(super) moved: bool,
+    /// The cluster that move came from (this replica's, or a peer's taken at start).
+    pub(super) moved_from: Option<String>,
     /// This replica saw the current target named (it knew the RayService before): its
     /// own `target_since` is when the switch began, and a peer's start much earlier is
     /// no start any replica could have seen (a skewed clock, or a lie).
@@ -243,7 +245,7 @@ impl ServiceSwitch {
         } else {
             format!("moved to {target}: it is ready{warm_note}")
         };
-        self.serving = target;
+        self.moved_from = Some(std::mem::replace(&mut self.serving, target));
         self.serving_since = now;
         self.moved = true;
         self.target = None;
