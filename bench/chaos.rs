@@ -21,8 +21,9 @@
 //!   RayService workers); endpoints follow 1 s later (EndpointSlices, the ingress). A
 //!   `NewCluster` upgrade switches once the reconcile sees the pending cluster's
 //!   applications RUNNING on its dashboard. No retries, no outlier detection, no health
-//!   in EDS. When "the control plane" stops, KubeRay's reconcile stops; kubelet and the
-//!   endpoints go on.
+//!   in EDS; Envoy's least request of two random choices, not ray-xds's scan of every
+//!   host (every baseline arm). When "the control plane" stops, KubeRay's reconcile
+//!   stops; kubelet and the endpoints go on.
 //! - `baseline-kuberay-policy`: the same endpoints with ray-xds's traffic policy (retries
 //!   of what certainly did not run, outlier detection, circuit breakers): what the policy
 //!   buys, apart from live health and the gated switch.
@@ -35,19 +36,20 @@
 //! RUNNING with a quarter of its replicas (the simulated proxies run what their share of
 //! replicas can, queue a little, and answer Ray's 503 beyond: [`Sizes`]), under a load
 //! the old cluster carries and the new one cannot alone; it grows to full size
-//! `--partial-for` (5 s) later (ray-xds counts the growth after `capacity_settle`, 5 s),
+//! `--partial-for` (20 s) later (ray-xds counts the growth after `capacity_settle`, 5 s),
 //! and the load runs 9 s + `--partial-for` longer. `replicas-restart-mid-shift` is `upgrade-partial-capacity`
 //! with every replica of the control plane restarted at once 1 s after the new cluster is
 //! RUNNING (down 2 s), the new cluster growing 4 s + `--partial-for` after the stop; `ray-xds-no-state`
 //! (this scenario only) is ray-xds without `replicas.state`: what the kept state buys.
 //! `upgrade-bad-version` is `upgrade` to a cluster whose
 //! application answers a fifth of its requests 500 (a bad model version: they ran, and
-//! failed); ray-xds's source names it pending, as KubeRay 1.1 and later report an upgrade
-//! in the RayService's status until they promote it, and keeps it pending for the run
-//! (KubeRay's standard upgrade would promote it once RUNNING and delete the old cluster,
-//! leaving nothing to go back to: docs/behaviour.md); the baselines switch as KubeRay
-//! does. Its failures are the application's (`app_failed`), not lost ones; the load runs
-//! 25 s longer (KubeRay's incremental schedule reaches the whole).
+//! failed); as in the other switchover scenarios, ray-xds's source names it active at
+//! once and keeps listing the old cluster for the run (an early flip, which ray-xds judges
+//! as it judges a pending cluster; KubeRay's standard upgrade would promote it once
+//! RUNNING and delete the old cluster, leaving nothing to go back to: docs/behaviour.md);
+//! the baselines switch as KubeRay does. Its failures are the application's
+//! (`app_failed`), not lost ones; the load runs 25 s longer (KubeRay's incremental
+//! schedule reaches the whole).
 //!
 //! With `--protocol grpc` the load is unary gRPC calls (`ray_xds.demo.Echo/Say`, over one
 //! HTTP/2 connection to Envoy) to every node's simulated gRPC proxy, which shares its HTTP
@@ -203,7 +205,10 @@ struct Args {
     /// replicas before it grows to full size (`replicas-restart-mid-shift`: 5 s more, its
     /// restart's); the load runs as much longer. How fast capacity follows KubeRay's
     /// incremental schedule (10% every 2 s) decides whether that schedule overloads it.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=300))]
+    /// 20 s is about 5 minutes at the scenarios' time compression (KubeRay's 30 s interval
+    /// as 2 s): a GPU node and a model to load, what an expensive model call waits for;
+    /// 5 s is a warm CPU node.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=300))]
     partial_for: u64,
     #[arg(long, hide = true)]
     bench: bool,
@@ -972,6 +977,11 @@ fn baseline_snapshot(state: &ServiceState, policy: bool, gateway: &GatewaySettin
         gateway,
         &Default::default(),
     );
+    for c in &mut resources.clusters {
+        // Envoy's own selection (least request of two random choices, which `lb_policy`
+        // keeps), as a Service behind a gateway would have.
+        c.load_balancing_policy = None;
+    }
     if !policy {
         for c in &mut resources.clusters {
             c.outlier_detection = None;
@@ -1391,14 +1401,7 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
             );
             b.deploy(Duration::from_secs(args.deploy), None, "failing:20")
                 .await;
-            let source = match &cp {
-                ControlPlane::RayXds { .. } => SourceView {
-                    pending: Some("b".into()),
-                    ..view("a", &[&a, &b])
-                },
-                ControlPlane::Baseline { .. } => view("b", &[&a, &b]),
-            };
-            cp.set_source(&source).await;
+            cp.set_source(&view("b", &[&a, &b])).await;
         }
         "cluster-replaced" => {
             // The head pod dies: its proxy and its dashboard.
@@ -1649,14 +1652,17 @@ fn main() {
         .block_on(bench_main());
 }
 
+/// The most requests a hang may leave "may have run" in one run of a ray-xds arm.
+const HANG_MAY_HAVE_RUN: u64 = 10;
+
 /// Why a ray-xds arm's run fails `--assert`, if it does: no healthy proxy after the fault
 /// (the run cannot tell lost from unavoidable), a lost request (`lost_ran`, a lost one
 /// that ran all the same, is always one of these), one run twice, or more
 /// requests that may have run than the fault explains. A crash, drain or
 /// switchover leaves at most those in flight on the proxy when it died (a handful at
-/// these rates); a hang, those sent to the stopped proxy before it is found: a bound of
-/// half the load for 2 s, which detection within about a second stays well under.
-fn broken_by(scenario: &str, r: &LoadResult, args: &Args) -> Option<&'static str> {
+/// these rates); a hang, those sent to the stopped proxy before least request stops
+/// picking it (at most [`HANG_MAY_HAVE_RUN`]), whether ray-xds is up or down.
+fn broken_by(scenario: &str, r: &LoadResult) -> Option<&'static str> {
     let may_have_run = r.count(Ending::MayHaveRun);
     if r.healthy_after_fault == 0 {
         Some("no healthy proxy after the fault: the run proves nothing")
@@ -1676,13 +1682,13 @@ fn broken_by(scenario: &str, r: &LoadResult, args: &Args) -> Option<&'static str
         Some("traffic not on the new cluster when the load stopped")
     } else if scenario == "upgrade-bad-version" && r.served_by.as_deref() != Some("a") {
         Some("traffic not back on the old cluster when the load stopped")
-    } else if scenario == "proxy-hang" && may_have_run > args.rps {
-        Some("too many requests sent to the hung proxy")
-    } else if scenario == "control-plane-down-hang" {
-        // Nobody finds a hang while ray-xds is down (Envoy's outlier detection sees no
-        // failure from a proxy that never answers): its count is printed, not asserted.
-        None
-    } else if scenario != "proxy-hang" && may_have_run > 3 {
+    } else if matches!(scenario, "proxy-hang" | "control-plane-down-hang")
+        && may_have_run > HANG_MAY_HAVE_RUN
+    {
+        // Least request over every proxy stops picking a hung one after its first
+        // request or so, with or without ray-xds: at most 10 a run (docs/benchmarks.md).
+        Some("more requests sent to the hung proxy than least request lets through")
+    } else if !scenario.ends_with("hang") && may_have_run > 3 {
         Some("more requests failed on the faulted proxy than were in flight")
     } else {
         None
@@ -1763,7 +1769,7 @@ async fn bench_main() {
                 }
                 // (`ray-xds-no-state` is a reference, as the baselines are.)
                 if arm.starts_with("ray-xds") && arm != "ray-xds-no-state" {
-                    if let Some(why) = broken_by(scenario, &result, &args) {
+                    if let Some(why) = broken_by(scenario, &result) {
                         broken.push(format!("{why}: trial={trial} {trial_line}"));
                     }
                 }

@@ -207,7 +207,8 @@ step 5m "${exe[detection]}" --trials 3 --lanes 3 --cost-proxies 0 --slow-window 
 # a cluster is upgraded, to a new cluster running a quarter of its replicas too, or to a
 # bad version that fails a fifth of its requests, every replica restarts mid-shift, the
 # control plane is down while a proxy dies or hangs): fails when ray-xds loses a request (a 503 of Ray's backpressure
-# included), runs one twice, or leaves traffic on the bad version. The arms run at the same time, each
+# included), runs one twice, leaves traffic on the bad version, or lets more than 10
+# requests reach a hung proxy. The arms run at the same time, each
 # with its own processes. Only ray-xds's arms: the baseline's counts, printed and never
 # asserted, are the full benchmark's (docs/benchmarks.md), and here they would only take
 # CPU and time.
@@ -218,15 +219,17 @@ step 20m "${exe[chaos]}" --scenario head-crash --scenario proxy-hang \
     --scenario control-plane-down-hang \
     --arm ray-xds --arm ray-xds-head-include \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert --arms-together
-# The same rule for gRPC calls (each node's gRPC proxy): a proxy dies, a cluster is upgraded.
-step 10m "${exe[chaos]}" --protocol grpc --scenario worker-crash --scenario upgrade \
+# The same rule for gRPC calls (each node's gRPC proxy): a proxy dies or hangs, a cluster
+# is upgraded.
+step 10m "${exe[chaos]}" --protocol grpc --scenario worker-crash --scenario proxy-hang \
+    --scenario upgrade \
     --arm ray-xds \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert --arms-together
 # The fan-out benchmark, small and unoptimized, ray-xds only: a smoke test that it still
 # runs, both protocols; it fails when a client misses a change. (Its peer,
 # rust-control-plane, is a workspace of its own with Envoy's protos to compile: the full
 # benchmark builds it, scripts/test.sh --build-only too, CI does not.)
-step 10m "${exe[fanout]}" --streams 20 --changes 2 --server ray-xds
+step 10m "${exe[fanout]}" --streams 20 --changes 2 --server ray-xds --debug-pages 2
 await tests
 await soak
 # The tests, four threads each (most wait on Envoy, simulators and timers, not on the

@@ -2,13 +2,15 @@
 //! ingress), all alike but for the upstream protocol (HTTP/1.1, or HTTP/2 for gRPC).
 //!
 //! Endpoints come over ADS (EDS). Only connection failures and timeouts eject a proxy
-//! (outlier detection), never an HTTP answer; least-request balancing; panic routing
-//! only when no listed host is left; a retry budget bounds retries in flight.
+//! (outlier detection), never an HTTP answer; least-request balancing over every listed
+//! host (`FULL_SCAN`); panic routing only when no listed host is left; a retry budget
+//! bounds retries in flight.
 
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::cluster::v3 as cluster;
 use envoy_types::pb::envoy::config::core::v3 as core;
+use envoy_types::pb::envoy::extensions::load_balancing_policies::least_request::v3 as least_request;
 use envoy_types::pb::envoy::extensions::upstreams::http::v3 as upstream_http;
 use envoy_types::pb::google::protobuf;
 use envoy_types::util::pack_any;
@@ -128,8 +130,11 @@ pub(super) fn eds_cluster(
         .collect(),
         outlier_detection: Some(outlier_detection(policy)),
         circuit_breakers: Some(circuit_breakers(policy)),
-        // Model calls are long and uneven: send each request to the less busy of two
-        // proxies picked at random, not round robin.
+        // Model calls are long and uneven: each request goes to the proxy with the
+        // fewest requests in flight, over every listed one (ties broken at random).
+        load_balancing_policy: Some(least_request_full_scan()),
+        // (Ignored beside `load_balancing_policy`; what an Envoy without the typed
+        // policy would take: least request of two random choices.)
         lb_policy: cluster::cluster::LbPolicy::LeastRequest as i32,
         common_lb_config: Some(cluster::cluster::CommonLbConfig {
             // Health changes from EDS apply at once instead of being merged for 1 s.
@@ -146,6 +151,26 @@ pub(super) fn eds_cluster(
             ..Default::default()
         }),
         ..Default::default()
+    }
+}
+
+/// Least request over every host (`FULL_SCAN`), not the default two random choices: a
+/// proxy that hangs keeps every request sent to it in flight, so a scan of every host
+/// stops picking it within a few requests, with or without ray-xds (which may be down
+/// when it matters); with two choices it kept a quarter of them (two proxies) until
+/// something ejected it. Proxies are a handful per cluster, so the scan is cheap.
+fn least_request_full_scan() -> cluster::LoadBalancingPolicy {
+    let config = least_request::LeastRequest {
+        selection_method: least_request::least_request::SelectionMethod::FullScan as i32,
+        ..Default::default()
+    };
+    cluster::LoadBalancingPolicy {
+        policies: vec![cluster::load_balancing_policy::Policy {
+            typed_extension_config: Some(core::TypedExtensionConfig {
+                name: "envoy.load_balancing_policies.least_request".into(),
+                typed_config: Some(pack_any(config)),
+            }),
+        }],
     }
 }
 

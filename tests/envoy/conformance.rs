@@ -408,6 +408,13 @@ async fn a_rejected_cluster_holds_back_only_its_own_rayservice(bootstrap: Bootst
         serde_json::from_str(&s.admin("/debug/clients").await).unwrap();
     let c = &clients["clients"][0];
     assert_eq!(c["in_sync"], false, "{c}");
+    assert_eq!(c["types"]["cds"]["rejected"], 1, "{c}");
+    // The stream whole names what it rejected.
+    let c: serde_json::Value = serde_json::from_str(
+        &s.admin(&format!("/debug/clients?stream={}", c["stream_id"]))
+            .await,
+    )
+    .unwrap();
     assert!(
         c["types"]["cds"]["rejected"]
             .as_array()
@@ -464,6 +471,9 @@ async fn delta_a_subscribed_name_that_does_not_exist_is_answered_at_once() {
         Vec::<String>::new(),
         "Envoy waited for its initial fetch timeout instead of being told the name is absent"
     );
-    let clients = s.admin("/debug/clients").await;
-    assert!(clients.contains("no-such-endpoints"), "{clients}");
+    let clients: serde_json::Value =
+        serde_json::from_str(&s.admin("/debug/clients").await).unwrap();
+    let stream = &clients["clients"][0]["stream_id"];
+    let client = s.admin(&format!("/debug/clients?stream={stream}")).await;
+    assert!(client.contains("no-such-endpoints"), "{client}");
 }

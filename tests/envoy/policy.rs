@@ -1,7 +1,7 @@
 //! Traffic policy in a real Envoy, with ray-xds's own probes slowed to once a minute so
-//! that only Envoy's retries and outlier detection act: requests survive a proxy that
-//! answers 503 (Ray's backpressure), one that is gone, and (idempotent ones) one that
-//! hangs.
+//! that only Envoy's retries, outlier detection and load balancing act: requests survive
+//! a proxy that answers 503 (Ray's backpressure), one that is gone, and (idempotent ones)
+//! one that hangs; a hung proxy stops being picked after its first request.
 
 use std::time::Duration;
 
@@ -81,6 +81,44 @@ async fn a_backpressured_proxy_is_retried_elsewhere() {
         .sum();
     assert!(retries > 0, "Envoy retried: {stats}");
     drop(s);
+}
+
+/// Least request over every listed proxy (`FULL_SCAN`): a hung proxy keeps what it was
+/// sent in flight, so once it holds one request it is never the least busy again, with
+/// no probe and no ejection (ray-xds's probes here are once a minute; the same holds
+/// while ray-xds is down). Requests go one at a time (a request still unanswered after
+/// 500 ms is left in flight and the next one sent): Envoy's default, the less busy of two
+/// picked at random (with replacement), would send the hung proxy about one in nine of
+/// 80 (three proxies); the scan sends it at most the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_proxy_gets_no_more_than_its_first_request() {
+    let s = start("{ retries: 3 }").await;
+    let hung = s.sim.proxies[1].0;
+    s.sim.set_mode(1, ProxyMode::Hang);
+    let mut in_flight = vec![];
+    for _ in 0..80 {
+        let mut request = tokio::spawn(through_envoy(s.gateway_port));
+        if tokio::time::timeout(Duration::from_millis(500), &mut request)
+            .await
+            .is_err()
+        {
+            in_flight.push(request);
+        }
+    }
+    let clusters = s.envoy().admin("/clusters").await;
+    let sent_to_hung: u64 = clusters
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("default/demo/demo-a::{hung}::rq_total::")))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("the hung proxy's request count");
+    assert!(
+        sent_to_hung <= 2,
+        "{sent_to_hung} of 80 went to the hung proxy ({} left unanswered)",
+        in_flight.len()
+    );
+    for request in in_flight {
+        request.abort();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,6 +23,7 @@ const ROOTS: &[&str] = &[
     "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
     "envoy.extensions.filters.http.router.v3.Router",
     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+    "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
     "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate",
     "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
     "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
