@@ -98,6 +98,11 @@ struct Args {
     /// not by node id.
     #[arg(long)]
     node_id_per_stream: bool,
+    /// After the changes, read ray-xds's `/debug/clients` this many seconds in a loop,
+    /// 4 readers at once (as many pages as it sends at once), sampling its RSS: the
+    /// page's cost while every stream is connected.
+    #[arg(long, default_value_t = 0)]
+    debug_pages: u64,
     /// How long every stream may take to sync, and every client to get one change.
     #[arg(long, default_value_t = 300)]
     deadline_secs: u64,
@@ -472,6 +477,21 @@ struct RunResult {
     rss_idle: u64,
     rss_connected: u64,
     resources_per_push: BTreeMap<usize, usize>,
+    /// `--debug-pages`: what reading `/debug/clients` in a loop cost.
+    debug_pages: Option<DebugPages>,
+}
+
+/// `/debug/clients` read in a loop while every stream is connected.
+#[derive(Debug)]
+struct DebugPages {
+    pages: usize,
+    /// The last page's size, and how many of the clients it showed.
+    page_bytes: usize,
+    shown: u64,
+    /// The highest RSS sampled (every 20 ms) above the RSS before the reading began.
+    rss_peak_above_kib: u64,
+    /// The slowest page, read whole.
+    slowest: Duration,
 }
 
 impl RunResult {
@@ -518,7 +538,7 @@ impl Arm<'_> {
         std::fs::rename(&tmp, path).unwrap();
     }
 
-    fn start(&self, args: &Args, path: &Path, port: u16, streams: usize) -> Server {
+    fn start(&self, args: &Args, path: &Path, port: u16, admin: u16, streams: usize) -> Server {
         let mut command = match self {
             Arm::RayXds { binary } => {
                 let mut c = Command::new(binary);
@@ -528,7 +548,7 @@ impl Arm<'_> {
                         "--xds-listen",
                         &format!("127.0.0.1:{port}"),
                         "--admin-listen",
-                        &format!("127.0.0.1:{}", free_port()),
+                        &format!("127.0.0.1:{admin}"),
                         // This benchmark measures xDS fan-out: probe each (absent) proxy
                         // once, then leave them be (the detection bench measures probing).
                         "--probe-interval",
@@ -583,7 +603,8 @@ async fn run(
     });
     Arm::write(&path, &arm.content(args, 0));
     let port = free_port();
-    let mut server = arm.start(args, &path, port, streams);
+    let admin = free_port();
+    let mut server = arm.start(args, &path, port, admin, streams);
     let pid = server.0.id();
     let endpoint = format!("http://127.0.0.1:{port}");
     let deadline = Duration::from_secs(args.deadline_secs);
@@ -703,6 +724,12 @@ async fn run(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     latencies.sort();
+    let debug_pages = match arm {
+        Arm::RayXds { .. } if args.debug_pages > 0 => {
+            Some(read_debug_pages(pid, admin, Duration::from_secs(args.debug_pages)).await?)
+        }
+        _ => None,
+    };
     drop(server);
     drop(tasks);
     let result = RunResult {
@@ -713,8 +740,63 @@ async fn run(
         rss_idle,
         rss_connected,
         resources_per_push,
+        debug_pages,
     };
     Ok((result, files))
+}
+
+/// Reads `/debug/clients` of the server `pid` on `admin` for `how_long`, 4 readers at
+/// once, sampling its RSS every 20 ms.
+async fn read_debug_pages(pid: u32, admin: u16, how_long: Duration) -> Result<DebugPages, String> {
+    let before = rss_kib(pid);
+    let until = Instant::now() + how_long;
+    let readers: Vec<_> = (0..4)
+        .map(|_| {
+            tokio::spawn(async move {
+                let (mut pages, mut last, mut slowest) = (0, String::new(), Duration::ZERO);
+                while Instant::now() < until {
+                    let t0 = Instant::now();
+                    match bench_support::http_get(admin, "/debug/clients", Duration::from_secs(60))
+                        .await
+                    {
+                        Some((200, body)) => {
+                            slowest = slowest.max(t0.elapsed());
+                            pages += 1;
+                            last = body;
+                        }
+                        // Over the pages sent at once: try again.
+                        Some((503, _)) => tokio::time::sleep(Duration::from_millis(5)).await,
+                        other => return Err(format!("/debug/clients: {other:?}")),
+                    }
+                }
+                Ok((pages, last, slowest))
+            })
+        })
+        .collect();
+    let mut peak = before;
+    while Instant::now() < until {
+        peak = peak.max(rss_kib(pid));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (mut pages, mut last, mut slowest) = (0, String::new(), Duration::ZERO);
+    for r in readers {
+        peak = peak.max(rss_kib(pid));
+        let (p, l, s) = r.await.map_err(|e| e.to_string())??;
+        pages += p;
+        slowest = slowest.max(s);
+        if !l.is_empty() {
+            last = l;
+        }
+    }
+    let page: serde_json::Value =
+        serde_json::from_str(&last).map_err(|e| format!("/debug/clients is not JSON: {e}"))?;
+    Ok(DebugPages {
+        pages,
+        page_bytes: last.len(),
+        shown: page["shown"].as_u64().unwrap_or(0),
+        rss_peak_above_kib: peak.saturating_sub(before),
+        slowest,
+    })
 }
 
 /// Client tasks, stopped when dropped (a run that fails ends its clients too).
@@ -745,6 +827,17 @@ fn describe(server: &str, protocol: Protocol, r: &RunResult) {
         r.rss_per_stream(),
         r.resources_per_push,
     );
+    if let Some(d) = &r.debug_pages {
+        println!(
+            "{server} {}: /debug/clients read {} times by 4 readers: {} KiB a page showing {} clients, slowest {:.0?}; RSS peak {:.1} MiB above connected",
+            protocol.name(),
+            d.pages,
+            d.page_bytes / 1024,
+            d.shown,
+            d.slowest,
+            d.rss_peak_above_kib as f64 / 1024.0,
+        );
+    }
 }
 
 /// Whether a SotW stream to `endpoint` gets an answer to a request for clusters.
@@ -905,6 +998,18 @@ async fn main() {
         }
         for server in ["ray-xds", "peer"] {
             for protocol in ["sotw", "delta"] {
+                if let Some(d) = results
+                    .get(&(server, protocol))
+                    .and_then(|r| r.debug_pages.as_ref())
+                {
+                    lines.push(format!(
+                        "fanout_debug_clients server={server} protocol={protocol} streams={streams} pages={} page_kib={} shown={} rss_peak_above_mib={:.1}",
+                        d.pages,
+                        d.page_bytes / 1024,
+                        d.shown,
+                        d.rss_peak_above_kib as f64 / 1024.0
+                    ));
+                }
                 if let Some(r) = results.get(&(server, protocol)) {
                     lines.push(format!(
                         "fanout server={server} protocol={protocol} streams={streams} p50_ms={:.1} p99_ms={:.1} rss_kib_per_stream={:.1}",

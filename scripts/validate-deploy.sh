@@ -11,6 +11,10 @@
 #   bash scripts/validate-deploy.sh [FILE...]     (default: every YAML file under deploy/)
 #   bash scripts/validate-deploy.sh --install-only  (the validator only, then stop)
 #
+# With no FILE, ray-xds's own config (the ConfigMap ray-xds-config) is checked too, by
+# `ray-xds check --offline` (its TLS files exist only in the pod): the binary is
+# $RAY_XDS_BIN, or target/debug/ray-xds, built if it is missing.
+#
 # Needs PyPI once: kubernetes-validate (with its bundled schemas, so nothing else is
 # fetched) goes into .venv-validate/. A self-check first makes sure strictness still bites.
 set -euo pipefail
@@ -31,12 +35,21 @@ fi
 flock -u 9
 [ "${1:-}" != --install-only ] || exit 0
 
+cd "$root"
 if [ $# -eq 0 ]; then
-    mapfile -t files < <(cd "$root" && find deploy -name '*.yaml' -o -name '*.yml' | sort)
+    mapfile -t files < <(find deploy -name '*.yaml' -o -name '*.yml' | sort)
+    bin=${RAY_XDS_BIN:-$root/target/debug/ray-xds}
+    [ -x "$bin" ] || cargo build --quiet --bin ray-xds
+    config=$(mktemp --suffix=.yaml)
+    trap 'rm -f "$config"' EXIT
+    "$venv/bin/python" -c 'import sys, yaml; sys.stdout.write(yaml.safe_load(open(sys.argv[1]))["data"]["ray-xds.yaml"])' \
+        deploy/ray-xds-config.yaml >"$config"
+    echo "deploy/ray-xds-config.yaml (ray-xds.yaml): ray-xds check --offline"
+    "$bin" check --offline --config "$config" | sed 's/^/  /'
+    rm -f "$config"
 else
     files=("$@")
 fi
-cd "$root"
 exec "$venv/bin/python" - "${versions[*]}" "${files[@]}" <<'EOF'
 import sys
 

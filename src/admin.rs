@@ -7,8 +7,11 @@
 //! - `/metrics`: Prometheus text;
 //! - `/debug/snapshot`: every resource of the current snapshot with its version, as proto
 //!   JSON (as Envoy's `/config_dump`);
-//! - `/debug/clients`: every connected Envoy, its subscriptions and ACK/NACK state, and
-//!   per resource what it holds against the current snapshot (CSDS `ClientConfig`);
+//! - `/debug/clients`: every connected Envoy in brief (node, protocol, per type the
+//!   versions ACKed and NACKed and how many names it subscribes to, in sync or not),
+//!   written one client at a time and cut at [`DEBUG_PAGE_MAX_BYTES`];
+//!   `?stream=ID` or `?node=ID`: that Envoy whole, its subscriptions and per resource what
+//!   it holds against the current snapshot (CSDS `ClientConfig`);
 //! - `/debug/state`: per cluster, where its proxies come from (the source, or discovered
 //!   from its dashboard), each proxy's probe state and endpoint health with the reason,
 //!   and what the cluster's dashboard says (application statuses, staleness);
@@ -112,7 +115,7 @@ fn bounded_pages<S: Clone + Send + Sync + 'static>(pages: Router<S>, at_once: us
 
 /// Answers a debug page while fewer than [`DEBUG_PAGES_AT_ONCE`] are being sent (else
 /// 503), holding its place until the page's last chunk is taken by the connection: the
-/// page is sent in 64 KiB chunks, which HTTP/1 takes only as it writes them.
+/// page is sent in chunks of at most 64 KiB, which HTTP/1 takes only as it writes them.
 async fn bounded_debug_page(
     pages: Arc<tokio::sync::Semaphore>,
     request: axum::extract::Request,
@@ -126,16 +129,20 @@ async fn bounded_debug_page(
             .into_response();
     };
     let (parts, body) = next.run(request).await.into_parts();
-    let bytes = match axum::body::to_bytes(body, usize::MAX).await {
-        Ok(b) => b,
-        Err(e) => return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
-    };
-    let chunks: Vec<Result<bytes::Bytes, std::convert::Infallible>> = (0..bytes.len())
-        .step_by(64 * 1024)
-        .map(|at| Ok(bytes.slice(at..(at + 64 * 1024).min(bytes.len()))))
-        .collect();
+    // Each frame as it comes, cut in 64 KiB slices: a page built whole (a JSON value) is
+    // taken by the connection only as it writes it, like a page made as it goes.
+    let slices = futures::StreamExt::flat_map(body.into_data_stream(), |frame| {
+        let slices: Vec<Result<bytes::Bytes, axum::Error>> = match frame {
+            Ok(bytes) => (0..bytes.len())
+                .step_by(64 * 1024)
+                .map(|at| Ok(bytes.slice(at..(at + 64 * 1024).min(bytes.len()))))
+                .collect(),
+            Err(e) => vec![Err(e)],
+        };
+        futures::stream::iter(slices)
+    });
     let stream = futures::StreamExt::chain(
-        futures::stream::iter(chunks),
+        slices,
         futures::stream::once(async move {
             drop(place);
             Ok(bytes::Bytes::new())
@@ -272,9 +279,142 @@ async fn snapshot(State(state): State<AdminState>) -> Response {
     Json(json!({"version": snapshot.version(), "types": types})).into_response()
 }
 
-async fn clients(State(state): State<AdminState>) -> Response {
-    let snapshot = state.snapshots.borrow().clone();
-    Json(json!({"clients": state.clients.report(snapshot.as_deref())})).into_response()
+/// `/debug/clients`' query: one stream, or one node's streams, whole.
+#[derive(Debug, Default, serde::Deserialize)]
+struct ClientsQuery {
+    stream: Option<u64>,
+    node: Option<String>,
+}
+
+/// The most bytes a `/debug/clients` page writes: a client past it is left out and the
+/// page says so (`truncated`). A summary is a few hundred bytes, so 10,000 Envoys fit.
+pub(crate) const DEBUG_PAGE_MAX_BYTES: usize = 16 * 1024 * 1024;
+
+async fn clients(
+    State(state): State<AdminState>,
+    axum::extract::Query(query): axum::extract::Query<ClientsQuery>,
+) -> Response {
+    let clients = state.clients.clone();
+    match query {
+        ClientsQuery {
+            stream: Some(id),
+            node: None,
+        } => match clients.report(id, state.snapshots.borrow().clone().as_deref()) {
+            Some(report) => Json(report).into_response(),
+            None => (
+                StatusCode::NOT_FOUND,
+                Json(json!({"error": format!("no stream {id} is connected")})),
+            )
+                .into_response(),
+        },
+        ClientsQuery {
+            stream: None,
+            node: Some(node),
+        } => {
+            let ids = clients.streams_of(&node);
+            let snapshots = state.snapshots.clone();
+            client_page(ids, DEBUG_PAGE_MAX_BYTES, move |id| {
+                let snapshot = snapshots.borrow().clone();
+                clients.report(id, snapshot.as_deref()).map(|r| json!(r))
+            })
+        }
+        ClientsQuery {
+            stream: None,
+            node: None,
+        } => {
+            // Each client against the snapshot served when it is written: a page read
+            // slowly holds no old snapshot.
+            let ids = clients.stream_ids();
+            let snapshots = state.snapshots.clone();
+            client_page(ids, DEBUG_PAGE_MAX_BYTES, move |id| {
+                let snapshot = snapshots.borrow().clone();
+                clients.summary(id, snapshot.as_deref()).map(|r| json!(r))
+            })
+        }
+        _ => (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": "ask for stream=ID or node=ID, not both"})),
+        )
+            .into_response(),
+    }
+}
+
+/// `{"total": N, "clients": [...], "shown": n, "truncated": bool}`, each client's JSON
+/// made only when the connection takes the page that far (in chunks of about 64 KiB), and
+/// none once `max_bytes` are written. A client gone meanwhile is left out.
+fn client_page(
+    ids: Vec<u64>,
+    max_bytes: usize,
+    view: impl Fn(u64) -> Option<Value> + Send + 'static,
+) -> Response {
+    const CHUNK: usize = 64 * 1024;
+    struct Page<F> {
+        ids: std::vec::IntoIter<u64>,
+        view: F,
+        written: usize,
+        shown: usize,
+        truncated: bool,
+        done: bool,
+    }
+    let total = ids.len();
+    let page = Page {
+        ids: ids.into_iter(),
+        view,
+        written: 0,
+        shown: 0,
+        truncated: false,
+        done: false,
+    };
+    let head = bytes::Bytes::from(format!("{{\"total\":{total},\"clients\":["));
+    let body = futures::stream::unfold(page, move |mut page| async move {
+        if page.done {
+            return None;
+        }
+        let mut chunk = Vec::with_capacity(CHUNK);
+        while chunk.len() < CHUNK {
+            let Some(id) = page.ids.next() else {
+                page.done = true;
+                break;
+            };
+            let Some(client) = (page.view)(id) else {
+                continue;
+            };
+            let text = client.to_string();
+            if page.written + chunk.len() + text.len() + 1 > max_bytes {
+                page.truncated = true;
+                page.done = true;
+                break;
+            }
+            if page.shown > 0 {
+                chunk.push(b',');
+            }
+            chunk.extend_from_slice(text.as_bytes());
+            page.shown += 1;
+        }
+        page.written += chunk.len();
+        if page.done {
+            chunk.extend_from_slice(
+                format!(
+                    "],\"shown\":{},\"truncated\":{}}}",
+                    page.shown, page.truncated
+                )
+                .as_bytes(),
+            );
+        }
+        Some((
+            Ok::<_, std::convert::Infallible>(bytes::Bytes::from(chunk)),
+            page,
+        ))
+    });
+    let body = futures::StreamExt::chain(
+        futures::stream::once(async move { Ok::<_, std::convert::Infallible>(head) }),
+        body,
+    );
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        axum::body::Body::from_stream(body),
+    )
+        .into_response()
 }
 
 /// The latest value of each live channel, taken once for one `/debug/state` page.
@@ -498,6 +638,58 @@ mod tests {
             "{:?}",
             String::from_utf8_lossy(&out[..out.len().min(40)])
         );
+    }
+
+    /// A client page is made as it is read (a reader that stopped after the first chunk
+    /// made about a chunk's worth of views), stays JSON when clients are gone, and stops at
+    /// its byte cap saying so.
+    #[tokio::test]
+    async fn a_client_page_is_made_as_read_and_cut_at_its_cap() {
+        use http_body_util::BodyExt;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let made = Arc::new(AtomicUsize::new(0));
+        let counter = made.clone();
+        let view = move |id: u64| {
+            counter.fetch_add(1, Ordering::Relaxed);
+            // Every third client went away meanwhile.
+            (id % 3 != 1).then(|| json!({"stream_id": id, "pad": "p".repeat(1000)}))
+        };
+        let mut body = client_page((0..10_000).collect(), 1 << 20, view).into_body();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert!(first.starts_with(b"{\"total\":10000,\"clients\":["));
+        let second = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert!(
+            made.load(Ordering::Relaxed) < 200,
+            "{} views made for one chunk",
+            made.load(Ordering::Relaxed)
+        );
+        let rest = body.collect().await.unwrap().to_bytes();
+        let page = [first.to_vec(), second.to_vec(), rest.to_vec()].concat();
+        assert!(page.len() <= (1 << 20) + 64 * 1024, "{}", page.len());
+        let page: Value = serde_json::from_slice(&page).unwrap_or_else(|e| panic!("not JSON: {e}"));
+        let shown = page["shown"].as_u64().unwrap();
+        assert_eq!(page["clients"].as_array().unwrap().len() as u64, shown);
+        assert!(shown > 500 && shown < 1100, "{shown}");
+        assert_eq!(page["truncated"], true);
+        assert!(page["clients"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["stream_id"].as_u64().unwrap() % 3 != 1));
+        // Under its cap, the whole list and not truncated; none at all is JSON too.
+        for (ids, shown) in [
+            ((0..10).collect::<Vec<u64>>(), 7),
+            (vec![], 0),
+            (vec![1], 0),
+        ] {
+            let page = client_page(ids, 1 << 20, |id| {
+                (id % 3 != 1).then(|| json!({"stream_id": id}))
+            });
+            let bytes = page.into_body().collect().await.unwrap().to_bytes();
+            let page: Value = serde_json::from_slice(&bytes).unwrap();
+            assert_eq!(page["shown"], shown, "{page}");
+            assert_eq!(page["truncated"], false, "{page}");
+        }
     }
 
     #[test]

@@ -19,10 +19,12 @@
 //! - [`metrics`] and [`admin`]: Prometheus, health, readiness and debug views;
 //! - [`supervisor`]: restarts a component that fails, counts it, shows it down;
 //! - [`memory`]: gives the heap a burst of syncs freed back to the operating system;
-//! - [`runtime`]: wiring, one shutdown token for everything.
+//! - [`runtime`]: wiring, one shutdown token for everything;
+//! - [`commands`]: the operator's commands beside `serve` (`check`, `status`).
 
 pub(crate) mod admin;
 pub(crate) mod admin_listener;
+pub mod commands;
 pub mod config;
 pub mod live;
 pub(crate) mod memory;

@@ -27,7 +27,17 @@ async fn main() -> std::process::ExitCode {
             rlimit::Resource::NOFILE.get().ok().map(|(soft, _)| soft)
         }
     };
-    let Command::Serve(args) = Cli::parse().command;
+    let args = match Cli::parse().command {
+        Command::Serve(args) => args,
+        Command::Check(args) => {
+            let outcome = ray_xds::commands::check::check(&args).map_err(|e| e.to_string());
+            return report("check", outcome);
+        }
+        Command::Status(args) => {
+            let outcome = ray_xds::commands::status::run(&args).await;
+            return report("status", outcome.map_err(|e| format!("{e:#}")));
+        }
+    };
     let config = match Config::load(&args) {
         Ok(c) => c,
         Err(e) => {
@@ -69,6 +79,21 @@ async fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ray-xds: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// An operator command's outcome: its text on stdout and 0, or its error on stderr
+/// (after `ray-xds <command>: `) and 1.
+fn report(command: &str, outcome: Result<String, String>) -> std::process::ExitCode {
+    match outcome {
+        Ok(text) => {
+            print!("{text}");
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("ray-xds {command}: {e}");
             std::process::ExitCode::FAILURE
         }
     }

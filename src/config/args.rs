@@ -22,6 +22,50 @@ pub struct Cli {
 pub enum Command {
     /// Run the control plane: watch the source, serve ADS to Envoy, serve the admin API.
     Serve(ServeArgs),
+    /// Check the config (and the services file or the Kubernetes source's settings, and
+    /// the TLS files) as `serve` would at start, without serving: exit 0 with a summary,
+    /// or 1 with what is wrong (file, line and field).
+    Check(CheckArgs),
+    /// Show what a running replica serves (per RayService: serving cluster, weights, switch
+    /// phase and why it waits) and what each Envoy holds (versions ACKed, anything NACKed),
+    /// from its admin API.
+    Status(StatusArgs),
+}
+
+/// Flags of `ray-xds status`.
+#[derive(Debug, Args, Clone)]
+pub struct StatusArgs {
+    /// The replica's debug pages: `admin.debug_listen` when set (deploy/: `kubectl -n
+    /// ray-xds port-forward deploy/ray-xds 19001`, then http://127.0.0.1:19001), else
+    /// `admin.listen`.
+    #[arg(
+        long,
+        env = "RAY_XDS_STATUS_ADMIN",
+        default_value = "http://127.0.0.1:19000"
+    )]
+    pub admin: String,
+
+    /// `table` for people, `json` for scripts.
+    #[arg(long, value_enum, default_value_t = StatusOutput::Table)]
+    pub output: StatusOutput,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StatusOutput {
+    Table,
+    Json,
+}
+
+/// Flags of `ray-xds check`: every flag of `serve`, and `--offline`.
+#[derive(Debug, Args, Default, Clone)]
+pub struct CheckArgs {
+    /// Check the config alone: read none of the files it names (services file, TLS
+    /// files), for a config checked away from where it runs (CI, a review).
+    #[arg(long)]
+    pub offline: bool,
+
+    #[command(flatten)]
+    pub serve: ServeArgs,
 }
 
 /// Flags of `ray-xds serve`. Each overrides the matching config-file field.

@@ -46,6 +46,32 @@ fn tls_files(
     }
 }
 
+/// The xDS, admin and debug listeners cannot share a port where their addresses overlap
+/// (the same address, or one of them every address): the second bind would fail at start.
+fn distinct_listeners(
+    xds: SocketAddr,
+    admin: SocketAddr,
+    debug: Option<SocketAddr>,
+) -> Result<(), ConfigError> {
+    let overlap = |a: SocketAddr, b: SocketAddr| {
+        a.port() != 0
+            && a.port() == b.port()
+            && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+    };
+    let mut named = vec![("xds.listen", xds), ("admin.listen", admin)];
+    named.extend(debug.map(|d| ("admin.debug_listen", d)));
+    for (i, (a_name, a)) in named.iter().enumerate() {
+        for (b_name, b) in &named[i + 1..] {
+            if overlap(*a, *b) {
+                return Err(ConfigError::Invalid(format!(
+                    "{a_name} ({a}) and {b_name} ({b}) would share a port: give each its own"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// How errors name the config file: its path, or "the command line" when there is none.
 fn config_name(args: &ServeArgs) -> String {
     args.config
@@ -123,6 +149,7 @@ impl Config {
         let source = source(args, file.source, &base_dir)?;
         let addresses = addresses(args, file.proxies)?;
         let (admin_listen, admin_debug_listen) = admin(args, file.admin)?;
+        distinct_listeners(xds.listen, admin_listen, admin_debug_listen)?;
         let kubernetes_source = matches!(source, SourceConfig::Kubernetes(_));
         let (replica_peers, replica_poll_interval, replica_state) =
             replicas(args, file.replicas, &base_dir, kubernetes_source)?;
@@ -417,6 +444,16 @@ fn source(
                 return Err(ConfigError::Invalid(format!(
                     "source.kubernetes.allowed_hosts: {e}"
                 )));
+            }
+            if let Some(url) = &k.api_server {
+                let uri: Result<http::Uri, _> = url.parse();
+                if !uri.is_ok_and(|u| {
+                    matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some()
+                }) {
+                    return Err(ConfigError::Invalid(format!(
+                        "source.kubernetes.api_server: {url:?} is not an http:// or https:// URL"
+                    )));
+                }
             }
             Ok(SourceConfig::Kubernetes(k))
         }

@@ -22,7 +22,7 @@ mod args;
 mod file;
 mod load;
 
-pub use args::{Cli, Command, PolicyFlags, ServeArgs};
+pub use args::{CheckArgs, Cli, Command, PolicyFlags, ServeArgs, StatusArgs, StatusOutput};
 pub use load::{parse_yaml, MAX_CONFIG_FILE_BYTES};
 
 /// The validated configuration the runtime runs with.
@@ -255,6 +255,49 @@ mod tests {
             config: Some(f.path().to_path_buf()),
             ..Default::default()
         })
+    }
+
+    /// Listeners that would share a port, and an API server that is no URL, are refused
+    /// when the config is loaded (so `check` refuses them), not when `serve` binds or
+    /// connects.
+    #[test]
+    fn listeners_sharing_a_port_and_a_bad_api_server_are_refused_at_load() {
+        let source = "source:\n  file: { path: services.yaml }\n";
+        for (listeners, names) in [
+            (
+                "xds: { listen: 127.0.0.1:19000 }\n",
+                "xds.listen (127.0.0.1:19000) and admin.listen",
+            ),
+            (
+                "xds: { listen: 0.0.0.0:18000 }\nadmin: { listen: 127.0.0.1:18000 }\n",
+                "xds.listen (0.0.0.0:18000) and admin.listen (127.0.0.1:18000)",
+            ),
+            (
+                "admin: { listen: 127.0.0.1:19000, debug_listen: 127.0.0.1:18000 }\n",
+                "xds.listen (127.0.0.1:18000) and admin.debug_listen",
+            ),
+        ] {
+            let err = load(&format!("{listeners}{source}"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(names) && err.contains("share a port"), "{err}");
+        }
+        // Different addresses on one port, and port 0 (any free port), are fine.
+        for ok in [
+            "xds: { listen: 127.0.0.1:18000 }\nadmin: { listen: 127.0.0.2:18000 }\n",
+            "xds: { listen: 127.0.0.1:0 }\nadmin: { listen: 127.0.0.1:0 }\n",
+        ] {
+            load(&format!("{ok}{source}")).unwrap();
+        }
+        for bad in ["not a url", "ftp://host", "http://", "/just/a/path"] {
+            let err = load(&format!(
+                "source:\n  kubernetes: {{ api_server: {bad:?} }}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("source.kubernetes.api_server"), "{bad}: {err}");
+        }
+        load("source:\n  kubernetes: { api_server: \"http://127.0.0.1:8001\" }\n").unwrap();
     }
 
     #[test]
@@ -689,7 +732,9 @@ mod tests {
             "50000-50010",
         ])
         .unwrap();
-        let Command::Serve(args) = cli.command;
+        let Command::Serve(args) = cli.command else {
+            panic!("not serve")
+        };
         assert_eq!(
             Config::load(&args).unwrap().addresses.replica_ports.grpc,
             50000..=50010
@@ -723,7 +768,9 @@ mod tests {
             "10.0.0.0/8,192.0.2.0/24",
         ])
         .unwrap();
-        let Command::Serve(args) = cli.command;
+        let Command::Serve(args) = cli.command else {
+            panic!("not serve")
+        };
         assert_eq!(Config::load(&args).unwrap().addresses.networks.len(), 2);
         assert!(Cli::try_parse_from([
             "ray-xds",
@@ -857,7 +904,9 @@ mod tests {
             "16Mi",
         ])
         .unwrap();
-        let Command::Serve(args) = cli.command;
+        let Command::Serve(args) = cli.command else {
+            panic!("not serve")
+        };
         assert_eq!(Config::load(&args).unwrap().memory.route_tables, 16 << 20);
         let err =
             Cli::try_parse_from(["ray-xds", "serve", "--memory-dashboards", "64MB"]).unwrap_err();
@@ -950,7 +999,9 @@ mod tests {
             "50,100",
         ])
         .unwrap();
-        let Command::Serve(args) = cli.command;
+        let Command::Serve(args) = cli.command else {
+            panic!("not serve")
+        };
         let c = Config::load(&args).unwrap();
         assert_eq!(c.policies.traffic.retries, 2);
         assert_eq!(c.policies.probe.timeout, Duration::from_millis(100));

@@ -91,7 +91,11 @@ impl Starter<'_> {
             config.xds_max_message_bytes,
             self.shutdown.clone(),
         )
-        .with_partial_requests(partial);
+        .with_partial_requests(partial.clone());
+        // What each Envoy holds, for tools that speak CSDS, on the same port, sharing the
+        // bound on requests not yet whole.
+        let client_status = crate::xds::csds::Csds::new(clients.clone(), published.clone())
+            .with_partial_requests(partial);
         if let Some(tls) = &tls {
             let watch = crate::xds::tls::watch(
                 tls.clone(),
@@ -118,6 +122,7 @@ impl Starter<'_> {
                 .max_concurrent_streams(Some(crate::xds::server::MAX_STREAMS_PER_CONNECTION))
                 .add_service(service)
                 .add_service(load_reporting)
+                .add_service(client_status)
                 .serve_with_incoming_shutdown(
                     crate::xds::listener::incoming(
                         listener,

@@ -200,3 +200,194 @@ async fn debug_pages_on_a_listener_of_their_own_are_gone_from_the_admin_port() {
     assert_eq!(http_get(&format!("{debug}/healthz")).await.unwrap().0, 200);
     assert_eq!(http_get(&format!("{debug}/metrics")).await.unwrap().0, 404);
 }
+
+/// Runs the binary with `args`: (exit code, stdout, stderr).
+fn run(args: &[&std::ffi::OsStr]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ray-xds"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_reads_what_the_config_names_and_summarizes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = support::tls::TestPki::new(&dir.path().join("pki"));
+    std::fs::copy(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/two-services.yaml"),
+        dir.path().join("services.yaml"),
+    )
+    .unwrap();
+    let config = dir.path().join("ray-xds.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "xds:\n  listen: 127.0.0.1:18000\n  tls:\n    cert: {}\n    key: {}\n    client_ca: {}\n\
+             admin:\n  listen: 127.0.0.1:19000\n  debug_listen: 127.0.0.1:19001\n\
+             source:\n  file:\n    path: services.yaml\n",
+            pki.server_cert_path.display(),
+            pki.server_key_path.display(),
+            pki.ca_pem_path.display()
+        ),
+    )
+    .unwrap();
+    let (code, stdout, stderr) = run(&["check".as_ref(), "--config".as_ref(), config.as_ref()]);
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    for line in [
+        "xds: 127.0.0.1:18000 (mTLS (certificate, key and client CA read))",
+        "admin: 127.0.0.1:19000 (/debug/* on 127.0.0.1:19001)",
+        "2 RayService(s), 3 cluster(s), 4 listed proxy(ies)",
+        "  ml/text-ml: active text-ml-abc12, pending text-ml-def34",
+        "  default/demo: active demo-a",
+    ] {
+        assert!(stdout.contains(line), "{line:?} not in:\n{stdout}");
+    }
+    assert!(stdout.ends_with("ok\n"), "{stdout}");
+    // A flag overrides the file, as for `serve`.
+    let (code, stdout, _) = run(&[
+        "check".as_ref(),
+        "--config".as_ref(),
+        config.as_ref(),
+        "--xds-listen".as_ref(),
+        "127.0.0.1:18500".as_ref(),
+    ]);
+    assert_eq!(code, Some(0));
+    assert!(stdout.contains("xds: 127.0.0.1:18500"), "{stdout}");
+}
+
+/// Each refusal of `check` is `serve`'s own, word for word, with exit status 1 (serve's
+/// is 2 for a config error, or 1 for what fails later at start).
+#[test]
+fn check_refuses_what_serve_refuses_with_the_same_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = support::tls::TestPki::new(&dir.path().join("pki"));
+    let good_services = dir.path().join("services.yaml");
+    std::fs::write(&good_services, "rayservices: []\n").unwrap();
+    let bad_services = dir.path().join("bad-services.yaml");
+    std::fs::write(
+        &bad_services,
+        "rayservices:\n  - name: demo\n    active_cluster: nope\n    clusters: []\n",
+    )
+    .unwrap();
+    let typo = dir.path().join("typo.yaml");
+    std::fs::write(
+        &typo,
+        "xds:\n  listen: 127.0.0.1:18000\nadmin:\n  lisen: 127.0.0.1:19000\n",
+    )
+    .unwrap();
+    let out_of_range = dir.path().join("range.yaml");
+    std::fs::write(&out_of_range, "dashboard:\n  misses_tolerated: 11\n").unwrap();
+    let listen = [
+        "--xds-listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ];
+    let with_listen = |rest: Vec<&std::ffi::OsStr>| -> Vec<std::ffi::OsString> {
+        listen
+            .iter()
+            .map(|s| s.into())
+            .chain(rest.into_iter().map(|s| s.to_os_string()))
+            .collect()
+    };
+    let cases: Vec<(&str, Vec<std::ffi::OsString>, &str)> = vec![
+        (
+            "a misspelled field",
+            vec!["--config".into(), typo.clone().into()],
+            "typo.yaml: line 4, column 3: field `admin.lisen`",
+        ),
+        (
+            "a value out of range",
+            with_listen(vec![
+                "--config".as_ref(),
+                out_of_range.as_ref(),
+                "--source-file".as_ref(),
+                good_services.as_ref(),
+            ]),
+            "misses_tolerated",
+        ),
+        (
+            "a services file naming a cluster it does not list",
+            with_listen(vec!["--source-file".as_ref(), bad_services.as_ref()]),
+            "rayservice default/demo: active_cluster \"nope\"",
+        ),
+        (
+            "a missing services file",
+            with_listen(vec![
+                "--source-file".as_ref(),
+                dir.path().join("missing.yaml").as_os_str(),
+            ]),
+            "missing.yaml: cannot read",
+        ),
+        (
+            "a key that is not the certificate's",
+            with_listen(vec![
+                "--source-file".as_ref(),
+                good_services.as_ref(),
+                "--xds-tls-cert".as_ref(),
+                pki.server_cert_path.as_ref(),
+                "--xds-tls-key".as_ref(),
+                pki.client_key_path.as_ref(),
+                "--xds-tls-client-ca".as_ref(),
+                pki.ca_pem_path.as_ref(),
+            ]),
+            "client.key",
+        ),
+    ];
+    for (what, args, expected) in cases {
+        let check_args: Vec<&std::ffi::OsStr> = std::iter::once("check".as_ref())
+            .chain(args.iter().map(|a| a.as_os_str()))
+            .collect();
+        let (code, stdout, stderr) = run(&check_args);
+        assert_eq!(code, Some(1), "{what}: check accepted it:\n{stdout}");
+        assert!(stderr.contains(expected), "{what}: {stderr}");
+        let message = stderr
+            .trim_end()
+            .strip_prefix("ray-xds check: ")
+            .unwrap_or_else(|| panic!("{what}: {stderr}"));
+        let serve_args: Vec<&std::ffi::OsStr> = std::iter::once("serve".as_ref())
+            .chain(args.iter().map(|a| a.as_os_str()))
+            .collect();
+        let (code, _, serve_stderr) = run(&serve_args);
+        assert_ne!(code, Some(0), "{what}: serve accepted it");
+        assert!(
+            serve_stderr.contains(message),
+            "{what}: serve said\n{serve_stderr}\ncheck said\n{message}"
+        );
+    }
+}
+
+/// deploy/'s config checks clean offline (its TLS files exist only in the pod), and the
+/// same config read where it runs would need them.
+#[test]
+fn check_offline_takes_deploy_s_config_which_names_files_only_the_pod_has() {
+    let manifest = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/ray-xds-config.yaml"),
+    )
+    .unwrap();
+    let config_map: serde_yaml::Value = serde_yaml::from_str(&manifest).unwrap();
+    let text = config_map["data"]["ray-xds.yaml"].as_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ray-xds.yaml");
+    std::fs::write(&config, text).unwrap();
+    let (code, stdout, stderr) = run(&[
+        "check".as_ref(),
+        "--offline".as_ref(),
+        "--config".as_ref(),
+        config.as_ref(),
+    ]);
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("source: kubernetes (all namespaces;")
+            && stdout.contains("not read, --offline"),
+        "{stdout}"
+    );
+    let (code, _, stderr) = run(&["check".as_ref(), "--config".as_ref(), config.as_ref()]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("/etc/ray-xds/tls/tls.crt"), "{stderr}");
+}

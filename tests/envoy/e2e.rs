@@ -65,8 +65,17 @@ async fn carries_traffic_and_follows_edits(bootstrap: Bootstrap) {
         );
         assert_eq!(client["types"][ty]["nacks"], 0, "{ty}: {client}");
     }
-    // ...and holds the whole snapshot, resource by resource (CSDS in proto JSON).
+    // ...and holds the whole snapshot, resource by resource (CSDS in proto JSON, in the
+    // stream's whole view).
     assert_eq!(client["in_sync"], true, "{client}");
+    let client: serde_json::Value = serde_json::from_str(
+        &admin_get(
+            admin,
+            &format!("/debug/clients?stream={}", client["stream_id"]),
+        )
+        .await,
+    )
+    .unwrap();
     let held = client["client_config"]["generic_xds_configs"]
         .as_array()
         .unwrap();

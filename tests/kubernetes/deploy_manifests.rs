@@ -2697,13 +2697,15 @@ impl Drop for RunningEnvoy {
     }
 }
 
-/// The Envoy ray-xds knows by `node_id`, from its /debug/clients.
+/// The Envoy ray-xds knows by `node_id`, whole (its subscriptions), from its
+/// /debug/clients.
 async fn xds_client(admin: std::net::SocketAddr, node_id: &str) -> Value {
     eventually(
         &format!("{node_id} connected to ray-xds"),
         DEADLINE,
         || async {
-            let v: Value = serde_json::from_str(&admin_get(admin, "/debug/clients").await).ok()?;
+            let page = admin_get(admin, &format!("/debug/clients?node={node_id}")).await;
+            let v: Value = serde_json::from_str(&page).ok()?;
             v["clients"]
                 .as_array()?
                 .iter()

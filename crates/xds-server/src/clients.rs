@@ -21,6 +21,10 @@ pub(super) type SharedStream = Arc<Mutex<dyn ClientDescribe>>;
 pub(super) trait ClientDescribe: Send {
     fn describe(&self) -> (Option<NodeInfo>, Vec<(ResourceType, TypeStatus)>);
     fn client_config(&self, snapshot: Option<&Snapshot>) -> (ClientConfig, bool);
+    /// [`ClientReport::in_sync`], without building the report.
+    fn in_sync(&self, snapshot: Option<&Snapshot>) -> bool;
+    /// Per type it asked for, how many names it subscribes to (`None`: a wildcard).
+    fn subscribed_counts(&self) -> BTreeMap<ResourceType, Option<usize>>;
     fn warmed(&self, cluster: &str) -> Option<bool>;
     fn rejected(&self, cluster: &str) -> bool;
     fn node_id(&self) -> Option<String>;
@@ -31,7 +35,16 @@ impl<P: AdsProtocol> ClientDescribe for P {
         (self.node().cloned(), self.status())
     }
     fn client_config(&self, snapshot: Option<&Snapshot>) -> (ClientConfig, bool) {
-        client_config(self, snapshot)
+        client_config(self, snapshot, true)
+    }
+    fn in_sync(&self, snapshot: Option<&Snapshot>) -> bool {
+        client_config(self, snapshot, false).1
+    }
+    fn subscribed_counts(&self) -> BTreeMap<ResourceType, Option<usize>> {
+        ResourceType::ALL
+            .into_iter()
+            .filter_map(|ty| Some((ty, self.subscription(ty)?.map(|names| names.len()))))
+            .collect()
     }
     fn warmed(&self, cluster: &str) -> Option<bool> {
         AdsProtocol::warmed(self, cluster)
@@ -97,7 +110,58 @@ impl Clients {
     }
 }
 
-/// One connected Envoy as `/debug/clients` shows it.
+/// One connected Envoy in brief, as `/debug/clients` lists it: a few hundred bytes
+/// whatever it subscribed to.
+#[derive(Debug, Serialize)]
+pub struct ClientSummary {
+    pub stream_id: u64,
+    pub protocol: &'static str,
+    pub connected_at_unix: u64,
+    pub node: Option<NodeInfo>,
+    pub types: BTreeMap<&'static str, TypeSummary>,
+    /// The Envoy holds every resource it subscribes to at the current snapshot's version.
+    pub in_sync: bool,
+}
+
+/// [`TypeStatus`] with counts for its lists.
+#[derive(Debug, Serialize)]
+pub struct TypeSummary {
+    /// Names subscribed to (`None`: a wildcard subscription).
+    pub subscribed: Option<usize>,
+    pub last_acked_version: Option<String>,
+    pub last_nacked_version: Option<String>,
+    /// The NACK's message, cut at [`NACK_MESSAGE_SHOWN`] bytes.
+    pub last_nack_message: Option<String>,
+    pub pushes: u64,
+    pub acks: u64,
+    pub nacks: u64,
+    pub resources_held: usize,
+    pub rejected: usize,
+}
+
+/// The most bytes of a NACK's message a summary shows (Envoy's can list every
+/// resource it refused).
+pub const NACK_MESSAGE_SHOWN: usize = 500;
+
+impl TypeSummary {
+    fn of(s: TypeStatus, subscribed: Option<usize>) -> TypeSummary {
+        TypeSummary {
+            subscribed,
+            last_acked_version: s.last_acked_version,
+            last_nacked_version: s.last_nacked_version,
+            last_nack_message: s
+                .last_nack_message
+                .map(|m| crate::clip(&m, NACK_MESSAGE_SHOWN)),
+            pushes: s.pushes,
+            acks: s.acks,
+            nacks: s.nacks,
+            resources_held: s.resources_held,
+            rejected: s.rejected.len(),
+        }
+    }
+}
+
+/// One connected Envoy whole, as `/debug/clients?stream=ID` shows it.
 #[derive(Debug, Serialize)]
 pub struct ClientReport {
     pub stream_id: u64,
@@ -113,10 +177,12 @@ pub struct ClientReport {
     pub client_config: serde_json::Value,
 }
 
-/// What one Envoy holds, resource by resource, against `snapshot` (the one being served).
+/// What one Envoy holds, resource by resource, against `snapshot` (the one being served),
+/// and whether it is in sync; with `list` false, only whether it is in sync.
 fn client_config<P: AdsProtocol + ?Sized>(
     p: &P,
     snapshot: Option<&Snapshot>,
+    list: bool,
 ) -> (ClientConfig, bool) {
     let status: BTreeMap<ResourceType, TypeStatus> = p.status().into_iter().collect();
     let mut configs = Vec::new();
@@ -163,7 +229,7 @@ fn client_config<P: AdsProtocol + ?Sized>(
             // In sync: it holds every subscribed resource that exists, as it is now
             // (holding more, a cluster on its way out, is not holding less).
             in_sync &= want.is_none() || config == ConfigStatus::Synced;
-            if listed >= super::NAMES_SHOWN {
+            if !list || listed >= super::NAMES_SHOWN {
                 continue;
             }
             configs.push(GenericXdsConfig {
@@ -206,34 +272,89 @@ impl Clients {
         self.warmed.notify_one();
     }
 
-    /// Every connected Envoy, and what it holds against `snapshot` (the one served now).
-    pub fn report(&self, snapshot: Option<&Snapshot>) -> Vec<ClientReport> {
-        let streams: Vec<_> = {
-            let guard = self.streams.lock().unwrap_or_else(|e| e.into_inner());
-            guard
-                .iter()
-                .map(|(id, (p, t, s))| (*id, *p, *t, s.clone()))
-                .collect()
-        };
+    /// The ids of the connected streams, oldest first: a page walks them one at a time, so
+    /// it never holds every client's view at once.
+    pub fn stream_ids(&self) -> Vec<u64> {
+        lock(&self.streams).keys().copied().collect()
+    }
+
+    /// One stream in brief ([`ClientSummary`]), if it is still connected.
+    pub fn summary(&self, stream_id: u64, snapshot: Option<&Snapshot>) -> Option<ClientSummary> {
+        let (protocol, connected_at_unix, stream) = self.stream(stream_id)?;
+        let s = lock(&stream);
+        let (node, status) = s.describe();
+        let in_sync = s.in_sync(snapshot);
+        let counts = s.subscribed_counts();
+        Some(ClientSummary {
+            stream_id,
+            protocol,
+            connected_at_unix,
+            node,
+            types: status
+                .into_iter()
+                .map(|(t, s)| {
+                    let subscribed = counts.get(&t).copied().flatten();
+                    (t.label(), TypeSummary::of(s, subscribed))
+                })
+                .collect(),
+            in_sync,
+        })
+    }
+
+    /// One stream whole ([`ClientReport`]): what it subscribed to and, per resource, what
+    /// it holds against `snapshot` (the one served now), if it is still connected.
+    pub fn report(&self, stream_id: u64, snapshot: Option<&Snapshot>) -> Option<ClientReport> {
+        let (protocol, connected_at_unix, stream) = self.stream(stream_id)?;
+        let s = lock(&stream);
+        let (node, status) = s.describe();
+        let (config, in_sync) = s.client_config(snapshot);
+        Some(ClientReport {
+            stream_id,
+            protocol,
+            connected_at_unix,
+            node,
+            types: status.into_iter().map(|(t, s)| (t.label(), s)).collect(),
+            in_sync,
+            client_config: super::json::message_to_json(&config),
+        })
+    }
+
+    /// The node id stream `stream_id` gave, if it is connected and gave one.
+    pub fn node_id_of(&self, stream_id: u64) -> Option<String> {
+        let (_, _, stream) = self.stream(stream_id)?;
+        let id = lock(&stream).node_id();
+        id
+    }
+
+    /// What stream `stream_id` holds as Envoy's Client Status Discovery Service reports
+    /// it, if it is still connected.
+    pub fn client_config_of(
+        &self,
+        stream_id: u64,
+        snapshot: Option<&Snapshot>,
+    ) -> Option<ClientConfig> {
+        let (_, _, stream) = self.stream(stream_id)?;
+        let config = lock(&stream).client_config(snapshot).0;
+        Some(config)
+    }
+
+    /// The ids of the streams whose node id is `node`.
+    pub fn streams_of(&self, node: &str) -> Vec<u64> {
+        let streams: Vec<(u64, SharedStream)> = lock(&self.streams)
+            .iter()
+            .map(|(id, (_, _, s))| (*id, s.clone()))
+            .collect();
         streams
             .into_iter()
-            .map(|(stream_id, protocol, connected_at_unix, s)| {
-                let (node, status, (config, in_sync)) = {
-                    let s = lock(&s);
-                    let (node, status) = s.describe();
-                    (node, status, s.client_config(snapshot))
-                };
-                ClientReport {
-                    stream_id,
-                    protocol,
-                    connected_at_unix,
-                    node,
-                    types: status.into_iter().map(|(t, s)| (t.label(), s)).collect(),
-                    in_sync,
-                    client_config: super::json::message_to_json(&config),
-                }
-            })
+            .filter(|(_, s)| lock(s).node_id().as_deref() == Some(node))
+            .map(|(id, _)| id)
             .collect()
+    }
+
+    fn stream(&self, stream_id: u64) -> Option<(&'static str, u64, SharedStream)> {
+        lock(&self.streams)
+            .get(&stream_id)
+            .map(|(p, t, s)| (*p, *t, s.clone()))
     }
 
     pub(super) fn register(&self, protocol: &'static str, stream: SharedStream) -> u64 {
@@ -272,6 +393,37 @@ pub(super) fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 #[cfg(test)]
 mod tests {
+    /// What a client sends of itself is kept to a bound (at a character boundary), so a
+    /// summary stays small whatever it sent.
+    #[test]
+    fn a_node_s_fields_are_kept_to_a_bound() {
+        let long = "é".repeat(2000);
+        let node = Node {
+            id: long.clone(),
+            cluster: format!("x{long}"),
+            user_agent_name: long,
+            ..Default::default()
+        };
+        let info = NodeInfo::from_node(&node);
+        for field in [&info.id, &info.cluster, &info.user_agent] {
+            // The kept part, and how long it was.
+            assert!(
+                field.len() <= crate::MAX_NODE_FIELD_BYTES + 48,
+                "{}",
+                field.len()
+            );
+            assert!(field.ends_with("bytes in all)"), "{field}");
+        }
+        assert_eq!(
+            NodeInfo::from_node(&Node {
+                id: "gw-1".into(),
+                ..Default::default()
+            })
+            .id,
+            "gw-1"
+        );
+    }
+
     use super::*;
     use crate::fixtures::{service, snapshot_of};
     use crate::sotw::SotwStream;
@@ -313,8 +465,13 @@ mod tests {
             "",
         ))
         .unwrap();
-        let (config, in_sync) = client_config(&s, Some(&snap));
+        let (config, in_sync) = client_config(&s, Some(&snap), true);
         assert!(!in_sync, "nothing ACKed yet");
+        // Whether it is in sync, without the list (the summary's way), agrees each time.
+        assert_eq!(
+            client_config(&s, Some(&snap), false),
+            (Default::default(), false)
+        );
         assert!(statuses(&config).contains(&(
             "default/a/a1".into(),
             ClientResourceStatus::Requested as i32,
@@ -337,12 +494,14 @@ mod tests {
             s.on_request(request(ty, names, &r.version_info, &r.nonce))
                 .unwrap();
         }
-        let (config, in_sync) = client_config(&s, Some(&snap));
+        let (config, in_sync) = client_config(&s, Some(&snap), true);
         assert!(in_sync, "{:?}", statuses(&config));
+        assert!(client_config(&s, Some(&snap), false).1);
         // A new snapshot: what the Envoy holds is now stale.
         let next = snapshot_of(vec![service("a", "a1", &[8001])]);
-        let (config, in_sync) = client_config(&s, Some(&next));
+        let (config, in_sync) = client_config(&s, Some(&next), true);
         assert!(!in_sync);
+        assert!(!client_config(&s, Some(&next), false).1);
         assert!(statuses(&config).contains(&(
             "default/a/a1".into(),
             ClientResourceStatus::Acked as i32,

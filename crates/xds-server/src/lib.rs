@@ -31,6 +31,7 @@
 pub mod budget;
 pub(crate) mod clients;
 pub mod codec;
+pub mod csds;
 pub mod delta;
 #[cfg(test)]
 mod envoy_model;
@@ -179,6 +180,10 @@ pub struct NodeInfo {
     pub user_agent: String,
 }
 
+/// The most bytes kept of a node's id, cluster and user agent (an Envoy's are tens): a
+/// client's view stays small however long what it sends.
+pub const MAX_NODE_FIELD_BYTES: usize = 512;
+
 impl NodeInfo {
     pub fn from_node(node: &Node) -> NodeInfo {
         use envoy_types::pb::envoy::config::core::v3::node::UserAgentVersionType;
@@ -192,11 +197,12 @@ impl NodeInfo {
             None => String::new(),
         };
         NodeInfo {
-            id: node.id.clone(),
-            cluster: node.cluster.clone(),
-            user_agent: format!("{} {}", node.user_agent_name, version)
-                .trim()
-                .to_string(),
+            id: clip(&node.id, MAX_NODE_FIELD_BYTES),
+            cluster: clip(&node.cluster, MAX_NODE_FIELD_BYTES),
+            user_agent: clip(
+                format!("{} {}", node.user_agent_name, version).trim(),
+                MAX_NODE_FIELD_BYTES,
+            ),
         }
     }
 }
