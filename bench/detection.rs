@@ -44,6 +44,9 @@ use clap::Parser;
 use ray_serve_sim::NodeType;
 use ray_serve_sim::{serve_proxy_with, ProxyConfig, ProxyHandle, ProxyMode};
 use support::*;
+
+#[path = "support/mod.rs"]
+mod bench_support;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -495,17 +498,7 @@ async fn probe_cost(args: &Args) {
     })
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let cpu = |pid: u32| {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let f: Vec<f64> = stat
-            .rsplit_once(')')
-            .map(|(_, r)| r)
-            .unwrap_or("")
-            .split_whitespace()
-            .filter_map(|x| x.parse().ok())
-            .collect();
-        (f.get(11).unwrap_or(&0.0) + f.get(12).unwrap_or(&0.0)) / 100.0
-    };
+    let cpu = bench_support::cpu_seconds;
     let probes_done = || async {
         let m = http_get(&format!("http://127.0.0.1:{admin}/metrics"))
             .await
