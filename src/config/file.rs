@@ -114,6 +114,7 @@ pub(super) struct XdsSection {
     pub(super) max_message_bytes: Option<ByteCount>,
     pub(super) max_connections: Option<usize>,
     pub(super) max_connections_per_peer: Option<usize>,
+    pub(super) handshakes_per_peer_per_second: Option<usize>,
     pub(super) max_streams: Option<usize>,
     pub(super) tls: Option<TlsSection>,
 }

@@ -339,6 +339,14 @@ fn xds(args: &ServeArgs, file: XdsSection, base_dir: &Path) -> Result<XdsSetting
         )?,
         handshake_timeout: listener_defaults.handshake_timeout,
         idle_timeout: listener_defaults.idle_timeout,
+        handshakes_per_peer_per_second: bounded(
+            "xds.handshakes_per_peer_per_second",
+            "xds-handshakes-per-peer-per-second",
+            args.xds_handshakes_per_peer_per_second
+                .or(file.handshakes_per_peer_per_second),
+            listener_defaults.handshakes_per_peer_per_second as usize,
+            0..=100_000,
+        )? as u32,
     };
     let max_streams = bounded(
         "xds.max_streams",

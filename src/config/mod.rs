@@ -817,7 +817,8 @@ mod tests {
 
     #[test]
     fn xds_connection_and_stream_limits_are_bounded() {
-        let c = load("xds: { max_connections: 10, max_connections_per_peer: 3, max_streams: 50 }\nsource: { file: { path: a.yaml } }\n").unwrap();
+        let c = load("xds: { max_connections: 10, max_connections_per_peer: 3, max_streams: 50, handshakes_per_peer_per_second: 0 }\nsource: { file: { path: a.yaml } }\n").unwrap();
+        assert_eq!(c.xds_limits.handshakes_per_peer_per_second, 0);
         assert_eq!(c.xds_limits.max_connections, 10);
         assert_eq!(c.xds_limits.max_connections_per_peer, 3);
         assert_eq!(c.xds_max_streams, 50);
@@ -825,6 +826,8 @@ mod tests {
             ("max_connections", "0"),
             ("max_connections", "65537"),
             ("max_connections_per_peer", "0"),
+            ("handshakes_per_peer_per_second", "100001"),
+            ("handshakes_per_peer_per_second", "-1"),
             ("max_streams", "0"),
             ("max_streams", "18446744073709551615"),
         ] {

@@ -114,7 +114,9 @@ impl Starter<'_> {
                 _ = token.cancelled() => return Ok(()),
                 ready = published.wait_for(|s| s.is_some()) => if ready.is_err() { return Ok(()) },
             }
-            tonic::transport::Server::builder()
+            let (incoming, accepting) =
+                crate::xds::listener::incoming(listener, limits, Default::default(), observer, tls);
+            let served = tonic::transport::Server::builder()
                 // A peer that stops answering pings is closed; one connection serves at
                 // most this many streams (an Envoy opens one).
                 .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
@@ -123,18 +125,13 @@ impl Starter<'_> {
                 .add_service(service)
                 .add_service(load_reporting)
                 .add_service(client_status)
-                .serve_with_incoming_shutdown(
-                    crate::xds::listener::incoming(
-                        listener,
-                        limits,
-                        Default::default(),
-                        observer,
-                        tls,
-                    ),
-                    token.cancelled_owned(),
-                )
+                .serve_with_incoming_shutdown(incoming, token.cancelled_owned())
                 .await
-                .context("xDS server")
+                .context("xDS server");
+            // The server has dropped its connection stream, so the accept loop is ending:
+            // wait for it to close the listening socket before saying the server stopped.
+            let _ = accepting.await;
+            served
         });
     }
 

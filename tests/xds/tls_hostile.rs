@@ -217,6 +217,9 @@ impl TlsServer {
         let stack = Stack::with("rayservices: []\n")
             .config(move |c| {
                 c.xds_tls = Some(tls);
+                // These tests are about what each handshake does, many from one address
+                // at once: the per-address rate has a test of its own.
+                c.xds_limits.handshakes_per_peer_per_second = 0;
                 tweak(c);
             })
             .start()
@@ -317,10 +320,42 @@ async fn mtls_as(
     config: Arc<rustls::ClientConfig>,
     name: ServerName<'static>,
 ) -> Result<CertificateDer<'static>, String> {
+    mtls_via(None, port, config, name).await
+}
+
+/// [`mtls`] from `source`, a loopback address of the client's choosing.
+async fn mtls_from(
+    source: std::net::IpAddr,
+    port: u16,
+    config: Arc<rustls::ClientConfig>,
+) -> Result<CertificateDer<'static>, String> {
+    mtls_via(
+        Some(source),
+        port,
+        config,
+        ServerName::try_from("localhost").unwrap(),
+    )
+    .await
+}
+
+async fn mtls_via(
+    source: Option<std::net::IpAddr>,
+    port: u16,
+    config: Arc<rustls::ClientConfig>,
+    name: ServerName<'static>,
+) -> Result<CertificateDer<'static>, String> {
     let attempt = async {
-        let tcp = TcpStream::connect(("127.0.0.1", port))
-            .await
-            .map_err(|e| format!("connect: {e}"))?;
+        let tcp = match source {
+            None => TcpStream::connect(("127.0.0.1", port)).await,
+            Some(source) => {
+                let socket = tokio::net::TcpSocket::new_v4().map_err(|e| format!("socket: {e}"))?;
+                socket
+                    .bind((source, 0).into())
+                    .map_err(|e| format!("bind {source}: {e}"))?;
+                socket.connect(([127, 0, 0, 1], port).into()).await
+            }
+        }
+        .map_err(|e| format!("connect: {e}"))?;
         let mut tls = tokio_rustls::TlsConnector::from(config)
             .connect(name, tcp)
             .await
@@ -477,6 +512,49 @@ async fn tls_stalled_handshakes_that_fill_the_listener_give_their_slots_back_at_
     }
 }
 
+/// An address over its handshake rate (5 a second here, a burst of 5) has its new
+/// connections closed before any TLS work: counted as `handshake_rate`, never reaching the
+/// handshake (no `tls_handshake` failure is counted for them), while a client from
+/// another address still connects; once the address has been quiet a second, a good
+/// client from it connects again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_handshakes_over_an_address_s_rate_are_closed_before_any_work() {
+    let s = TlsServer::start(|c| c.xds_limits.handshakes_per_peer_per_second = 5).await;
+    let anonymous = client_config(&s.ca.pem(), None, &[b"h2"]);
+    let port = s.port();
+    // 60 anonymous handshakes from 127.0.0.1 at once: 5 are let through (and fail for
+    // want of a certificate), the rest are closed unread.
+    let wave: Vec<_> = (0..60)
+        .map(|_| {
+            let config = anonymous.clone();
+            tokio::spawn(async move { mtls(port, config).await })
+        })
+        .collect();
+    for h in wave {
+        assert!(h.await.unwrap().is_err(), "an anonymous client got in");
+    }
+    let (rated, failed) = eventually("every connection counted", DEADLINE, || async {
+        let rated = s.connection_errors("handshake_rate").await;
+        let failed = s.connection_errors("tls_handshake").await;
+        (rated + failed >= 60.0).then_some((rated, failed))
+    })
+    .await;
+    // A burst of 5 plus what a second refills while the wave is sent (its handshakes
+    // take milliseconds each): far fewer than 60 reached the handshake.
+    assert!(
+        (5.0..=15.0).contains(&failed) && rated >= 45.0,
+        "{failed} handshakes done and {rated} closed by the rate of 5 a second"
+    );
+    // Another address (127.0.0.2, loopback's own) is metered on its own.
+    let other = mtls_from("127.0.0.2".parse().unwrap(), port, s.good_client()).await;
+    assert!(other.is_ok(), "a client from another address: {other:?}");
+    // The flooding address, quiet for a second, is let in again.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    s.presented()
+        .await
+        .expect("the address, quiet again, connects");
+}
+
 /// A thousand handshakes without a client certificate (50 at a time): each is refused
 /// and counted, the tasks they used are gone afterwards, and a good client is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -551,6 +629,9 @@ async fn tls_anonymous_junk_cannot_flood_the_log() {
             .arg(dir.path().join("tls.key"))
             .arg("--xds-tls-client-ca")
             .arg(dir.path().join("ca.crt"))
+            // 40 connections from one address: over the default handshake rate (20 at
+            // once), which has a test of its own.
+            .args(["--xds-handshakes-per-peer-per-second", "1000"])
             .env("NO_COLOR", "1")
             .stdout(std::fs::File::create(&log).unwrap())
             .stderr(std::fs::File::create(dir.path().join("err.txt")).unwrap()),

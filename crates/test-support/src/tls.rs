@@ -62,6 +62,20 @@ impl TestPki {
         pem
     }
 
+    /// A server certificate for `key_pem` (a private key in PEM, of any type rcgen
+    /// signs with: an RSA key made by openssl, say), written to `cert` and `key`.
+    pub fn issue_server_for_key(&self, cert: &Path, key: &Path, key_pem: &str) {
+        let pair = KeyPair::from_pem(key_pem).expect("a private key rcgen reads");
+        let (pem, key_pem) = self.leaf_with(
+            Some(pair),
+            "ray-xds",
+            SERVER_NAMES.iter().map(|s| s.to_string()).collect(),
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        write_atomic(key, &key_pem);
+        write_atomic(cert, &pem);
+    }
+
     /// A client certificate and key (PEM) signed by this CA.
     pub fn client_pem(&self, name: &str) -> (String, String) {
         self.leaf(
@@ -77,7 +91,18 @@ impl TestPki {
         names: Vec<String>,
         usage: ExtendedKeyUsagePurpose,
     ) -> (String, String) {
-        let key = KeyPair::generate().unwrap();
+        self.leaf_with(None, common_name, names, usage)
+    }
+
+    /// A leaf for `key`, or a new ECDSA P-256 key.
+    fn leaf_with(
+        &self,
+        key: Option<KeyPair>,
+        common_name: &str,
+        names: Vec<String>,
+        usage: ExtendedKeyUsagePurpose,
+    ) -> (String, String) {
+        let key = key.unwrap_or_else(|| KeyPair::generate().unwrap());
         let mut params = CertificateParams::new(names).unwrap();
         params
             .distinguished_name

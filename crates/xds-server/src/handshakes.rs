@@ -174,11 +174,7 @@ impl HandshakeThread {
                 // SAFETY: getpriority and setpriority read no memory of ours.
                 unsafe {
                     let current = libc::getpriority(libc::PRIO_PROCESS, 0);
-                    libc::setpriority(
-                        libc::PRIO_PROCESS,
-                        0,
-                        (current + HANDSHAKE_NICE).min(19),
-                    );
+                    libc::setpriority(libc::PRIO_PROCESS, 0, (current + HANDSHAKE_NICE).min(19));
                 }
                 let runtime = match tokio::runtime::Builder::new_current_thread()
                     .enable_all()

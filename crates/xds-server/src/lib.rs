@@ -20,6 +20,8 @@
 //! - [`gate`], [`listener`] and [`tls`]: the one connection cap of every listener (in
 //!   all and per peer address; ray-xds's admin port uses it too), the xDS port's
 //!   connections (handshake and idle timeouts) and its mTLS;
+//! - [`handshakes`]: TLS handshakes metered per address and run on a thread of their
+//!   own, so a flood of them cannot starve the probes;
 //! - [`lrs`]: Envoy's Load Reporting Service, what each Envoy's requests to each cluster
 //!   came to, summed per tracked cluster over a window;
 //! - [`budget`]: a memory bound shared fairly between owners.
@@ -39,6 +41,7 @@ mod envoy_model;
 pub(crate) mod fixtures;
 pub mod gate;
 pub mod grpc;
+pub mod handshakes;
 pub mod holding;
 pub mod json;
 pub mod listener;

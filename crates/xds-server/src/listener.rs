@@ -5,6 +5,8 @@
 //! it at once; a socket silent or trickling is closed), closed after `idle_timeout`
 //! without an open stream (an Envoy keeps its ADS stream open for the connection's
 //! life), and accept errors (out of file descriptors) back off instead of spinning.
+//! With TLS, an address over its handshake rate ([`crate::handshakes`]) is closed before
+//! the gate or any handshake work, and handshakes run on a thread of their own.
 //!
 //! Invariants: a connection's slots (total and its peer's) are freed when the
 //! connection is dropped, whatever ends it (a handshake in progress holds them too);
@@ -27,6 +29,7 @@ use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use super::tls::ServerTls;
 use crate::gate::{Admitted, ConnectionGate, Refused};
+use crate::handshakes::{Admission, HandshakeRate, HandshakeThread};
 
 /// How many connections the listener holds, and how long one may stay silent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +40,10 @@ pub struct Limits {
     pub handshake_timeout: Duration,
     /// How long a connection may stay without a stream once its preface arrived.
     pub idle_timeout: Duration,
+    /// TLS handshakes one address may begin a second, after a burst of as many; the
+    /// rest are closed before any handshake work (0: no limit). Plain connections cost
+    /// no handshake and are not metered.
+    pub handshakes_per_peer_per_second: u32,
 }
 
 impl Default for Limits {
@@ -46,6 +53,7 @@ impl Default for Limits {
             max_connections_per_peer: 256,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
+            handshakes_per_peer_per_second: 20,
         }
     }
 }
@@ -117,6 +125,11 @@ pub struct Refusals {
     pub tls_failed: AtomicU64,
     /// Accept errors (each followed by a pause).
     pub accept_errors: AtomicU64,
+    /// Connections closed before their TLS handshake: their address was over
+    /// `handshakes_per_peer_per_second`.
+    pub handshake_rate: AtomicU64,
+    /// TLS handshakes let through unmetered: the table of addresses was full.
+    pub handshakes_unmetered: AtomicU64,
 }
 
 /// The accepted connections of `listener`, within `limits`, each through its TLS
@@ -125,16 +138,23 @@ pub struct Refusals {
 /// Each refusal is also reported to `observer` as a stream error of protocol
 /// `"connection"` (reasons `over_limit`, `over_peer_limit`, `silent`, `tls_handshake`,
 /// `accept_error`).
+///
+/// The accept loop, which owns `listener`, ends once the stream is dropped; await the
+/// returned handle after that to know the port is free again (a server restarted on the
+/// same port must not race its predecessor's socket).
 pub fn incoming(
     listener: TcpListener,
     limits: Limits,
     refusals: Arc<Refusals>,
     observer: Arc<dyn super::Observer>,
     tls: Option<Arc<ServerTls>>,
-) -> impl Stream<Item = io::Result<BoundedConnection>> {
+) -> (
+    impl Stream<Item = io::Result<BoundedConnection>>,
+    tokio::task::JoinHandle<()>,
+) {
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(accept_loop(listener, limits, refusals, observer, tls, tx));
-    tokio_stream::wrappers::ReceiverStream::new(rx)
+    let accepting = tokio::spawn(accept_loop(listener, limits, refusals, observer, tls, tx));
+    (tokio_stream::wrappers::ReceiverStream::new(rx), accepting)
 }
 
 /// Accepts until the server stops reading its connections (`tx` closed).
@@ -148,6 +168,9 @@ async fn accept_loop(
 ) {
     let gate = ConnectionGate::new(limits.max_connections, limits.max_connections_per_peer);
     let handshake_log = Arc::new(RateLimitedLog::default());
+    let handshakes = tls
+        .is_some()
+        .then(|| Handshakes::start(limits.handshakes_per_peer_per_second));
     loop {
         let on_error = |err: &io::Error| {
             refusals.accept_errors.fetch_add(1, Ordering::Relaxed);
@@ -158,6 +181,12 @@ async fn accept_loop(
             _ = tx.closed() => return,
             accepted = crate::gate::accept(&listener, on_error) => accepted,
         };
+        if let Some(handshakes) = &handshakes {
+            if !handshakes.admit(peer, &refusals, observer.as_ref()) {
+                drop(stream);
+                continue;
+            }
+        }
         let admitted = match gate.admit(peer.ip()) {
             Ok(admitted) => admitted,
             Err(refused) => {
@@ -195,7 +224,7 @@ async fn accept_loop(
         };
         let (acceptor, tx, refusals) = (tls.acceptor(), tx.clone(), refusals.clone());
         let log = handshake_log.clone();
-        tokio::spawn(async move {
+        let handshake = async move {
             match tokio::time::timeout_at(deadline, acceptor.accept(stream)).await {
                 Ok(Ok(tls)) => {
                     let _ = tx.send(Ok(connection.with(Io::Tls(Box::new(tls))))).await;
@@ -214,7 +243,69 @@ async fn accept_loop(
                     connection.observer.stream_error("connection", "silent");
                 }
             }
-        });
+        };
+        match handshakes.as_ref().and_then(|h| h.thread.as_ref()) {
+            Some(thread) => thread.spawn(handshake),
+            None => {
+                tokio::spawn(handshake);
+            }
+        }
+    }
+}
+
+/// The listener's TLS handshakes: metered per address, run on a thread of their own.
+struct Handshakes {
+    per_second: u32,
+    rate: HandshakeRate,
+    /// `None` if the thread could not start: handshakes then run on the listener's
+    /// runtime.
+    thread: Option<HandshakeThread>,
+    log: RateLimitedLog,
+}
+
+impl Handshakes {
+    fn start(per_second: u32) -> Handshakes {
+        let thread = match HandshakeThread::start() {
+            Ok(thread) => Some(thread),
+            Err(e) => {
+                tracing::error!(error = %e, "xDS listener: could not start the TLS handshake thread; handshakes run beside the probes");
+                None
+            }
+        };
+        Handshakes {
+            per_second,
+            rate: HandshakeRate::new(per_second),
+            thread,
+            log: RateLimitedLog::default(),
+        }
+    }
+
+    /// Whether a connection from `peer` may begin its handshake; a refusal is counted
+    /// and logged (at most every 10 s).
+    fn admit(
+        &self,
+        peer: std::net::SocketAddr,
+        refusals: &Refusals,
+        observer: &dyn super::Observer,
+    ) -> bool {
+        match self.rate.admit(peer.ip(), std::time::Instant::now()) {
+            Admission::Admitted => true,
+            Admission::Unmetered => {
+                refusals
+                    .handshakes_unmetered
+                    .fetch_add(1, Ordering::Relaxed);
+                observer.stream_error("connection", "handshake_unmetered");
+                true
+            }
+            Admission::Refused => {
+                refusals.handshake_rate.fetch_add(1, Ordering::Relaxed);
+                observer.stream_error("connection", "handshake_rate");
+                if self.log.now() {
+                    tracing::warn!(%peer, per_second = self.per_second, "xDS listener: TLS handshakes from this address over their rate; closing new connections before their handshake (logged at most every 10 s; counted in xds_stream_errors)");
+                }
+                false
+            }
+        }
     }
 }
 
@@ -451,7 +542,7 @@ mod tests {
     /// whose read is `open` holds a stream (as an ADS stream would) until it sends `shut`.
     fn echo_on(listener: TcpListener, limits: Limits) -> Arc<Refusals> {
         let refusals = Arc::new(Refusals::default());
-        let stream = incoming(listener, limits, refusals.clone(), Arc::new(()), None);
+        let (stream, _accepting) = incoming(listener, limits, refusals.clone(), Arc::new(()), None);
         tokio::spawn(async move {
             tokio::pin!(stream);
             while let Some(Ok(mut conn)) = stream.next().await {
