@@ -143,7 +143,8 @@ stop_background() {
 install_packages() {
     need_packages scripts/test.sh \
         "iproute2 /bin/ip the real-Ray tests give each Ray worker node its own network namespace and veth pair (ip netns, ip link)" \
-        "openssl /usr/bin/openssl tests/xds/tls_hostile.rs makes keys and old-TLS clients with the openssl CLI"
+        "openssl /usr/bin/openssl tests/xds/tls_hostile.rs makes keys and old-TLS clients with the openssl CLI" \
+        "prometheus /usr/bin/promtool tests/xds/monitoring.rs checks deploy/monitoring/'s alert rules with promtool and fires them in a real Prometheus"
 }
 step 10m install_packages
 # Lints need nothing the next steps install: they run at once, at normal priority, beside

@@ -83,6 +83,11 @@ impl Components {
             .component_up
             .get_or_create(&ComponentLabels { component: name })
             .set(1);
+        // At 0 from the start: a series born at its first restart shows no increase().
+        let _ = self
+            .metrics
+            .component_restarts
+            .get_or_create(&ComponentLabels { component: name });
     }
 
     fn set_down(&self, name: &'static str, why: String) {

@@ -378,6 +378,12 @@ fn record(out: &Output, metrics: &Metrics, exported: &mut BTreeSet<WeightLabels>
             .filter(|(k, _)| !k.contains('#'))
     };
     for phase in Phase::ALL {
+        // Every phase's transitions at 0 from the first build: a series born at its
+        // first event shows no increase() in Prometheus (an alert on the first rollback
+        // would never fire).
+        let _ = metrics.switchover_transitions.get_or_create(&StateLabels {
+            state: phase.as_str(),
+        });
         let count = services().filter(|(_, s)| s.phase == phase).count();
         metrics
             .switchovers

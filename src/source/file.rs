@@ -352,6 +352,9 @@ impl FileSource {
         models: watch::Sender<Arc<Model>>,
         shutdown: CancellationToken,
     ) {
+        // The file was read whole at start (a bad one is refused there): the source has
+        // its full state, and keeps the last good one through bad edits.
+        self.metrics.source_synced.set(1);
         let (tx, mut changed) = mpsc::channel::<()>(1);
         let whole = Arc::new(AtomicBool::new(false));
         // Keep the watcher alive for as long as we run; without it the poll still works.

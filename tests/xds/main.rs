@@ -7,6 +7,7 @@ mod fuzz_corpus;
 mod golden;
 mod grpc;
 mod load_reports;
+mod monitoring;
 mod status;
 mod tls_hostile;
 

@@ -102,7 +102,11 @@ async fn status_shows_each_envoy_s_versions_and_what_one_nacked() {
 
 /// An ADS stream of node `id` that asks for clusters and ACKs (or NACKs) the first
 /// answer; the stream, and the version it was sent.
-async fn answer_clusters(xds: std::net::SocketAddr, id: &str, nack: bool) -> (impl Sized, String) {
+pub(crate) async fn answer_clusters(
+    xds: std::net::SocketAddr,
+    id: &str,
+    nack: bool,
+) -> (impl Sized, String) {
     let (tx, mut rx) = sotw_stream(xds).await;
     tx.send(DiscoveryRequest {
         node: node(id),
