@@ -155,12 +155,39 @@ CERT_MANAGER = {
     "ClusterIssuer": issuer("ClusterIssuer", False),
 }
 
+# KubeRay's RayService (the CRD of KubeRay 1.7, tests/fixtures/), for the examples in
+# deploy/ray/: the CRD's own schema, and each pod template as Kubernetes' PodTemplate
+# (strict), which the CRD leaves open.
+with open("tests/fixtures/kuberay-1.7/ray.io_rayservices.yaml") as f:
+    crd = yaml.safe_load(f)
+RAYSERVICE = next(v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"]
+                  if v["name"] == "v1")
+
+def rayservice_templates(doc):
+    cluster = doc.get("spec", {}).get("rayClusterConfig", {})
+    yield "headGroupSpec.template", cluster.get("headGroupSpec", {}).get("template")
+    for i, group in enumerate(cluster.get("workerGroupSpecs", [])):
+        yield f"workerGroupSpecs.{i}.template", group.get("template")
+
 def check(doc, origin):
     """Problems with one document, or None when it is not to be checked here."""
     api, kind = doc.get("apiVersion", ""), doc.get("kind", "")
     if not api or not kind or kind == "Kustomization":
         return None
     problems = []
+    if api == "ray.io/v1" and kind == "RayService":
+        for e in jsonschema.Draft202012Validator(RAYSERVICE).iter_errors(doc):
+            path = ".".join(str(p) for p in e.absolute_path) or "(top)"
+            problems.append(f"KubeRay 1.7 RayService: {path}: {e.message}")
+        for where, template in rayservice_templates(doc):
+            if template is None:
+                problems.append(f"{where}: missing")
+                continue
+            wrapped = {"apiVersion": "v1", "kind": "PodTemplate",
+                       "metadata": {"name": "t"}, "template": template}
+            for p in check(wrapped, origin) or []:
+                problems.append(f"{where}: {p}")
+        return problems
     if api.startswith("cert-manager.io/"):
         schema = CERT_MANAGER.get(kind)
         if schema is None:
@@ -188,6 +215,10 @@ cm_typo = {"apiVersion": "cert-manager.io/v1", "kind": "Certificate",
            "spec": {"secretName": "s", "issuerRef": {"name": "i"}, "dnsName": ["x"]}}
 assert check(typo, "self-check"), "kubernetes-validate no longer rejects unknown fields"
 assert check(cm_typo, "self-check"), "the cert-manager schema no longer rejects unknown fields"
+rs_typo = {"apiVersion": "ray.io/v1", "kind": "RayService", "metadata": {"name": "r"},
+           "spec": {"rayClusterConfig": {"headGroupSpec": {"rayStartParams": {}, "template": {
+               "spec": {"containers": [{"name": "c", "image": "i", "lifecyle": {}}]}}}}}}
+assert check(rs_typo, "self-check"), "a RayService's pod template is no longer checked strictly"
 
 failed = checked = 0
 skipped = []
@@ -212,9 +243,9 @@ for path in files:
     if not file_checked:
         skipped.append(path)
 for path in skipped:
-    print(f"skip {path} (not a Kubernetes object: Envoy's file or a kustomization)")
+    print(f"skip {path} (not a Kubernetes object: Envoy's file, a kustomization or Prometheus rules)")
 print(f"validate-deploy: {checked} objects against Kubernetes {' and '.join(versions)} "
-      f"(strict) and cert-manager v1: {checked - failed} passed, {failed} failed")
+      f"(strict), cert-manager v1 and KubeRay 1.7: {checked - failed} passed, {failed} failed")
 if checked == 0:
     sys.exit("validate-deploy: nothing was checked")
 sys.exit(1 if failed else 0)

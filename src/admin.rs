@@ -49,7 +49,25 @@ pub(crate) struct AdminState {
     pub clients: Arc<Clients>,
     /// `None` until the first snapshot is built.
     pub snapshots: watch::Receiver<Option<Arc<Snapshot>>>,
+    pub prestop: Prestop,
     pub live: LiveViews,
+}
+
+/// What `/prestop` needs beside the snapshot and the clients: the peers to ask, and a
+/// bound on the calls waiting at once.
+#[derive(Clone)]
+pub(crate) struct Prestop {
+    peers: Arc<Vec<String>>,
+    waiting: Arc<tokio::sync::Semaphore>,
+}
+
+impl Prestop {
+    pub(crate) fn new(peers: Vec<String>) -> Prestop {
+        Prestop {
+            peers: Arc::new(peers),
+            waiting: Arc::new(tokio::sync::Semaphore::new(crate::prestop::AT_ONCE)),
+        }
+    }
 }
 
 /// What `/debug/state` shows: the latest value of each channel, each written by its own
@@ -80,6 +98,108 @@ fn public_routes() -> Router<AdminState> {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route(crate::live::peers::SWITCHOVER_PATH, get(replica_switchover))
+        .route(crate::prestop::PATH, get(prestop))
+}
+
+#[derive(serde::Deserialize)]
+struct PrestopQuery {
+    address: String,
+    /// How long to wait at most (`20s` by default, at most `25s`).
+    grace: Option<String>,
+    /// Wait for this replica's Envoys only (a peer asking).
+    #[serde(default)]
+    local: bool,
+}
+
+/// The pre-stop handshake (`crate::prestop`): 200 once every Envoy of this replica and
+/// of its peers holds endpoints without `address`; 504 at the grace, saying who it
+/// still waits for; 400 for a bad query; 503 when too many calls wait already.
+async fn prestop(
+    State(state): State<AdminState>,
+    axum::extract::Query(query): axum::extract::Query<PrestopQuery>,
+) -> Response {
+    use crate::prestop::{Look, Target};
+    let target = match Target::parse(&query.address) {
+        Ok(target) => target,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
+    };
+    let grace = match query.grace.as_deref().map(humantime::parse_duration) {
+        None => crate::prestop::DEFAULT_GRACE,
+        Some(Ok(grace)) if grace <= crate::prestop::MAX_GRACE => grace,
+        Some(Ok(_)) | Some(Err(_)) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "grace must be a duration of at most {}\n",
+                    humantime::format_duration(crate::prestop::MAX_GRACE)
+                ),
+            )
+                .into_response()
+        }
+    };
+    let Ok(_place) = state.prestop.waiting.clone().try_acquire_owned() else {
+        state
+            .metrics
+            .prestop_calls
+            .get_or_create(&crate::metrics::ResultLabels { result: "busy" })
+            .inc();
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "{} pre-stop calls are waiting already\n",
+                crate::prestop::AT_ONCE
+            ),
+        )
+            .into_response();
+    };
+    let started = tokio::time::Instant::now();
+    let deadline = started + grace;
+    let local = crate::prestop::wait_local(
+        target,
+        state.snapshots.clone(),
+        state.clients.clone(),
+        deadline,
+    );
+    let (look, peers) = if query.local || state.prestop.peers.is_empty() {
+        (local.await, Vec::new())
+    } else {
+        tokio::join!(
+            local,
+            crate::prestop::ask_peers(&state.prestop.peers, target, deadline)
+        )
+    };
+    let dropped = look == Look::Dropped && peers.iter().all(|p| p.dropped);
+    let (still_listed, waiting_for) = match look {
+        Look::Dropped => (0, Vec::new()),
+        Look::StillListed(n) => (n, Vec::new()),
+        Look::Waiting(who) => (0, who),
+    };
+    let result = if dropped { "dropped" } else { "grace" };
+    state
+        .metrics
+        .prestop_calls
+        .get_or_create(&crate::metrics::ResultLabels { result })
+        .inc();
+    if !dropped {
+        tracing::warn!(address = %target, still_listed, waiting = waiting_for.len(), "pre-stop: the grace passed before every Envoy dropped the address");
+    }
+    let body = json!({
+        "address": target.to_string(),
+        "dropped": dropped,
+        "waited_ms": started.elapsed().as_millis() as u64,
+        // Endpoint resources still listing the address (the source has not said it is
+        // going away), and the Envoys that do not hold its removal yet.
+        "still_listed_in": still_listed,
+        "waiting_for": waiting_for.iter().take(100).collect::<Vec<_>>(),
+        "waiting_for_total": waiting_for.len(),
+        "peers": peers,
+    });
+    let status = if dropped {
+        StatusCode::OK
+    } else {
+        StatusCode::GATEWAY_TIMEOUT
+    };
+    (status, Json(body)).into_response()
 }
 
 /// This replica's switches, for its peers (`live::peers`).

@@ -32,6 +32,7 @@ pub mod metrics;
 pub mod model;
 pub mod pipeline;
 pub mod policy;
+pub(crate) mod prestop;
 pub(crate) mod ray_serve_api;
 pub mod runtime;
 pub mod source;

@@ -99,6 +99,7 @@ pub struct Metrics {
     pub tls_reloads: Family<ResultLabels, Counter>,
     pub load_streams: Gauge,
     pub load_report_clusters: Family<ResultLabels, Counter>,
+    pub prestop_calls: Family<ResultLabels, Counter>,
     /// Reads and writes of the replicas' kept switchover views (`replicas.state`).
     pub state_store_ops: Family<StoreLabels, Counter>,
     pub snapshots: Counter,
@@ -161,6 +162,7 @@ impl Metrics {
             tls_reloads: Family::default(),
             load_streams: Gauge::default(),
             load_report_clusters: Family::default(),
+            prestop_calls: Family::default(),
             state_store_ops: Family::default(),
             snapshots: Counter::default(),
             snapshot_resources: Gauge::default(),
@@ -231,6 +233,16 @@ impl Metrics {
             "Responses the client rejected",
             self.nacks.clone(),
         );
+        // At 0 from the start, every protocol and type: a series born at its first NACK
+        // shows no increase() in Prometheus, and an alert on it would never fire.
+        for protocol in ["sotw", "delta"] {
+            for ty in ["cds", "eds", "lds", "rds"] {
+                let _ = self.acks.get_or_create(&Metrics::type_labels(protocol, ty));
+                let _ = self
+                    .nacks
+                    .get_or_create(&Metrics::type_labels(protocol, ty));
+            }
+        }
         registry.register(
             "xds_stream_errors",
             "Streams ended by a client error (bad message, unknown type, too large)",
@@ -251,6 +263,14 @@ impl Metrics {
             "Cluster entries of Envoys' load reports: counted for a switch (tracked), skipped (untracked), or refused: no ADS stream of the reporting node takes the cluster (not_held)",
             self.load_report_clusters.clone(),
         );
+        registry.register(
+            "prestop_calls",
+            "Pre-stop handshakes answered (GET /prestop), by result: dropped (every Envoy holds endpoints without the address), grace (the grace passed first), busy (too many waiting)",
+            self.prestop_calls.clone(),
+        );
+        for result in ["dropped", "grace", "busy"] {
+            let _ = self.prestop_calls.get_or_create(&ResultLabels { result });
+        }
         registry.register(
             "state_store_ops",
             "Reads (at start) and writes of this replica's kept switchover view (replicas.state), by result",

@@ -153,6 +153,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
         metrics: metrics.clone(),
         clients,
         snapshots: outputs.published,
+        prestop: crate::admin::Prestop::new(config.replica_peers.clone()),
         live: LiveViews {
             models,
             probes,

@@ -60,6 +60,11 @@ const KUSTOMIZATION: &str = "kustomization.yaml";
 const CERT_MANAGER_DIR: &str = "cert-manager/";
 const CERT_MANAGER_KUSTOMIZATION: &str = "cert-manager/kustomization.yaml";
 const SIDECAR_CERTIFICATE: &str = "sidecar/xds-client-certificate.yaml";
+/// Examples for the Ray side (RayServices): not applied with ray-xds.
+const RAY_EXAMPLES_DIR: &str = "ray/";
+const RAY_PRESTOP_EXAMPLE: &str = "ray/rayservice-prestop.yaml";
+/// Prometheus's rule files (tests/xds/monitoring.rs checks them).
+const MONITORING_DIR: &str = "monitoring/";
 /// Where Envoys find ray-xds: its Service in its namespace.
 const XDS_HOST: &str = "ray-xds.ray-xds.svc.cluster.local";
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -103,7 +108,17 @@ fn manifest_files() -> Vec<String> {
                 && !SIDECAR_SDS_FILES.contains(&f.as_str())
                 && !cert_manager_files().contains(f)
                 && f != CERT_MANAGER_KUSTOMIZATION
+                && !f.starts_with(RAY_EXAMPLES_DIR)
+                && !f.starts_with(MONITORING_DIR)
         })
+        .collect()
+}
+
+/// The Ray-side examples (`ray/`).
+fn ray_example_files() -> Vec<String> {
+    yaml_files()
+        .into_iter()
+        .filter(|f| f.starts_with(RAY_EXAMPLES_DIR))
         .collect()
 }
 
@@ -782,8 +797,142 @@ fn kustomization_lists_exactly_the_manifests() {
     classified
         .extend([KUSTOMIZATION, CERT_MANAGER_KUSTOMIZATION, SIDECAR_BOOTSTRAP].map(String::from));
     classified.extend(SIDECAR_SDS_FILES.map(String::from));
+    classified.extend(ray_example_files());
+    classified.extend(
+        yaml_files()
+            .into_iter()
+            .filter(|f| f.starts_with(MONITORING_DIR)),
+    );
     classified.sort();
     assert_eq!(classified, yaml_files());
+}
+
+/// The pre-stop example (deploy/ray/): every Ray container of the RayService runs the
+/// same hook, with its pod's IP, and a grace period covering the call and the drain; the
+/// hook's script, run as the container would (python, its environment), against a real
+/// ray-xds at the admin port the Service names, gets the handshake's answer: 504 while the
+/// pod is listed, then 200 once it is marked going away. Its sleep is the drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prestop_example_hook_asks_ray_xds_and_waits_for_its_answer() {
+    let docs = documents(&std::fs::read_to_string(deploy_dir().join(RAY_PRESTOP_EXAMPLE)).unwrap())
+        .unwrap();
+    assert_eq!(docs.len(), 1);
+    let rs = &docs[0];
+    assert_eq!(rs["kind"], "RayService");
+    let cluster = &rs["spec"]["rayClusterConfig"];
+    let mut templates = vec![&cluster["headGroupSpec"]["template"]];
+    templates.extend(
+        cluster["workerGroupSpecs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| &g["template"]),
+    );
+    assert_eq!(templates.len(), 2);
+    let mut scripts = BTreeSet::new();
+    for t in &templates {
+        let spec = &t["spec"];
+        let c = &spec["containers"][0];
+        let command = c["lifecycle"]["preStop"]["exec"]["command"]
+            .as_array()
+            .unwrap();
+        assert_eq!(command[0], "python");
+        assert_eq!(command[1], "-c");
+        let script = command[2].as_str().unwrap();
+        scripts.insert(script.to_string());
+        let pod_ip = c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == "POD_IP")
+            .unwrap();
+        assert_eq!(pod_ip["valueFrom"]["fieldRef"]["fieldPath"], "status.podIP");
+        // The call's grace (20 s), the drain (20 s by default) and Ray's own shutdown.
+        let grace = spec["terminationGracePeriodSeconds"].as_u64().unwrap();
+        assert!(
+            grace >= 20 + 20 + 10,
+            "terminationGracePeriodSeconds {grace}"
+        );
+    }
+    assert_eq!(scripts.len(), 1, "every container runs the same hook");
+    let script = scripts.into_iter().next().unwrap();
+    // It calls the admin port through the Service that serves it.
+    let all = manifests();
+    let metrics = service(&all, "ray-xds-metrics");
+    assert_eq!(
+        metrics.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port,
+        19000
+    );
+    let url = "http://ray-xds-metrics.ray-xds.svc.cluster.local:19000";
+    assert!(script.contains(url), "{script}");
+    assert!(script.contains("/prestop?grace=20s&address="), "{script}");
+
+    // Run it against a real ray-xds: a cluster of a head (127.0.0.1) and a worker on an
+    // address of its own (127.0.0.2), as a pod has.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut proxies = Vec::new();
+    for (ip, node) in [
+        ("127.0.0.1", NodeType::Head),
+        ("127.0.0.2", NodeType::Worker),
+    ] {
+        let listener = tokio::net::TcpListener::bind((ip, 0)).await.unwrap();
+        proxies.push(listener.local_addr().unwrap());
+        let config = ray_serve_sim::ProxyConfig {
+            cluster: "c".into(),
+            node_type: node,
+            routes: [("/".to_string(), "app".to_string())].into(),
+        };
+        tokio::spawn(ray_serve_sim::serve_proxy_with(
+            listener,
+            config,
+            ray_serve_sim::ProxyHandle::default(),
+            stop.clone(),
+        ));
+    }
+    let services = |draining: bool| {
+        format!(
+            "rayservices:\n  - name: llm\n    hosts: ['*']\n    active_cluster: c\n    clusters:\n      - name: c\n        proxies:\n          - {{ address: {}, node_type: head }}\n          - {{ address: {}, node_type: worker, draining: {draining} }}\n",
+            proxies[0], proxies[1]
+        )
+    };
+    let stack = Stack::with(services(false)).start().await;
+    let admin = stack.xds.admin_addr;
+    let run_hook = move |grace: &str| {
+        let script = script
+            .replace(url, &format!("http://{admin}"))
+            .replace("grace=20s", &format!("grace={grace}"));
+        let out = Command::new("python3")
+            .args(["-c", &script])
+            .env("POD_IP", "127.0.0.2")
+            .env("RAY_XDS_DRAIN_SECONDS", "0")
+            .output()
+            .expect("python3");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let listed = tokio::task::spawn_blocking({
+        let run_hook = run_hook.clone();
+        move || run_hook("1s")
+    })
+    .await
+    .unwrap();
+    assert!(
+        listed.contains("504") && listed.contains("\"dropped\":false"),
+        "{listed}"
+    );
+    stack.edit(&services(true));
+    let dropped = tokio::task::spawn_blocking(move || run_hook("20s"))
+        .await
+        .unwrap();
+    assert!(
+        dropped.contains("ray-xds pre-stop: 200") && dropped.contains("\"dropped\":true"),
+        "{dropped}"
+    );
+    stop.cancel();
 }
 
 /// `kubectl kustomize` of a folder of deploy/, or `None` without kubectl.
@@ -1689,7 +1838,8 @@ fn network_policy<'a>(all: &'a [Manifest], name: &str) -> &'a NetworkPolicy {
 
 /// The policy, evaluated as Kubernetes does for the pods that matter: the xDS port from the
 /// gateway (this namespace) and labelled sidecars (any namespace) only; the admin port from
-/// `monitoring` only; out, DNS, the API server's ports and the Ray pods' ports only.
+/// `monitoring`, the other replicas and the Ray pods (their preStop hook) only; out, DNS,
+/// the API server's ports and the Ray pods' ports only.
 #[test]
 fn network_policy_lets_in_the_gateway_sidecars_and_monitoring_only() {
     let all = manifests();
@@ -1763,7 +1913,8 @@ fn network_policy_lets_in_the_gateway_sidecars_and_monitoring_only() {
         ),
         ("an unlabelled pod", &unlabelled, false, false),
         ("prometheus", &prometheus, false, true),
-        ("a Ray pod", &ray_pod, false, false),
+        // Its preStop hook's GET /prestop (deploy/ray/).
+        ("a Ray pod", &ray_pod, false, true),
         ("outside", &Peer::Outside, false, false),
     ];
     for (who, from, to_xds, to_admin) in cases {

@@ -236,6 +236,111 @@ async fn pods_come_drain_and_go_and_traffic_follows() {
     shutdown.cancel();
 }
 
+/// A Ray pod deleted under load, its preStop hook calling `GET /prestop?address=...` as
+/// kubelet runs it: the call answers once Envoy sends the pod nothing more (Envoy no
+/// longer lists it at the answer, and no request reaches it after), and only then is
+/// its proxy stopped, as kubelet sends SIGTERM after the hook: no request fails. The call
+/// alone takes nothing out: before the pod is deleted it waits out its grace and answers
+/// 504, naming where the pod is still listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_pod_s_prestop_call_returns_once_envoy_sends_it_nothing() {
+    let shutdown = CancellationToken::new();
+    let api = FakeApiServer::start().await;
+    let a = Cluster::start(
+        "rs-a",
+        &[NodeType::Head, NodeType::Worker, NodeType::Worker],
+        "RUNNING",
+        &shutdown,
+    )
+    .await;
+    api.apply(rayservice(Some("rs-a"), None));
+    for i in 0..3 {
+        api.apply(a.pod(i));
+    }
+    let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
+        .await
+        .unwrap();
+    let (envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Delta).await;
+    let leaving = a.sim.proxies[2].0;
+    eventually("the pod's endpoint is in Envoy", DEADLINE, || async {
+        envoy_flags(&envoy, "rs-a", leaving)
+            .await
+            .filter(|f| f == "healthy")
+    })
+    .await;
+    let admin = xds.admin_addr;
+    let prestop = |query: String| async move {
+        http_get(&format!("http://{admin}/prestop?{query}"))
+            .await
+            .unwrap()
+    };
+
+    // A bad call is refused at once.
+    for bad in [
+        "address=ray-worker-2".to_string(),
+        "grace=1s".to_string(),
+        format!("address={leaving}&grace=26s"),
+        format!("address={leaving}&grace=soon"),
+    ] {
+        let (status, body) = prestop(bad.clone()).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+    }
+
+    // Before the pod is deleted nothing says it is going away: the call waits out its
+    // grace, and Envoy keeps the pod.
+    let (status, body) = prestop(format!("address={leaving}&grace=1s")).await;
+    assert_eq!(status, 504, "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["dropped"], false, "{answer}");
+    assert!(answer["still_listed_in"].as_u64().unwrap() >= 1, "{answer}");
+    assert_eq!(
+        envoy_flags(&envoy, "rs-a", leaving).await.as_deref(),
+        Some("healthy"),
+        "the call alone took the pod out"
+    );
+
+    let load = Load::start(port);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(a.sim.handles[2].received() > 0, "the pod served before");
+    // The pod is deleted; its preStop hook runs.
+    api.begin_delete("v1", "Pod", NS, &a.pod_name(2));
+    // (Every simulated proxy here is on 127.0.0.1: the call names the pod's proxy by its
+    // address and port, as `address=IP:PORT` allows.)
+    let (status, body) = prestop(format!("address={leaving}&grace=20s")).await;
+    assert_eq!(status, 200, "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["dropped"], true, "{answer}");
+    // At the answer, not eventually: Envoy lists the pod no more, and sends it nothing.
+    assert_eq!(
+        envoy_flags(&envoy, "rs-a", leaving).await,
+        None,
+        "answered while Envoy still lists the pod: {answer}"
+    );
+    let received = a.sim.handles[2].received();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        a.sim.handles[2].received(),
+        received,
+        "requests reached the pod after its pre-stop answer"
+    );
+    // The hook returned: kubelet's SIGTERM, and Ray's proxy stops.
+    a.sim.kill(2);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (sent, failed) = load.stop().await;
+    assert!(sent > 0);
+    assert_eq!(failed, 0, "{failed} of {sent} requests failed");
+    let metrics = admin_get(admin, "/metrics").await;
+    assert_eq!(
+        metric(&metrics, "ray_xds_prestop_calls_total{result=\"dropped\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(&metrics, "ray_xds_prestop_calls_total{result=\"grace\"}"),
+        1.0
+    );
+    shutdown.cancel();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_through_kuberay_status_loses_no_request() {
     let shutdown = CancellationToken::new();

@@ -3,4 +3,5 @@
 
 mod agree;
 mod hostile;
+mod prestop;
 mod restart;
