@@ -51,6 +51,14 @@
 //! (`app_failed`), not lost ones; the load runs 25 s longer (KubeRay's incremental
 //! schedule reaches the whole).
 //!
+//! `overload` makes every proxy of the serving cluster refuse every request for 5 s (Ray's
+//! backpressure: a 503, or gRPC `RESOURCE_EXHAUSTED`; nothing runs), then serve again:
+//! its figure is `tries_per_request`, the tries Envoy sent to the proxies per request its
+//! listener took in those 5 s (from Envoy's stats), what retries multiply an overload by.
+//! Its refusals are `refused`, not lost (no proxy could run them); in every other
+//! scenario a refused request is lost. `--traffic` sets the ray-xds arms' traffic policy
+//! (a RayService's `traffic:`), to measure a retry budget against every scenario.
+//!
 //! With `--protocol grpc` the load is unary gRPC calls (`ray_xds.demo.Echo/Say`, over one
 //! HTTP/2 connection to Envoy) to every node's simulated gRPC proxy, which shares its HTTP
 //! proxy's process, mode and execution log; the baselines' Service then has the gRPC port
@@ -78,10 +86,11 @@
 //! `trial=<i> fault_ms=<t>`. Each scenario ends (in the last trial) with one line per arm,
 //! on stdout:
 //! `chaos scenario=<name> arm=<arm> requests=<n> failed=<f> executed_twice=<k> p99_ms=<x>
-//! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> app_failed=<e> shed=<s> failed_ran=<r>
-//! lost_ran=<q> window_ms=<w>
+//! p50_ms=<y> max_ms=<z> may_have_run=<m> lost=<l> refused=<f> app_failed=<e> shed=<s>
+//! failed_ran=<r> lost_ran=<q> window_ms=<w>
 //! served_by=<clusters> trials=<N> failed_median=<a> failed_max=<b>
-//! may_have_run_median=<c> may_have_run_max=<d> protocol=<http|grpc>`: counts summed over the trials, latency
+//! may_have_run_median=<c> may_have_run_max=<d> tries_per_request=<t|->
+//! tries_per_request_max=<t|-> protocol=<http|grpc>`: counts summed over the trials, latency
 //! percentiles over every request that succeeded in any trial, the window the longest of
 //! any trial. With `--assert`, the benchmark exits 1 when a trial of an arm running
 //! ray-xds lost a request (or shed one, or one it lost ran), executed one twice, or broke
@@ -114,7 +123,7 @@ use support::*;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-const SCENARIOS: [&str; 12] = [
+const SCENARIOS: [&str; 13] = [
     "head-crash",
     "worker-crash",
     "proxy-hang",
@@ -127,6 +136,7 @@ const SCENARIOS: [&str; 12] = [
     "control-plane-restart",
     "control-plane-down-crash",
     "control-plane-down-hang",
+    "overload",
 ];
 
 /// Every arm, in the order they run.
@@ -210,6 +220,11 @@ struct Args {
     /// 5 s is a warm CPU node.
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=300))]
     partial_for: u64,
+    /// Traffic policy overrides for the ray-xds arms, as a YAML flow map of the
+    /// RayService's `traffic:` (e.g. `{ retry_budget_percent: 20 }`): what a policy
+    /// change costs or buys, measured in the same scenarios.
+    #[arg(long)]
+    traffic: Option<String>,
     #[arg(long, hide = true)]
     bench: bool,
 }
@@ -529,7 +544,7 @@ enum Switch {
 enum ControlPlane {
     RayXds {
         services: PathBuf,
-        extra: &'static str,
+        extra: String,
         config: Box<ray_xds::config::Config>,
         running: Option<ray_xds::runtime::Running>,
     },
@@ -553,14 +568,18 @@ impl ControlPlane {
         head_include: bool,
         keep_state: bool,
         gateway_port: u16,
+        traffic: Option<&str>,
     ) -> ControlPlane {
         let services = dir.join("services.yaml");
-        let extra = if head_include {
-            "    head_proxy: include\n"
+        let mut extra = if head_include {
+            "    head_proxy: include\n".to_string()
         } else {
-            ""
+            String::new()
         };
-        std::fs::write(&services, source.yaml(extra)).unwrap();
+        if let Some(traffic) = traffic {
+            extra += &format!("    traffic: {traffic}\n");
+        }
+        std::fs::write(&services, source.yaml(&extra)).unwrap();
         let mut config = test_config(&services, gateway_port);
         config.xds_listen = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         config.replica_state = keep_state.then(|| ray_xds::config::ReplicaStateConfig {
@@ -611,7 +630,7 @@ impl ControlPlane {
         match self {
             ControlPlane::RayXds {
                 services, extra, ..
-            } => write_atomic(services, &view.yaml(extra)),
+            } => write_atomic(services, &view.yaml(extra.as_str())),
             ControlPlane::Baseline { source, .. } => *source.lock().unwrap() = view.clone(),
         }
     }
@@ -1034,6 +1053,9 @@ enum Ending {
     /// Never sent: `--max-in-flight` requests were already in flight (the load
     /// generator's own bound, counted failed for every arm alike).
     Shed,
+    /// Turned away by Ray's backpressure (its 503, or gRPC `RESOURCE_EXHAUSTED`), retries
+    /// spent: nothing ran. Lost, unless every proxy was refusing (`overload`).
+    Refused,
 }
 
 struct LoadResult {
@@ -1050,6 +1072,9 @@ struct LoadResult {
     lost_ran: u64,
     /// The cluster serving when the load stopped.
     served_by: Option<String>,
+    /// `overload`: tries Envoy sent to the proxies per request it took, while every
+    /// proxy refused.
+    tries_per_request: Option<f64>,
     /// Proxies (of every cluster) answering their health check once the fault had struck.
     healthy_after_fault: usize,
     /// `upgrade-partial-capacity`: requests the new cluster ran while it ran a quarter.
@@ -1130,6 +1155,7 @@ async fn load(port: u16, args: &Args, started: Instant, stop: CancellationToken)
         failed_ran: 0,
         lost_ran: 0,
         served_by: None,
+        tries_per_request: None,
         healthy_after_fault: 0,
         ran_on_partial: None,
     }
@@ -1165,6 +1191,8 @@ async fn send(client: &LoadClient, port: u16, id: &str, timeout: Duration) -> En
             ];
             if on_a_proxy.iter().any(|m| body.contains(m)) {
                 Ending::MayHaveRun
+            } else if body.contains("dropped due to backpressure") {
+                Ending::Refused
             } else if body.contains("traceback") {
                 // (The simulator's bad version answers as Ray does for an exception.)
                 Ending::AppFailed
@@ -1211,11 +1239,43 @@ async fn call(mut client: EchoClient, id: &str, timeout: Duration) -> Ending {
             ];
             if on_a_proxy.iter().any(|m| status.message().contains(m)) {
                 Ending::MayHaveRun
+            } else if status.code() == tonic::Code::ResourceExhausted {
+                Ending::Refused
             } else {
                 Ending::Lost
             }
         }
     }
+}
+
+/// How long every proxy refuses in `overload`.
+const OVERLOAD_FOR: Duration = Duration::from_secs(5);
+
+/// (tries Envoy sent to the RayService's clusters, requests its listener took) so far,
+/// from its stats.
+async fn envoy_tries(envoy: &Envoy) -> (f64, f64) {
+    let stats = envoy
+        .admin("/stats?filter=(upstream_rq_total|downstream_rq_total)$")
+        .await;
+    let (mut tries, mut requests) = (0.0, 0.0);
+    for line in stats.lines() {
+        let Some((name, value)) = line.split_once(": ") else {
+            continue;
+        };
+        let value: f64 = value.trim().parse().unwrap_or(0.0);
+        // The RayService's clusters are named namespace/service/cluster[/...].
+        if let Some(cluster) = name
+            .strip_prefix("cluster.")
+            .and_then(|n| n.strip_suffix(".upstream_rq_total"))
+        {
+            if cluster.contains('/') {
+                tries += value;
+            }
+        } else if name == "http.ray_serve_http.downstream_rq_total" {
+            requests += value;
+        }
+    }
+    (tries, requests)
 }
 
 /// How many of the clusters' proxies answer `/-/healthz` with success (1 s timeout).
@@ -1263,12 +1323,17 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     let gateway_port = 0;
     let initial = view("a", &[&a]);
     let mut cp = match arm {
-        "ray-xds" => ControlPlane::ray_xds(dir.path(), &initial, false, true, gateway_port).await,
+        "ray-xds" => {
+            let traffic = args.traffic.as_deref();
+            ControlPlane::ray_xds(dir.path(), &initial, false, true, gateway_port, traffic).await
+        }
         "ray-xds-head-include" => {
-            ControlPlane::ray_xds(dir.path(), &initial, true, true, gateway_port).await
+            let traffic = args.traffic.as_deref();
+            ControlPlane::ray_xds(dir.path(), &initial, true, true, gateway_port, traffic).await
         }
         "ray-xds-no-state" => {
-            ControlPlane::ray_xds(dir.path(), &initial, false, false, gateway_port).await
+            let traffic = args.traffic.as_deref();
+            ControlPlane::ray_xds(dir.path(), &initial, false, false, gateway_port, traffic).await
         }
         "baseline-kuberay" => {
             ControlPlane::baseline(&initial, Switch::WhenRunning, false, gateway_port).await
@@ -1349,6 +1414,7 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     };
     tokio::time::sleep(Duration::from_secs(args.fault_at) + jitter).await;
     let mut ran_on_partial = None;
+    let mut tries_per_request = None;
 
     match scenario {
         "head-crash" => a.proxies[0].process.signal(libc::SIGKILL),
@@ -1418,6 +1484,22 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
             cp.stop().await;
             tokio::time::sleep_until(stopped + Duration::from_secs(2)).await;
             cp.start().await;
+        }
+        // Every proxy refuses every request for a while (Ray's backpressure: all of them
+        // 503, nothing runs), then serves again: how many tries Envoy sends per request
+        // while nothing can succeed.
+        "overload" => {
+            let before = envoy_tries(&envoy).await;
+            for p in &a.proxies {
+                p.mode("overloaded").await;
+            }
+            tokio::time::sleep(OVERLOAD_FOR).await;
+            let after = envoy_tries(&envoy).await;
+            for p in &a.proxies {
+                p.mode("serving").await;
+            }
+            let (tries, requests) = (after.0 - before.0, after.1 - before.1);
+            tries_per_request = (requests > 0.0).then(|| tries / requests);
         }
         "control-plane-down-crash" | "control-plane-down-hang" => {
             let stopped = tokio::time::Instant::now();
@@ -1496,6 +1578,7 @@ async fn run(scenario: &str, arm: &str, args: &Args, jitter: Duration) -> LoadRe
     result.served_by = served_by;
     result.healthy_after_fault = healthy_after_fault;
     result.ran_on_partial = ran_on_partial;
+    result.tries_per_request = tries_per_request;
     if std::env::var_os("CHAOS_DEBUG").is_some() {
         // What Envoy's retries, outlier detection and connections did, per cluster.
         let stats = envoy.admin("/stats?filter=(retry|outlier|cx_connect|rq_timeout|rq_total|ejections_active|rq_pending)").await;
@@ -1526,8 +1609,10 @@ struct TrialStats {
     lost: u64,
     app_failed: u64,
     shed: u64,
+    refused: u64,
     failed_ran: u64,
     lost_ran: u64,
+    tries_per_request: Option<f64>,
     /// From the first failure's start to the last's.
     window: Duration,
     /// Latencies of the requests that succeeded.
@@ -1561,8 +1646,10 @@ impl TrialStats {
             lost: r.count(Ending::Lost),
             app_failed: r.count(Ending::AppFailed),
             shed: r.count(Ending::Shed),
+            refused: r.count(Ending::Refused),
             failed_ran: r.failed_ran,
             lost_ran: r.lost_ran,
+            tries_per_request: r.tries_per_request,
             window,
             latencies,
             served_by: r.served_by.clone().unwrap_or_else(|| "none".into()),
@@ -1603,8 +1690,14 @@ fn line(scenario: &str, arm: &str, protocol: &str, trials: &[TrialStats]) -> Str
     served_by.dedup();
     let failed = per_trial(|t| t.failed);
     let may_have_run = per_trial(|t| t.may_have_run);
+    let mut tries: Vec<f64> = trials.iter().filter_map(|t| t.tries_per_request).collect();
+    tries.sort_by(f64::total_cmp);
+    let tries = match (tries.get((tries.len().max(1) - 1) / 2), tries.last()) {
+        (Some(median), Some(max)) => format!("{median:.2} tries_per_request_max={max:.2}"),
+        _ => "- tries_per_request_max=-".to_string(),
+    };
     format!(
-        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} app_failed={} shed={} failed_ran={} lost_ran={} window_ms={} served_by={} trials={} failed_median={} failed_max={} may_have_run_median={} may_have_run_max={} protocol={protocol}",
+        "chaos scenario={scenario} arm={arm} requests={} failed={} executed_twice={} p99_ms={:.1} p50_ms={:.1} max_ms={:.1} may_have_run={} lost={} refused={} app_failed={} shed={} failed_ran={} lost_ran={} window_ms={} served_by={} trials={} failed_median={} failed_max={} may_have_run_median={} may_have_run_max={} tries_per_request={tries} protocol={protocol}",
         sum(|t| t.requests),
         sum(|t| t.failed),
         sum(|t| t.executed_twice),
@@ -1613,6 +1706,7 @@ fn line(scenario: &str, arm: &str, protocol: &str, trials: &[TrialStats]) -> Str
         latencies.last().copied().unwrap_or_default().as_secs_f64() * 1000.0,
         sum(|t| t.may_have_run),
         sum(|t| t.lost),
+        sum(|t| t.refused),
         sum(|t| t.app_failed),
         sum(|t| t.shed),
         sum(|t| t.failed_ran),
@@ -1652,6 +1746,9 @@ fn main() {
         .block_on(bench_main());
 }
 
+/// The most tries per request Envoy may send while every proxy refuses (`overload`).
+const OVERLOAD_TRIES_PER_REQUEST: f64 = 1.25;
+
 /// The most requests a hang may leave "may have run" in one run of a ray-xds arm.
 const HANG_MAY_HAVE_RUN: u64 = 10;
 
@@ -1668,6 +1765,14 @@ fn broken_by(scenario: &str, r: &LoadResult) -> Option<&'static str> {
         Some("no healthy proxy after the fault: the run proves nothing")
     } else if r.count(Ending::Lost) > 0 {
         Some("lost requests")
+    } else if scenario != "overload" && r.count(Ending::Refused) > 0 {
+        // A proxy's backpressure while another could run it: lost.
+        Some("requests refused by Ray's backpressure while a proxy could run them")
+    } else if scenario == "overload"
+        && r.tries_per_request
+            .is_none_or(|t| t > OVERLOAD_TRIES_PER_REQUEST)
+    {
+        Some("more tries per request than the bound while every proxy refused")
     } else if r.executed_twice > 0 {
         Some("requests run twice")
     } else if r.ran_on_partial == Some(0) {

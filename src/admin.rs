@@ -53,19 +53,30 @@ pub(crate) struct AdminState {
     pub live: LiveViews,
 }
 
-/// What `/prestop` needs beside the snapshot and the clients: the peers to ask, and a
-/// bound on the calls waiting at once.
+/// What `/prestop` needs beside the clients: the peers to ask, this replica's id (a
+/// peer's call carrying it is this replica asking itself), the endpoint index, and the
+/// bounds on calls waiting at once (pods' calls and peers' calls apart).
 #[derive(Clone)]
 pub(crate) struct Prestop {
     peers: Arc<Vec<String>>,
+    replica_id: Arc<str>,
+    index: Arc<crate::prestop::EndpointIndex>,
     waiting: Arc<tokio::sync::Semaphore>,
+    peers_waiting: Arc<tokio::sync::Semaphore>,
 }
 
 impl Prestop {
-    pub(crate) fn new(peers: Vec<String>) -> Prestop {
+    pub(crate) fn new(
+        peers: Vec<String>,
+        replica_id: String,
+        index: Arc<crate::prestop::EndpointIndex>,
+    ) -> Prestop {
         Prestop {
             peers: Arc::new(peers),
+            replica_id: replica_id.into(),
+            index,
             waiting: Arc::new(tokio::sync::Semaphore::new(crate::prestop::AT_ONCE)),
+            peers_waiting: Arc::new(tokio::sync::Semaphore::new(crate::prestop::AT_ONCE)),
         }
     }
 }
@@ -106,14 +117,15 @@ struct PrestopQuery {
     address: String,
     /// How long to wait at most (`20s` by default, at most `25s`).
     grace: Option<String>,
-    /// Wait for this replica's Envoys only (a peer asking).
-    #[serde(default)]
-    local: bool,
+    /// Set by a peer asking (its replica id): wait for this replica's Envoys only, and
+    /// answer at once if it is this replica's own id.
+    asker: Option<String>,
 }
 
 /// The pre-stop handshake (`crate::prestop`): 200 once every Envoy of this replica and
-/// of its peers holds endpoints without `address`; 504 at the grace, saying who it
-/// still waits for; 400 for a bad query; 503 when too many calls wait already.
+/// of its peers has moved past what listed `address`; 504 at the grace, saying who it
+/// still waits for; 400 for a bad query; 503 when too many calls wait already. Only a
+/// pod's calls are counted (`ray_xds_prestop_calls_total`), not its peers'.
 async fn prestop(
     State(state): State<AdminState>,
     axum::extract::Query(query): axum::extract::Query<PrestopQuery>,
@@ -137,12 +149,26 @@ async fn prestop(
                 .into_response()
         }
     };
-    let Ok(_place) = state.prestop.waiting.clone().try_acquire_owned() else {
-        state
-            .metrics
-            .prestop_calls
-            .get_or_create(&crate::metrics::ResultLabels { result: "busy" })
-            .inc();
+    let p = &state.prestop;
+    let from_peer = query.asker.is_some();
+    if query.asker.as_deref() == Some(&*p.replica_id) {
+        // This replica asking itself through its peers' name: its own wait covers it.
+        return Json(json!({ "address": target.to_string(), "dropped": true, "self": true }))
+            .into_response();
+    }
+    let places = if from_peer {
+        &p.peers_waiting
+    } else {
+        &p.waiting
+    };
+    let Ok(_place) = places.clone().try_acquire_owned() else {
+        if !from_peer {
+            state
+                .metrics
+                .prestop_calls
+                .get_or_create(&crate::metrics::ResultLabels { result: "busy" })
+                .inc();
+        }
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             format!(
@@ -154,41 +180,45 @@ async fn prestop(
     };
     let started = tokio::time::Instant::now();
     let deadline = started + grace;
-    let local = crate::prestop::wait_local(
-        target,
-        state.snapshots.clone(),
-        state.clients.clone(),
-        deadline,
-    );
-    let (look, peers) = if query.local || state.prestop.peers.is_empty() {
-        (local.await, Vec::new())
+    let local =
+        || crate::prestop::wait_local(target, p.index.clone(), state.clients.clone(), deadline);
+    let (mut look, peers) = if from_peer || p.peers.is_empty() {
+        (local().await, Vec::new())
     } else {
         tokio::join!(
-            local,
-            crate::prestop::ask_peers(&state.prestop.peers, target, deadline)
+            local(),
+            crate::prestop::ask_peers(&p.peers, target, &p.replica_id, deadline)
         )
     };
-    let dropped = look == Look::Dropped && peers.iter().all(|p| p.dropped);
+    let peers_dropped = peers.iter().all(|a| a.dropped);
+    if look == Look::Dropped && peers_dropped && !peers.is_empty() {
+        // The peers answered later than this replica's own look: look again (at once
+        // when nothing changed since).
+        look = local().await;
+    }
+    let dropped = look == Look::Dropped && peers_dropped;
     let (still_listed, waiting_for) = match look {
         Look::Dropped => (0, Vec::new()),
         Look::StillListed(n) => (n, Vec::new()),
         Look::Waiting(who) => (0, who),
     };
     let result = if dropped { "dropped" } else { "grace" };
-    state
-        .metrics
-        .prestop_calls
-        .get_or_create(&crate::metrics::ResultLabels { result })
-        .inc();
-    if !dropped {
-        tracing::warn!(address = %target, still_listed, waiting = waiting_for.len(), "pre-stop: the grace passed before every Envoy dropped the address");
+    if !from_peer {
+        state
+            .metrics
+            .prestop_calls
+            .get_or_create(&crate::metrics::ResultLabels { result })
+            .inc();
+        if !dropped {
+            tracing::warn!(address = %target, still_listed, waiting = waiting_for.len(), peers_waiting = peers.iter().filter(|a| !a.dropped).count(), "pre-stop: the grace passed before every Envoy dropped the address");
+        }
     }
     let body = json!({
         "address": target.to_string(),
         "dropped": dropped,
         "waited_ms": started.elapsed().as_millis() as u64,
         // Endpoint resources still listing the address (the source has not said it is
-        // going away), and the Envoys that do not hold its removal yet.
+        // going away), and the Envoys that still hold a version that listed it.
         "still_listed_in": still_listed,
         "waiting_for": waiting_for.iter().take(100).collect::<Vec<_>>(),
         "waiting_for_total": waiting_for.len(),

@@ -1,31 +1,35 @@
 //! The pre-stop handshake: a Ray pod about to stop asks ray-xds, from its preStop hook,
 //! `GET /prestop?address=<its IP>`, and is answered once every connected Envoy, of this
-//! replica and of each peer, holds endpoints without that address (or once a grace
-//! passes). Ray's proxy does not drain at SIGTERM: what Envoy still sends there fails,
-//! and what was in flight may have run. Kubelet sends SIGTERM only after the hook
-//! returns, so the answer's timing is the pod's.
+//! replica and of each peer, has moved past every endpoint resource that listed that
+//! address (or once a grace passes). Ray's proxy does not drain at SIGTERM: what Envoy
+//! still sends there fails, and what was in flight may have run. Kubelet sends SIGTERM
+//! only after the hook returns, so the answer's timing is the pod's.
 //!
 //! ray-xds changes nothing for the call: the source's word that the pod is going away (a
 //! terminating pod, a proxy marked `draining` in the services file) takes its endpoints
-//! out, as it always did; the handshake only waits until every Envoy has ACKed that.
+//! out, as it always did; the handshake only waits until every Envoy has taken that.
 //!
-//! Invariants: the answer is 200 only when the snapshot published now has no endpoint at
-//! the address, and every connected Envoy subscribing to an endpoint resource that held
-//! one during the wait holds that resource at its version now (on every peer that was
-//! asked too); otherwise 504 at the grace, naming who it still waits for. An address is
-//! an IP (every endpoint of the pod: its proxies and its ingress replicas) or an IP and
-//! port (one endpoint).
+//! Invariants: the answer is 200 only when the published endpoints list nothing at the
+//! address and no connected Envoy holds a resource that listed it at a version other
+//! than one seen without it (on every peer asked too); otherwise 504 at the grace,
+//! naming who it still waits for. A call costs index lookups ([`index`], one task decodes
+//! what changes), not decoding; at most [`AT_ONCE`] calls and as many peers' calls wait
+//! at once, far under the admin port's connection cap, so probes always get in. An
+//! address is an IP (every endpoint of the pod: its proxies and its ingress replicas) or
+//! an IP and port (one endpoint); an IPv4-mapped IPv6 address is its IPv4 address.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use envoy_types::pb::envoy::config::endpoint::v3::{lb_endpoint, ClusterLoadAssignment};
-use prost::Message;
 use serde::Serialize;
 
-use crate::xds::{Clients, ResourceType, Snapshot};
+use crate::xds::{Clients, ResourceType};
+
+pub(crate) mod index;
+
+pub(crate) use self::index::EndpointIndex;
 
 /// The path of the handshake on the admin port.
 pub(crate) const PATH: &str = "/prestop";
@@ -35,11 +39,12 @@ pub(crate) const PATH: &str = "/prestop";
 pub(crate) const DEFAULT_GRACE: Duration = Duration::from_secs(20);
 pub(crate) const MAX_GRACE: Duration = Duration::from_secs(25);
 
-/// Calls waiting at once; more are answered 503 at once.
-pub(crate) const AT_ONCE: usize = 256;
+/// Calls waiting at once, and as many peers' calls (each its own bound); more are
+/// answered 503 at once. Together far under the admin port's 256 connections.
+pub(crate) const AT_ONCE: usize = 64;
 
 /// How often a waiting call looks again.
-const LOOK_EVERY: Duration = Duration::from_millis(100);
+const LOOK_EVERY: Duration = Duration::from_millis(200);
 
 /// What a call waits for the Envoys to drop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,18 +58,30 @@ pub(crate) enum Target {
 impl Target {
     pub(crate) fn parse(text: &str) -> Result<Target, String> {
         if let Ok(ip) = text.parse::<IpAddr>() {
-            return Ok(Target::Ip(ip));
+            return Ok(Target::Ip(ip.to_canonical()));
         }
         text.parse::<SocketAddr>()
-            .map(Target::Socket)
+            .map(|s| Target::Socket(SocketAddr::new(s.ip().to_canonical(), s.port())))
             .map_err(|_| format!("address {text:?} is neither an IP address nor an IP and port"))
     }
 
-    fn matches(self, ip: IpAddr, port: u32) -> bool {
+    pub(crate) fn ip(self) -> IpAddr {
         match self {
-            Target::Ip(target) => target == ip,
-            Target::Socket(target) => target.ip() == ip && u32::from(target.port()) == port,
+            Target::Ip(ip) => ip,
+            Target::Socket(s) => s.ip(),
         }
+    }
+
+    /// Whether an endpoint at this target's IP and `port` is one of it.
+    pub(crate) fn has_port(self, port: u16) -> bool {
+        match self {
+            Target::Ip(_) => true,
+            Target::Socket(s) => s.port() == port,
+        }
+    }
+
+    pub(crate) fn matches(self, endpoint: SocketAddr) -> bool {
+        endpoint.ip() == self.ip() && self.has_port(endpoint.port())
     }
 }
 
@@ -77,109 +94,65 @@ impl std::fmt::Display for Target {
     }
 }
 
-/// The endpoint resources of `snapshot` that list an endpoint at `target`.
-pub(crate) fn resources_with(snapshot: &Snapshot, target: Target) -> BTreeSet<Arc<str>> {
-    snapshot
-        .resources(ResourceType::Endpoints)
-        .values()
-        .filter(|resource| {
-            ClusterLoadAssignment::decode(resource.body.value.as_slice())
-                .map(|assignment| lists(&assignment, target))
-                .unwrap_or(false)
-        })
-        .map(|resource| resource.name.clone())
-        .collect()
-}
-
-fn lists(assignment: &ClusterLoadAssignment, target: Target) -> bool {
-    assignment
-        .endpoints
-        .iter()
-        .flat_map(|locality| &locality.lb_endpoints)
-        .filter_map(|e| match &e.host_identifier {
-            Some(lb_endpoint::HostIdentifier::Endpoint(e)) => e.address.as_ref(),
-            _ => None,
-        })
-        .filter_map(|a| match &a.address {
-            Some(envoy_types::pb::envoy::config::core::v3::address::Address::SocketAddress(s)) => {
-                Some(s)
-            }
-            _ => None,
-        })
-        .any(|s| {
-            let port = match s.port_specifier {
-                Some(
-                    envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier::PortValue(p),
-                ) => p,
-                _ => 0,
-            };
-            s.address
-                .parse::<IpAddr>()
-                .is_ok_and(|ip| target.matches(ip, port))
-        })
-}
-
 /// Where one look at this replica stands.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Look {
-    /// Every Envoy holds endpoints without the address.
+    /// Every Envoy has moved past what listed the address.
     Dropped,
     /// The published endpoints still list the address (the source has not said the pod
     /// is going away): in how many resources.
     StillListed(usize),
-    /// Published without it; these Envoys do not hold that yet.
+    /// Published without it; these Envoys still hold a version that listed it.
     Waiting(Vec<String>),
 }
 
-/// One replica's wait: the endpoint resources that listed the address at some point of
-/// it, so that an Envoy still holding one of them as it was is waited for.
+/// One replica's wait. Per endpoint resource that listed the address, the versions of it
+/// seen without the address: an Envoy holding any other version of it may still send
+/// there.
 pub(crate) struct LocalWait {
     target: Target,
-    listed: BTreeSet<Arc<str>>,
-    /// The version of the last snapshot looked at, and whether it listed the address.
-    seen: Option<(String, usize)>,
-    /// The address was in no resource at the first look: its removal came earlier, so
-    /// every endpoint resource counts.
-    gone_before: Option<bool>,
+    clean: BTreeMap<Arc<str>, BTreeSet<Arc<str>>>,
+    first: bool,
 }
 
 impl LocalWait {
     pub(crate) fn new(target: Target) -> LocalWait {
         LocalWait {
             target,
-            listed: BTreeSet::new(),
-            seen: None,
-            gone_before: None,
+            clean: BTreeMap::new(),
+            first: true,
         }
     }
 
-    /// Looks at `snapshot` and what `clients` hold.
-    pub(crate) fn look(&mut self, snapshot: &Snapshot, clients: &Clients) -> Look {
-        let still = match &self.seen {
-            Some((version, still)) if version == snapshot.version() => *still,
-            _ => {
-                let with = resources_with(snapshot, self.target);
-                let still = with.len();
-                self.gone_before.get_or_insert(with.is_empty());
-                self.listed.extend(with);
-                self.seen = Some((snapshot.version().to_string(), still));
-                still
-            }
+    /// Looks at what `index` says is published and what `clients` hold.
+    pub(crate) fn look(&mut self, index: &EndpointIndex, clients: &Clients) -> Look {
+        let Some(listing) = index.listing(self.target) else {
+            return Look::StillListed(0);
         };
-        if still > 0 {
-            return Look::StillListed(still);
+        let first = std::mem::replace(&mut self.first, false);
+        if first && listing.is_empty() {
+            // Already out when the call came: the resources it left lately.
+            for name in index.departed(self.target) {
+                self.clean.entry(name).or_default();
+            }
         }
-        let endpoints = snapshot.resources(ResourceType::Endpoints);
-        let wanted: Vec<(Arc<str>, Arc<str>)> = endpoints
-            .values()
-            .filter(|r| self.gone_before == Some(true) || self.listed.contains(&r.name))
-            .map(|r| (r.name.clone(), r.version.clone()))
-            .collect();
-        let lacking = clients.lacking(ResourceType::Endpoints, &wanted);
-        if lacking.is_empty() {
+        if !listing.is_empty() {
+            for (name, _) in &listing {
+                self.clean.entry(name.clone()).or_default();
+            }
+            return Look::StillListed(listing.len());
+        }
+        // Listed nowhere now: each tracked resource's version now is a clean one.
+        for (name, clean) in self.clean.iter_mut() {
+            if let Some(version) = index.version_of(name) {
+                clean.insert(version);
+            }
+        }
+        let holding = clients.holding_other_than(ResourceType::Endpoints, &self.clean);
+        if holding.is_empty() {
             Look::Dropped
         } else {
-            Look::Waiting(lacking)
+            Look::Waiting(holding)
         }
     }
 }
@@ -187,17 +160,13 @@ impl LocalWait {
 /// Waits on this replica until [`Look::Dropped`] or `deadline`; the last look.
 pub(crate) async fn wait_local(
     target: Target,
-    snapshots: tokio::sync::watch::Receiver<Option<Arc<Snapshot>>>,
+    index: Arc<EndpointIndex>,
     clients: Arc<Clients>,
     deadline: tokio::time::Instant,
 ) -> Look {
     let mut wait = LocalWait::new(target);
     loop {
-        let snapshot = snapshots.borrow().clone();
-        let look = match snapshot {
-            Some(snapshot) => wait.look(&snapshot, &clients),
-            None => Look::StillListed(0),
-        };
+        let look = wait.look(&index, &clients);
         if look == Look::Dropped || tokio::time::Instant::now() >= deadline {
             return look;
         }
@@ -214,6 +183,7 @@ async fn ask_peer(
     >,
     address: SocketAddr,
     target: Target,
+    asker: &str,
     deadline: tokio::time::Instant,
 ) -> (bool, String) {
     use http_body_util::{BodyExt, Limited};
@@ -222,7 +192,7 @@ async fn ask_peer(
         // An IPv6 endpoint's brackets, percent-encoded: a query may not hold them as is.
         let target = target.to_string().replace('[', "%5B").replace(']', "%5D");
         let uri = format!(
-            "http://{address}{PATH}?address={target}&local=true&grace={}ms",
+            "http://{address}{PATH}?address={target}&asker={asker}&grace={}ms",
             left.as_millis()
         );
         let asked = async {
@@ -273,11 +243,13 @@ pub(crate) struct PeerAnswer {
     pub detail: String,
 }
 
-/// Asks every address of every peer to wait for its own Envoys (`local=true`), until
+/// Asks every address of every peer to wait for its own Envoys (`asker` set: this
+/// replica's id, so that the one address that is this replica answers at once), until
 /// `deadline`; what each said.
 pub(crate) async fn ask_peers(
     peers: &[String],
     target: Target,
+    asker: &str,
     deadline: tokio::time::Instant,
 ) -> Vec<PeerAnswer> {
     let client: hyper_util::client::legacy::Client<_, http_body_util::Empty<bytes::Bytes>> =
@@ -315,7 +287,7 @@ pub(crate) async fn ask_peers(
             let client = client.clone();
             let who = format!("{peer} ({address})");
             asks.push(futures::future::Either::Right(async move {
-                let (dropped, detail) = ask_peer(&client, address, target, deadline).await;
+                let (dropped, detail) = ask_peer(&client, address, target, asker, deadline).await;
                 PeerAnswer {
                     peer: who,
                     dropped,
@@ -330,10 +302,13 @@ pub(crate) async fn ask_peers(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::xds::Snapshot;
     use envoy_types::pb::envoy::config::core::v3::{
         address, socket_address, Address, SocketAddress,
     };
-    use envoy_types::pb::envoy::config::endpoint::v3::{Endpoint, LbEndpoint, LocalityLbEndpoints};
+    use envoy_types::pb::envoy::config::endpoint::v3::{
+        lb_endpoint, ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
+    };
 
     fn assignment(name: &str, endpoints: &[&str]) -> ClusterLoadAssignment {
         ClusterLoadAssignment {
@@ -379,35 +354,66 @@ mod tests {
         })
     }
 
-    /// The resources listing a pod's IP (its proxies and replicas, any port), or one
-    /// endpoint; a wait sees the pod listed, then dropped once no resource lists it (with
-    /// no Envoy connected, nobody lacks anything).
-    #[test]
-    fn a_wait_follows_the_resources_that_list_the_address() {
-        let listed = snapshot(vec![
-            assignment("ns/s/a", &["198.18.0.1:8000", "198.18.0.2:8000"]),
-            assignment("ns/s/a/app/http", &["198.18.0.2:30001"]),
-            assignment("ns/s/b", &["198.18.0.3:8000"]),
-        ]);
-        let pod = Target::parse("198.18.0.2").unwrap();
-        let names: Vec<String> = resources_with(&listed, pod)
+    fn at(index: &EndpointIndex, target: &str) -> Vec<String> {
+        let mut names: Vec<String> = index
+            .listing(Target::parse(target).unwrap())
+            .unwrap()
             .iter()
-            .map(|n| n.to_string())
+            .map(|(n, _)| n.to_string())
             .collect();
-        assert_eq!(names, ["ns/s/a", "ns/s/a/app/http"]);
-        let one = Target::parse("198.18.0.2:30001").unwrap();
-        assert_eq!(resources_with(&listed, one).len(), 1);
-        assert!(resources_with(&listed, Target::parse("198.18.0.9").unwrap()).is_empty());
+        names.sort();
+        names
+    }
+
+    /// The index lists a pod's IP (its proxies and replicas, any port) or one endpoint,
+    /// decodes only what changed, and remembers what an endpoint left; a wait sees the
+    /// pod listed, then dropped once nothing lists it (no Envoy connected: nobody holds
+    /// anything), and a call that comes after the removal still knows what it left.
+    #[test]
+    fn the_index_and_a_wait_follow_the_resources_that_list_the_address() {
+        let index = EndpointIndex::default();
+        let t0 = std::time::Instant::now();
+        assert_eq!(index.listing(Target::parse("198.18.0.2").unwrap()), None);
+        index.update(
+            &snapshot(vec![
+                assignment("ns/s/a", &["198.18.0.1:8000", "198.18.0.2:8000"]),
+                assignment("ns/s/a/app/http", &["198.18.0.2:30001"]),
+                assignment("ns/s/b", &["198.18.0.3:8000", "[::ffff:198.18.0.4]:8000"]),
+            ]),
+            t0,
+        );
+        assert_eq!(at(&index, "198.18.0.2"), ["ns/s/a", "ns/s/a/app/http"]);
+        assert_eq!(at(&index, "198.18.0.2:30001"), ["ns/s/a/app/http"]);
+        assert_eq!(at(&index, "198.18.0.2:9000"), Vec::<String>::new());
+        assert_eq!(at(&index, "198.18.0.9"), Vec::<String>::new());
+        // An IPv4-mapped address, published or asked, is its IPv4 address.
+        assert_eq!(at(&index, "198.18.0.4"), ["ns/s/b"]);
+        assert_eq!(at(&index, "::ffff:198.18.0.4"), ["ns/s/b"]);
 
         let clients = Clients::default();
+        let pod = Target::parse("198.18.0.2").unwrap();
         let mut wait = LocalWait::new(pod);
-        assert_eq!(wait.look(&listed, &clients), Look::StillListed(2));
-        let dropped = snapshot(vec![
-            assignment("ns/s/a", &["198.18.0.1:8000"]),
-            assignment("ns/s/a/app/http", &[]),
-            assignment("ns/s/b", &["198.18.0.3:8000"]),
-        ]);
-        assert_eq!(wait.look(&dropped, &clients), Look::Dropped);
+        assert_eq!(wait.look(&index, &clients), Look::StillListed(2));
+        index.update(
+            &snapshot(vec![
+                assignment("ns/s/a", &["198.18.0.1:8000"]),
+                assignment("ns/s/b", &["198.18.0.3:8000", "[::ffff:198.18.0.4]:8000"]),
+            ]),
+            t0,
+        );
+        assert_eq!(wait.look(&index, &clients), Look::Dropped);
+        // A call after the removal: what the pod left, remembered for a while.
+        let departed: Vec<String> = index.departed(pod).iter().map(|n| n.to_string()).collect();
+        assert_eq!(departed, ["ns/s/a", "ns/s/a/app/http"]);
+        let mut late = LocalWait::new(pod);
+        assert_eq!(late.look(&index, &clients), Look::Dropped);
+        assert_eq!(late.clean.len(), 2, "{:?}", late.clean);
+        // ...and forgotten after REMEMBER.
+        index.update(
+            &snapshot(vec![assignment("ns/s/a", &["198.18.0.1:8000"])]),
+            t0 + index::REMEMBER + Duration::from_secs(1),
+        );
+        assert!(index.departed(pod).is_empty(), "forgotten after REMEMBER");
     }
 
     #[test]
@@ -426,12 +432,16 @@ mod tests {
         );
         assert!(Target::parse("ray-worker-1").is_err());
         assert!(Target::parse("").is_err());
+        assert_eq!(
+            Target::parse("::ffff:198.18.0.7").unwrap(),
+            Target::Ip("198.18.0.7".parse().unwrap())
+        );
         let ip = Target::parse("198.18.0.7").unwrap();
-        assert!(ip.matches("198.18.0.7".parse().unwrap(), 8000));
-        assert!(ip.matches("198.18.0.7".parse().unwrap(), 30001));
-        assert!(!ip.matches("198.18.0.8".parse().unwrap(), 8000));
+        assert!(ip.matches("198.18.0.7:8000".parse().unwrap()));
+        assert!(ip.matches("198.18.0.7:30001".parse().unwrap()));
+        assert!(!ip.matches("198.18.0.8:8000".parse().unwrap()));
         let one = Target::parse("198.18.0.7:8000").unwrap();
-        assert!(one.matches("198.18.0.7".parse().unwrap(), 8000));
-        assert!(!one.matches("198.18.0.7".parse().unwrap(), 9000));
+        assert!(one.matches("198.18.0.7:8000".parse().unwrap()));
+        assert!(!one.matches("198.18.0.7:9000".parse().unwrap()));
     }
 }

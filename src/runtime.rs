@@ -148,12 +148,17 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> anyhow::Resul
             Ok(())
         }
     });
+    let endpoint_index = starter.endpoint_index(&outputs.published);
     let state = AdminState {
         components: starter.components.clone(),
         metrics: metrics.clone(),
         clients,
         snapshots: outputs.published,
-        prestop: crate::admin::Prestop::new(config.replica_peers.clone()),
+        prestop: crate::admin::Prestop::new(
+            config.replica_peers.clone(),
+            replica_id.clone(),
+            endpoint_index,
+        ),
         live: LiveViews {
             models,
             probes,

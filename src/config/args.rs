@@ -165,7 +165,7 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_XDS_MAX_CONNECTIONS_PER_PEER")]
     pub xds_max_connections_per_peer: Option<usize>,
 
-    /// TLS handshakes one IP address (an IPv6 /64) may begin a second, after a burst of
+    /// TLS handshakes one IP address may begin a second, after a burst of
     /// as many; the rest are closed before any handshake work; 0 is no limit
     /// [config: xds.handshakes_per_peer_per_second; default 20; 0..=100000].
     #[arg(long, env = "RAY_XDS_XDS_HANDSHAKES_PER_PEER_PER_SECOND")]

@@ -79,6 +79,22 @@ impl Starter<'_> {
         self.tasks.spawn(task);
     }
 
+    /// Which published endpoint resources list which address, for the pre-stop calls:
+    /// the single writer of the index, following the published snapshots.
+    pub(super) fn endpoint_index(
+        &mut self,
+        published: &tokio::sync::watch::Receiver<Option<Arc<crate::xds::Snapshot>>>,
+    ) -> Arc<crate::prestop::EndpointIndex> {
+        let index = Arc::new(crate::prestop::EndpointIndex::default());
+        let (follower, snapshots, token) =
+            (index.clone(), published.clone(), self.shutdown.clone());
+        self.spawn(async move {
+            follower.follow(snapshots, token).await;
+            Ok(())
+        });
+        index
+    }
+
     /// The source: the single writer of the source's model and status.
     pub(super) async fn source(
         &mut self,

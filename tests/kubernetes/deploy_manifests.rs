@@ -810,8 +810,9 @@ fn kustomization_lists_exactly_the_manifests() {
 /// The pre-stop example (deploy/ray/): every Ray container of the RayService runs the
 /// same hook, with its pod's IP, and a grace period covering the call and the drain; the
 /// hook's script, run as the container would (python, its environment), against a real
-/// ray-xds at the admin port the Service names, gets the handshake's answer: 504 while the
-/// pod is listed, then 200 once it is marked going away. Its sleep is the drain.
+/// ray-xds at the admin port the Service names, by the pod's IP alone and with an Envoy
+/// connected, gets the handshake's answer: 504 while the pod is listed, then 200 once it
+/// is marked going away, when the Envoy no longer lists it. Its sleep is the drain.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_prestop_example_hook_asks_ray_xds_and_waits_for_its_answer() {
     let docs = documents(&std::fs::read_to_string(deploy_dir().join(RAY_PRESTOP_EXAMPLE)).unwrap())
@@ -865,7 +866,11 @@ async fn the_prestop_example_hook_asks_ray_xds_and_waits_for_its_answer() {
     );
     let url = "http://ray-xds-metrics.ray-xds.svc.cluster.local:19000";
     assert!(script.contains(url), "{script}");
-    assert!(script.contains("/prestop?grace=20s&address="), "{script}");
+    assert!(script.contains("/prestop?address="), "{script}");
+    assert!(
+        script.contains("deadline = time.monotonic() + 20"),
+        "{script}"
+    );
 
     // Run it against a real ray-xds: a cluster of a head (127.0.0.1) and a worker on an
     // address of its own (127.0.0.2), as a pod has.
@@ -895,12 +900,23 @@ async fn the_prestop_example_hook_asks_ray_xds_and_waits_for_its_answer() {
             proxies[0], proxies[1]
         )
     };
-    let stack = Stack::with(services(false)).start().await;
+    // An Envoy connected, as in a cluster: the call waits for it.
+    let stack = Stack::with(services(false))
+        .envoy(Bootstrap::Sotw)
+        .start()
+        .await;
     let admin = stack.xds.admin_addr;
-    let run_hook = move |grace: &str| {
-        let script = script
-            .replace(url, &format!("http://{admin}"))
-            .replace("grace=20s", &format!("grace={grace}"));
+    let worker = proxies[1];
+    let listed_in_envoy = move |text: &str| text.contains(&format!("::{worker}::health_flags::"));
+    eventually("Envoy lists the worker", DEADLINE, || async {
+        listed_in_envoy(&stack.envoy().admin("/clusters").await).then_some(())
+    })
+    .await;
+    let run_hook = move |seconds: u64| {
+        let script = script.replace(url, &format!("http://{admin}")).replace(
+            "deadline = time.monotonic() + 20",
+            &format!("deadline = time.monotonic() + {seconds}"),
+        );
         let out = Command::new("python3")
             .args(["-c", &script])
             .env("POD_IP", "127.0.0.2")
@@ -916,7 +932,7 @@ async fn the_prestop_example_hook_asks_ray_xds_and_waits_for_its_answer() {
     };
     let listed = tokio::task::spawn_blocking({
         let run_hook = run_hook.clone();
-        move || run_hook("1s")
+        move || run_hook(1)
     })
     .await
     .unwrap();
@@ -925,12 +941,17 @@ async fn the_prestop_example_hook_asks_ray_xds_and_waits_for_its_answer() {
         "{listed}"
     );
     stack.edit(&services(true));
-    let dropped = tokio::task::spawn_blocking(move || run_hook("20s"))
+    let dropped = tokio::task::spawn_blocking(move || run_hook(20))
         .await
         .unwrap();
     assert!(
         dropped.contains("ray-xds pre-stop: 200") && dropped.contains("\"dropped\":true"),
         "{dropped}"
+    );
+    // At the answer, its Envoy no longer lists the pod.
+    assert!(
+        !listed_in_envoy(&stack.envoy().admin("/clusters").await),
+        "answered while Envoy still lists the pod: {dropped}"
     );
     stop.cancel();
 }

@@ -12,10 +12,15 @@ use support::*;
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
+/// A replica whose peers are itself and the other, as a headless Service's name resolves
+/// to every replica.
 fn replica_config(services: &std::path::Path, admin: u16, peer_admin: u16) -> Config {
     let mut c = test_config(services, 0);
     c.admin_listen = SocketAddr::from(([127, 0, 0, 1], admin));
-    c.replica_peers = vec![format!("127.0.0.1:{peer_admin}")];
+    c.replica_peers = vec![
+        format!("127.0.0.1:{admin}"),
+        format!("127.0.0.1:{peer_admin}"),
+    ];
     c.replica_poll_interval = Duration::from_millis(200);
     c
 }
@@ -91,15 +96,38 @@ async fn a_prestop_call_waits_for_every_replica_s_envoys() {
     // Replica one's own Envoy dropped it: what is missing is the peer's.
     assert_eq!(answer["waiting_for_total"], 0, "{answer}");
     let peers = answer["peers"].as_array().unwrap();
-    assert_eq!(peers.len(), 1, "{answer}");
-    assert_eq!(peers[0]["dropped"], false, "{answer}");
-    let detail = peers[0]["detail"].as_str().unwrap();
-    assert!(detail.contains("waiting_for"), "{detail}");
+    assert_eq!(peers.len(), 2, "{answer}");
+    // Asked through its peers' names, replica one answered itself at once.
+    let own = format!("127.0.0.1:{admin_1}");
+    let (itself, other): (Vec<&Value>, Vec<&Value>) = peers
+        .iter()
+        .partition(|p| p["peer"].as_str().unwrap().starts_with(&own));
+    assert_eq!(itself.len(), 1, "{answer}");
+    assert_eq!(itself[0]["dropped"], true, "{answer}");
+    assert!(
+        itself[0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("\"self\":true"),
+        "{answer}"
+    );
+    assert_eq!(other[0]["dropped"], false, "{answer}");
+    // The peer had dropped the pod from what it publishes, and waited for its Envoy.
+    let detail: Value = serde_json::from_str(other[0]["detail"].as_str().unwrap()).unwrap();
+    assert_eq!(detail["still_listed_in"], 0, "{detail}");
+    assert_eq!(detail["waiting_for_total"], 1, "{detail}");
 
     // Running again, it ACKs: the call answers 200 and neither Envoy lists the pod.
     let (status, answer) = prestop(one.admin_addr, &format!("address={leaving}&grace=20s")).await;
     assert_eq!(status, 200, "{answer}");
-    assert_eq!(answer["peers"][0]["dropped"], true, "{answer}");
+    assert!(
+        answer["peers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["dropped"] == true),
+        "{answer}"
+    );
     assert!(!listed_by(&envoy_1, leaving).await);
     assert!(!listed_by(&envoy_2, leaving).await);
     one.stop().await.unwrap();

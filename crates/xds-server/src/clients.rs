@@ -28,9 +28,13 @@ pub(super) trait ClientDescribe: Send {
     fn warmed(&self, cluster: &str) -> Option<bool>;
     fn rejected(&self, cluster: &str) -> bool;
     fn node_id(&self) -> Option<String>;
-    /// Whether it subscribes to one of `wanted` (names of `ty`) but does not hold it at
-    /// the version given.
-    fn lacks(&self, ty: ResourceType, wanted: &[(Arc<str>, Arc<str>)]) -> bool;
+    /// Whether it holds a resource of `ty` named in `clean` at a version not given there
+    /// (one it must move past).
+    fn holds_other_than(
+        &self,
+        ty: ResourceType,
+        clean: &BTreeMap<Arc<str>, BTreeSet<Arc<str>>>,
+    ) -> bool;
 }
 
 impl<P: AdsProtocol> ClientDescribe for P {
@@ -58,17 +62,13 @@ impl<P: AdsProtocol> ClientDescribe for P {
     fn node_id(&self) -> Option<String> {
         self.node().map(|n| n.id.clone())
     }
-    fn lacks(&self, ty: ResourceType, wanted: &[(Arc<str>, Arc<str>)]) -> bool {
-        // A stream that never asked for the type holds none of it and sends nothing by it.
-        let Some(subscription) = self.subscription(ty) else {
-            return false;
-        };
-        let held: BTreeMap<Arc<str>, Arc<str>> = self.held(ty).into_iter().collect();
-        wanted.iter().any(|(name, version)| {
-            let subscribed = subscription
-                .as_ref()
-                .is_none_or(|names| names.iter().any(|n| n == name));
-            subscribed && held.get(name) != Some(version)
+    fn holds_other_than(
+        &self,
+        ty: ResourceType,
+        clean: &BTreeMap<Arc<str>, BTreeSet<Arc<str>>>,
+    ) -> bool {
+        clean.iter().any(|(name, clean)| {
+            AdsProtocol::holds(self, ty, name).is_some_and(|held| !clean.contains(&held))
         })
     }
 }
@@ -90,10 +90,14 @@ impl Clients {
         self.streams_where(|s| s.warmed(cluster) == Some(false))
     }
 
-    /// The connected Envoys (node id and stream) that subscribe to one of `wanted` (names
-    /// of `ty`, each with a version) but do not hold it at that version yet.
-    pub fn lacking(&self, ty: ResourceType, wanted: &[(Arc<str>, Arc<str>)]) -> Vec<String> {
-        self.streams_where(|s| s.lacks(ty, wanted))
+    /// The connected Envoys (node id and stream) that hold a resource of `ty` named in
+    /// `clean` at a version not listed there (name → the versions that are fine to hold).
+    pub fn holding_other_than(
+        &self,
+        ty: ResourceType,
+        clean: &BTreeMap<Arc<str>, BTreeSet<Arc<str>>>,
+    ) -> Vec<String> {
+        self.streams_where(|s| s.holds_other_than(ty, clean))
     }
 
     /// The connected Envoys (node id and stream) that rejected `cluster` or its

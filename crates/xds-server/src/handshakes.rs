@@ -1,15 +1,16 @@
 //! TLS handshakes on the xDS port, kept away from the work that must not wait behind them
 //! (probes, pushes): a [`HandshakeRate`] lets each address begin at most `per_second`
 //! handshakes a second, after a burst of as many, and the [`listener`](super::listener)
-//! closes the rest before any handshake work; the handshakes let through run on a
-//! [`HandshakeThread`], one thread with a runtime of its own at a lower CPU priority, so
-//! a flood of them costs at most what the kernel gives that thread.
+//! closes the rest before any handshake work; the handshakes let through run on
+//! [`HandshakeThreads`], a runtime of their own whose threads run at a lower CPU
+//! priority, so a flood of them takes only what the kernel leaves over from the rest.
 //!
-//! Invariants: an address is an IPv4 address, or an IPv6 address's /64 (one host holds
-//! a whole /64); at most [`MAX_REMEMBERED`] addresses are remembered, and past that a
-//! newcomer is let through unmetered (and counted) rather than refused for what others
-//! did; an address whose bucket is full again is forgotten first. A rate of 0 meters
-//! nothing.
+//! Invariants: an address is metered whole, as the connection cap counts it (an
+//! IPv4-mapped IPv6 address as its IPv4 address; not by IPv6 prefix: Kubernetes gives a
+//! node's pods one /64, and its Envoys must not share one budget); at most
+//! [`MAX_REMEMBERED`] addresses are remembered, and past that a newcomer is let through
+//! unmetered (and counted) rather than refused for what others did; an address whose
+//! bucket is full again is forgotten first. A rate of 0 meters nothing.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -133,41 +134,32 @@ impl Table {
     }
 }
 
-/// The address a connection is metered by: IPv4 as it is (an IPv4-mapped IPv6 address
-/// as its IPv4 address), IPv6 by its /64.
+/// The address a connection is metered by: its own (an IPv4-mapped IPv6 address as its
+/// IPv4 address).
 fn metered_address(peer: IpAddr) -> IpAddr {
-    match peer {
-        IpAddr::V4(v4) => IpAddr::V4(v4),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => {
-                let prefix = u128::from(v6) & !((1u128 << 64) - 1);
-                IpAddr::V6(prefix.into())
-            }
-        },
-    }
+    peer.to_canonical()
 }
 
-/// A thread with a one-thread runtime of its own, at nice 10, for TLS handshakes. The
-/// sockets stay registered with the runtime that accepted them (their readiness is
-/// still read there); only the handshakes' CPU work (signatures, certificate
-/// verification) runs here. Dropping it stops the thread; handshakes still running are
-/// dropped with their connections.
-pub struct HandshakeThread {
-    handle: tokio::runtime::Handle,
-    _stop: tokio::sync::oneshot::Sender<()>,
+/// A runtime of its own for TLS handshakes, its threads (one per core, at most 4) nicer
+/// than the process by [`HANDSHAKE_NICE`]: a reconnecting fleet's handshakes use the
+/// cores, a flood cannot take them from the probes. The sockets stay registered with
+/// the runtime that accepted them (their readiness is still read there); only the
+/// handshakes' CPU work (signatures, certificate verification) runs here. Dropping it
+/// stops its threads; handshakes still running are dropped with their connections.
+pub struct HandshakeThreads {
+    runtime: Option<tokio::runtime::Runtime>,
 }
 
-/// How much nicer than the process the handshake thread runs (higher is lower priority).
+/// How much nicer than the process the handshake threads run (higher is lower priority).
 pub const HANDSHAKE_NICE: libc::c_int = 10;
 
-impl HandshakeThread {
-    pub fn start() -> std::io::Result<HandshakeThread> {
-        let (handle_tx, handle_rx) = std::sync::mpsc::channel();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        std::thread::Builder::new()
-            .name("xds-handshakes".into())
-            .spawn(move || {
+impl HandshakeThreads {
+    pub fn start() -> std::io::Result<HandshakeThreads> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("xds-handshakes")
+            .on_thread_start(|| {
                 // On Linux a thread's nice value is its own: this lowers only this
                 // thread, by HANDSHAKE_NICE from where the process runs. Failing to
                 // lower it leaves it at the process's priority.
@@ -176,37 +168,31 @@ impl HandshakeThread {
                     let current = libc::getpriority(libc::PRIO_PROCESS, 0);
                     libc::setpriority(libc::PRIO_PROCESS, 0, (current + HANDSHAKE_NICE).min(19));
                 }
-                let runtime = match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
-                    Ok(runtime) => runtime,
-                    Err(e) => {
-                        let _ = handle_tx.send(Err(e));
-                        return;
-                    }
-                };
-                let _ = handle_tx.send(Ok(runtime.handle().clone()));
-                runtime.block_on(async {
-                    let _ = stopped.await;
-                });
-                runtime.shutdown_background();
-            })?;
-        let handle = handle_rx
-            .recv()
-            .map_err(|_| std::io::Error::other("the handshake thread ended before starting"))??;
-        Ok(HandshakeThread {
-            handle,
-            _stop: stop,
+            })
+            .enable_all()
+            .build()?;
+        Ok(HandshakeThreads {
+            runtime: Some(runtime),
         })
     }
 
-    /// Runs `handshake` on the thread.
+    /// Runs `handshake` on the threads.
     pub fn spawn<F>(&self, handshake: F)
     where
         F: std::future::Future<Output = ()> + Send + 'static,
     {
-        self.handle.spawn(handshake);
+        if let Some(runtime) = &self.runtime {
+            runtime.spawn(handshake);
+        }
+    }
+}
+
+impl Drop for HandshakeThreads {
+    fn drop(&mut self) {
+        // Without waiting: it may be dropped on an async thread.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
     }
 }
 
@@ -238,12 +224,16 @@ mod tests {
     }
 
     #[test]
-    fn an_ipv6_host_is_metered_by_its_64_and_a_mapped_ipv4_as_ipv4() {
+    fn an_address_is_metered_whole_and_a_mapped_ipv4_as_ipv4() {
         let rate = HandshakeRate::new(1);
         let t0 = Instant::now();
         assert_eq!(rate.admit(ip("2001:db8:0:1::1"), t0), Admission::Admitted);
-        assert_eq!(rate.admit(ip("2001:db8:0:1::ffff"), t0), Admission::Refused);
-        assert_eq!(rate.admit(ip("2001:db8:0:2::1"), t0), Admission::Admitted);
+        assert_eq!(rate.admit(ip("2001:db8:0:1::1"), t0), Admission::Refused);
+        // Another pod of the same node (its /64): a budget of its own.
+        assert_eq!(
+            rate.admit(ip("2001:db8:0:1::ffff"), t0),
+            Admission::Admitted
+        );
         assert_eq!(rate.admit(ip("198.18.0.9"), t0), Admission::Admitted);
         assert_eq!(rate.admit(ip("::ffff:198.18.0.9"), t0), Admission::Refused);
     }
@@ -305,8 +295,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_thread_runs_what_it_is_given_at_its_own_priority() {
-        let thread = HandshakeThread::start().unwrap();
+    async fn the_threads_run_what_they_are_given_at_their_own_priority() {
+        let thread = HandshakeThreads::start().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel();
         thread.spawn(async move {
             // SAFETY: getpriority reads no memory of ours.

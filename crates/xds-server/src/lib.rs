@@ -287,4 +287,6 @@ pub trait AdsProtocol: Send + 'static {
     /// What it subscribes to of `ty`: `None` when it has not asked for the type,
     /// `Some(None)` for a wildcard, else the names.
     fn subscription(&self, ty: ResourceType) -> Option<Option<Vec<Arc<str>>>>;
+    /// The version of `name` of `ty` it holds, if it holds it.
+    fn holds(&self, ty: ResourceType, name: &str) -> Option<Arc<str>>;
 }

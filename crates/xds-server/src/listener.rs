@@ -6,7 +6,7 @@
 //! without an open stream (an Envoy keeps its ADS stream open for the connection's
 //! life), and accept errors (out of file descriptors) back off instead of spinning.
 //! With TLS, an address over its handshake rate ([`crate::handshakes`]) is closed before
-//! the gate or any handshake work, and handshakes run on a thread of their own.
+//! the gate or any handshake work, and handshakes run on threads of their own.
 //!
 //! Invariants: a connection's slots (total and its peer's) are freed when the
 //! connection is dropped, whatever ends it (a handshake in progress holds them too);
@@ -29,7 +29,7 @@ use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use super::tls::ServerTls;
 use crate::gate::{Admitted, ConnectionGate, Refused};
-use crate::handshakes::{Admission, HandshakeRate, HandshakeThread};
+use crate::handshakes::{Admission, HandshakeRate, HandshakeThreads};
 
 /// How many connections the listener holds, and how long one may stay silent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -253,22 +253,22 @@ async fn accept_loop(
     }
 }
 
-/// The listener's TLS handshakes: metered per address, run on a thread of their own.
+/// The listener's TLS handshakes: metered per address, run on threads of their own.
 struct Handshakes {
     per_second: u32,
     rate: HandshakeRate,
-    /// `None` if the thread could not start: handshakes then run on the listener's
+    /// `None` if the threads could not start: handshakes then run on the listener's
     /// runtime.
-    thread: Option<HandshakeThread>,
+    thread: Option<HandshakeThreads>,
     log: RateLimitedLog,
 }
 
 impl Handshakes {
     fn start(per_second: u32) -> Handshakes {
-        let thread = match HandshakeThread::start() {
+        let thread = match HandshakeThreads::start() {
             Ok(thread) => Some(thread),
             Err(e) => {
-                tracing::error!(error = %e, "xDS listener: could not start the TLS handshake thread; handshakes run beside the probes");
+                tracing::error!(error = %e, "xDS listener: could not start the TLS handshake threads; handshakes run beside the probes");
                 None
             }
         };
@@ -342,7 +342,8 @@ impl ConnectionParts {
             inner,
             tcp: self.tcp,
             _admitted: self._admitted,
-            deadline: Some(Box::pin(tokio::time::sleep_until(self.deadline))),
+            preface_by: Some(self.deadline),
+            deadline: None,
             preface_left: PREFACE_BYTES,
             idle_timeout: self.idle_timeout,
             idle: None,
@@ -423,7 +424,11 @@ pub struct BoundedConnection {
     inner: Io,
     tcp: TcpConnectInfo,
     _admitted: Admitted,
-    /// Until the preface has arrived.
+    /// When the preface must have arrived (`None` once it has).
+    preface_by: Option<tokio::time::Instant>,
+    /// Its timer, made at the first read that waits: on the runtime that serves the
+    /// connection, not the handshake thread's that built this (which is gone when the
+    /// listener stops, while the server may still drain connections).
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     preface_left: usize,
     idle_timeout: Duration,
@@ -448,16 +453,21 @@ impl AsyncRead for BoundedConnection {
                 let read = buf.filled().len() - before;
                 this.preface_left = this.preface_left.saturating_sub(read);
                 if this.preface_left == 0 {
+                    this.preface_by = None;
                     this.deadline = None;
                 }
                 Poll::Ready(Ok(()))
             }
             Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
             Poll::Pending => {
-                if let Some(deadline) = this.deadline.as_mut() {
+                if let Some(by) = this.preface_by {
+                    let deadline = this
+                        .deadline
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(by)));
                     if deadline.as_mut().poll(cx).is_pending() {
                         return Poll::Pending;
                     }
+                    this.preface_by = None;
                     this.deadline = None;
                     this.silent.fetch_add(1, Ordering::Relaxed);
                     this.observer.stream_error("connection", "silent");

@@ -456,6 +456,10 @@ impl AdsProtocol for DeltaStream {
         self.types[ty.index()].ledger.held_versions()
     }
 
+    fn holds(&self, ty: ResourceType, name: &str) -> Option<Arc<str>> {
+        self.types[ty.index()].ledger.held.version_of(name).cloned()
+    }
+
     fn subscription(&self, ty: ResourceType) -> Option<Option<Vec<Arc<str>>>> {
         let st = &self.types[ty.index()];
         if !st.subscribed {

@@ -476,6 +476,10 @@ impl AdsProtocol for SotwStream {
         self.types[ty.index()].ledger.held_versions()
     }
 
+    fn holds(&self, ty: ResourceType, name: &str) -> Option<Arc<str>> {
+        self.types[ty.index()].ledger.held.version_of(name).cloned()
+    }
+
     fn subscription(&self, ty: ResourceType) -> Option<Option<Vec<Arc<str>>>> {
         Some(match self.types[ty.index()].subscription.as_ref()? {
             Subscription::Wildcard => None,
