@@ -457,17 +457,8 @@ async fn probe_cost(args: &Args) {
     }
     let dir = tempfile::tempdir().unwrap();
     let services = dir.path().join("services.yaml");
-    let mut text = String::from("rayservices:\n");
-    for (s, chunk) in proxies.chunks(100).enumerate() {
-        text += &format!("  - name: s{s}\n    hosts: ['s{s}']\n    active_cluster: c\n    clusters:\n      - name: c\n        proxies:\n");
-        for (i, p) in chunk.iter().enumerate() {
-            text += &format!(
-                "          - {{ address: {}, node_type: {} }}\n",
-                p.address,
-                if i == 0 { "head" } else { "worker" }
-            );
-        }
-    }
+    let addresses: Vec<std::net::SocketAddr> = proxies.iter().map(|p| p.address).collect();
+    let text = bench_support::services_of(&addresses);
     std::fs::write(&services, text).unwrap();
     let admin = free_port();
     let mut server = spawn(

@@ -40,8 +40,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use ray_serve_sim::NodeType;
 use ray_serve_sim::{serve_proxy_with, ProxyConfig, ProxyHandle};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::ServerName;
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -139,27 +138,7 @@ fn openssl_key(bits: Option<u32>) -> String {
 }
 
 fn client_config(ca_pem: &str, identity: Option<(&str, &str)>) -> Arc<rustls::ClientConfig> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots);
-    let mut config = match identity {
-        Some((cert, key)) => builder
-            .with_client_auth_cert(
-                CertificateDer::pem_slice_iter(cert.as_bytes())
-                    .map(|c| c.unwrap())
-                    .collect(),
-                PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
-            )
-            .unwrap(),
-        None => builder.with_no_client_auth(),
-    };
-    config.alpn_protocols = vec![b"h2".to_vec()];
+    let mut config = support::tls::client_config(ca_pem, identity, &[b"h2"]);
     // Every connection a full handshake: no resumption.
     config.resumption = rustls::client::Resumption::disabled();
     Arc::new(config)
@@ -237,16 +216,7 @@ async fn run_arm(args: &Args, arm: &str, proxies: &[SocketAddr]) -> ArmResult {
     let anonymous = client_config(&ca_pem, None);
 
     let services = dir.path().join("services.yaml");
-    let mut text = String::from("rayservices:\n");
-    for (s, chunk) in proxies.chunks(100).enumerate() {
-        text += &format!("  - name: s{s}\n    hosts: ['s{s}']\n    active_cluster: c\n    clusters:\n      - name: c\n        proxies:\n");
-        for (i, p) in chunk.iter().enumerate() {
-            text += &format!(
-                "          - {{ address: {p}, node_type: {} }}\n",
-                if i == 0 { "head" } else { "worker" }
-            );
-        }
-    }
+    let text = bench_support::services_of(proxies);
     std::fs::write(&services, text).unwrap();
     let (xds, admin) = (free_port(), free_port());
     let mut server = spawn(

@@ -7,6 +7,22 @@
 use std::path::Path;
 use std::time::Duration;
 
+/// A services file of `proxies`, a RayService per hundred of them (one cluster each, its
+/// first proxy the head).
+pub fn services_of(proxies: &[std::net::SocketAddr]) -> String {
+    let mut text = String::from("rayservices:\n");
+    for (s, chunk) in proxies.chunks(100).enumerate() {
+        text += &format!("  - name: s{s}\n    hosts: ['s{s}']\n    active_cluster: c\n    clusters:\n      - name: c\n        proxies:\n");
+        for (i, p) in chunk.iter().enumerate() {
+            text += &format!(
+                "          - {{ address: {p}, node_type: {} }}\n",
+                if i == 0 { "head" } else { "worker" }
+            );
+        }
+    }
+    text
+}
+
 /// Replaces `path` by a rename, so a reader never sees half a file.
 pub fn write_atomic(path: &Path, text: &str) {
     let tmp = path.with_extension("tmp~");

@@ -164,24 +164,41 @@ impl Load {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pods_come_drain_and_go_and_traffic_follows() {
-    let shutdown = CancellationToken::new();
+/// RayService `rs-a` on a cluster of a head and two workers, the first `pods` of its
+/// pods applied, ray-xds on the fake API server, and an Envoy carrying traffic.
+async fn three_nodes(
+    pods: usize,
+    shutdown: &CancellationToken,
+) -> (
+    FakeApiServer,
+    Cluster,
+    ray_xds::runtime::Running,
+    Envoy,
+    u16,
+) {
     let api = FakeApiServer::start().await;
     let a = Cluster::start(
         "rs-a",
         &[NodeType::Head, NodeType::Worker, NodeType::Worker],
         "RUNNING",
-        &shutdown,
+        shutdown,
     )
     .await;
     api.apply(rayservice(Some("rs-a"), None));
-    api.apply(a.pod(0));
-    api.apply(a.pod(1));
+    for i in 0..pods {
+        api.apply(a.pod(i));
+    }
     let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
         .await
         .unwrap();
     let (envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Delta).await;
+    (api, a, xds, envoy, port)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_come_drain_and_go_and_traffic_follows() {
+    let shutdown = CancellationToken::new();
+    let (api, a, xds, envoy, port) = three_nodes(2, &shutdown).await;
     let ready = admin_get(xds.admin_addr, "/readyz").await;
     assert!(ready.starts_with("ready"), "{ready}");
 
@@ -245,22 +262,7 @@ async fn pods_come_drain_and_go_and_traffic_follows() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_pod_s_prestop_call_returns_once_envoy_sends_it_nothing() {
     let shutdown = CancellationToken::new();
-    let api = FakeApiServer::start().await;
-    let a = Cluster::start(
-        "rs-a",
-        &[NodeType::Head, NodeType::Worker, NodeType::Worker],
-        "RUNNING",
-        &shutdown,
-    )
-    .await;
-    api.apply(rayservice(Some("rs-a"), None));
-    for i in 0..3 {
-        api.apply(a.pod(i));
-    }
-    let xds = ray_xds::runtime::start(k8s_config(&api), shutdown.clone())
-        .await
-        .unwrap();
-    let (envoy, port) = envoy_carrying_traffic(xds.xds_addr.port(), Bootstrap::Delta).await;
+    let (api, a, xds, envoy, port) = three_nodes(3, &shutdown).await;
     let leaving = a.sim.proxies[2].0;
     eventually("the pod's endpoint is in Envoy", DEADLINE, || async {
         envoy_flags(&envoy, "rs-a", leaving)

@@ -17,7 +17,7 @@ use rcgen::{
     IsCa, Issuer, KeyPair, KeyUsagePurpose,
 };
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::{CertificateDer, ServerName};
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -273,28 +273,11 @@ fn first_cert(pem: &str) -> CertificateDer<'static> {
 /// A rustls client trusting `trust` (PEM CAs), presenting `client` (a chain and key) if
 /// any, offering `alpn`.
 fn client_config(trust: &str, client: Option<&Pair>, alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(trust.as_bytes()) {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots);
-    let mut config = match client {
-        Some(p) => builder
-            .with_client_auth_cert(
-                CertificateDer::pem_slice_iter(p.cert.as_bytes())
-                    .map(|c| c.unwrap())
-                    .collect(),
-                PrivateKeyDer::from_pem_slice(p.key.as_bytes()).unwrap(),
-            )
-            .unwrap(),
-        None => builder.with_no_client_auth(),
-    };
-    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    Arc::new(config)
+    Arc::new(support::tls::client_config(
+        trust,
+        client.map(|p| (p.cert.as_str(), p.key.as_str())),
+        alpn,
+    ))
 }
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";

@@ -114,6 +114,39 @@ impl TestPki {
     }
 }
 
+/// A rustls client trusting `trust` (PEM CAs), presenting `identity` (a PEM chain and
+/// its key) if any, offering `alpn`.
+pub fn client_config(
+    trust: &str,
+    identity: Option<(&str, &str)>,
+    alpn: &[&[u8]],
+) -> rustls::ClientConfig {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(trust.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let mut config = match identity {
+        Some((cert, key)) => builder
+            .with_client_auth_cert(
+                CertificateDer::pem_slice_iter(cert.as_bytes())
+                    .map(|c| c.unwrap())
+                    .collect(),
+                PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    config
+}
+
 /// Another CA's client certificate and key (PEM): well formed, trusted by nobody here.
 pub fn foreign_client_pem() -> (String, String) {
     let ca = new_ca("someone else's CA");
