@@ -57,7 +57,7 @@ say "starting ray-xds (xDS on 18000, admin on 19000) on $work/ray-xds.yaml"
 RAY_XDS_LOG=info "$bin/ray-xds" serve --config "$work/ray-xds.yaml" >"$work/ray-xds.log" 2>&1 &
 pids+=($!)
 say "starting Envoy with envoy/bootstrap.yaml (admin on 9901, listener on 10000 from ray-xds)"
-"$envoy" -c envoy/bootstrap.yaml --base-id 7301 --concurrency 1 --log-level warn >"$work/envoy.log" 2>&1 &
+"$envoy" -c envoy/bootstrap.yaml --base-id 7301 --disable-hot-restart --concurrency 1 --log-level warn >"$work/envoy.log" 2>&1 &
 pids+=($!)
 
 for _ in $(seq 1 300); do

@@ -2461,12 +2461,10 @@ fn sidecar_bootstrap_takes_clusters_and_routes_but_not_listeners() {
 
 // ---- the real Envoy ----
 
-/// A `--base-id` no other Envoy of this or another test process uses.
+/// A `--base-id` no other Envoy of this or another test process uses: support's, whose
+/// counter every Envoy of this process shares.
 fn base_id() -> u32 {
-    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    // pid * 64 + n, the scheme of support::Envoy (which this binary does not use).
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 64;
-    std::process::id() * 64 + n
+    support::base_id()
 }
 
 /// The gateway's Envoy command line from its Deployment, with the bootstrap at `config`,

@@ -48,6 +48,16 @@ pub fn spawn(name: &str, cmd: &mut Command) -> ChildGuard {
     }
 }
 
+/// A `--base-id` no other Envoy of this or another test process uses now: pid * 64 + n,
+/// n counting every Envoy this process starts (every Envoy of a test process must take
+/// its id here: two counters of the same scheme in one process gave two live Envoys the
+/// same id, and the second could not start).
+pub fn base_id() -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 64;
+    std::process::id() * 64 + n
+}
+
 impl Drop for Envoy {
     /// A failing test shows what Envoy said.
     fn drop(&mut self) {
@@ -147,7 +157,6 @@ impl Envoy {
         xds_port: u16,
         edit: impl FnOnce(String) -> String,
     ) -> Envoy {
-        static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let dir = tempfile::tempdir().unwrap();
         let template =
             std::fs::read_to_string(project_root().join("envoy").join(bootstrap.file())).unwrap();
@@ -159,14 +168,17 @@ impl Envoy {
         std::fs::write(&config, edit(rendered)).unwrap();
         let log = dir.path().join("envoy.log");
         let admin_file = dir.path().join("admin-address");
-        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 64;
-        let base_id = std::process::id() * 64 + n;
+        let base_id = base_id();
         let mut process = spawn(
             "envoy",
             Command::new(envoy_binary())
                 .arg("-c")
                 .arg(&config)
                 .args(["--base-id", &base_id.to_string()])
+                // No hot restart, so no shared memory: a SIGKILLed Envoy leaves its
+                // /dev/shm region behind, and a later process with a recycled pid (so
+                // the same base id) failed to start on it, saying so only on stderr.
+                .arg("--disable-hot-restart")
                 .arg("--admin-address-path")
                 .arg(&admin_file)
                 .args([
@@ -177,7 +189,7 @@ impl Envoy {
                 .arg(&log)
                 .args(["--concurrency", "1", "--file-flush-interval-msec", "200"])
                 .stdout(Stdio::null())
-                .stderr(Stdio::null()),
+                .stderr(std::fs::File::create(dir.path().join("envoy.stderr")).unwrap()),
         );
         let started = Instant::now();
         let admin_port = loop {
@@ -193,7 +205,9 @@ impl Envoy {
             }
             if !process.is_running() || started.elapsed() > Duration::from_secs(60) {
                 let log_text = std::fs::read_to_string(&log).unwrap_or_default();
-                panic!("Envoy did not start its admin: {log_text}");
+                let stderr =
+                    std::fs::read_to_string(dir.path().join("envoy.stderr")).unwrap_or_default();
+                panic!("Envoy did not start its admin: {log_text}\nstderr: {stderr}");
             }
             std::thread::sleep(Duration::from_millis(20));
         };
