@@ -103,6 +103,12 @@ struct Args {
     /// page's cost while every stream is connected.
     #[arg(long, default_value_t = 0)]
     debug_pages: u64,
+    /// At most this many streams opening at once (from their open until their first
+    /// answer of every type); 0 opens them all at once. Lets a machine whose clients
+    /// share its cores with the server open more streams than it can sync within the
+    /// server's first-request deadline (10 s) all at once.
+    #[arg(long, default_value_t = 0)]
+    opening: usize,
     /// How long every stream may take to sync, and every client to get one change.
     #[arg(long, default_value_t = 300)]
     deadline_secs: u64,
@@ -315,12 +321,25 @@ fn node_id(protocol: &str, id: usize) -> String {
     }
 }
 
+/// A client's "synced" signal, holding its place among the streams opening at once
+/// (`--opening`) until it fires or the client ends.
+struct Synced {
+    tx: mpsc::UnboundedSender<()>,
+    _opening: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Synced {
+    fn fire(self) {
+        let _ = self.tx.send(());
+    }
+}
+
 async fn sotw_client(
     channel: Channel,
     id: usize,
     eds_names: Arc<Vec<String>>,
     reports: mpsc::UnboundedSender<Report>,
-    synced: mpsc::UnboundedSender<()>,
+    synced: Synced,
     recording: Option<Recording>,
 ) {
     let mut client =
@@ -389,7 +408,7 @@ async fn sotw_client(
         }
         if seen.iter().all(|s| *s) {
             if let Some(s) = synced.take() {
-                let _ = s.send(());
+                s.fire();
             }
         }
     }
@@ -400,7 +419,7 @@ async fn delta_client(
     id: usize,
     eds_names: Arc<Vec<String>>,
     reports: mpsc::UnboundedSender<Report>,
-    synced: mpsc::UnboundedSender<()>,
+    synced: Synced,
 ) {
     let mut client =
         AggregatedDiscoveryServiceClient::new(channel).max_decoding_message_size(64 << 20);
@@ -462,7 +481,7 @@ async fn delta_client(
         }
         if seen.iter().all(|s| *s) {
             if let Some(s) = synced.take() {
-                let _ = s.send(());
+                s.fire();
             }
         }
     }
@@ -636,6 +655,7 @@ async fn run(
     let connect_started = Instant::now();
     let mut channel = None;
     let mut tasks = Aborting(Vec::new());
+    let opening = (args.opening > 0).then(|| Arc::new(tokio::sync::Semaphore::new(args.opening)));
     for i in 0..streams {
         if i % args.streams_per_connection == 0 {
             channel = Some(
@@ -647,7 +667,15 @@ async fn run(
             );
         }
         let ch = channel.clone().unwrap();
-        let (r, s, names) = (report_tx.clone(), synced_tx.clone(), eds_names.clone());
+        let place = match &opening {
+            Some(o) => Some(o.clone().acquire_owned().await.expect("never closed")),
+            None => None,
+        };
+        let s = Synced {
+            tx: synced_tx.clone(),
+            _opening: place,
+        };
+        let (r, names) = (report_tx.clone(), eds_names.clone());
         tasks.0.push(match protocol {
             Protocol::Sotw => {
                 let rec = if i == 0 { recording.clone() } else { None };

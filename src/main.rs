@@ -30,7 +30,9 @@ async fn main() -> std::process::ExitCode {
     let args = match Cli::parse().command {
         Command::Serve(args) => args,
         Command::Check(args) => {
-            let outcome = ray_xds::commands::check::check(&args).map_err(|e| e.to_string());
+            let outcome = ray_xds::commands::check::check(&args)
+                .await
+                .map_err(|e| e.to_string());
             return report("check", outcome);
         }
         Command::Status(args) => {

@@ -2,8 +2,9 @@
 //!
 //! It loads the config exactly as `serve` does (flags, `RAY_XDS_*`, the config file), then
 //! reads what the config names: the services file of the file source (parsed and validated
-//! into a model, as the source would publish it) and the xDS TLS files (loaded as the
-//! listener would). The Kubernetes source's settings are checked as loaded; nothing is
+//! into a model, as the source would publish it), the xDS TLS files (loaded as the
+//! listener would) and the Kubernetes source's credentials (found and parsed as the
+//! source finds them: the kubeconfig, else the pod's service account). Nothing is
 //! contacted. `--offline` stops after the config itself, for a config checked away from
 //! where it runs (CI, a review), whose files are not there.
 //!
@@ -22,10 +23,12 @@ pub enum CheckError {
     Config(#[from] ConfigError),
     #[error("xds.tls: loading the xDS listener's certificate files: {0}")]
     Tls(#[from] crate::xds::tls::TlsError),
+    #[error("{0:#}")]
+    Kubernetes(anyhow::Error),
 }
 
 /// Checks what `args` names; on success, a summary of what `serve` would run with.
-pub fn check(args: &CheckArgs) -> Result<String, CheckError> {
+pub async fn check(args: &CheckArgs) -> Result<String, CheckError> {
     let config = Config::load(&args.serve)?;
     let mut out = String::new();
     let config_name = args
@@ -106,6 +109,22 @@ pub fn check(args: &CheckArgs) -> Result<String, CheckError> {
                 "source: kubernetes ({namespaces}{selector}; {} namespace(s) with extra hosts; the API server is not contacted)",
                 k.allowed_hosts.len()
             );
+            if args.offline {
+                let _ = writeln!(out, "  credentials: not looked for, --offline");
+            } else {
+                use crate::source::kubernetes::{client_of, credentials, CredentialsFrom};
+                let (found, from) = credentials(k).await.map_err(CheckError::Kubernetes)?;
+                let url = found.cluster_url.clone();
+                client_of(found).map_err(CheckError::Kubernetes)?;
+                let from = match from {
+                    CredentialsFrom::ApiServerSetting => {
+                        "source.kubernetes.api_server, no credentials"
+                    }
+                    CredentialsFrom::Kubeconfig => "the kubeconfig",
+                    CredentialsFrom::InCluster => "the pod's service account",
+                };
+                let _ = writeln!(out, "  credentials: {url} ({from})");
+            }
         }
     }
     if let Some(state) = &config.replica_state {

@@ -8,8 +8,10 @@
 //! only fetches.
 //!
 //! Invariant: every field read may be missing or of another type (an older or newer
-//! replica, a page cut short): it shows as `-`, never a panic; a page that is not JSON
-//! is an error naming the page.
+//! replica, a page cut short): it shows as `-`, never a panic. A page that cannot be
+//! read or is not JSON is named with its error where its part would be (`services_error`
+//! or `envoys_error` in JSON), and the other page is still shown: `status` fails only
+//! when neither page could be read.
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -31,9 +33,16 @@ const MAX_PAGE_BYTES: usize = 64 * 1024 * 1024;
 /// Fetches both pages from `args.admin` and renders them.
 pub async fn run(args: &StatusArgs) -> anyhow::Result<String> {
     let base = args.admin.trim_end_matches('/');
-    let state = fetch(&format!("{base}/debug/state")).await?;
-    let clients = fetch(&format!("{base}/debug/clients")).await?;
-    render(&state, &clients, args.output)
+    let (state_url, clients_url) = (
+        format!("{base}/debug/state"),
+        format!("{base}/debug/clients"),
+    );
+    let (state, clients) = tokio::join!(fetch(&state_url), fetch(&clients_url));
+    render(
+        state.as_deref().map_err(|e| format!("{e:#}")),
+        clients.as_deref().map_err(|e| format!("{e:#}")),
+        args.output,
+    )
 }
 
 async fn fetch(url: &str) -> anyhow::Result<String> {
@@ -73,19 +82,37 @@ async fn fetch(url: &str) -> anyhow::Result<String> {
         .map_err(|_| anyhow::anyhow!("{url}: no whole page within {PAGE_TIMEOUT:?}"))?
 }
 
-/// The two pages' texts as `output`.
-pub fn render(state: &str, clients: &str, output: Output) -> anyhow::Result<String> {
-    let state: Value = serde_json::from_str(state)
-        .map_err(|e| anyhow::anyhow!("/debug/state is not JSON: {e}"))?;
-    let clients: Value = serde_json::from_str(clients)
-        .map_err(|e| anyhow::anyhow!("/debug/clients is not JSON: {e}"))?;
-    let services: Vec<Value> = list(&state["rayservices"]).iter().map(service).collect();
-    let envoys: Vec<Value> = list(&clients["clients"]).iter().map(envoy).collect();
+/// The two pages' texts (or why each could not be read) as `output`; an error only when
+/// neither page is readable JSON.
+pub fn render(
+    state: Result<&str, String>,
+    clients: Result<&str, String>,
+    output: Output,
+) -> anyhow::Result<String> {
+    let parse = |page: &str, text: Result<&str, String>| -> Result<Value, String> {
+        let text = text?;
+        serde_json::from_str(text).map_err(|e| format!("/debug/{page} is not JSON: {e}"))
+    };
+    let state = parse("state", state);
+    let clients = parse("clients", clients);
+    if let (Err(state), Err(clients)) = (&state, &clients) {
+        anyhow::bail!("{state}; {clients}");
+    }
+    let empty = Value::Null;
+    let state_page = state.as_ref().unwrap_or(&empty);
+    let clients_page = clients.as_ref().unwrap_or(&empty);
+    let services: Vec<Value> = list(&state_page["rayservices"])
+        .iter()
+        .map(service)
+        .collect();
+    let envoys: Vec<Value> = list(&clients_page["clients"]).iter().map(envoy).collect();
     let status = json!({
         "services": services,
+        "services_error": state.as_ref().err(),
         "envoys": envoys,
-        "envoys_total": clients["total"],
-        "envoys_truncated": clients["truncated"],
+        "envoys_error": clients.as_ref().err(),
+        "envoys_total": clients_page["total"],
+        "envoys_truncated": clients_page["truncated"],
     });
     Ok(match output {
         Output::Json => format!("{status:#}\n"),
@@ -176,6 +203,9 @@ fn table(status: &Value) -> String {
         "TARGET".into(),
         "WEIGHTS".into(),
     ]];
+    if let Some(error) = status["services_error"].as_str() {
+        rows.push(vec![format!("(unavailable: {})", printable(error))]);
+    }
     let mut reasons = Vec::new();
     for s in list(&status["services"]) {
         let weights: Vec<String> = list(&s["weights"])
@@ -210,6 +240,9 @@ fn table(status: &Value) -> String {
         .chain(types.iter().map(|t| t.to_uppercase()))
         .chain(std::iter::once("NACKED".to_string()))
         .collect::<Vec<_>>()];
+    if let Some(error) = status["envoys_error"].as_str() {
+        rows.push(vec![format!("(unavailable: {})", printable(error))]);
+    }
     for e in list(&status["envoys"]) {
         let nacked: Vec<String> = e["nacked"]
             .as_object()
@@ -303,7 +336,7 @@ mod tests {
 
     #[test]
     fn a_table_shows_each_service_and_envoy_with_what_it_nacked() {
-        let out = render(STATE, CLIENTS, Output::Table).unwrap();
+        let out = render(Ok(STATE), Ok(CLIENTS), Output::Table).unwrap();
         let lines: Vec<&str> = out.lines().collect();
         assert!(lines[0].starts_with("RAYSERVICE    PHASE"), "{out}");
         assert!(
@@ -340,7 +373,7 @@ mod tests {
     #[test]
     fn json_keeps_every_field_for_scripts() {
         let out: Value =
-            serde_json::from_str(&render(STATE, CLIENTS, Output::Json).unwrap()).unwrap();
+            serde_json::from_str(&render(Ok(STATE), Ok(CLIENTS), Output::Json).unwrap()).unwrap();
         assert_eq!(
             out["services"][0]["weights"][1],
             json!({"cluster": "text-b", "percent": 25})
@@ -367,24 +400,52 @@ mod tests {
                 r#"{"clients": [{}]}"#,
             ),
         ] {
-            render(state, clients, Output::Table).unwrap();
-            render(state, clients, Output::Json).unwrap();
+            render(Ok(state), Ok(clients), Output::Table).unwrap();
+            render(Ok(state), Ok(clients), Output::Json).unwrap();
         }
-        let err = render("<html>", "{}", Output::Table).unwrap_err();
+        let err = render(Ok("<html>"), Ok(""), Output::Table).unwrap_err();
         assert!(
-            err.to_string().starts_with("/debug/state is not JSON"),
+            err.to_string().starts_with("/debug/state is not JSON")
+                && err.to_string().contains("; /debug/clients is not JSON"),
             "{err}"
         );
         // A node id that would fake a row or drive the terminal prints as one line.
         let hostile =
             r#"{"clients": [{"node": {"id": "evil\nfake-row\u001b[2J"}, "stream_id": 9}]}"#;
-        let out = render("{}", hostile, Output::Table).unwrap();
+        let out = render(Ok("{}"), Ok(hostile), Output::Table).unwrap();
         assert!(out.contains("evil?fake-row?[2J"), "{out}");
         assert!(!out.lines().any(|l| l.starts_with("fake-row")), "{out}");
-        let err = render("{}", "", Output::Table).unwrap_err();
+    }
+
+    /// One page unreadable (a replica killed mid-read, a proxy's error page): the other
+    /// is still shown, and the missing part says why in its place.
+    #[test]
+    fn one_unreadable_page_leaves_the_other_shown_with_the_reason() {
+        let no_clients = Err("http://x/debug/clients: 503 Service Unavailable: busy".to_string());
+        let out = render(Ok(STATE), no_clients.clone(), Output::Table).unwrap();
         assert!(
-            err.to_string().starts_with("/debug/clients is not JSON"),
-            "{err}"
+            out.contains("ml/text") && out.contains("shifting (hold)"),
+            "{out}"
         );
+        let envoys = out.lines().skip_while(|l| !l.starts_with("ENVOY")).nth(1);
+        assert_eq!(
+            envoys,
+            Some("(unavailable: http://x/debug/clients: 503 Service Unavailable: busy)"),
+            "{out}"
+        );
+        let json: Value =
+            serde_json::from_str(&render(Ok(STATE), no_clients, Output::Json).unwrap()).unwrap();
+        assert_eq!(json["services"][1]["name"], "default/demo");
+        assert!(json["services_error"].is_null());
+        assert_eq!(
+            json["envoys_error"],
+            "http://x/debug/clients: 503 Service Unavailable: busy"
+        );
+        let out = render(Ok("<html>"), Ok(CLIENTS), Output::Table).unwrap();
+        assert!(
+            out.contains("(unavailable: /debug/state is not JSON"),
+            "{out}"
+        );
+        assert!(out.lines().any(|l| l.starts_with("gw-1")), "{out}");
     }
 }

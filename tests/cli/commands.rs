@@ -391,3 +391,125 @@ fn check_offline_takes_deploy_s_config_which_names_files_only_the_pod_has() {
     assert_eq!(code, Some(1));
     assert!(stderr.contains("/etc/ray-xds/tls/tls.crt"), "{stderr}");
 }
+
+/// Runs the binary with `args` in an environment of `env` only (and `PATH`).
+fn run_in(
+    env: &[(&str, &std::ffi::OsStr)],
+    args: &[&std::ffi::OsStr],
+) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ray-xds"))
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The Kubernetes source's credentials are found as `serve` finds them (the kubeconfig,
+/// else the pod's service account) and named; with none, `check` refuses with `serve`'s
+/// words. Nothing is contacted: the kubeconfig's server is an address nothing answers.
+#[test]
+fn check_finds_the_kubernetes_source_s_credentials_without_contacting_the_api_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path().join("home");
+    std::fs::create_dir(&home).unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: lab\n  cluster:\n    server: https://198.18.0.1:6443\n\
+         contexts:\n- name: lab\n  context: {cluster: lab, user: ops}\ncurrent-context: lab\n\
+         users:\n- name: ops\n  user: {token: not-a-real-token}\n",
+    )
+    .unwrap();
+    let config = dir.path().join("ray-xds.yaml");
+    std::fs::write(
+        &config,
+        "xds:\n  listen: 127.0.0.1:0\nadmin:\n  listen: 127.0.0.1:0\nsource:\n  kubernetes:\n    namespaces: [ml]\n",
+    )
+    .unwrap();
+    let check = ["check".as_ref(), "--config".as_ref(), config.as_os_str()];
+    let (code, stdout, stderr) = run_in(
+        &[
+            ("HOME", home.as_os_str()),
+            ("KUBECONFIG", kubeconfig.as_os_str()),
+        ],
+        &check,
+    );
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("  credentials: https://198.18.0.1:6443/ (the kubeconfig)"),
+        "{stdout}"
+    );
+
+    // A kubeconfig naming a certificate authority file that is not there: refused, as
+    // the source would refuse it.
+    let broken = dir.path().join("broken-kubeconfig");
+    std::fs::write(
+        &broken,
+        std::fs::read_to_string(&kubeconfig).unwrap().replace(
+            "server: https://198.18.0.1:6443",
+            "server: https://198.18.0.1:6443\n    certificate-authority: /nonexistent/ca.crt",
+        ),
+    )
+    .unwrap();
+    let (code, stdout, stderr) = run_in(
+        &[
+            ("HOME", home.as_os_str()),
+            ("KUBECONFIG", broken.as_os_str()),
+        ],
+        &check,
+    );
+    assert_eq!(
+        code,
+        Some(1),
+        "a missing certificate was accepted:\n{stdout}"
+    );
+    assert!(
+        stderr.contains("Kubernetes source") && stderr.contains("/nonexistent/ca.crt"),
+        "{stderr}"
+    );
+
+    // No kubeconfig and no service account: refused, in serve's words.
+    let nothing = [("HOME", home.as_os_str())];
+    let (code, stdout, stderr) = run_in(&nothing, &check);
+    assert_eq!(code, Some(1), "accepted without credentials:\n{stdout}");
+    let message = stderr
+        .trim_end()
+        .strip_prefix("ray-xds check: ")
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(
+        message.starts_with("Kubernetes source: no in-cluster service account"),
+        "{message}"
+    );
+    let (code, _, serve_stderr) = run_in(
+        &nothing,
+        &["serve".as_ref(), "--config".as_ref(), config.as_os_str()],
+    );
+    assert_ne!(code, Some(0), "serve started without credentials");
+    assert!(
+        serve_stderr.contains(message),
+        "serve said\n{serve_stderr}\ncheck said\n{message}"
+    );
+
+    // --offline does not look.
+    let (code, stdout, stderr) = run_in(
+        &nothing,
+        &[
+            "check".as_ref(),
+            "--offline".as_ref(),
+            "--config".as_ref(),
+            config.as_os_str(),
+        ],
+    );
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("credentials: not looked for, --offline"),
+        "{stdout}"
+    );
+}

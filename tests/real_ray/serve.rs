@@ -2,7 +2,7 @@
 //! reading their real dashboards and probing their real proxies, a real Envoy in front.
 //!
 //! Every test here is named `real_ray_*`. They are heavy (a Ray node takes ~15 s and
-//! ~1 GB to start), so `scripts/test.sh` runs them two at a time, after the others.
+//! ~1 GB to start), so `scripts/test.sh` runs them one at a time, after the others.
 //! `real_ray_grpc_*` run Serve's gRPC proxy too, with the demo service
 //! `ray_xds.demo.Echo` (`tests/ray_apps/grpc_apps.py`), and call it through Envoy.
 

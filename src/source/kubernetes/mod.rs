@@ -56,16 +56,50 @@ pub(crate) fn rayservice_resource() -> ApiResource {
 /// A client for the configured API server: `api_server` if set, else in-cluster
 /// credentials or the kubeconfig.
 pub(crate) async fn client(config: &KubernetesSourceConfig) -> anyhow::Result<kube::Client> {
+    let (kube_config, _) = credentials(config).await?;
+    client_of(kube_config)
+}
+
+/// Where the source's credentials come from, as `check` names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CredentialsFrom {
+    /// `source.kubernetes.api_server`, without credentials (a proxy such as `kubectl proxy`).
+    ApiServerSetting,
+    /// `KUBECONFIG` or `~/.kube/config`.
+    Kubeconfig,
+    /// The pod's service account.
+    InCluster,
+}
+
+/// The API server and credentials the source uses, read as `kube` reads them (the
+/// kubeconfig first, then the pod's service account), without contacting anything.
+pub(crate) async fn credentials(
+    config: &KubernetesSourceConfig,
+) -> anyhow::Result<(kube::Config, CredentialsFrom)> {
     use anyhow::Context;
-    let kube_config = match &config.api_server {
-        Some(url) => kube::Config::new(
-            url.parse()
-                .with_context(|| format!("source.kubernetes.api_server {url:?} is not a URL"))?,
-        ),
-        None => kube::Config::infer()
-            .await
-            .context("Kubernetes source: no in-cluster service account and no usable kubeconfig")?,
-    };
+    if let Some(url) = &config.api_server {
+        let url = url
+            .parse()
+            .with_context(|| format!("source.kubernetes.api_server {url:?} is not a URL"))?;
+        return Ok((kube::Config::new(url), CredentialsFrom::ApiServerSetting));
+    }
+    match kube::Config::from_kubeconfig(&kube::config::KubeConfigOptions::default()).await {
+        Ok(found) => Ok((found, CredentialsFrom::Kubeconfig)),
+        Err(kubeconfig) => match kube::Config::incluster() {
+            Ok(found) => Ok((found, CredentialsFrom::InCluster)),
+            Err(in_cluster) => Err(anyhow::anyhow!(
+                "Kubernetes source: no in-cluster service account ({:#}) and no usable \
+                 kubeconfig ({:#})",
+                anyhow::Error::new(in_cluster),
+                anyhow::Error::new(kubeconfig)
+            )),
+        },
+    }
+}
+
+/// A client of `kube_config` (its certificates and keys parsed; nothing contacted yet).
+pub(crate) fn client_of(kube_config: kube::Config) -> anyhow::Result<kube::Client> {
+    use anyhow::Context;
     kube::Client::try_from(kube_config).context("Kubernetes source: building the client")
 }
 

@@ -401,6 +401,34 @@ impl RealRayCluster {
         }
     }
 
+    /// Stops the worker node as kubelet stops a deleted pod once its preStop hook has
+    /// returned: SIGTERM to every process of the node, then SIGKILL to what is left after
+    /// `grace` (the pod's terminationGracePeriodSeconds). Returns how long it took.
+    pub async fn terminate_worker(&mut self, grace: Duration) -> Duration {
+        let node = self
+            .workers
+            .first_mut()
+            .expect("started with a worker node");
+        let pgid = node.pgid;
+        let started = Instant::now();
+        unsafe {
+            libc::kill(-pgid, libc::SIGTERM);
+        }
+        // The group is gone once no process of it is left (kill 0 fails); its first
+        // process is this one's child, reaped here so that it does not linger a zombie.
+        while started.elapsed() < grace {
+            let _ = node.child.try_wait();
+            if unsafe { libc::kill(-pgid, 0) } != 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let took = started.elapsed();
+        // Dropping the node kills what is left and reaps its first process.
+        self.workers.clear();
+        took
+    }
+
     /// The pid of the Serve proxy on the worker node (`None` if none runs now).
     pub fn worker_proxy_pid(&self) -> Option<i32> {
         let pids = run(Command::new("ip").args(["netns", "pids", &self.subnet.namespace]));
