@@ -481,13 +481,7 @@ async fn probe_cost(args: &Args) {
         .stdout(Stdio::null()),
     );
     let pid = server.child.id();
-    eventually("ray-xds is ready", Duration::from_secs(60), || async {
-        http_get(&format!("http://127.0.0.1:{admin}/readyz"))
-            .await
-            .ok()
-            .filter(|(s, _)| *s == 200)
-    })
-    .await;
+    bench_support::wait_ready(admin).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let cpu = bench_support::cpu_seconds;
     let probes_done = || async {

@@ -42,7 +42,6 @@ use ray_serve_sim::NodeType;
 use ray_serve_sim::{serve_proxy_with, ProxyConfig, ProxyHandle};
 use rustls::pki_types::ServerName;
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 #[path = "support/mod.rs"]
@@ -164,18 +163,7 @@ async fn connect(
             .connect(ServerName::try_from("localhost").unwrap(), tcp)
             .await
             .map_err(|e| format!("handshake: {e}"))?;
-        tls.write_all(PREFACE)
-            .await
-            .map_err(|e| format!("write: {e}"))?;
-        let mut frame = [0u8; 9];
-        tls.read_exact(&mut frame)
-            .await
-            .map_err(|e| format!("read: {e}"))?;
-        if frame[3] == 4 {
-            Ok(())
-        } else {
-            Err(format!("not a SETTINGS frame: {frame:?}"))
-        }
+        support::tls::first_frame_is_settings(&mut tls, PREFACE).await
     };
     tokio::time::timeout(Duration::from_secs(5), attempt)
         .await
@@ -250,13 +238,7 @@ async fn run_arm(args: &Args, arm: &str, proxies: &[SocketAddr]) -> ArmResult {
             .map(|(_, b)| b)
             .unwrap_or_default()
     };
-    eventually("ray-xds is ready", Duration::from_secs(60), || async {
-        http_get(&format!("http://127.0.0.1:{admin}/readyz"))
-            .await
-            .ok()
-            .filter(|(s, _)| *s == 200)
-    })
-    .await;
+    bench_support::wait_ready(admin).await;
     eventually("every proxy healthy", Duration::from_secs(60), || async {
         let m = metrics().await;
         let healthy = metric(

@@ -226,6 +226,14 @@ step 10m "${exe[chaos]}" --protocol grpc --scenario worker-crash --scenario prox
     --scenario upgrade \
     --arm ray-xds \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert --arms-together
+# Overload with the bounded retry profile a RayService may choose (docs/behaviour.md): at
+# most 1.25 tries per request while every proxy refuses, and the crashes whose requests
+# need a retry lose nothing. At 200 requests/s: the bound is one retry in flight at a
+# time, so the tries per request rise as the load falls.
+step 10m "${exe[chaos]}" --scenario overload --scenario worker-crash \
+    --scenario control-plane-down-crash --arm ray-xds \
+    --traffic '{ retry_budget_percent: 100, retry_budget_min_concurrency: 1, consecutive_local_origin_failure: 1 }' \
+    --duration 10 --fault-at 2 --rps 200 --client-timeout 5 --assert
 # The fan-out benchmark, small and unoptimized, ray-xds only: a smoke test that it still
 # runs, both protocols; it fails when a client misses a change. (Its peer,
 # rust-control-plane, is a workspace of its own with Envoy's protos to compile: the full

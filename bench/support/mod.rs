@@ -58,6 +58,18 @@ pub async fn http_get(port: u16, path: &str, deadline: Duration) -> Option<(u16,
     .ok()?
 }
 
+/// Waits (up to a minute) for the ray-xds whose admin port is `admin` to answer
+/// `/readyz` 200.
+pub async fn wait_ready(admin: u16) {
+    support::eventually("ray-xds is ready", Duration::from_secs(60), || async {
+        support::http_get(&format!("http://127.0.0.1:{admin}/readyz"))
+            .await
+            .ok()
+            .filter(|(s, _)| *s == 200)
+    })
+    .await;
+}
+
 /// The value of the series `key` (name and labels exactly as rendered) in a
 /// Prometheus text exposition.
 pub fn metric_value(text: &str, key: &str) -> Option<f64> {

@@ -203,10 +203,11 @@ async fn debug_pages_on_a_listener_of_their_own_are_gone_from_the_admin_port() {
 
 /// Runs the binary with `args`: (exit code, stdout, stderr).
 fn run(args: &[&std::ffi::OsStr]) -> (Option<i32>, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ray-xds"))
-        .args(args)
-        .output()
-        .unwrap();
+    outcome(Command::new(env!("CARGO_BIN_EXE_ray-xds")).args(args))
+}
+
+fn outcome(command: &mut Command) -> (Option<i32>, String, String) {
+    let out = command.output().unwrap();
     (
         out.status.code(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -397,17 +398,12 @@ fn run_in(
     env: &[(&str, &std::ffi::OsStr)],
     args: &[&std::ffi::OsStr],
 ) -> (Option<i32>, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ray-xds"))
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
+    outcome(
+        Command::new(env!("CARGO_BIN_EXE_ray-xds"))
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .envs(env.iter().copied())
+            .args(args),
     )
 }
 

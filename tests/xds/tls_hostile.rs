@@ -343,16 +343,7 @@ async fn mtls_via(
             .connect(name, tcp)
             .await
             .map_err(|e| format!("handshake: {e}"))?;
-        tls.write_all(&[PREFACE, SETTINGS].concat())
-            .await
-            .map_err(|e| format!("write: {e}"))?;
-        let mut frame = [0u8; 9];
-        tls.read_exact(&mut frame)
-            .await
-            .map_err(|e| format!("read: {e}"))?;
-        if frame[3] != 4 {
-            return Err(format!("not a SETTINGS frame: {frame:?}"));
-        }
+        support::tls::first_frame_is_settings(&mut tls, &[PREFACE, SETTINGS].concat()).await?;
         RESUMED.with(|r| {
             r.set(tls.get_ref().1.handshake_kind() == Some(rustls::HandshakeKind::Resumed))
         });

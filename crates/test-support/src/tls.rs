@@ -174,3 +174,27 @@ fn write_atomic(path: &Path, text: &str) {
     std::fs::write(&tmp, text).unwrap();
     std::fs::rename(&tmp, path).unwrap();
 }
+
+/// Writes `hello` (an HTTP/2 client preface, and perhaps frames after it) on `stream` and
+/// reads the first frame's header back: `Ok` when it is a SETTINGS frame, as an HTTP/2
+/// server's first frame is.
+pub async fn first_frame_is_settings<S>(stream: &mut S, hello: &[u8]) -> Result<(), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream
+        .write_all(hello)
+        .await
+        .map_err(|e| format!("write: {e}"))?;
+    let mut frame = [0u8; 9];
+    stream
+        .read_exact(&mut frame)
+        .await
+        .map_err(|e| format!("read: {e}"))?;
+    if frame[3] == 4 {
+        Ok(())
+    } else {
+        Err(format!("not a SETTINGS frame: {frame:?}"))
+    }
+}
