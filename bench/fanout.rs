@@ -106,7 +106,8 @@ struct Args {
     /// At most this many streams opening at once (from their open until their first
     /// answer of every type); 0 opens them all at once. Lets a machine whose clients
     /// share its cores with the server open more streams than it can sync within the
-    /// server's first-request deadline (10 s) all at once.
+    /// server's first-request deadline (10 s) all at once. The sync time then includes
+    /// the wait for a place: it is not the time of a herd.
     #[arg(long, default_value_t = 0)]
     opening: usize,
     /// How long every stream may take to sync, and every client to get one change.
@@ -656,6 +657,7 @@ async fn run(
     let mut channel = None;
     let mut tasks = Aborting(Vec::new());
     let opening = (args.opening > 0).then(|| Arc::new(tokio::sync::Semaphore::new(args.opening)));
+    let opening_deadline = tokio::time::Instant::now() + deadline;
     for i in 0..streams {
         if i % args.streams_per_connection == 0 {
             channel = Some(
@@ -668,7 +670,18 @@ async fn run(
         }
         let ch = channel.clone().unwrap();
         let place = match &opening {
-            Some(o) => Some(o.clone().acquire_owned().await.expect("never closed")),
+            Some(o) => {
+                let acquire = o.clone().acquire_owned();
+                match tokio::time::timeout_at(opening_deadline, acquire).await {
+                    Ok(permit) => Some(permit.expect("never closed")),
+                    Err(_) => {
+                        return Err(format!(
+                            "{i} of {streams} streams opened within {deadline:?}: those opening \
+                             never synced"
+                        ))
+                    }
+                }
+            }
             None => None,
         };
         let s = Synced {

@@ -36,8 +36,17 @@ async fn main() -> std::process::ExitCode {
             return report("check", outcome);
         }
         Command::Status(args) => {
-            let outcome = ray_xds::commands::status::run(&args).await;
-            return report("status", outcome.map_err(|e| format!("{e:#}")));
+            return match ray_xds::commands::status::run(&args).await {
+                Ok(rendered) if rendered.partial => {
+                    print!("{}", rendered.text);
+                    eprintln!("ray-xds status: a page could not be read: shown as unavailable");
+                    std::process::ExitCode::from(3)
+                }
+                outcome => report(
+                    "status",
+                    outcome.map(|r| r.text).map_err(|e| format!("{e:#}")),
+                ),
+            };
         }
     };
     let config = match Config::load(&args) {

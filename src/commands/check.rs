@@ -4,8 +4,8 @@
 //! reads what the config names: the services file of the file source (parsed and validated
 //! into a model, as the source would publish it), the xDS TLS files (loaded as the
 //! listener would) and the Kubernetes source's credentials (found and parsed as the
-//! source finds them: the kubeconfig, else the pod's service account). Nothing is
-//! contacted. `--offline` stops after the config itself, for a config checked away from
+//! source finds them: the kubeconfig, else the pod's service account; an auth plugin the
+//! kubeconfig names is named, not run). Nothing is contacted. `--offline` stops after the config itself, for a config checked away from
 //! where it runs (CI, a review), whose files are not there.
 //!
 //! Invariant: a config `check` accepts without `--offline` starts `serve` past its config
@@ -112,10 +112,17 @@ pub async fn check(args: &CheckArgs) -> Result<String, CheckError> {
             if args.offline {
                 let _ = writeln!(out, "  credentials: not looked for, --offline");
             } else {
-                use crate::source::kubernetes::{client_of, credentials, CredentialsFrom};
+                use crate::source::kubernetes::{
+                    auth_command, client_of, credentials, CredentialsFrom,
+                };
                 let (found, from) = credentials(k).await.map_err(CheckError::Kubernetes)?;
                 let url = found.cluster_url.clone();
-                client_of(found).map_err(CheckError::Kubernetes)?;
+                // Building a client runs the kubeconfig's auth plugin, which may reach an
+                // identity provider or wait for a login: named, not run.
+                let plugin = auth_command(&found);
+                if plugin.is_none() {
+                    client_of(found).map_err(CheckError::Kubernetes)?;
+                }
                 let from = match from {
                     CredentialsFrom::ApiServerSetting => {
                         "source.kubernetes.api_server, no credentials"
@@ -124,6 +131,9 @@ pub async fn check(args: &CheckArgs) -> Result<String, CheckError> {
                     CredentialsFrom::InCluster => "the pod's service account",
                 };
                 let _ = writeln!(out, "  credentials: {url} ({from})");
+                if let Some(plugin) = plugin {
+                    let _ = writeln!(out, "  {plugin}: not run (serve runs it at start)");
+                }
             }
         }
     }

@@ -10,8 +10,8 @@
 //! Invariant: every field read may be missing or of another type (an older or newer
 //! replica, a page cut short): it shows as `-`, never a panic. A page that cannot be
 //! read or is not JSON is named with its error where its part would be (`services_error`
-//! or `envoys_error` in JSON), and the other page is still shown: `status` fails only
-//! when neither page could be read.
+//! or `envoys_error` in JSON, its list `null`), and the other page is still shown, with
+//! exit status 3: `status` fails (1) only when neither page could be read.
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -30,8 +30,16 @@ const ERROR_TEXT_SHOWN: usize = 1024;
 /// The largest page read (`/debug/clients` stops at 16 MiB; `/debug/state` is smaller).
 const MAX_PAGE_BYTES: usize = 64 * 1024 * 1024;
 
+/// What `status` prints, and whether a page was missing from it.
+#[derive(Debug)]
+pub struct Rendered {
+    pub text: String,
+    /// One page could not be read: its part shows why instead.
+    pub partial: bool,
+}
+
 /// Fetches both pages from `args.admin` and renders them.
-pub async fn run(args: &StatusArgs) -> anyhow::Result<String> {
+pub async fn run(args: &StatusArgs) -> anyhow::Result<Rendered> {
     let base = args.admin.trim_end_matches('/');
     let (state_url, clients_url) = (
         format!("{base}/debug/state"),
@@ -88,7 +96,7 @@ pub fn render(
     state: Result<&str, String>,
     clients: Result<&str, String>,
     output: Output,
-) -> anyhow::Result<String> {
+) -> anyhow::Result<Rendered> {
     let parse = |page: &str, text: Result<&str, String>| -> Result<Value, String> {
         let text = text?;
         serde_json::from_str(text).map_err(|e| format!("/debug/{page} is not JSON: {e}"))
@@ -99,13 +107,18 @@ pub fn render(
         anyhow::bail!("{state}; {clients}");
     }
     let empty = Value::Null;
-    let state_page = state.as_ref().unwrap_or(&empty);
     let clients_page = clients.as_ref().unwrap_or(&empty);
-    let services: Vec<Value> = list(&state_page["rayservices"])
-        .iter()
-        .map(service)
-        .collect();
-    let envoys: Vec<Value> = list(&clients_page["clients"]).iter().map(envoy).collect();
+    let partial = state.is_err() || clients.is_err();
+    // A page that could not be read lists nothing: `null`, not an empty list, so that a
+    // script's "every Envoy is in sync" does not hold over Envoys it never saw.
+    let services: Option<Vec<Value>> = state
+        .as_ref()
+        .ok()
+        .map(|page| list(&page["rayservices"]).iter().map(service).collect());
+    let envoys: Option<Vec<Value>> = clients
+        .as_ref()
+        .ok()
+        .map(|page| list(&page["clients"]).iter().map(envoy).collect());
     let status = json!({
         "services": services,
         "services_error": state.as_ref().err(),
@@ -114,10 +127,11 @@ pub fn render(
         "envoys_total": clients_page["total"],
         "envoys_truncated": clients_page["truncated"],
     });
-    Ok(match output {
+    let text = match output {
         Output::Json => format!("{status:#}\n"),
         Output::Table => table(&status),
-    })
+    };
+    Ok(Rendered { text, partial })
 }
 
 fn list(v: &Value) -> &[Value] {
@@ -203,9 +217,7 @@ fn table(status: &Value) -> String {
         "TARGET".into(),
         "WEIGHTS".into(),
     ]];
-    if let Some(error) = status["services_error"].as_str() {
-        rows.push(vec![format!("(unavailable: {})", printable(error))]);
-    }
+
     let mut reasons = Vec::new();
     for s in list(&status["services"]) {
         let weights: Vec<String> = list(&s["weights"])
@@ -226,6 +238,9 @@ fn table(status: &Value) -> String {
         reasons.push(format!("{}: {}", text(&s["name"]), text(&s["reason"])));
     }
     let mut out = columns(&rows);
+    if let Some(error) = status["services_error"].as_str() {
+        let _ = writeln!(out, "(unavailable: {})", printable(error));
+    }
     if !reasons.is_empty() {
         out.push('\n');
         for r in reasons {
@@ -240,9 +255,7 @@ fn table(status: &Value) -> String {
         .chain(types.iter().map(|t| t.to_uppercase()))
         .chain(std::iter::once("NACKED".to_string()))
         .collect::<Vec<_>>()];
-    if let Some(error) = status["envoys_error"].as_str() {
-        rows.push(vec![format!("(unavailable: {})", printable(error))]);
-    }
+
     for e in list(&status["envoys"]) {
         let nacked: Vec<String> = e["nacked"]
             .as_object()
@@ -274,6 +287,9 @@ fn table(status: &Value) -> String {
         rows.push(row);
     }
     out.push_str(&columns(&rows));
+    if let Some(error) = status["envoys_error"].as_str() {
+        let _ = writeln!(out, "(unavailable: {})", printable(error));
+    }
     if status["envoys_truncated"] == true {
         let _ = writeln!(
             out,
@@ -336,7 +352,7 @@ mod tests {
 
     #[test]
     fn a_table_shows_each_service_and_envoy_with_what_it_nacked() {
-        let out = render(Ok(STATE), Ok(CLIENTS), Output::Table).unwrap();
+        let out = render(Ok(STATE), Ok(CLIENTS), Output::Table).unwrap().text;
         let lines: Vec<&str> = out.lines().collect();
         assert!(lines[0].starts_with("RAYSERVICE    PHASE"), "{out}");
         assert!(
@@ -373,7 +389,8 @@ mod tests {
     #[test]
     fn json_keeps_every_field_for_scripts() {
         let out: Value =
-            serde_json::from_str(&render(Ok(STATE), Ok(CLIENTS), Output::Json).unwrap()).unwrap();
+            serde_json::from_str(&render(Ok(STATE), Ok(CLIENTS), Output::Json).unwrap().text)
+                .unwrap();
         assert_eq!(
             out["services"][0]["weights"][1],
             json!({"cluster": "text-b", "percent": 25})
@@ -412,7 +429,7 @@ mod tests {
         // A node id that would fake a row or drive the terminal prints as one line.
         let hostile =
             r#"{"clients": [{"node": {"id": "evil\nfake-row\u001b[2J"}, "stream_id": 9}]}"#;
-        let out = render(Ok("{}"), Ok(hostile), Output::Table).unwrap();
+        let out = render(Ok("{}"), Ok(hostile), Output::Table).unwrap().text;
         assert!(out.contains("evil?fake-row?[2J"), "{out}");
         assert!(!out.lines().any(|l| l.starts_with("fake-row")), "{out}");
     }
@@ -422,30 +439,47 @@ mod tests {
     #[test]
     fn one_unreadable_page_leaves_the_other_shown_with_the_reason() {
         let no_clients = Err("http://x/debug/clients: 503 Service Unavailable: busy".to_string());
-        let out = render(Ok(STATE), no_clients.clone(), Output::Table).unwrap();
+        let table = render(Ok(STATE), no_clients.clone(), Output::Table).unwrap();
+        assert!(table.partial);
+        let out = table.text;
         assert!(
             out.contains("ml/text") && out.contains("shifting (hold)"),
             "{out}"
         );
-        let envoys = out.lines().skip_while(|l| !l.starts_with("ENVOY")).nth(1);
+        let mut envoys = out.lines().skip_while(|l| !l.starts_with("ENVOY"));
+        let header = envoys.next().unwrap();
+        assert!(
+            header.starts_with("ENVOY  STREAM"),
+            "the header keeps its widths: {out}"
+        );
         assert_eq!(
-            envoys,
+            envoys.next(),
             Some("(unavailable: http://x/debug/clients: 503 Service Unavailable: busy)"),
             "{out}"
         );
-        let json: Value =
-            serde_json::from_str(&render(Ok(STATE), no_clients, Output::Json).unwrap()).unwrap();
+        let json = render(Ok(STATE), no_clients, Output::Json).unwrap();
+        assert!(json.partial);
+        let json: Value = serde_json::from_str(&json.text).unwrap();
         assert_eq!(json["services"][1]["name"], "default/demo");
         assert!(json["services_error"].is_null());
+        assert!(json["envoys"].is_null(), "unknown, not none: {json}");
         assert_eq!(
             json["envoys_error"],
             "http://x/debug/clients: 503 Service Unavailable: busy"
         );
         let out = render(Ok("<html>"), Ok(CLIENTS), Output::Table).unwrap();
+        assert!(out.partial);
         assert!(
-            out.contains("(unavailable: /debug/state is not JSON"),
-            "{out}"
+            out.text.contains("(unavailable: /debug/state is not JSON"),
+            "{}",
+            out.text
         );
-        assert!(out.lines().any(|l| l.starts_with("gw-1")), "{out}");
+        assert!(
+            out.text.lines().any(|l| l.starts_with("gw-1")),
+            "{}",
+            out.text
+        );
+        let whole = render(Ok(STATE), Ok(CLIENTS), Output::Json).unwrap();
+        assert!(!whole.partial);
     }
 }

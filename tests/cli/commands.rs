@@ -407,36 +407,82 @@ fn run_in(
     )
 }
 
+/// A Kubernetes source's setting for `check`: an empty home, a CA of the test's own (so
+/// nothing depends on the machine's trust store) and a config naming the source.
+struct KubeCheck {
+    dir: tempfile::TempDir,
+    home: std::path::PathBuf,
+    pki: support::tls::TestPki,
+    config: std::path::PathBuf,
+}
+
+impl KubeCheck {
+    fn new() -> KubeCheck {
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().join("home");
+        std::fs::create_dir(&home).unwrap();
+        let pki = support::tls::TestPki::new(&dir.path().join("pki"));
+        let config = dir.path().join("ray-xds.yaml");
+        std::fs::write(
+            &config,
+            "xds:\n  listen: 127.0.0.1:0\nadmin:\n  listen: 127.0.0.1:0\nsource:\n  kubernetes:\n    namespaces: [ml]\n",
+        )
+        .unwrap();
+        KubeCheck {
+            dir,
+            home,
+            pki,
+            config,
+        }
+    }
+
+    /// A kubeconfig file `name` whose one user is `user` (YAML), for a server at an address
+    /// nothing answers.
+    fn kubeconfig(&self, name: &str, user: &str) -> std::path::PathBuf {
+        let path = self.dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: lab\n  cluster:\n    server: https://198.18.0.1:6443\n    certificate-authority: {}\n\
+                 contexts:\n- name: lab\n  context: {{cluster: lab, user: ops}}\ncurrent-context: lab\n\
+                 users:\n- name: ops\n  user: {user}\n",
+                self.pki.ca_pem_path.display()
+            ),
+        )
+        .unwrap();
+        path
+    }
+
+    /// `check` with `kubeconfig` as KUBECONFIG (none: unset).
+    fn check(
+        &self,
+        kubeconfig: Option<&std::path::Path>,
+        offline: bool,
+    ) -> (Option<i32>, String, String) {
+        let mut env = vec![("HOME", self.home.as_os_str())];
+        if let Some(k) = kubeconfig {
+            env.push(("KUBECONFIG", k.as_os_str()));
+        }
+        let mut args = vec![
+            "check".as_ref(),
+            "--config".as_ref(),
+            self.config.as_os_str(),
+        ];
+        if offline {
+            args.push("--offline".as_ref());
+        }
+        run_in(&env, &args)
+    }
+}
+
 /// The Kubernetes source's credentials are found as `serve` finds them (the kubeconfig,
 /// else the pod's service account) and named; with none, `check` refuses with `serve`'s
 /// words. Nothing is contacted: the kubeconfig's server is an address nothing answers.
 #[test]
 fn check_finds_the_kubernetes_source_s_credentials_without_contacting_the_api_server() {
-    let dir = tempfile::tempdir().unwrap();
-    let home = dir.path().join("home");
-    std::fs::create_dir(&home).unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: lab\n  cluster:\n    server: https://198.18.0.1:6443\n\
-         contexts:\n- name: lab\n  context: {cluster: lab, user: ops}\ncurrent-context: lab\n\
-         users:\n- name: ops\n  user: {token: not-a-real-token}\n",
-    )
-    .unwrap();
-    let config = dir.path().join("ray-xds.yaml");
-    std::fs::write(
-        &config,
-        "xds:\n  listen: 127.0.0.1:0\nadmin:\n  listen: 127.0.0.1:0\nsource:\n  kubernetes:\n    namespaces: [ml]\n",
-    )
-    .unwrap();
-    let check = ["check".as_ref(), "--config".as_ref(), config.as_os_str()];
-    let (code, stdout, stderr) = run_in(
-        &[
-            ("HOME", home.as_os_str()),
-            ("KUBECONFIG", kubeconfig.as_os_str()),
-        ],
-        &check,
-    );
+    let k = KubeCheck::new();
+    let kubeconfig = k.kubeconfig("kubeconfig", "{token: not-a-real-token}");
+    let (code, stdout, stderr) = k.check(Some(&kubeconfig), false);
     assert_eq!(code, Some(0), "{stdout}\n{stderr}");
     assert!(
         stdout.contains("  credentials: https://198.18.0.1:6443/ (the kubeconfig)"),
@@ -445,22 +491,16 @@ fn check_finds_the_kubernetes_source_s_credentials_without_contacting_the_api_se
 
     // A kubeconfig naming a certificate authority file that is not there: refused, as
     // the source would refuse it.
-    let broken = dir.path().join("broken-kubeconfig");
+    let broken = k.dir.path().join("broken-kubeconfig");
     std::fs::write(
         &broken,
         std::fs::read_to_string(&kubeconfig).unwrap().replace(
-            "server: https://198.18.0.1:6443",
-            "server: https://198.18.0.1:6443\n    certificate-authority: /nonexistent/ca.crt",
+            &format!("certificate-authority: {}", k.pki.ca_pem_path.display()),
+            "certificate-authority: /nonexistent/ca.crt",
         ),
     )
     .unwrap();
-    let (code, stdout, stderr) = run_in(
-        &[
-            ("HOME", home.as_os_str()),
-            ("KUBECONFIG", broken.as_os_str()),
-        ],
-        &check,
-    );
+    let (code, stdout, stderr) = k.check(Some(&broken), false);
     assert_eq!(
         code,
         Some(1),
@@ -472,8 +512,7 @@ fn check_finds_the_kubernetes_source_s_credentials_without_contacting_the_api_se
     );
 
     // No kubeconfig and no service account: refused, in serve's words.
-    let nothing = [("HOME", home.as_os_str())];
-    let (code, stdout, stderr) = run_in(&nothing, &check);
+    let (code, stdout, stderr) = k.check(None, false);
     assert_eq!(code, Some(1), "accepted without credentials:\n{stdout}");
     let message = stderr
         .trim_end()
@@ -484,8 +523,8 @@ fn check_finds_the_kubernetes_source_s_credentials_without_contacting_the_api_se
         "{message}"
     );
     let (code, _, serve_stderr) = run_in(
-        &nothing,
-        &["serve".as_ref(), "--config".as_ref(), config.as_os_str()],
+        &[("HOME", k.home.as_os_str())],
+        &["serve".as_ref(), "--config".as_ref(), k.config.as_os_str()],
     );
     assert_ne!(code, Some(0), "serve started without credentials");
     assert!(
@@ -494,18 +533,37 @@ fn check_finds_the_kubernetes_source_s_credentials_without_contacting_the_api_se
     );
 
     // --offline does not look.
-    let (code, stdout, stderr) = run_in(
-        &nothing,
-        &[
-            "check".as_ref(),
-            "--offline".as_ref(),
-            "--config".as_ref(),
-            config.as_os_str(),
-        ],
-    );
+    let (code, stdout, stderr) = k.check(None, true);
     assert_eq!(code, Some(0), "{stdout}\n{stderr}");
     assert!(
         stdout.contains("credentials: not looked for, --offline"),
         "{stdout}"
     );
+}
+
+/// A kubeconfig whose user runs an exec plugin for its token (a cloud's login): named,
+/// never run (building a client runs it, and it may reach an identity provider or wait
+/// for a login).
+#[test]
+fn check_names_a_kubeconfig_s_exec_plugin_and_does_not_run_it() {
+    let k = KubeCheck::new();
+    let ran = k.dir.path().join("plugin-ran");
+    let plugin = k.dir.path().join("get-token.sh");
+    std::fs::write(&plugin, format!("#!/bin/sh\ntouch {}\n", ran.display())).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let with_plugin = k.kubeconfig(
+        "plugin-kubeconfig",
+        &format!(
+            "{{exec: {{apiVersion: client.authentication.k8s.io/v1beta1, command: {}, interactiveMode: Never}}}}",
+            plugin.display()
+        ),
+    );
+    let (code, stdout, stderr) = k.check(Some(&with_plugin), false);
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(&format!("exec plugin {}: not run", plugin.display())),
+        "{stdout}"
+    );
+    assert!(!ran.exists(), "check ran the kubeconfig's exec plugin");
 }

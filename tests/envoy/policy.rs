@@ -303,7 +303,8 @@ async fn requests_waiting_on_a_proxy_that_stopped_accepting_are_all_retried() {
 }
 
 /// The price of the bounded retry profile (docs/benchmarks.md, "Overload"), kept in
-/// sight: one retry in flight at a time whatever the share, so a burst that fails
+/// sight: retries in flight may only match the requests in flight or waiting (at least
+/// one), a number that falls as a burst's own requests fail, so a burst that fails
 /// together with nothing else in flight has retries refused (about half, measured).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bounded_retry_profile_refuses_retries_of_a_burst_when_little_else_is_in_flight() {

@@ -53,8 +53,8 @@ pub(crate) fn rayservice_resource() -> ApiResource {
     }
 }
 
-/// A client for the configured API server: `api_server` if set, else in-cluster
-/// credentials or the kubeconfig.
+/// A client for the configured API server: `api_server` if set, else the kubeconfig or
+/// the pod's service account ([`credentials`]).
 pub(crate) async fn client(config: &KubernetesSourceConfig) -> anyhow::Result<kube::Client> {
     let (kube_config, _) = credentials(config).await?;
     client_of(kube_config)
@@ -71,8 +71,9 @@ pub(crate) enum CredentialsFrom {
     InCluster,
 }
 
-/// The API server and credentials the source uses, read as `kube` reads them (the
-/// kubeconfig first, then the pod's service account), without contacting anything.
+/// The API server and credentials the source uses, read as `kube::Config::infer` reads
+/// them (the kubeconfig first, then the pod's service account, then kube's
+/// `KUBE_RS_DEBUG_*` overrides), without contacting anything or running an auth plugin.
 pub(crate) async fn credentials(
     config: &KubernetesSourceConfig,
 ) -> anyhow::Result<(kube::Config, CredentialsFrom)> {
@@ -83,21 +84,40 @@ pub(crate) async fn credentials(
             .with_context(|| format!("source.kubernetes.api_server {url:?} is not a URL"))?;
         return Ok((kube::Config::new(url), CredentialsFrom::ApiServerSetting));
     }
-    match kube::Config::from_kubeconfig(&kube::config::KubeConfigOptions::default()).await {
-        Ok(found) => Ok((found, CredentialsFrom::Kubeconfig)),
-        Err(kubeconfig) => match kube::Config::incluster() {
-            Ok(found) => Ok((found, CredentialsFrom::InCluster)),
-            Err(in_cluster) => Err(anyhow::anyhow!(
-                "Kubernetes source: no in-cluster service account ({:#}) and no usable \
-                 kubeconfig ({:#})",
-                anyhow::Error::new(in_cluster),
-                anyhow::Error::new(kubeconfig)
-            )),
-        },
-    }
+    let (mut found, from) =
+        match kube::Config::from_kubeconfig(&kube::config::KubeConfigOptions::default()).await {
+            Ok(found) => (found, CredentialsFrom::Kubeconfig),
+            Err(kubeconfig) => match kube::Config::incluster() {
+                Ok(found) => (found, CredentialsFrom::InCluster),
+                Err(in_cluster) => anyhow::bail!(
+                    "Kubernetes source: no in-cluster service account ({:#}) and no usable \
+                     kubeconfig ({:#})",
+                    anyhow::Error::new(in_cluster),
+                    anyhow::Error::new(kubeconfig)
+                ),
+            },
+        };
+    found.apply_debug_overrides();
+    Ok((found, from))
 }
 
-/// A client of `kube_config` (its certificates and keys parsed; nothing contacted yet).
+/// The command a kubeconfig's credentials run to get a token (an `exec` plugin or an
+/// auth provider's `cmd-path`), which building a client runs at once.
+pub(crate) fn auth_command(kube_config: &kube::Config) -> Option<String> {
+    let auth = &kube_config.auth_info;
+    if let Some(exec) = &auth.exec {
+        return Some(format!(
+            "exec plugin {}",
+            exec.command.as_deref().unwrap_or("(none named)")
+        ));
+    }
+    auth.auth_provider
+        .as_ref()
+        .map(|p| format!("auth provider {}", p.name))
+}
+
+/// A client of `kube_config`: its certificates and keys parsed, and its auth plugin (if it
+/// names one, [`auth_command`]) run for a first token; no request sent yet.
 pub(crate) fn client_of(kube_config: kube::Config) -> anyhow::Result<kube::Client> {
     use anyhow::Context;
     kube::Client::try_from(kube_config).context("Kubernetes source: building the client")
