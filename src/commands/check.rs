@@ -5,8 +5,9 @@
 //! into a model, as the source would publish it), the xDS TLS files (loaded as the
 //! listener would) and the Kubernetes source's credentials (found and parsed as the
 //! source finds them: the kubeconfig, else the pod's service account; an auth plugin the
-//! kubeconfig names is named, not run). Nothing is contacted. `--offline` stops after the config itself, for a config checked away from
-//! where it runs (CI, a review), whose files are not there.
+//! kubeconfig names is named, not run). Nothing is contacted. `--offline` stops after the
+//! config itself, for a config checked away from where it runs (CI, a review), whose
+//! files are not there.
 //!
 //! Invariant: a config `check` accepts without `--offline` starts `serve` past its config
 //! and file checks; one it refuses, `serve` refuses too, with the same message.

@@ -217,7 +217,6 @@ fn table(status: &Value) -> String {
         "TARGET".into(),
         "WEIGHTS".into(),
     ]];
-
     let mut reasons = Vec::new();
     for s in list(&status["services"]) {
         let weights: Vec<String> = list(&s["weights"])
@@ -255,7 +254,6 @@ fn table(status: &Value) -> String {
         .chain(types.iter().map(|t| t.to_uppercase()))
         .chain(std::iter::once("NACKED".to_string()))
         .collect::<Vec<_>>()];
-
     for e in list(&status["envoys"]) {
         let nacked: Vec<String> = e["nacked"]
             .as_object()
