@@ -147,15 +147,18 @@ pub struct ClusterHealth {
 /// The health of every endpoint, keyed by Envoy cluster name and proxy address.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct HealthMap {
-    pub endpoints: BTreeMap<(String, SocketAddr), Verdict>,
+    pub endpoints: EndpointVerdicts,
     pub clusters: BTreeMap<String, ClusterHealth>,
 }
 
 impl HealthMap {
     pub fn health(&self, cluster: &str, address: SocketAddr) -> EndpointHealth {
-        self.endpoints
-            .get(&(cluster.to_string(), address))
-            .map_or(EndpointHealth::Unknown, |v| v.health)
+        self.of_cluster(cluster).health(address)
+    }
+
+    /// The verdicts of one Envoy cluster's endpoints.
+    pub fn of_cluster(&self, cluster: &str) -> ClusterVerdicts<'_> {
+        ClusterVerdicts(self.endpoints.0.get(cluster))
     }
 
     pub fn cluster(&self, cluster: &str) -> ClusterHealth {
@@ -169,6 +172,64 @@ impl HealthMap {
             .filter(|(_, c)| c.fail_open)
             .map(|(n, _)| n.as_str())
             .collect()
+    }
+}
+
+/// Every endpoint's verdict, by (Envoy cluster, address): a map per cluster, so that a
+/// cluster's endpoints are found, and added, without a key of their own per endpoint.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EndpointVerdicts(BTreeMap<String, BTreeMap<SocketAddr, Verdict>>);
+
+impl EndpointVerdicts {
+    pub fn insert(&mut self, (cluster, address): (String, SocketAddr), verdict: Verdict) {
+        self.0.entry(cluster).or_default().insert(address, verdict);
+    }
+
+    /// As `insert`, without giving up a cluster name per endpoint.
+    fn insert_in(&mut self, cluster: &str, address: SocketAddr, verdict: Verdict) {
+        self.of_cluster_mut(cluster).insert(address, verdict);
+    }
+
+    /// One cluster's verdicts, to add to.
+    fn of_cluster_mut(&mut self, cluster: &str) -> &mut BTreeMap<SocketAddr, Verdict> {
+        if !self.0.contains_key(cluster) {
+            self.0.insert(cluster.to_string(), BTreeMap::new());
+        }
+        self.0.get_mut(cluster).expect("just inserted")
+    }
+
+    pub fn get(&self, (cluster, address): &(String, SocketAddr)) -> Option<&Verdict> {
+        self.0.get(cluster)?.get(address)
+    }
+
+    pub fn contains_key(&self, key: &(String, SocketAddr)) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// Every endpoint's verdict, by cluster then address.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, SocketAddr, &Verdict)> {
+        self.0
+            .iter()
+            .flat_map(|(c, m)| m.iter().map(move |(a, v)| (c.as_str(), *a, v)))
+    }
+}
+
+impl std::ops::Index<&(String, SocketAddr)> for EndpointVerdicts {
+    type Output = Verdict;
+    fn index(&self, key: &(String, SocketAddr)) -> &Verdict {
+        self.get(key).expect("an endpoint with a verdict")
+    }
+}
+
+/// One Envoy cluster's endpoint health ([`HealthMap::of_cluster`]).
+pub struct ClusterVerdicts<'a>(Option<&'a BTreeMap<SocketAddr, Verdict>>);
+
+impl ClusterVerdicts<'_> {
+    /// As [`HealthMap::health`]: unknown for an endpoint without a verdict.
+    pub fn health(&self, address: SocketAddr) -> EndpointHealth {
+        self.0
+            .and_then(|m| m.get(&address))
+            .map_or(EndpointHealth::Unknown, |v| v.health)
     }
 }
 
@@ -362,12 +423,13 @@ fn publish_cluster(
     mut summary: ClusterHealth,
     out: &mut HealthMap,
 ) {
+    let of_cluster = out.endpoints.of_cluster_mut(&name);
     for (address, mut v) in verdicts {
         if departed && v.health != EndpointHealth::Withheld {
             v = verdict(EndpointHealth::Draining, Reason::ClusterDeparted);
         }
         count(&v, &mut summary);
-        out.endpoints.insert((name.clone(), address), v);
+        of_cluster.insert(address, v);
     }
     if departed {
         summary.ready = 0;
@@ -444,7 +506,7 @@ fn assess_replicas(
                     }
                     _ => verdict(EndpointHealth::Draining, Reason::LeftTargetGroup),
                 };
-                out.endpoints.insert((name.clone(), *address), v);
+                out.endpoints.insert_in(&name, *address, v);
             }
             publish_cluster(name, verdicts, departed, summary, out);
         }

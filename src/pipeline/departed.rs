@@ -4,6 +4,7 @@
 //! until its clusters go). Pure: time is passed in.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use crate::live::peers::{from_unix, to_unix, DepartedCluster, DepartedProxy};
@@ -36,8 +37,46 @@ impl Departed {
         defaults: &SwitchoverPolicy,
         now: SystemTime,
     ) -> Model {
+        self.note_departures(previous, current, defaults, now);
+        self.forget_gone(current, now);
+        if self.clusters.is_empty() && self.services.is_empty() {
+            return current.clone();
+        }
+        self.with_departed(current)
+    }
+
+    /// As [`Departed::update`], sharing `current` when nothing drains, and not comparing
+    /// the models when `current` is the very model of the last build (nothing can have
+    /// left): a build that only health changed costs nothing here.
+    pub(crate) fn update_shared(
+        &mut self,
+        previous: &Arc<Model>,
+        current: &Arc<Model>,
+        defaults: &SwitchoverPolicy,
+        now: SystemTime,
+    ) -> Arc<Model> {
+        if !Arc::ptr_eq(previous, current) {
+            self.note_departures(previous, current, defaults, now);
+        }
+        self.forget_gone(current, now);
+        if self.clusters.is_empty() && self.services.is_empty() {
+            return current.clone();
+        }
+        Arc::new(self.with_departed(current))
+    }
+
+    /// Notes the clusters and RayServices `previous` had and `current` lacks.
+    fn note_departures(
+        &mut self,
+        previous: &Model,
+        current: &Model,
+        defaults: &SwitchoverPolicy,
+        now: SystemTime,
+    ) {
+        let by_key: BTreeMap<String, &RayService> =
+            current.services().iter().map(|s| (s.key(), s)).collect();
         for old in previous.services() {
-            let Some(new) = current.services().iter().find(|s| s.key() == old.key()) else {
+            let Some(new) = by_key.get(&old.key()) else {
                 // The whole RayService went: all its clusters drain.
                 let until = now + defaults.with(&old.policy.overrides.switchover).drain_grace;
                 self.services
@@ -54,6 +93,10 @@ impl Departed {
                 }
             }
         }
+    }
+
+    /// Forgets what expired, and what `current` lists again.
+    fn forget_gone(&mut self, current: &Model, now: SystemTime) {
         self.clusters.retain(|(service, cluster), (_, until)| {
             *until > now
                 && current
@@ -65,9 +108,10 @@ impl Departed {
         self.services.retain(|key, (_, until)| {
             *until > now && !current.services().iter().any(|s| s.key() == *key)
         });
-        if self.clusters.is_empty() && self.services.is_empty() {
-            return current.clone();
-        }
+    }
+
+    /// `current` with the departed clusters and RayServices added back.
+    fn with_departed(&self, current: &Model) -> Model {
         let services: Vec<RayService> = current
             .services()
             .iter()
@@ -110,6 +154,9 @@ impl Departed {
         addresses: &AddressPolicy,
         now: SystemTime,
     ) {
+        if peers.is_empty() {
+            return;
+        }
         // No address the source lists anywhere: a live proxy stays the source's (probed,
         // withheld until its first probe), whatever a peer says.
         let live: BTreeSet<std::net::SocketAddr> = current.endpoints().map(|(a, _)| a).collect();

@@ -18,6 +18,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use crate::model::{Model, Protocol};
@@ -36,6 +37,26 @@ impl Leaving {
     /// Notes the replicas `previous` had and `current` lacks (their application still
     /// listed), forgets expired ones and any that came back, and returns `current` with
     /// those still held added back to their application.
+    /// As [`Leaving::update`], sharing `current` when nothing is held, and doing nothing
+    /// when `current` is the very model of the last build and nothing was held (nothing
+    /// can have left).
+    pub(crate) fn update_shared(
+        &mut self,
+        previous: &Arc<Model>,
+        current: &Arc<Model>,
+        now: SystemTime,
+    ) -> Arc<Model> {
+        if Arc::ptr_eq(previous, current) && self.held.is_empty() {
+            return current.clone();
+        }
+        let next = self.update(previous, current, now);
+        if self.held.is_empty() {
+            current.clone()
+        } else {
+            Arc::new(next)
+        }
+    }
+
     pub fn update(&mut self, previous: &Model, current: &Model, now: SystemTime) -> Model {
         let replicas = |m: &Model| -> BTreeMap<(String, SocketAddr), Protocol> {
             let mut out = BTreeMap::new();

@@ -12,8 +12,9 @@
 //!    the probe policy's first-probe wait): Envoy would count them healthy while unknown;
 //! 3. `live::health` decides every endpoint's health (the one authority);
 //! 4. the [`switchover`] advances each RayService's weights, reading that health;
-//! 5. `translate` builds the Envoy resources, and `xds` encodes them into a snapshot,
-//!    refusing one that is inconsistent (then the previous one stays).
+//! 5. `translate` builds the Envoy resources, encoding again only those whose inputs
+//!    changed since the last build ([`Incremental`]), and `xds` checks and versions them
+//!    into a snapshot, refusing one that is inconsistent (then the previous one stays).
 //!
 //! Invariants: state carried between builds (switchover, departed clusters, what was
 //! published) changes only here; nothing here reads a clock or does I/O.
@@ -39,7 +40,7 @@ use crate::live::probe::ProbeState;
 use crate::live::prober::ProbeStates;
 use crate::model::Model;
 use crate::policy::Policies;
-use crate::translate::translate;
+use crate::translate::Incremental;
 use crate::xds::Snapshot;
 
 use self::departed::Departed;
@@ -92,12 +93,16 @@ pub struct Pipeline {
     last_model: Arc<Model>,
     /// Proxies the last snapshot had.
     published: BTreeSet<SocketAddr>,
+    /// The model `published` was taken from, when nothing was withheld from it.
+    published_of: Option<Arc<Model>>,
     last_source: Arc<Model>,
     fail_open: BTreeSet<String>,
     last: Option<Arc<Snapshot>>,
     /// What the other replicas say (departed clusters they keep).
     peers: Arc<crate::live::peers::PeerStates>,
     addresses: crate::model::AddressPolicy,
+    /// Translation's memo: what the last build encoded, reused where unchanged.
+    translator: Incremental,
 }
 
 impl Pipeline {
@@ -110,11 +115,13 @@ impl Pipeline {
             leaving: Leaving::default(),
             last_model: Arc::new(Model::default()),
             published: BTreeSet::new(),
+            published_of: None,
             last_source: Arc::new(Model::default()),
             fail_open: BTreeSet::new(),
             last: None,
             peers: Arc::default(),
             addresses: Default::default(),
+            translator: Incremental::default(),
         }
     }
 
@@ -172,13 +179,12 @@ impl Pipeline {
         let wait = self.policies.probe.first_probe_wait();
         // A departed cluster's proxies are not probed: they only drain. (Adopted ones
         // never share an address with the source: `Departed::adopt`.)
-        let source: BTreeSet<SocketAddr> = self.last_source.endpoints().map(|(a, _)| a).collect();
-        let departed: BTreeSet<SocketAddr> = self
-            .departed
-            .addresses()
-            .into_iter()
-            .filter(|a| !source.contains(a))
-            .collect();
+        let mut departed = self.departed.addresses();
+        if !departed.is_empty() {
+            let source: BTreeSet<SocketAddr> =
+                self.last_source.endpoints().map(|(a, _)| a).collect();
+            departed.retain(|a| !source.contains(a));
+        }
         model
             .endpoints()
             .map(|(address, _)| address)
@@ -193,6 +199,24 @@ impl Pipeline {
             })
     }
 
+    /// Notes which proxies this build publishes: `model`'s but the `withheld`.
+    fn note_published(&mut self, model: &Arc<Model>, withheld: &BTreeSet<SocketAddr>) {
+        // The same model with nothing withheld, now and at the last build: the same set.
+        let unchanged = withheld.is_empty()
+            && self
+                .published_of
+                .as_ref()
+                .is_some_and(|m| Arc::ptr_eq(m, model));
+        if !unchanged {
+            self.published = model
+                .endpoints()
+                .map(|(address, _)| address)
+                .filter(|a| !withheld.contains(a))
+                .collect();
+        }
+        self.published_of = withheld.is_empty().then(|| model.clone());
+    }
+
     pub fn build(&mut self, inputs: &Inputs<'_>, now: SystemTime) -> Output {
         let source = inputs.model;
         self.departed.adopt(
@@ -202,14 +226,14 @@ impl Pipeline {
             &self.addresses,
             now,
         );
-        let model = self
-            .departed
-            .update(&self.last_source, source, &self.policies.switchover, now);
+        let model =
+            self.departed
+                .update_shared(&self.last_source, source, &self.policies.switchover, now);
         self.last_source = source.clone();
-        let next = self.leaving.update(&self.last_model, &model, now);
+        let next = self.leaving.update_shared(&self.last_model, &model, now);
         // What left is judged against what the source and dashboards list, not against
         // what is still held.
-        self.last_model = Arc::new(model);
+        self.last_model = model;
         let model = next;
 
         let awaiting: Vec<(SocketAddr, SystemTime)> = self
@@ -228,11 +252,7 @@ impl Pipeline {
                 leaving: Some(&leaving),
             },
         );
-        self.published = model
-            .endpoints()
-            .map(|(address, _)| address)
-            .filter(|a| !withheld.contains(a))
-            .collect();
+        self.note_published(&model, &withheld);
 
         let mut events: Vec<Event> = self
             .switchover
@@ -258,14 +278,14 @@ impl Pipeline {
         );
         self.fail_open = fail_open;
 
-        let resources = translate(
+        let encoded = self.translator.translate(
             &model,
             &health,
             &self.switchover.weights(),
             &self.gateway,
             &self.policies.traffic,
         );
-        let snapshot = match Snapshot::build(&resources, self.last.as_deref()) {
+        let snapshot = match Snapshot::build_encoded(&encoded, self.last.as_deref()) {
             Ok(s) => Arc::new(s),
             Err(why) => {
                 events.push(Event::Inconsistent(why.to_string()));

@@ -15,58 +15,88 @@ use envoy_types::pb::google::protobuf;
 use super::{socket_address, METADATA_NAMESPACE};
 use crate::live::health::{EndpointHealth, HealthMap};
 
-/// The assignment of Envoy cluster `name`: each endpoint that may take new requests, as
-/// `health` decides, with one fact in its metadata (a proxy's node type, a replica's
-/// application).
-pub(super) fn load_assignment<'a>(
+/// One endpoint as its assignment lists it: address, metadata fact, health.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Listed<'a> {
+    pub address: SocketAddr,
+    pub fact: (&'static str, &'a str),
+    pub health: core::HealthStatus,
+}
+
+/// The endpoints of Envoy cluster `name` that may take new requests, as `health`
+/// decides, in the order given: what its assignment is made from, and all it is made
+/// from.
+pub(super) fn listed<'a>(
     name: &str,
     endpoints: impl Iterator<Item = (SocketAddr, (&'static str, &'a str))>,
     health: &HealthMap,
-) -> endpoint::ClusterLoadAssignment {
-    let lb_endpoints = endpoints
+) -> Vec<Listed<'a>> {
+    let verdicts = health.of_cluster(name);
+    endpoints
         .filter_map(|(address, fact)| {
             // Only what may take new requests: an endpoint that left (unhealthy,
             // draining, withheld) is not listed at all. Envoy lets requests in flight on
             // a removed host finish, and its outlier detection then counts only these
             // endpoints, so below `max_ejection_percent: 100` it never ejects the last.
-            let health = match health.health(name, address) {
+            let health = match verdicts.health(address) {
                 EndpointHealth::Withheld | EndpointHealth::Unhealthy | EndpointHealth::Draining => {
                     return None
                 }
                 EndpointHealth::Unknown => core::HealthStatus::Unknown,
                 EndpointHealth::Healthy => core::HealthStatus::Healthy,
             };
-            Some((address, fact, health))
+            Some(Listed {
+                address,
+                fact,
+                health,
+            })
         })
-        .map(|(address, (key, value), health)| endpoint::LbEndpoint {
-            host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(
-                endpoint::Endpoint {
-                    address: Some(socket_address(address.ip().to_string(), address.port())),
-                    hostname: address.to_string(),
-                    ..Default::default()
-                },
-            )),
-            health_status: health as i32,
-            metadata: Some(core::Metadata {
-                filter_metadata: [(
-                    METADATA_NAMESPACE.to_string(),
-                    protobuf::Struct {
-                        fields: [(
-                            key.to_string(),
-                            protobuf::Value {
-                                kind: Some(protobuf::value::Kind::StringValue(value.into())),
-                            },
-                        )]
-                        .into_iter()
-                        .collect(),
+        .collect()
+}
+
+/// The assignment of Envoy cluster `name`: each of `listed`, with its one fact in its
+/// metadata (a proxy's node type, a replica's application).
+pub(super) fn load_assignment(
+    name: &str,
+    listed: &[Listed<'_>],
+) -> endpoint::ClusterLoadAssignment {
+    let lb_endpoints = listed
+        .iter()
+        .map(
+            |&Listed {
+                 address,
+                 fact: (key, value),
+                 health,
+             }| endpoint::LbEndpoint {
+                host_identifier: Some(endpoint::lb_endpoint::HostIdentifier::Endpoint(
+                    endpoint::Endpoint {
+                        address: Some(socket_address(address.ip().to_string(), address.port())),
+                        hostname: address.to_string(),
+                        ..Default::default()
                     },
-                )]
-                .into_iter()
-                .collect(),
+                )),
+                health_status: health as i32,
+                metadata: Some(core::Metadata {
+                    filter_metadata: [(
+                        METADATA_NAMESPACE.to_string(),
+                        protobuf::Struct {
+                            fields: [(
+                                key.to_string(),
+                                protobuf::Value {
+                                    kind: Some(protobuf::value::Kind::StringValue(value.into())),
+                                },
+                            )]
+                            .into_iter()
+                            .collect(),
+                        },
+                    )]
+                    .into_iter()
+                    .collect(),
+                    ..Default::default()
+                }),
                 ..Default::default()
-            }),
-            ..Default::default()
-        })
+            },
+        )
         .collect();
     endpoint::ClusterLoadAssignment {
         cluster_name: name.into(),
@@ -75,5 +105,34 @@ pub(super) fn load_assignment<'a>(
             ..Default::default()
         }],
         ..Default::default()
+    }
+}
+
+/// What an assignment was made from, kept between builds ([`Listed`], owned).
+#[derive(Debug)]
+pub(super) struct KeptListing(Vec<(SocketAddr, &'static str, Box<str>, core::HealthStatus)>);
+
+impl KeptListing {
+    pub(super) fn of(listed: &[Listed<'_>]) -> KeptListing {
+        KeptListing(
+            listed
+                .iter()
+                .map(|l| (l.address, l.fact.0, Box::from(l.fact.1), l.health))
+                .collect(),
+        )
+    }
+
+    pub(super) fn is(&self, listed: &[Listed<'_>]) -> bool {
+        self.0.len() == listed.len()
+            && self
+                .0
+                .iter()
+                .zip(listed)
+                .all(|((address, key, value, health), l)| {
+                    *address == l.address
+                        && *key == l.fact.0
+                        && **value == *l.fact.1
+                        && *health == l.health
+                })
     }
 }

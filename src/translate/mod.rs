@@ -28,7 +28,8 @@ use crate::config::GatewaySettings;
 use crate::live::health::HealthMap;
 use crate::model::{Model, Protocol};
 use crate::policy::traffic::TrafficPolicy;
-use crate::xds::Resources;
+use crate::xds::snapshot::Resource;
+use crate::xds::{Encoded, Memo, ResourceType, Resources};
 
 mod applications;
 mod clusters;
@@ -38,7 +39,7 @@ mod routes;
 
 use self::clusters::eds_cluster;
 pub use self::clusters::HEALTHY_PANIC_THRESHOLD_PERCENT;
-use self::endpoints::load_assignment;
+use self::endpoints::{listed, load_assignment, KeptListing, Listed};
 use self::listener::http_listener;
 pub use self::routes::{grpc_retry_on, retry_on};
 // (`weighted_route` also serves `applications`, as `super::weighted_route`.)
@@ -74,6 +75,8 @@ impl ServiceWeights<'_> {
     }
 }
 
+/// The resources that serve `model`, each built whole: the reference an incremental
+/// build ([`Incremental`]) must equal.
 pub fn translate(
     model: &Model,
     health: &HealthMap,
@@ -81,10 +84,120 @@ pub fn translate(
     gateway: &GatewaySettings,
     traffic: &TrafficPolicy,
 ) -> Resources {
-    let mut out = Resources {
-        listeners: vec![http_listener(gateway, traffic)],
-        ..Default::default()
-    };
+    let mut out = Resources::default();
+    emit(model, health, all_weights, gateway, traffic, &mut out);
+    out
+}
+
+/// Translation across builds, encoding only what changed: an assignment is made and
+/// encoded again only when the endpoints it lists (address, fact, health) changed, and
+/// every other resource only when its typed message changed. What it gives equals what
+/// [`translate`] and encoding would give from the same inputs, resource for resource:
+/// versions stay content hashes, and a restart (an empty memo) changes nothing.
+#[derive(Default)]
+pub struct Incremental {
+    clusters: Memo<envoy_types::pb::envoy::config::cluster::v3::Cluster>,
+    assignments: Memo<KeptListing>,
+    listeners: Memo<envoy_types::pb::envoy::config::listener::v3::Listener>,
+    routes: Memo<route::RouteConfiguration>,
+}
+
+impl Incremental {
+    pub fn translate(
+        &mut self,
+        model: &Model,
+        health: &HealthMap,
+        all_weights: &Weights,
+        gateway: &GatewaySettings,
+        traffic: &TrafficPolicy,
+    ) -> Encoded {
+        let mut out = Kept {
+            memo: self,
+            encoded: Encoded::default(),
+        };
+        emit(model, health, all_weights, gateway, traffic, &mut out);
+        let encoded = out.encoded;
+        self.clusters.sweep();
+        self.assignments.sweep();
+        self.listeners.sweep();
+        self.routes.sweep();
+        encoded
+    }
+}
+
+/// Where translation puts what it makes: typed resources ([`translate`]), or encoded ones
+/// kept across builds ([`Incremental`]).
+trait Sink {
+    fn cluster(&mut self, cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster);
+    fn assignment(&mut self, name: &str, listed: &[Listed<'_>]);
+    fn listener(&mut self, listener: envoy_types::pb::envoy::config::listener::v3::Listener);
+    fn route(&mut self, config: route::RouteConfiguration);
+    fn stand_in(&mut self, pattern: String, cluster: String);
+}
+
+impl Sink for Resources {
+    fn cluster(&mut self, cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster) {
+        self.clusters.push(cluster);
+    }
+    fn assignment(&mut self, name: &str, listed: &[Listed<'_>]) {
+        self.endpoints.push(load_assignment(name, listed));
+    }
+    fn listener(&mut self, listener: envoy_types::pb::envoy::config::listener::v3::Listener) {
+        self.listeners.push(listener);
+    }
+    fn route(&mut self, config: route::RouteConfiguration) {
+        self.routes.push(config);
+    }
+    fn stand_in(&mut self, pattern: String, cluster: String) {
+        self.stand_ins.insert(pattern, cluster);
+    }
+}
+
+/// The [`Sink`] of an [`Incremental`] build.
+struct Kept<'m> {
+    memo: &'m mut Incremental,
+    encoded: Encoded,
+}
+
+impl Sink for Kept<'_> {
+    fn cluster(&mut self, cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster) {
+        let r = self.memo.clusters.message(cluster);
+        self.encoded.push(ResourceType::Cluster, r);
+    }
+    fn assignment(&mut self, name: &str, listed: &[Listed<'_>]) {
+        let r = self.memo.assignments.get_or_make(
+            name,
+            |kept| kept.is(listed),
+            || {
+                let assignment = load_assignment(name, listed);
+                (KeptListing::of(listed), Resource::of(&assignment))
+            },
+        );
+        self.encoded.push(ResourceType::Endpoints, r);
+    }
+    fn listener(&mut self, listener: envoy_types::pb::envoy::config::listener::v3::Listener) {
+        let r = self.memo.listeners.message(listener);
+        self.encoded.push(ResourceType::Listener, r);
+    }
+    fn route(&mut self, config: route::RouteConfiguration) {
+        let r = self.memo.routes.message(config);
+        self.encoded.push(ResourceType::Route, r);
+    }
+    fn stand_in(&mut self, pattern: String, cluster: String) {
+        self.encoded.stand_ins.insert(pattern, cluster);
+    }
+}
+
+/// Translation itself, into either sink.
+fn emit(
+    model: &Model,
+    health: &HealthMap,
+    all_weights: &Weights,
+    gateway: &GatewaySettings,
+    traffic: &TrafficPolicy,
+    out: &mut impl Sink,
+) {
+    out.listener(http_listener(gateway, traffic));
     let mut virtual_hosts = Vec::new();
     for service in model.services() {
         let policy = traffic.with(&service.policy.overrides.traffic);
@@ -94,17 +207,15 @@ pub fn translate(
                     continue;
                 }
                 let name = service.envoy_cluster_name_for(&ray_cluster.name, protocol);
-                out.clusters
-                    .push(eds_cluster(&name, gateway, &policy, protocol));
+                out.cluster(eds_cluster(&name, gateway, &policy, protocol));
                 let proxies = ray_cluster
                     .endpoints(protocol)
                     .map(|(address, proxy)| (address, ("node_type", proxy.node_type.as_str())));
-                out.endpoints.push(load_assignment(&name, proxies, health));
+                out.assignment(&name, &listed(&name, proxies, health));
             }
             for (name, protocol, replicas) in applications::clusters(service, ray_cluster) {
-                out.clusters
-                    .push(eds_cluster(&name, gateway, &policy, protocol));
-                out.endpoints.push(load_assignment(&name, replicas, health));
+                out.cluster(eds_cluster(&name, gateway, &policy, protocol));
+                out.assignment(&name, &listed(&name, replicas, health));
             }
         }
         let active = [(service.active_cluster.clone(), 100)];
@@ -124,19 +235,20 @@ pub fn translate(
         };
         let service_prefix = format!("{}/{}/", service.namespace, service.name);
         if let Some(serving) = by_weight(false) {
-            out.stand_ins.insert(
+            out.stand_in(
                 format!("{service_prefix}*"),
                 service.envoy_cluster_name(serving),
             );
         }
         if let Some(serving) = by_weight(true) {
-            out.stand_ins.insert(
+            out.stand_in(
                 format!("{service_prefix}*/grpc"),
                 service.envoy_grpc_cluster_name(serving),
             );
         }
-        out.stand_ins
-            .extend(applications::stand_ins(service, weights, health));
+        for (pattern, cluster) in applications::stand_ins(service, weights, health) {
+            out.stand_in(pattern, cluster);
+        }
         let prefix = app_switch_key(&service.key(), "");
         let all = ServiceWeights {
             service: weights,
@@ -148,7 +260,7 @@ pub fn translate(
         };
         virtual_hosts.push(virtual_host(service, &all, health, &policy));
     }
-    out.routes.push(route::RouteConfiguration {
+    out.route(route::RouteConfiguration {
         name: ROUTE_CONFIG_NAME.into(),
         virtual_hosts,
         // Every cluster a route names is one we send; skip Envoy's own check so a route
@@ -156,7 +268,6 @@ pub fn translate(
         validate_clusters: Some(protobuf::BoolValue { value: false }),
         ..Default::default()
     });
-    out
 }
 
 fn duration(d: Duration) -> protobuf::Duration {
@@ -483,6 +594,225 @@ mod tests {
                     core::HealthStatus::Healthy as i32
                 ),
             ]
+        );
+    }
+}
+
+#[cfg(test)]
+mod incremental_tests {
+    //! The incremental build against a whole rebuild, over random sequences of models,
+    //! health and weights: every snapshot equal, resource for resource, and every
+    //! refusal the same.
+
+    use super::*;
+    use crate::live::health::{EndpointHealth, Reason, Verdict};
+    use crate::model::test_support::{app, service};
+    use crate::model::RayService;
+    use crate::xds::Snapshot;
+    use proptest::prelude::*;
+    use std::net::SocketAddr;
+    use std::sync::Arc;
+
+    /// One build's inputs for RayService `a` and `b`, as small numbers.
+    #[derive(Clone, Debug)]
+    struct Step {
+        /// Per RayService: which of 6 proxies the first cluster has (bits); `None`: the
+        /// RayService is absent.
+        proxies: [Option<u8>; 2],
+        /// Per RayService: a second cluster `c2` (pending) with these proxies (bits).
+        second: [Option<u8>; 2],
+        grpc: [bool; 2],
+        /// Per RayService: direct ingress with these replicas of `echo` (bits).
+        replicas: [Option<u8>; 2],
+        /// Each endpoint's health, by its index in the build's order (wrapping).
+        health: Vec<u8>,
+        /// `a`'s weight for `c2` when it has one.
+        weight: u8,
+        /// A second traffic policy (every cluster changes).
+        other_policy: bool,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        (
+            [
+                proptest::option::weighted(0.9, 1u8..64),
+                proptest::option::weighted(0.9, 1u8..64),
+            ],
+            [proptest::option::of(1u8..64), proptest::option::of(1u8..64)],
+            [any::<bool>(), any::<bool>()],
+            [proptest::option::of(0u8..16), proptest::option::of(0u8..16)],
+            proptest::collection::vec(0u8..6, 1..40),
+            0u8..=100,
+            proptest::bool::weighted(0.2),
+        )
+            .prop_map(
+                |(proxies, second, grpc, replicas, health, weight, other_policy)| Step {
+                    proxies,
+                    second,
+                    grpc,
+                    replicas,
+                    health,
+                    weight,
+                    other_policy,
+                },
+            )
+    }
+
+    fn ports(base: u16, bits: u8) -> Vec<u16> {
+        (0..6)
+            .filter(|i| bits & (1 << i) != 0)
+            .map(|i| base + i)
+            .collect()
+    }
+
+    fn service_of(s: &Step, i: usize, name: &str) -> Option<RayService> {
+        let base = 8000 + 100 * i as u16;
+        let mut svc = service(name, "c1", &ports(base, s.proxies[i]?));
+        if let Some(bits) = s.second[i] {
+            let c2 = service(name, "c2", &ports(base + 50, bits))
+                .clusters
+                .remove(0);
+            svc.clusters.push(c2);
+            svc.pending_cluster = Some("c2".into());
+        }
+        for c in &mut svc.clusters {
+            if s.grpc[i] {
+                for p in &mut c.proxies {
+                    p.grpc = Some(SocketAddr::new(p.address.ip(), p.address.port() + 1000));
+                }
+            }
+            if let Some(bits) = s.replicas[i] {
+                c.direct_ingress = true;
+                c.applications = vec![app("echo", Some("/"), &ports(base + 20_000, bits))];
+            }
+        }
+        Some(svc)
+    }
+
+    /// The step's inputs; `None` when the model is not a valid one.
+    fn inputs(s: &Step) -> Option<(Model, HealthMap, Weights, TrafficPolicy)> {
+        let services: Vec<RayService> = ["a", "b"]
+            .iter()
+            .enumerate()
+            .filter_map(|(i, name)| service_of(s, i, name))
+            .collect();
+        let model = Model::new(services).ok()?;
+        let mut health = HealthMap::default();
+        let mut n = 0;
+        let mut judge = |cluster: String, address: SocketAddr, health: &mut HealthMap| {
+            let pick = s.health[n % s.health.len()];
+            n += 1;
+            let h = match pick {
+                0 => return,
+                1 => EndpointHealth::Healthy,
+                2 => EndpointHealth::Unhealthy,
+                3 => EndpointHealth::Draining,
+                4 => EndpointHealth::Withheld,
+                _ => EndpointHealth::Unknown,
+            };
+            let routable = matches!(h, EndpointHealth::Healthy | EndpointHealth::Unknown);
+            let c = health.clusters.entry(cluster.clone()).or_default();
+            c.routable += u32::from(routable);
+            health.endpoints.insert(
+                (cluster, address),
+                Verdict {
+                    health: h,
+                    reason: Reason::NotProbedYet,
+                },
+            );
+        };
+        for svc in model.services() {
+            for c in &svc.clusters {
+                for protocol in [Protocol::Http, Protocol::Grpc] {
+                    let name = svc.envoy_cluster_name_for(&c.name, protocol);
+                    for (address, _) in c.endpoints(protocol) {
+                        judge(name.clone(), address, &mut health);
+                    }
+                }
+                for a in &c.applications {
+                    let name = svc.envoy_app_cluster_name(&c.name, &a.name, Protocol::Http);
+                    for r in &a.http_replicas {
+                        judge(name.clone(), *r, &mut health);
+                    }
+                }
+            }
+        }
+        let mut weights = Weights::default();
+        if let Some(a) = model.services().iter().find(|s| s.name == "a") {
+            if a.clusters.len() == 2 {
+                let w = u32::from(s.weight);
+                weights.insert(a.key(), vec![("c1".into(), 100 - w), ("c2".into(), w)]);
+            }
+        }
+        let mut traffic = TrafficPolicy::default();
+        if s.other_policy {
+            traffic.retry_back_off = Duration::from_millis(100);
+        }
+        Some((model, health, weights, traffic))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        #[test]
+        fn an_incremental_build_equals_a_whole_rebuild(steps in proptest::collection::vec(step(), 1..10)) {
+            let gateway = GatewaySettings::default();
+            let mut incremental = Incremental::default();
+            let mut previous: Option<Snapshot> = None;
+            for s in &steps {
+                let Some((model, health, weights, traffic)) = inputs(s) else { continue };
+                let whole = Snapshot::build(&translate(&model, &health, &weights, &gateway, &traffic), None);
+                let kept = Snapshot::build_encoded(
+                    &incremental.translate(&model, &health, &weights, &gateway, &traffic),
+                    previous.as_ref(),
+                );
+                prop_assert_eq!(&whole, &kept);
+                if let Ok(k) = kept {
+                    previous = Some(k);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_change_of_one_endpoint_s_health_encodes_only_its_assignment() {
+        let model = Model::new(vec![
+            service("a", "a1", &[8000, 8001]),
+            service("b", "b1", &[9000]),
+        ])
+        .unwrap();
+        let (g, t, w) = (
+            GatewaySettings::default(),
+            TrafficPolicy::default(),
+            Weights::default(),
+        );
+        let mut incremental = Incremental::default();
+        let before = incremental.translate(&model, &HealthMap::default(), &w, &g, &t);
+        let mut health = HealthMap::default();
+        health.endpoints.insert(
+            (
+                "default/a/a1".into(),
+                SocketAddr::from(([127, 0, 0, 1], 8001)),
+            ),
+            Verdict {
+                health: EndpointHealth::Unhealthy,
+                reason: Reason::NotProbedYet,
+            },
+        );
+        let after = incremental.translate(&model, &health, &w, &g, &t);
+        let mut encoded_anew = Vec::new();
+        for ty in ResourceType::ALL {
+            for (b, a) in before.by_type[ty.index()]
+                .iter()
+                .zip(&after.by_type[ty.index()])
+            {
+                if !Arc::ptr_eq(b, a) {
+                    encoded_anew.push((ty, a.name.to_string()));
+                }
+            }
+        }
+        assert_eq!(
+            encoded_anew,
+            [(ResourceType::Endpoints, "default/a/a1".to_string())]
         );
     }
 }

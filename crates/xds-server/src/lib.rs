@@ -60,7 +60,7 @@ use serde::Serialize;
 use envoy_types::pb::envoy::config::core::v3::Node;
 
 pub use clients::Clients;
-pub use snapshot::{Inconsistent, ResourceType, Resources, Snapshot};
+pub use snapshot::{Encoded, EnvoyResource, Inconsistent, Memo, ResourceType, Resources, Snapshot};
 
 /// What the server reports as streams come, go and exchange messages: ray-xds counts it
 /// in its metrics. Every method does nothing by default.

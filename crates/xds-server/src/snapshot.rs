@@ -72,70 +72,255 @@ pub enum Inconsistent {
 }
 
 impl Resources {
-    /// Checks that the resources fit together (see the module doc).
+    /// Each resource encoded on its own, in this order (tests and whole rebuilds).
+    pub fn encode(&self) -> Encoded {
+        fn each<M: EnvoyResource>(items: &[M]) -> Vec<Arc<Resource>> {
+            items.iter().map(|m| Arc::new(Resource::of(m))).collect()
+        }
+        Encoded {
+            by_type: [
+                each(&self.clusters),
+                each(&self.endpoints),
+                each(&self.listeners),
+                each(&self.routes),
+            ],
+            stand_ins: self.stand_ins.clone(),
+        }
+    }
+}
+
+/// Encoded resources of every type, before they are checked and versioned into a
+/// [`Snapshot`]: what an incremental build gives (each resource either kept from an
+/// earlier build, unchanged, or encoded anew; see [`Memo`]).
+#[derive(Clone, Debug, Default)]
+pub struct Encoded {
+    /// By [`ResourceType::index`].
+    pub by_type: [Vec<Arc<Resource>>; 4],
+    /// As [`Resources::stand_ins`].
+    pub stand_ins: BTreeMap<String, String>,
+}
+
+impl Encoded {
+    pub fn push(&mut self, ty: ResourceType, resource: Arc<Resource>) {
+        self.by_type[ty.index()].push(resource);
+    }
+
+    /// Checks that the resources fit together (see the module doc), from what each
+    /// resource recorded of its links when it was encoded: no decoding.
     pub(crate) fn consistent(&self) -> Result<(), Inconsistent> {
         use std::collections::BTreeSet;
         fn names<'a>(
             ty: &'static str,
-            it: impl Iterator<Item = &'a str>,
+            items: &'a [Arc<Resource>],
         ) -> Result<BTreeSet<&'a str>, Inconsistent> {
             let mut out = BTreeSet::new();
-            for n in it {
-                if !out.insert(n) {
-                    return Err(Inconsistent::Duplicate(ty, n.to_string()));
+            for r in items {
+                if !out.insert(&*r.name) {
+                    return Err(Inconsistent::Duplicate(ty, r.name.to_string()));
                 }
             }
             Ok(out)
         }
-        let clusters = names("cluster", self.clusters.iter().map(|c| c.name.as_str()))?;
-        let assignments = names(
-            "endpoints",
-            self.endpoints.iter().map(|e| e.cluster_name.as_str()),
-        )?;
-        let routes = names("route", self.routes.iter().map(|r| r.name.as_str()))?;
-        names("listener", self.listeners.iter().map(|l| l.name.as_str()))?;
-        let eds = cluster_pb::cluster::ClusterDiscoveryType::Type(
-            cluster_pb::cluster::DiscoveryType::Eds as i32,
-        );
+        let [clusters, endpoints, listeners, routes] = &self.by_type;
+        let cluster_names = names("cluster", clusters)?;
+        let assignments = names("endpoints", endpoints)?;
+        let route_names = names("route", routes)?;
+        names("listener", listeners)?;
         let mut eds_names = BTreeSet::new();
-        for c in &self.clusters {
-            if c.cluster_discovery_type.as_ref() == Some(&eds) {
-                let name = c
-                    .eds_cluster_config
-                    .as_ref()
-                    .map(|e| e.service_name.as_str())
-                    .filter(|n| !n.is_empty())
-                    .unwrap_or(&c.name);
-                if !assignments.contains(name) {
+        for c in clusters {
+            for name in &c.needs {
+                if !assignments.contains(&**name) {
                     return Err(Inconsistent::ClusterWithoutEndpoints(name.to_string()));
                 }
-                eds_names.insert(name);
+                eds_names.insert(&**name);
             }
         }
         if let Some(orphan) = assignments.difference(&eds_names).next() {
             return Err(Inconsistent::EndpointsWithoutCluster(orphan.to_string()));
         }
-        for r in &self.routes {
-            for cluster in referenced_clusters(r) {
-                if !clusters.contains(cluster.as_str()) {
+        for r in routes {
+            for cluster in &r.cluster_refs {
+                if !cluster_names.contains(&**cluster) {
                     return Err(Inconsistent::MissingCluster {
-                        route: r.name.clone(),
-                        cluster,
+                        route: r.name.to_string(),
+                        cluster: cluster.to_string(),
                     });
                 }
             }
         }
-        for l in &self.listeners {
-            for route in rds_route_names(l) {
-                if !routes.contains(route.as_str()) {
+        for l in listeners {
+            for route in &l.needs {
+                if !route_names.contains(&**route) {
                     return Err(Inconsistent::MissingRoute {
-                        listener: l.name.clone(),
-                        route,
+                        listener: l.name.to_string(),
+                        route: route.to_string(),
                     });
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// A message ray-xds serves as a resource: its type, its name, and the names of the
+/// resources of other types it needs, recorded when it is encoded so that a snapshot's
+/// consistency is checked without decoding anything.
+pub trait EnvoyResource: Message + Name + Sized {
+    const TYPE: ResourceType;
+    fn resource_name(&self) -> &str;
+    /// An EDS cluster: its assignment's name; a listener: the route configurations it
+    /// takes over RDS.
+    fn needs(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// A route configuration: the clusters it sends traffic to.
+    fn cluster_refs(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+impl EnvoyResource for Cluster {
+    const TYPE: ResourceType = ResourceType::Cluster;
+    fn resource_name(&self) -> &str {
+        &self.name
+    }
+    fn needs(&self) -> Vec<String> {
+        let eds = cluster_pb::cluster::ClusterDiscoveryType::Type(
+            cluster_pb::cluster::DiscoveryType::Eds as i32,
+        );
+        if self.cluster_discovery_type.as_ref() != Some(&eds) {
+            return Vec::new();
+        }
+        let name = self
+            .eds_cluster_config
+            .as_ref()
+            .map(|e| e.service_name.as_str())
+            .filter(|n| !n.is_empty())
+            .unwrap_or(&self.name);
+        vec![name.to_string()]
+    }
+}
+
+impl EnvoyResource for ClusterLoadAssignment {
+    const TYPE: ResourceType = ResourceType::Endpoints;
+    fn resource_name(&self) -> &str {
+        &self.cluster_name
+    }
+}
+
+impl EnvoyResource for Listener {
+    const TYPE: ResourceType = ResourceType::Listener;
+    fn resource_name(&self) -> &str {
+        &self.name
+    }
+    fn needs(&self) -> Vec<String> {
+        rds_route_names(self)
+    }
+}
+
+impl EnvoyResource for RouteConfiguration {
+    const TYPE: ResourceType = ResourceType::Route;
+    fn resource_name(&self) -> &str {
+        &self.name
+    }
+    fn cluster_refs(&self) -> Vec<String> {
+        referenced_clusters(self)
+    }
+}
+
+/// One type's resources encoded across builds: a resource is encoded again only when
+/// what it is made from changed. `K` is that input (the typed message itself, or
+/// something smaller that decides it); a resource not asked for in a build is forgotten
+/// at the next [`Memo::sweep`]. Equal inputs give the kept resource, byte for byte what
+/// encoding them again would give: versions stay content hashes.
+#[derive(Debug)]
+pub struct Memo<K> {
+    kept: std::collections::HashMap<Arc<str>, Kept<K>>,
+    round: u64,
+}
+
+#[derive(Debug)]
+struct Kept<K> {
+    input: K,
+    resource: Arc<Resource>,
+    round: u64,
+}
+
+impl<K> Default for Memo<K> {
+    fn default() -> Self {
+        Memo {
+            kept: Default::default(),
+            round: 0,
+        }
+    }
+}
+
+impl<K> Memo<K> {
+    /// Resource `name`: the kept one when `same(kept input)` holds, else `make()`'s
+    /// input and resource, kept for the next build.
+    pub fn get_or_make(
+        &mut self,
+        name: &str,
+        same: impl FnOnce(&K) -> bool,
+        make: impl FnOnce() -> (K, Resource),
+    ) -> Arc<Resource> {
+        let round = self.round;
+        if let Some(kept) = self.kept.get_mut(name) {
+            if same(&kept.input) {
+                kept.round = round;
+                return kept.resource.clone();
+            }
+        }
+        let (input, resource) = make();
+        let resource = Arc::new(resource);
+        self.kept.insert(
+            resource.name.clone(),
+            Kept {
+                input,
+                resource: resource.clone(),
+                round,
+            },
+        );
+        resource
+    }
+
+    /// Forgets what the build since the last sweep did not ask for.
+    pub fn sweep(&mut self) {
+        let round = self.round;
+        self.kept.retain(|_, k| k.round == round);
+        self.round += 1;
+    }
+
+    pub fn len(&self) -> usize {
+        self.kept.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.kept.is_empty()
+    }
+}
+
+impl<M: EnvoyResource + PartialEq> Memo<M> {
+    /// `message` encoded, or the kept resource when the message equals the one it was
+    /// encoded from.
+    pub fn message(&mut self, message: M) -> Arc<Resource> {
+        let round = self.round;
+        if let Some(kept) = self.kept.get_mut(message.resource_name()) {
+            if kept.input == message {
+                kept.round = round;
+                return kept.resource.clone();
+            }
+        }
+        let resource = Arc::new(Resource::of(&message));
+        self.kept.insert(
+            resource.name.clone(),
+            Kept {
+                input: message,
+                resource: resource.clone(),
+                round,
+            },
+        );
+        resource
     }
 }
 
@@ -266,6 +451,10 @@ pub struct Resource {
     /// sent to an Envoy only once that Envoy holds all of them, and a cluster is removed
     /// from an Envoy only once no route it holds names it.
     pub cluster_refs: Vec<Arc<str>>,
+    /// The resources of another type this one needs ([`EnvoyResource::needs`]): what a
+    /// snapshot's consistency check reads. Empty for a resource made otherwise than by
+    /// [`Resource::of`] (a stand-in, a merge), which no check reads.
+    pub needs: Vec<Arc<str>>,
 }
 
 impl fmt::Debug for Resource {
@@ -295,7 +484,15 @@ impl Resource {
             version: short_hex(&hash.finalize()).into(),
             body: Any { type_url, value },
             cluster_refs: cluster_refs.into_iter().map(Arc::from).collect(),
+            needs: Vec::new(),
         }
+    }
+
+    /// `message` encoded under its own name, with its links to other resources.
+    pub fn of<M: EnvoyResource>(message: &M) -> Resource {
+        let mut r = Resource::encode(message.resource_name(), message, message.cluster_refs());
+        r.needs = message.needs().into_iter().map(Arc::from).collect();
+        r
     }
 
     /// The resource as proto JSON (as Envoy's `/config_dump` prints it).
@@ -340,53 +537,52 @@ impl Snapshot {
         resources: &Resources,
         previous: Option<&Snapshot>,
     ) -> Result<Snapshot, Inconsistent> {
-        resources.consistent()?;
-        Ok(Snapshot::from_resources_reusing(resources, previous))
+        Snapshot::build_encoded(&resources.encode(), previous)
+    }
+
+    /// A consistent snapshot of resources already encoded (an incremental build's),
+    /// sharing every unchanged resource with `previous`; an inconsistent set is refused.
+    pub fn build_encoded(
+        encoded: &Encoded,
+        previous: Option<&Snapshot>,
+    ) -> Result<Snapshot, Inconsistent> {
+        encoded.consistent()?;
+        Ok(Snapshot::from_encoded(encoded, previous))
     }
 
     /// A snapshot of `resources`, unchecked (tests and benchmarks build odd ones on
     /// purpose).
     pub fn from_resources(resources: &Resources) -> Snapshot {
-        Snapshot::from_resources_reusing(resources, None)
+        Snapshot::from_encoded(&resources.encode(), None)
     }
 
     /// Like [`Snapshot::from_resources`], sharing every unchanged resource with
     /// `previous`: streams still holding the previous snapshot then cost nothing extra,
     /// and an unchanged resource is recognised by pointer.
+    #[cfg(test)]
     pub(crate) fn from_resources_reusing(
         resources: &Resources,
         previous: Option<&Snapshot>,
     ) -> Snapshot {
+        Snapshot::from_encoded(&resources.encode(), previous)
+    }
+
+    fn from_encoded(encoded: &Encoded, previous: Option<&Snapshot>) -> Snapshot {
         let mut by_type: [ResourceMap; 4] = Default::default();
-        let mut put = |ty: ResourceType, r: Resource| {
-            let reused = previous
-                .and_then(|p| p.resources(ty).get(&r.name))
-                .filter(|old| old.version == r.version)
-                .cloned();
-            let r = reused.unwrap_or_else(|| Arc::new(r));
-            by_type[ty.index()].insert(r.name.clone(), r);
-        };
-        for c in &resources.clusters {
-            put(ResourceType::Cluster, Resource::encode(&c.name, c, vec![]));
-        }
-        for e in &resources.endpoints {
-            put(
-                ResourceType::Endpoints,
-                Resource::encode(&e.cluster_name, e, vec![]),
-            );
-        }
-        for l in &resources.listeners {
-            put(ResourceType::Listener, Resource::encode(&l.name, l, vec![]));
-        }
-        for r in &resources.routes {
-            put(
-                ResourceType::Route,
-                Resource::encode(&r.name, r, referenced_clusters(r)),
-            );
+        for ty in ResourceType::ALL {
+            let old = previous.map(|p| p.resources(ty));
+            for r in &encoded.by_type[ty.index()] {
+                let reused = old
+                    .and_then(|old| old.get(&r.name))
+                    .filter(|old| old.version == r.version)
+                    .cloned();
+                let r = reused.unwrap_or_else(|| r.clone());
+                by_type[ty.index()].insert(r.name.clone(), r);
+            }
         }
         let mut snapshot = Snapshot::from_maps(by_type);
         snapshot.stand_ins = Arc::new(
-            resources
+            encoded
                 .stand_ins
                 .iter()
                 .map(|(prefix, cluster)| (prefix.clone(), Arc::from(cluster.as_str())))
