@@ -48,6 +48,8 @@ use tonic::transport::Channel;
 
 #[path = "support/mod.rs"]
 mod bench_support;
+#[path = "floor.rs"]
+mod floor;
 use bench_support::{cpu_seconds, free_port, ms, percentile, rss_kib};
 
 #[derive(Parser, Debug, Clone)]
@@ -110,6 +112,18 @@ struct Args {
     /// the wait for a place: it is not the time of a herd.
     #[arg(long, default_value_t = 0)]
     opening: usize,
+    /// Instead of timing changes: open this many streams of each protocol, restart
+    /// ray-xds (SIGTERM, then a new process on the same port) and time until every
+    /// stream, reconnecting at once, holds every type again; the new process's RSS is
+    /// sampled every 20 ms meanwhile (its peak, during the storm).
+    #[arg(long)]
+    storm: Option<usize>,
+    /// Serve as the transport's floor (`bench/floor.rs`) on this address, from the
+    /// resources file `--floor-resources` (how the benchmark starts the floor arm).
+    #[arg(long, hide = true)]
+    as_floor: Option<std::net::SocketAddr>,
+    #[arg(long, hide = true)]
+    floor_resources: Option<PathBuf>,
     /// How long every stream may take to sync, and every client to get one change.
     #[arg(long, default_value_t = 300)]
     deadline_secs: u64,
@@ -121,6 +135,8 @@ struct Args {
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 enum ServerKind {
     RayXds,
+    /// The transport's floor (`bench/floor.rs`): the same bytes, no xDS logic.
+    Floor,
     Peer,
 }
 
@@ -533,6 +549,10 @@ enum Arm<'a> {
         binary: PathBuf,
         files: &'a [Vec<u8>],
     },
+    /// The floor (this benchmark's own binary), pushing what ray-xds served.
+    Floor {
+        files: &'a [Vec<u8>],
+    },
 }
 
 impl Arm<'_> {
@@ -540,6 +560,7 @@ impl Arm<'_> {
         match self {
             Arm::RayXds { .. } => "ray-xds",
             Arm::Peer { .. } => "peer",
+            Arm::Floor { .. } => "floor",
         }
     }
 
@@ -547,7 +568,7 @@ impl Arm<'_> {
     fn content(&self, args: &Args, k: usize) -> Vec<u8> {
         match self {
             Arm::RayXds { .. } => services_yaml(args, k).into_bytes(),
-            Arm::Peer { files, .. } => files[k].clone(),
+            Arm::Peer { files, .. } | Arm::Floor { files } => files[k].clone(),
         }
     }
 
@@ -587,6 +608,16 @@ impl Arm<'_> {
                     ]);
                 c
             }
+            Arm::Floor { .. } => {
+                let mut c = Command::new(std::env::current_exe().expect("this benchmark's path"));
+                c.args([
+                    "--as-floor",
+                    &format!("127.0.0.1:{port}"),
+                    "--floor-resources",
+                ])
+                .arg(path);
+                c
+            }
         };
         // The peer's streams panic when a client goes away (rust-control-plane 0.1.2
         // unwraps the end of a stream): its stderr is not ours to show. Its stdout is one
@@ -619,7 +650,7 @@ async fn run(
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(match arm {
         Arm::RayXds { .. } => "services.yaml",
-        Arm::Peer { .. } => "resources.pb",
+        Arm::Peer { .. } | Arm::Floor { .. } => "resources.pb",
     });
     Arm::write(&path, &arm.content(args, 0));
     let port = free_port();
@@ -851,6 +882,146 @@ impl Drop for Aborting {
     }
 }
 
+/// Waits until `streams` clients said they are whole at `generation` or later.
+async fn wait_whole(
+    rx: &mut mpsc::UnboundedReceiver<(usize, usize)>,
+    streams: usize,
+    generation: usize,
+    deadline: Duration,
+) -> Result<(), String> {
+    let until = tokio::time::Instant::now() + deadline;
+    let mut whole = vec![false; streams];
+    let mut n = 0;
+    while n < streams {
+        match tokio::time::timeout_at(until, rx.recv()).await {
+            Ok(Some((client, g))) if g >= generation => {
+                if !std::mem::replace(&mut whole[client], true) {
+                    n += 1;
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => return Err("the clients ended".to_string()),
+            Err(_) => {
+                return Err(format!(
+                    "{n} of {streams} streams whole (generation {generation}) within {deadline:?}"
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What a reconnect storm took.
+struct StormResult {
+    /// From the new process's start until every stream held every type again.
+    whole: Duration,
+    /// The new process's highest RSS sampled during the storm.
+    peak_rss_kib: u64,
+    /// The old process's RSS with every stream connected, before the restart.
+    before_rss_kib: u64,
+}
+
+/// `streams` clients of `protocol` on ray-xds, each reconnecting at once (every 50 ms
+/// while it cannot) whenever its stream ends; ray-xds restarted once all are synced.
+async fn storm(
+    args: &Args,
+    arm: &Arm<'_>,
+    protocol: Protocol,
+    streams: usize,
+) -> Result<StormResult, String> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("services.yaml");
+    Arm::write(&path, &arm.content(args, 0));
+    let (port, admin) = (free_port(), free_port());
+    let server = arm.start(args, &path, port, admin, streams);
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let deadline = Duration::from_secs(args.deadline_secs);
+    let started = Instant::now();
+    while !first_answer(&endpoint).await {
+        if started.elapsed() > deadline {
+            return Err("ray-xds never served".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let eds_names: Arc<Vec<String>> = Arc::new(
+        (0..args.services)
+            .flat_map(|s| (0..args.clusters).map(move |c| format!("bench/svc-{s}/svc-{s}-c{c}")))
+            .collect(),
+    );
+    // Every time a client holds every type, it says so with its generation (how many
+    // times its stream ended before).
+    let (whole_tx, mut whole_rx) = mpsc::unbounded_channel::<(usize, usize)>();
+    let mut tasks = Aborting(Vec::new());
+    let mut channel = None;
+    for i in 0..streams {
+        if i % args.streams_per_connection == 0 {
+            channel = Some(
+                Channel::from_shared(endpoint.clone())
+                    .unwrap()
+                    .connect()
+                    .await
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+        let ch = channel.clone().unwrap();
+        let (names, whole) = (eds_names.clone(), whole_tx.clone());
+        tasks.0.push(tokio::spawn(async move {
+            for generation in 0.. {
+                let (tx, mut rx) = mpsc::unbounded_channel();
+                let synced = Synced { tx, _opening: None };
+                let (reports, _) = mpsc::unbounded_channel();
+                let whole = whole.clone();
+                let forward = tokio::spawn(async move {
+                    if rx.recv().await.is_some() {
+                        let _ = whole.send((i, generation));
+                    }
+                });
+                match protocol {
+                    Protocol::Sotw => {
+                        sotw_client(ch.clone(), i, names.clone(), reports, synced, None).await
+                    }
+                    Protocol::Delta => {
+                        delta_client(ch.clone(), i, names.clone(), reports, synced).await
+                    }
+                }
+                let _ = forward.await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }));
+    }
+    drop(channel);
+    wait_whole(&mut whole_rx, streams, 0, deadline).await?;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let before_rss_kib = rss_kib(server.0.id());
+    drop(server);
+    while whole_rx.try_recv().is_ok() {}
+    let t0 = Instant::now();
+    let server = arm.start(args, &path, port, admin, streams);
+    let pid = server.0.id();
+    let peak = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let sampler = {
+        let peak = peak.clone();
+        tokio::spawn(async move {
+            loop {
+                peak.fetch_max(rss_kib(pid), std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let whole = wait_whole(&mut whole_rx, streams, 1, deadline).await;
+    let whole_time = t0.elapsed();
+    peak.fetch_max(rss_kib(pid), std::sync::atomic::Ordering::Relaxed);
+    sampler.abort();
+    drop(tasks);
+    drop(server);
+    whole?;
+    Ok(StormResult {
+        whole: whole_time,
+        peak_rss_kib: peak.load(std::sync::atomic::Ordering::Relaxed),
+        before_rss_kib,
+    })
+}
+
 fn describe(server: &str, protocol: Protocol, r: &RunResult) {
     let l = &r.latencies;
     println!(
@@ -932,6 +1103,11 @@ fn build_peer() -> PathBuf {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
+    if let Some(listen) = args.as_floor {
+        let path = args.floor_resources.clone().expect("--floor-resources");
+        floor::serve(listen, path).await;
+        return;
+    }
     if args.build_peer_only {
         println!("{}", build_peer().display());
         return;
@@ -942,7 +1118,7 @@ async fn main() {
         std::sync::atomic::Ordering::Relaxed,
     );
     let servers = if args.server.is_empty() {
-        vec![ServerKind::RayXds, ServerKind::Peer]
+        vec![ServerKind::RayXds, ServerKind::Floor, ServerKind::Peer]
     } else {
         args.server.clone()
     };
@@ -976,17 +1152,34 @@ async fn main() {
         },
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
+    if let Some(streams) = args.storm {
+        for &protocol in &protocols {
+            let r = storm(&args, &ray_xds, protocol, streams)
+                .await
+                .unwrap_or_else(|e| panic!("storm, {} {streams} streams: {e}", protocol.name()));
+            println!(
+                "storm protocol={} streams={streams} whole_s={:.2} peak_rss_mib={:.0} before_rss_mib={:.0}",
+                protocol.name(),
+                r.whole.as_secs_f64(),
+                r.peak_rss_kib as f64 / 1024.0,
+                r.before_rss_kib as f64 / 1024.0,
+            );
+        }
+        return;
+    }
     let mut lines = Vec::new();
     for &streams in &args.streams {
         let mut results: BTreeMap<(&str, &str), RunResult> = BTreeMap::new();
         let mut failed: BTreeMap<&str, String> = BTreeMap::new();
         // ray-xds's SotW run records what it served, for the peer.
         let mut files = Vec::new();
-        if servers.contains(&ServerKind::RayXds) || peer_binary.is_some() {
+        let floor_wanted = servers.contains(&ServerKind::Floor);
+        let record = peer_binary.is_some() || floor_wanted;
+        if servers.contains(&ServerKind::RayXds) || record {
             let wanted =
                 servers.contains(&ServerKind::RayXds) && protocols.contains(&Protocol::Sotw);
             let n = if wanted { streams } else { 1 };
-            let (r, f) = run(&args, &ray_xds, Protocol::Sotw, n, peer_binary.is_some())
+            let (r, f) = run(&args, &ray_xds, Protocol::Sotw, n, record)
                 .await
                 .unwrap_or_else(|e| panic!("ray-xds sotw, {n} streams: {e}"));
             files = f;
@@ -1001,6 +1194,18 @@ async fn main() {
                 .unwrap_or_else(|e| panic!("ray-xds delta, {streams} streams: {e}"));
             describe("ray-xds", Protocol::Delta, &r);
             results.insert(("ray-xds", "delta"), r);
+        }
+        if floor_wanted {
+            let floor = Arm::Floor { files: &files };
+            for &protocol in &protocols {
+                let (r, _) = run(&args, &floor, protocol, streams, false)
+                    .await
+                    .unwrap_or_else(|e| {
+                        panic!("floor {}, {streams} streams: {e}", protocol.name())
+                    });
+                describe("floor", protocol, &r);
+                results.insert(("floor", protocol.name()), r);
+            }
         }
         if let Some(binary) = &peer_binary {
             if protocols.contains(&Protocol::Sotw) {
@@ -1037,7 +1242,7 @@ async fn main() {
                 ratio(ours.rss_per_stream(), theirs.rss_per_stream()),
             );
         }
-        for server in ["ray-xds", "peer"] {
+        for server in ["ray-xds", "floor", "peer"] {
             for protocol in ["sotw", "delta"] {
                 if let Some(d) = results
                     .get(&(server, protocol))
@@ -1052,11 +1257,32 @@ async fn main() {
                     ));
                 }
                 if let Some(r) = results.get(&(server, protocol)) {
+                    // Beside ray-xds's figures, the floor's of the same run, and the ratio.
+                    let floor = results
+                        .get(&("floor", protocol))
+                        .filter(|_| server == "ray-xds")
+                        .map(|f| {
+                            let (ours, theirs) = (
+                                ms(percentile(&r.latencies, 0.99)),
+                                ms(percentile(&f.latencies, 0.99)),
+                            );
+                            format!(
+                                " floor_p99_ms={theirs:.1} floor_ratio={:.2}",
+                                if theirs > 0.0 {
+                                    ours / theirs
+                                } else {
+                                    f64::NAN
+                                }
+                            )
+                        })
+                        .unwrap_or_default();
                     lines.push(format!(
-                        "fanout server={server} protocol={protocol} streams={streams} p50_ms={:.1} p99_ms={:.1} rss_kib_per_stream={:.1}",
+                        "fanout server={server} protocol={protocol} streams={streams} p50_ms={:.1} p99_ms={:.1} rss_kib_per_stream={:.1} sync_s={:.2} cpu_us_per_push={:.1}{floor}",
                         ms(percentile(&r.latencies, 0.5)),
                         ms(percentile(&r.latencies, 0.99)),
-                        r.rss_per_stream()
+                        r.rss_per_stream(),
+                        r.sync.as_secs_f64(),
+                        r.cpu_us_per_push(),
                     ));
                 } else if let Some(why) = failed.get(protocol).filter(|_| server == "peer") {
                     lines.push(format!(

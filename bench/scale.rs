@@ -20,9 +20,23 @@
 //! cluster. Everything shares the machine's 2 cores with the responder and the client:
 //! the figures are an upper bound.
 //!
+//! Then two more phases:
+//!
+//! - `change` (`--changes`): one worker proxy at a time fails its probes (HTTP 500) until
+//!   a state-of-the-world client subscribed to every cluster's endpoints has ACKed an
+//!   assignment without it, then answers again until the client has ACKed one with it.
+//!   Each change is timed from the responder's answer that completed ray-xds's threshold
+//!   (the `unhealthy_threshold`-th failing answer in a row, or the `healthy_threshold`-th
+//!   success) to the client's ACK: the probe result that changed the proxy's health, to
+//!   the Envoy's ACK of the endpoints that follow from it.
+//! - `flap` (`--flap`, `--flap-seconds`): ray-xds's CPU over a window of steady probing,
+//!   then over a window as long in which that many proxies each fail for 2.5 s and answer
+//!   for 2.5 s (phases spread evenly over the 5 s); the difference is what flapping costs.
+//!
 //! Ends with one line: `scale proxies=<n> start_s=<s> healthz_p50_ms=.. healthz_p99_ms=..
-//! healthz_max_ms=.. edit_p50_ms=.. edit_max_ms=.. cpu_pct=.. rss_mib=..` (healthz over
-//! both phases; CPU over the steady phase).
+//! healthz_max_ms=.. edit_p50_ms=.. edit_max_ms=.. cpu_pct=.. rss_mib=..
+//! change_to_envoy_ms=.. change_to_envoy_max_ms=.. flap_cores=..` (healthz over the start
+//! and steady phases; `cpu_pct` over the steady phase; `change_to_envoy_ms` the median).
 
 // A benchmark run reads top to bottom (set up, measure, report): its steps stay in one function.
 #![allow(clippy::too_many_lines)]
@@ -67,6 +81,17 @@ struct Args {
     /// one: a heavier load than kept-alive probes).
     #[arg(long)]
     close: bool,
+    /// Health changes timed after the steady phase: a proxy fails its probes until an
+    /// Envoy-like client has ACKed endpoints without it, then answers again until the
+    /// client has ACKed endpoints with it (two changes each).
+    #[arg(long, default_value_t = 10)]
+    changes: usize,
+    /// Proxies that flap (each unhealthy and healthy again every 5 s) in the flap phase.
+    #[arg(long, default_value_t = 1000)]
+    flap: usize,
+    /// Seconds of the flap phase, and of the steady window measured before it.
+    #[arg(long, default_value_t = 20)]
+    flap_seconds: u64,
     /// ray-xds's log filter (`RAY_XDS_LOG`); its log goes to this benchmark's stderr.
     #[arg(long, default_value = "error")]
     log: String,
@@ -112,15 +137,44 @@ impl Drop for Server {
     }
 }
 
-/// Answers `/-/healthz` with `success` and `/-/routes` with `{"/": "app"}`; keeps each
-/// connection for the next request unless `close`.
-async fn responder(listener: tokio::net::TcpListener, close: bool) {
+/// Answers one proxy gave: (when, succeeded).
+type Answers = Vec<(Instant, bool)>;
+
+/// Which proxies fail their probes, and the answers one watched proxy got.
+#[derive(Default)]
+struct Faults {
+    failing: std::sync::RwLock<std::collections::HashSet<std::net::IpAddr>>,
+    /// The watched proxy and its answers since it was watched: (when, succeeded).
+    watched: Mutex<Option<(std::net::IpAddr, Answers)>>,
+}
+
+impl Faults {
+    /// Whether `ip` fails its probe now; noted when `ip` is watched.
+    fn answer(&self, ip: std::net::IpAddr) -> bool {
+        let failing = self.failing.read().unwrap().contains(&ip);
+        if let Some((watched, answers)) = &mut *self.watched.lock().unwrap() {
+            if *watched == ip {
+                answers.push((Instant::now(), !failing));
+            }
+        }
+        failing
+    }
+}
+
+/// Answers `/-/healthz` with `success` (or, for a proxy `faults` says fails, HTTP 500)
+/// and `/-/routes` with `{"/": "app"}`; keeps each connection for the next request unless
+/// `close`. Each proxy is told apart by the local address its connection reached.
+async fn responder(listener: tokio::net::TcpListener, close: bool, faults: Arc<Faults>) {
     loop {
         let Ok((mut conn, _)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         };
+        let faults = faults.clone();
         tokio::spawn(async move {
+            let Ok(proxy) = conn.local_addr().map(|a| a.ip()) else {
+                return;
+            };
             let mut buf = vec![0u8; 4096];
             let mut have = 0;
             loop {
@@ -136,13 +190,15 @@ async fn responder(listener: tokio::net::TcpListener, close: bool) {
                         Ok(n) => have += n,
                     }
                 };
-                let body: &[u8] = if buf[..have].starts_with(b"GET /-/routes") {
-                    b"{\"/\": \"app\"}"
+                let (status, body): (&str, &[u8]) = if buf[..have].starts_with(b"GET /-/routes") {
+                    ("200 OK", b"{\"/\": \"app\"}")
+                } else if faults.answer(proxy) {
+                    ("500 Internal Server Error", b"failing")
                 } else {
-                    b"success"
+                    ("200 OK", b"success")
                 };
                 let head = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: {}\r\n\r\n",
+                    "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: {}\r\n\r\n",
                     body.len(),
                     if close { "close" } else { "keep-alive" }
                 );
@@ -162,6 +218,81 @@ async fn responder(listener: tokio::net::TcpListener, close: bool) {
     }
 }
 
+/// What the endpoints client saw: (when its ACK was sent, cluster, addresses listed).
+type Acked = (Instant, String, std::collections::HashSet<String>);
+
+/// A state-of-the-world client of `clusters`' endpoints that ACKs each response and
+/// reports, per assignment, the addresses it lists, timed at its ACK.
+async fn endpoints_client(xds_port: u16, clusters: Vec<String>) -> mpsc::UnboundedReceiver<Acked> {
+    use envoy_types::pb::envoy::config::core::v3::address::Address;
+    use envoy_types::pb::envoy::config::endpoint::v3::{
+        lb_endpoint::HostIdentifier, ClusterLoadAssignment,
+    };
+    use ray_xds::xds::snapshot::ENDPOINTS_TYPE_URL;
+    let mut client =
+        AggregatedDiscoveryServiceClient::connect(format!("http://127.0.0.1:{xds_port}"))
+            .await
+            .unwrap()
+            .max_decoding_message_size(256 << 20);
+    let (tx, rx) = mpsc::channel(16);
+    let mut responses = client
+        .stream_aggregated_resources(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    tx.send(DiscoveryRequest {
+        node: Some(Node {
+            id: "scale-endpoints".into(),
+            cluster: "scale".into(),
+            ..Default::default()
+        }),
+        type_url: ENDPOINTS_TYPE_URL.into(),
+        resource_names: clusters.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (acked_tx, acked_rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok(Some(r)) = responses.message().await {
+            let assignments: Vec<ClusterLoadAssignment> = r
+                .resources
+                .iter()
+                .filter_map(|a| ClusterLoadAssignment::decode(&*a.value).ok())
+                .collect();
+            let ack = DiscoveryRequest {
+                type_url: r.type_url,
+                version_info: r.version_info,
+                response_nonce: r.nonce,
+                resource_names: clusters.clone(),
+                ..Default::default()
+            };
+            if tx.send(ack).await.is_err() {
+                return;
+            }
+            let at = Instant::now();
+            for cla in assignments {
+                let listed = cla
+                    .endpoints
+                    .iter()
+                    .flat_map(|l| &l.lb_endpoints)
+                    .filter_map(|e| match &e.host_identifier {
+                        Some(HostIdentifier::Endpoint(e)) => {
+                            match e.address.as_ref()?.address.as_ref()? {
+                                Address::SocketAddress(sa) => Some(sa.address.clone()),
+                                _ => None,
+                            }
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                let _ = acked_tx.send((at, cla.cluster_name, listed));
+            }
+        }
+    });
+    acked_rx
+}
+
 /// Raises this process's open-files limit (and so ray-xds's, which inherits it) to
 /// `want`: kept-alive probes hold a descriptor per proxy on both sides. Raising the
 /// hard limit needs root; otherwise the soft limit goes as high as the hard one.
@@ -178,7 +309,8 @@ async fn main() {
     raise_open_files(3 * args.proxies as u64 + 4096);
     let responder_listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
     let port = responder_listener.local_addr().unwrap().port();
-    tokio::spawn(responder(responder_listener, args.close));
+    let faults = Arc::new(Faults::default());
+    tokio::spawn(responder(responder_listener, args.close, faults.clone()));
 
     let dir = tempfile::tempdir().unwrap();
     let services = dir.path().join("services.yaml");
@@ -340,9 +472,132 @@ async fn main() {
     tokio::time::sleep(left).await;
     let cpu_pct = (cpu_seconds(pid) - cpu_from) / steady_from.elapsed().as_secs_f64() * 100.0;
     let rss_mib = rss_kib(pid) as f64 / 1024.0;
+    let healthz_until = Instant::now();
+
+    // Change: one worker proxy's health at a time, to the endpoints client's ACK.
+    let probe = ray_xds::policy::probe::ProbePolicy::default();
+    let services_n = args.proxies.div_ceil(args.per_service);
+    let changing: Vec<(String, std::net::IpAddr)> = (0..args.changes)
+        .map(|k| {
+            let svc = (k * 37) % services_n;
+            let first = svc * args.per_service;
+            let in_service = (first + args.per_service).min(args.proxies) - first;
+            // A worker: with the default `head_proxy: fallback` the head is not listed.
+            let i = first + 1 + k % in_service.saturating_sub(1).max(1);
+            (format!("scale/svc-{svc}/c"), proxy_ip(i).parse().unwrap())
+        })
+        .collect();
+    let mut clusters: Vec<String> = changing.iter().map(|(c, _)| c.clone()).collect();
+    clusters.sort();
+    clusters.dedup();
+    let mut acked = endpoints_client(xds_port, clusters).await;
+    let mut change_times = Vec::new();
+    for (cluster, ip) in &changing {
+        for fail in [true, false] {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            while acked.try_recv().is_ok() {}
+            *faults.watched.lock().unwrap() = Some((*ip, Vec::new()));
+            {
+                let mut failing = faults.failing.write().unwrap();
+                if fail {
+                    failing.insert(*ip);
+                } else {
+                    failing.remove(ip);
+                }
+            }
+            let address = ip.to_string();
+            let seen = tokio::time::timeout(Duration::from_secs(60), async {
+                while let Some((at, name, listed)) = acked.recv().await {
+                    if name == *cluster && listed.contains(&address) != fail {
+                        return at;
+                    }
+                }
+                panic!("the endpoints client ended");
+            })
+            .await;
+            let at = seen.unwrap_or_else(|_| {
+                panic!(
+                    "{address} turning {} did not reach the client in 60 s",
+                    if fail { "unhealthy" } else { "healthy" }
+                )
+            });
+            let answers = faults.watched.lock().unwrap().take().unwrap().1;
+            let threshold = if fail {
+                probe.unhealthy_threshold
+            } else {
+                probe.healthy_threshold
+            };
+            // The answer that completed the threshold: the `threshold`-th of the new kind
+            // in a row, before the ACK.
+            let mut run = 0;
+            let decisive = answers
+                .iter()
+                .filter(|(t, _)| *t <= at)
+                .find_map(|(t, ok)| {
+                    run = if *ok != fail { run + 1 } else { 0 };
+                    (run == threshold).then_some(*t)
+                });
+            let Some(decisive) = decisive else {
+                panic!("{address}: the client ACKed the change before the responder gave {threshold} answers of it: {answers:?}");
+            };
+            let took = at - decisive;
+            println!(
+                "change {address} {}: {:.1} ms from the deciding answer to the ACK",
+                if fail { "unhealthy" } else { "healthy" },
+                ms(took)
+            );
+            change_times.push(took);
+        }
+    }
+    change_times.sort();
+
+    // Flap: CPU over a steady window, then over one as long with `--flap` proxies flapping.
+    let window = Duration::from_secs(args.flap_seconds);
+    let cpu_from = cpu_seconds(pid);
+    tokio::time::sleep(window).await;
+    let steady_cores = (cpu_seconds(pid) - cpu_from) / window.as_secs_f64();
+    let workers: Vec<usize> = (0..args.proxies)
+        .filter(|i| i % args.per_service != 0)
+        .collect();
+    let flapping: Vec<std::net::IpAddr> = (0..args.flap.min(workers.len()))
+        .map(|j| {
+            proxy_ip(workers[j * workers.len() / args.flap.min(workers.len()).max(1)])
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    let period = Duration::from_secs(5);
+    let flap_from = Instant::now();
+    let cpu_from = cpu_seconds(pid);
+    while flap_from.elapsed() < window {
+        let now = flap_from.elapsed();
+        let failing: std::collections::HashSet<std::net::IpAddr> = flapping
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| {
+                let offset = period * *j as u32 / flapping.len() as u32;
+                ((now + offset).as_millis() % period.as_millis()) < period.as_millis() / 2
+            })
+            .map(|(_, ip)| *ip)
+            .collect();
+        *faults.failing.write().unwrap() = failing;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let flap_cores = (cpu_seconds(pid) - cpu_from) / flap_from.elapsed().as_secs_f64();
+    faults.failing.write().unwrap().clear();
+    println!(
+        "flap: {} proxies flapping: {flap_cores:.2} cores against {steady_cores:.2} steady",
+        flapping.len()
+    );
     sampler.abort();
 
-    let all: Vec<(Instant, Duration)> = samples.lock().unwrap().clone();
+    let all: Vec<(Instant, Duration)> = samples
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(t, _)| *t < healthz_until)
+        .copied()
+        .collect();
     let mut start_phase: Vec<Duration> = all
         .iter()
         .filter(|(t, _)| *t < steady_from)
@@ -375,13 +630,16 @@ async fn main() {
         failures.load(std::sync::atomic::Ordering::Relaxed)
     );
     println!(
-        "scale proxies={} start_s={start_s:.1} healthz_p50_ms={:.1} healthz_p99_ms={:.1} healthz_max_ms={:.1} edit_p50_ms={:.0} edit_max_ms={:.0} cpu_pct={cpu_pct:.0} rss_mib={rss_mib:.0}",
+        "scale proxies={} start_s={start_s:.1} healthz_p50_ms={:.1} healthz_p99_ms={:.1} healthz_max_ms={:.1} edit_p50_ms={:.0} edit_max_ms={:.0} cpu_pct={cpu_pct:.0} rss_mib={rss_mib:.0} change_to_envoy_ms={:.1} change_to_envoy_max_ms={:.1} flap_cores={:.2}",
         args.proxies,
         ms(percentile(&both, 0.5)),
         ms(percentile(&both, 0.99)),
         ms(percentile(&both, 1.0)),
         ms(percentile(&edit_times, 0.5)),
         ms(percentile(&edit_times, 1.0)),
+        ms(percentile(&change_times, 0.5)),
+        ms(percentile(&change_times, 1.0)),
+        flap_cores - steady_cores,
     );
     drop(server);
     // The admin port must answer throughout (every edit reaching the client is asserted
