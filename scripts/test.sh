@@ -200,7 +200,10 @@ background tests 30m cargo test --no-run --locked --lib --bins --tests
 # The soak (memory, descriptors, tasks and metric series back to their baseline after
 # churn) beside the others: it measures counts, not time.
 background --nice 0 soak 8m "${exe[soak]}" --duration 20
-step 8m "${exe[scale]}" --proxies 300 --steady 4 --edits 2
+step 8m "${exe[scale]}" --proxies 300 --steady 4 --edits 2 --changes 2 --flap 50 --flap-seconds 2
+# The pipeline's build in process, small: each health change must change exactly its
+# cluster's assignment.
+step 5m "${exe[pipeline]}" --proxies 2000 --changes 20
 # The detection benchmark, tiny: a killed, a hung and a slow but live proxy still go end
 # to end, through real Envoys.
 step 5m "${exe[detection]}" --trials 3 --lanes 3 --cost-proxies 0 --slow-window 2
@@ -226,11 +229,13 @@ step 10m "${exe[chaos]}" --protocol grpc --scenario worker-crash --scenario prox
     --scenario upgrade \
     --arm ray-xds \
     --duration 10 --fault-at 2 --deploy 4 --rps 50 --client-timeout 5 --assert --arms-together
-# The fan-out benchmark, small and unoptimized, ray-xds only: a smoke test that it still
-# runs, both protocols; it fails when a client misses a change. (Its peer,
+# The fan-out benchmark, small and unoptimized, ray-xds and the transport's floor: a smoke
+# test that it still runs, both protocols; it fails when a client misses a change. (Its peer,
 # rust-control-plane, is a workspace of its own with Envoy's protos to compile: the full
 # benchmark builds it, scripts/test.sh --build-only too, CI does not.)
-step 10m "${exe[fanout]}" --streams 20 --changes 2 --server ray-xds --debug-pages 2
+step 10m "${exe[fanout]}" --streams 20 --changes 2 --server ray-xds --server floor --debug-pages 2
+# A reconnect storm, small: every stream whole again after ray-xds restarts.
+step 5m "${exe[fanout]}" --storm 20
 # The handshake benchmark, short, the default rate only: under 500 TLS handshakes a second
 # from one address (an RSA-4096 server key), no probed proxy is marked down and a good
 # client from another address connects every second.
@@ -244,7 +249,7 @@ await soak
 # one of timing, and the machine quiet.
 step 10m "${exe[chaos]}" --scenario overload --scenario worker-crash \
     --scenario control-plane-down-crash --arm ray-xds \
-    --traffic '{ retry_budget_percent: 100, retry_budget_min_concurrency: 1, consecutive_local_origin_failure: 1 }' \
+    --traffic '{ retry_budget_percent: 100, retry_budget_min_concurrency: 1, consecutive_local_origin_failure: 1, retry_back_off: 100ms }' \
     --duration 10 --fault-at 2 --rps 200 --client-timeout 5 --assert
 # The tests, four threads each (most wait on Envoy, simulators and timers, not on the
 # CPU): the Envoy binary, the longest, beside all the others.

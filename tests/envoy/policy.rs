@@ -309,7 +309,7 @@ async fn requests_waiting_on_a_proxy_that_stopped_accepting_are_all_retried() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bounded_retry_profile_refuses_retries_of_a_burst_when_little_else_is_in_flight() {
     let (failed, stats) = burst_on_a_stopped_proxy(
-        "{ retry_budget_percent: 100, retry_budget_min_concurrency: 1, consecutive_local_origin_failure: 1 }",
+        "{ retry_budget_percent: 100, retry_budget_min_concurrency: 1, consecutive_local_origin_failure: 1, retry_back_off: 100ms }",
     )
     .await;
     eprintln!("bounded profile: {failed} of 120 failed; {stats:?}");
