@@ -9,8 +9,9 @@
 //! asks for the type (everything) and the one every stream gets for the change (state of
 //! the world: every cluster or listener when one changed, only the endpoint assignments
 //! and route configurations that changed; delta: what changed and what went). A stream's
-//! only work is to send those bytes: it reads its requests only to see which types it
-//! asked for, and ignores ACKs and NACKs. Whatever ray-xds spends above it is xDS.
+//! only work is to send those bytes: it reads of its requests only the type and the
+//! nonce (to see which types it asked for), and ignores ACKs and NACKs. Whatever ray-xds
+//! spends above it is xDS.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -21,9 +22,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use envoy_types::pb::envoy::service::discovery::v3::{
-    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
-};
+use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryResponse, DiscoveryResponse};
 use http_body_util::BodyExt;
 use prost::Message;
 use ray_xds::xds::snapshot::{
@@ -171,7 +170,18 @@ pub async fn serve(listen: SocketAddr, path: PathBuf) {
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
         .max_concurrent_streams(Some(ray_xds::xds::server::MAX_STREAMS_PER_CONNECTION))
         .add_service(Floor(rx))
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+        .serve_with_incoming(
+            // As ray-xds's listener: no Nagle delay on what is pushed.
+            tokio_stream::StreamExt::map(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                |conn| {
+                    if let Ok(c) = &conn {
+                        let _ = c.set_nodelay(true);
+                    }
+                    conn
+                },
+            ),
+        )
         .await
         .unwrap();
 }
@@ -211,14 +221,33 @@ impl tower::Service<http::Request<tonic::body::Body>> for Floor {
     }
 }
 
+/// Of a `DiscoveryRequest`, only what the floor reads (the rest, resource names
+/// included, is skipped unread).
+#[derive(Clone, PartialEq, prost::Message)]
+struct SotwAsked {
+    #[prost(string, tag = "4")]
+    type_url: String,
+    #[prost(string, tag = "5")]
+    response_nonce: String,
+}
+
+/// Of a `DeltaDiscoveryRequest`, only what the floor reads.
+#[derive(Clone, PartialEq, prost::Message)]
+struct DeltaAsked {
+    #[prost(string, tag = "2")]
+    type_url: String,
+    #[prost(string, tag = "6")]
+    response_nonce: String,
+}
+
 /// The type each request of a stream asks for, and whether it is a first request
 /// (no nonce: not an ACK or NACK).
 fn asked(protocol: usize, message: &[u8]) -> Option<(usize, bool)> {
     let (type_url, nonce) = if protocol == 0 {
-        let r = DiscoveryRequest::decode(message).ok()?;
+        let r = SotwAsked::decode(message).ok()?;
         (r.type_url, r.response_nonce)
     } else {
-        let r = DeltaDiscoveryRequest::decode(message).ok()?;
+        let r = DeltaAsked::decode(message).ok()?;
         (r.type_url, r.response_nonce)
     };
     Some((TYPES.iter().position(|t| *t == type_url)?, nonce.is_empty()))

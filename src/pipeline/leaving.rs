@@ -34,9 +34,6 @@ pub(crate) struct Leaving {
 }
 
 impl Leaving {
-    /// Notes the replicas `previous` had and `current` lacks (their application still
-    /// listed), forgets expired ones and any that came back, and returns `current` with
-    /// those still held added back to their application.
     /// As [`Leaving::update`], sharing `current` when nothing is held, and doing nothing
     /// when `current` is the very model of the last build and nothing was held (nothing
     /// can have left).
@@ -57,6 +54,9 @@ impl Leaving {
         }
     }
 
+    /// Notes the replicas `previous` had and `current` lacks (their application still
+    /// listed), forgets expired ones and any that came back, and returns `current` with
+    /// those still held added back to their application.
     pub fn update(&mut self, previous: &Model, current: &Model, now: SystemTime) -> Model {
         let replicas = |m: &Model| -> BTreeMap<(String, SocketAddr), Protocol> {
             let mut out = BTreeMap::new();

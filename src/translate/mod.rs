@@ -630,6 +630,8 @@ mod incremental_tests {
         weight: u8,
         /// A second traffic policy (every cluster changes).
         other_policy: bool,
+        /// Per RayService: its own `retries`.
+        retries: [Option<u8>; 2],
     }
 
     fn step() -> impl Strategy<Value = Step> {
@@ -644,9 +646,13 @@ mod incremental_tests {
             proptest::collection::vec(0u8..6, 1..40),
             0u8..=100,
             proptest::bool::weighted(0.2),
+            [
+                proptest::option::weighted(0.2, 0u8..5),
+                proptest::option::weighted(0.2, 0u8..5),
+            ],
         )
             .prop_map(
-                |(proxies, second, grpc, replicas, health, weight, other_policy)| Step {
+                |(proxies, second, grpc, replicas, health, weight, other_policy, retries)| Step {
                     proxies,
                     second,
                     grpc,
@@ -654,6 +660,7 @@ mod incremental_tests {
                     health,
                     weight,
                     other_policy,
+                    retries,
                 },
             )
     }
@@ -683,9 +690,17 @@ mod incremental_tests {
             }
             if let Some(bits) = s.replicas[i] {
                 c.direct_ingress = true;
-                c.applications = vec![app("echo", Some("/"), &ports(base + 20_000, bits))];
+                let mut echo = app("echo", Some("/"), &ports(base + 20_000, bits));
+                if s.grpc[i] {
+                    echo.grpc_replicas = ports(base + 21_000, bits)
+                        .into_iter()
+                        .map(|p| SocketAddr::from(([127, 0, 0, 1], p)))
+                        .collect();
+                }
+                c.applications = vec![echo];
             }
         }
+        svc.policy.overrides.traffic.retries = s.retries[i].map(u32::from);
         Some(svc)
     }
 
@@ -730,9 +745,11 @@ mod incremental_tests {
                     }
                 }
                 for a in &c.applications {
-                    let name = svc.envoy_app_cluster_name(&c.name, &a.name, Protocol::Http);
-                    for r in &a.http_replicas {
-                        judge(name.clone(), *r, &mut health);
+                    for protocol in [Protocol::Http, Protocol::Grpc] {
+                        let name = svc.envoy_app_cluster_name(&c.name, &a.name, protocol);
+                        for r in a.replicas(protocol) {
+                            judge(name.clone(), *r, &mut health);
+                        }
                     }
                 }
             }

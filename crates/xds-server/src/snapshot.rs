@@ -284,10 +284,14 @@ impl<K> Memo<K> {
         resource
     }
 
-    /// Forgets what the build since the last sweep did not ask for.
+    /// Forgets what the build since the last sweep did not ask for (and, after a burst,
+    /// the room it took).
     pub fn sweep(&mut self) {
         let round = self.round;
         self.kept.retain(|_, k| k.round == round);
+        if self.kept.capacity() > 4 * self.kept.len().max(16) {
+            self.kept.shrink_to(2 * self.kept.len());
+        }
         self.round += 1;
     }
 
