@@ -68,7 +68,7 @@ pub enum Reason {
     NotProbedYet,
     AwaitingFirstProbe,
     ProbeHealthy,
-    ProbeFailed(String),
+    ProbeFailed(std::sync::Arc<str>),
     ProxyDraining,
     SourceDraining,
     DashboardDraining,
@@ -521,7 +521,7 @@ fn probe_verdict(probes: &ProbeStates, address: &SocketAddr) -> Verdict {
         ProbeState::Healthy => verdict(EndpointHealth::Healthy, Reason::ProbeHealthy),
         ProbeState::Unhealthy => verdict(
             EndpointHealth::Unhealthy,
-            Reason::ProbeFailed(probe.map(|p| p.reason.clone()).unwrap_or_default()),
+            Reason::ProbeFailed(probe.map_or_else(|| "".into(), |p| p.reason.clone())),
         ),
         ProbeState::Draining => verdict(EndpointHealth::Draining, Reason::ProxyDraining),
     }

@@ -65,8 +65,9 @@ pub struct ProxyProbe {
     /// When `state` was entered.
     #[serde(serialize_with = "unix_seconds")]
     pub since: SystemTime,
-    /// Why: the outcome that caused the last transition.
-    pub reason: String,
+    /// Why: the outcome that caused the last transition (shared: a publication of the
+    /// prober's states copies every proxy's).
+    pub reason: Arc<str>,
     pub consecutive_successes: u32,
     pub consecutive_failures: u32,
     /// Route prefixes the proxy serves (`GET /-/routes`), once read; shared with the
@@ -161,7 +162,7 @@ impl ProxyProbe {
             Some(to) if to != self.state => {
                 let from = std::mem::replace(&mut self.state, to);
                 self.since = now;
-                self.reason = reason.clone();
+                self.reason = reason.as_str().into();
                 Some(Transition { from, to, reason })
             }
             _ => None,

@@ -117,13 +117,15 @@ pub async fn run(
             let reports = tokio::time::Instant::now() + sources.loads.interval();
             wake = Some(wake.map_or(reports, |w| w.min(reports)));
         }
-        // A build that took long is followed by a pause as long (at most 500 ms): changes
-        // that come meanwhile are folded into the next build, and a burst (the first
-        // probes of thousands of proxies) costs at most half a core.
-        if spent > PACE_ABOVE {
+        // Every build is followed by a pause of three times its length (at most 500 ms):
+        // changes that come meanwhile are folded into the next build, so that a stream of
+        // them (proxies flapping, the first probes of thousands) costs the pipeline at
+        // most a quarter of a core. A change that comes alone is built at once.
+        let pause = spent.saturating_mul(PACE_FACTOR).min(MAX_PACE);
+        if !pause.is_zero() {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(spent.min(MAX_PACE)) => {}
+                _ = tokio::time::sleep(pause) => {}
             }
         }
         let next = Next {
@@ -331,8 +333,8 @@ async fn first_probes_of_new_proxies(
     }
 }
 
-/// Builds faster than this are not followed by a pause.
-const PACE_ABOVE: Duration = Duration::from_millis(10);
+/// A build is followed by a pause this many times its length.
+const PACE_FACTOR: u32 = 3;
 /// The longest pause after a build.
 const MAX_PACE: Duration = Duration::from_millis(500);
 

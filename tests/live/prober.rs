@@ -297,7 +297,7 @@ async fn wait_state(r: &Running, addr: std::net::SocketAddr, want: ProbeState) -
         )
     })
     .unwrap();
-    s.proxies[&addr].reason.clone()
+    s.proxies[&addr].reason.to_string()
 }
 
 #[tokio::test]

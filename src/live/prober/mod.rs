@@ -103,7 +103,7 @@ impl ProbeStates {
                 probe.state = ProbeState::Unknown;
                 probe.since = now;
             }
-            probe.reason = reason.to_string();
+            probe.reason = reason.into();
             probe.consecutive_successes = 0;
             probe.consecutive_failures = 0;
         }
@@ -409,7 +409,7 @@ impl Prober {
                 tracing::warn!(proxy = %addr, age = ?age, "no probe result for too long: its health is unknown again");
                 probe.state = ProbeState::Unknown;
                 probe.since = SystemTime::now();
-                probe.reason = format!("stale: no probe result for {}s", age.as_secs());
+                probe.reason = format!("stale: no probe result for {}s", age.as_secs()).into();
                 probe.consecutive_successes = 0;
                 probe.consecutive_failures = 0;
                 changed = true;
@@ -1290,7 +1290,7 @@ mod tests {
         let out = states.all_unknown("wedged", SystemTime::now());
         let p = out.proxies.values().next().unwrap();
         assert_eq!(p.state, ProbeState::Unknown);
-        assert_eq!(p.reason, "wedged");
+        assert_eq!(&*p.reason, "wedged");
         assert!(p.routes.is_some());
         assert!(!out.complete);
     }
