@@ -888,15 +888,17 @@ async fn wait_whole(
     streams: usize,
     generation: usize,
     deadline: Duration,
-) -> Result<(), String> {
+) -> Result<Vec<Instant>, String> {
     let until = tokio::time::Instant::now() + deadline;
     let mut whole = vec![false; streams];
+    let mut when = Vec::with_capacity(streams);
     let mut n = 0;
     while n < streams {
         match tokio::time::timeout_at(until, rx.recv()).await {
             Ok(Some((client, g))) if g >= generation => {
                 if !std::mem::replace(&mut whole[client], true) {
                     n += 1;
+                    when.push(Instant::now());
                 }
             }
             Ok(Some(_)) => {}
@@ -908,13 +910,16 @@ async fn wait_whole(
             }
         }
     }
-    Ok(())
+    Ok(when)
 }
 
 /// What a reconnect storm took.
 struct StormResult {
     /// From the new process's start until every stream held every type again.
     whole: Duration,
+    /// ... until the first one did, and half of them.
+    first: Duration,
+    half: Duration,
     /// The new process's highest RSS sampled during the storm.
     peak_rss_kib: u64,
     /// The old process's RSS with every stream connected, before the restart.
@@ -939,7 +944,7 @@ async fn storm(
     let started = Instant::now();
     while !first_answer(&endpoint).await {
         if started.elapsed() > deadline {
-            return Err("ray-xds never served".into());
+            return Err(format!("{} never served", arm.name()));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -1010,6 +1015,11 @@ async fn storm(
     };
     let whole = wait_whole(&mut whole_rx, streams, 1, deadline).await;
     let whole_time = t0.elapsed();
+    let since = |i: usize| match &whole {
+        Ok(when) => when.get(i).map(|t| t.duration_since(t0)).unwrap_or_default(),
+        Err(_) => Duration::ZERO,
+    };
+    let (first, half) = (since(0), since(streams / 2));
     peak.fetch_max(rss_kib(pid), std::sync::atomic::Ordering::Relaxed);
     sampler.abort();
     drop(tasks);
@@ -1017,6 +1027,8 @@ async fn storm(
     whole?;
     Ok(StormResult {
         whole: whole_time,
+        first,
+        half,
         peak_rss_kib: peak.load(std::sync::atomic::Ordering::Relaxed),
         before_rss_kib,
     })
@@ -1153,16 +1165,58 @@ async fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
     if let Some(streams) = args.storm {
+        // The floor's storm first (what ray-xds served, recorded by one stream), so that
+        // ray-xds's line can carry it.
+        let files = if servers.contains(&ServerKind::Floor) {
+            run(&args, &ray_xds, Protocol::Sotw, 1, true)
+                .await
+                .unwrap_or_else(|e| panic!("recording what ray-xds serves: {e}"))
+                .1
+        } else {
+            Vec::new()
+        };
         for &protocol in &protocols {
+            let floor = if servers.contains(&ServerKind::Floor) {
+                let r = storm(&args, &Arm::Floor { files: &files }, protocol, streams)
+                    .await
+                    .unwrap_or_else(|e| {
+                        panic!("floor storm, {} {streams} streams: {e}", protocol.name())
+                    });
+                println!(
+                    "storm-floor protocol={} streams={streams} whole_s={:.2} peak_rss_mib={:.0} first_whole_s={:.2} half_whole_s={:.2}",
+                    protocol.name(),
+                    r.whole.as_secs_f64(),
+                    r.peak_rss_kib as f64 / 1024.0,
+                    r.first.as_secs_f64(),
+                    r.half.as_secs_f64(),
+                );
+                Some(r.whole)
+            } else {
+                None
+            };
+            if !servers.contains(&ServerKind::RayXds) {
+                continue;
+            }
             let r = storm(&args, &ray_xds, protocol, streams)
                 .await
                 .unwrap_or_else(|e| panic!("storm, {} {streams} streams: {e}", protocol.name()));
+            let beside_floor = floor
+                .map(|f| {
+                    format!(
+                        " floor_whole_s={:.2} floor_ratio={:.2}",
+                        f.as_secs_f64(),
+                        r.whole.as_secs_f64() / f.as_secs_f64().max(1e-9)
+                    )
+                })
+                .unwrap_or_default();
             println!(
-                "storm protocol={} streams={streams} whole_s={:.2} peak_rss_mib={:.0} before_rss_mib={:.0}",
+                "storm protocol={} streams={streams} whole_s={:.2} peak_rss_mib={:.0} before_rss_mib={:.0} first_whole_s={:.2} half_whole_s={:.2}{beside_floor}",
                 protocol.name(),
                 r.whole.as_secs_f64(),
                 r.peak_rss_kib as f64 / 1024.0,
                 r.before_rss_kib as f64 / 1024.0,
+                r.first.as_secs_f64(),
+                r.half.as_secs_f64(),
             );
         }
         return;

@@ -75,8 +75,8 @@ async fn main() -> std::process::ExitCode {
                 limit,
                 needed,
                 "the container's memory limit is below what the memory budgets may need \
-                 (about twice their sum, plus 64 MiB): lower memory.dashboards, \
-                 memory.route_tables or memory.partial_xds_requests, or raise the limit"
+                 and the streams (twice the budgets' sum, 16 KiB per stream of xds.max_streams, \
+                 plus 64 MiB): lower memory.* or xds.max_streams, or raise the limit"
             );
         }
     }

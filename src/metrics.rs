@@ -134,6 +134,10 @@ pub struct Metrics {
     /// The runtime whose tasks `runtime_tasks` counts (the main one: the admin port,
     /// which renders the metrics, runs on a runtime of its own).
     counted_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
+    /// The xDS server's bound on response bytes, read when scraped.
+    response_bytes: std::sync::OnceLock<crate::xds::responses::ResponseBytes>,
+    pub xds_response_bytes: Gauge,
+    pub xds_responses_waiting: Gauge,
     pub component_restarts: Family<ComponentLabels, Counter>,
     pub component_up: Family<ComponentLabels, Gauge>,
 }
@@ -189,6 +193,9 @@ impl Metrics {
             routes_refused: Counter::default(),
             held_bytes: Family::default(),
             counted_runtime: std::sync::OnceLock::new(),
+            response_bytes: std::sync::OnceLock::new(),
+            xds_response_bytes: Gauge::default(),
+            xds_responses_waiting: Gauge::default(),
             component_restarts: Family::default(),
             component_up: Family::default(),
             registry: Registry::with_prefix("ray_xds"),
@@ -408,6 +415,16 @@ impl Metrics {
     fn register_components(&mut self) {
         let registry = &mut self.registry;
         registry.register(
+            "xds_response_bytes",
+            "Bytes of ADS responses built and not yet written, as memory.xds_responses counts them, when /metrics was read",
+            self.xds_response_bytes.clone(),
+        );
+        registry.register(
+            "xds_responses_waiting",
+            "ADS streams waiting for room under memory.xds_responses to build their responses, when /metrics was read",
+            self.xds_responses_waiting.clone(),
+        );
+        registry.register(
             "runtime_alive_tasks",
             "Tasks alive in the async runtime when /metrics was read",
             self.runtime_tasks.clone(),
@@ -486,8 +503,20 @@ impl Metrics {
         let _ = self.counted_runtime.set(runtime);
     }
 
+    /// Reports `bound` in `ray_xds_xds_response_bytes` and `…_responses_waiting` (the
+    /// first one named wins).
+    pub(crate) fn count_responses_of(&self, bound: crate::xds::responses::ResponseBytes) {
+        let _ = self.response_bytes.set(bound);
+    }
+
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
+        if let Some(bound) = self.response_bytes.get() {
+            self.xds_response_bytes
+                .set(i64::try_from(bound.total()).unwrap_or(i64::MAX));
+            self.xds_responses_waiting
+                .set(i64::try_from(bound.waiting()).unwrap_or(i64::MAX));
+        }
         // The runtime's live tasks, read when scraped (a leak of tasks shows as growth).
         let current = tokio::runtime::Handle::try_current().ok();
         if let Some(handle) = self.counted_runtime.get().or(current.as_ref()) {

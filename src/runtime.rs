@@ -31,6 +31,7 @@ use self::listeners::Listeners;
 pub use self::sizing::{
     cgroup_memory_limit, memory_limit_files, memory_needed, memory_shortfall, open_files_needed,
     open_files_shortfall, MEMORY_BASE_BYTES, OPEN_FILES_OTHER_RESERVE, OPEN_FILES_PROBE_RESERVE,
+    STREAM_BYTES,
 };
 use self::starter::Starter;
 
@@ -246,17 +247,26 @@ mod tests {
         assert_eq!(files("garbage\n0::/../../etc\n")[..], roots[..]);
     }
 
-    /// The container's memory limit is checked against the memory budgets:
-    /// the defaults (64 + 32 + 64 MiB) fit the Deployment's 512 MiB, larger ones warn.
+    /// The container's memory limit is checked against the memory budgets and the
+    /// streams: the defaults (64 + 32 + 64 + 64 MiB, twice; 20,000 streams of 16 KiB)
+    /// need 824.5 MiB, more than 512 MiB; fewer streams need less.
     #[test]
-    fn the_memory_needed_follows_the_budgets() {
+    fn the_memory_needed_follows_the_budgets_and_the_streams() {
         let mut c = config(None);
         let mib = 1u64 << 20;
-        assert_eq!(memory_needed(&c), (2 * 160 + 64) * mib);
-        assert_eq!(memory_shortfall(512 * mib, &c), None);
-        assert_eq!(memory_shortfall(256 * mib, &c), Some(384 * mib));
+        let streams = 20_000 * STREAM_BYTES;
+        assert_eq!(memory_needed(&c), (2 * 224 + 64) * mib + streams);
+        assert_eq!(memory_shortfall(1024 * mib, &c), None);
+        assert_eq!(memory_shortfall(512 * mib, &c), Some(memory_needed(&c)));
+        c.xds_max_streams = 4096;
+        assert_eq!(memory_needed(&c), (2 * 224 + 64 + 64) * mib);
+        c.memory.xds_responses = 256 * mib as usize;
+        assert_eq!(memory_needed(&c), (2 * (160 + 256) + 64 + 64) * mib);
         c.memory.dashboards = 1 << 30;
-        assert_eq!(memory_needed(&c), (2 * (1024 + 96) + 64) * mib);
+        assert_eq!(
+            memory_needed(&c),
+            (2 * (1024 + 32 + 64 + 256) + 64 + 64) * mib
+        );
         assert!(memory_shortfall(512 * mib, &c).is_some());
         c.memory.route_tables = usize::MAX;
         assert_eq!(memory_needed(&c), u64::MAX);

@@ -211,6 +211,12 @@ pub struct ServeArgs {
     #[arg(long, env = "RAY_XDS_MEMORY_PARTIAL_XDS_REQUESTS", value_parser = parse_bytes)]
     pub memory_partial_xds_requests: Option<usize>,
 
+    /// Memory ADS responses built and not yet written may hold in all, shared fairly
+    /// between client addresses (past it, streams wait to build theirs) [config:
+    /// memory.xds_responses; default 64Mi; 1Mi..=16Gi].
+    #[arg(long, env = "RAY_XDS_MEMORY_XDS_RESPONSES", value_parser = parse_bytes)]
+    pub memory_xds_responses: Option<usize>,
+
     /// Every policy setting (probe, dashboard, traffic, switchover), each with its own
     /// flag and environment variable, declared in `policy`.
     #[command(flatten)]

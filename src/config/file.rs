@@ -105,6 +105,7 @@ pub(super) struct MemorySection {
     pub(super) dashboards: Option<ByteCount>,
     pub(super) route_tables: Option<ByteCount>,
     pub(super) partial_xds_requests: Option<ByteCount>,
+    pub(super) xds_responses: Option<ByteCount>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -409,6 +409,13 @@ fn memory(
                 .partial_xds_requests
                 .max(max_message.saturating_mul(2)),
         )?,
+        xds_responses: budget(
+            "memory.xds_responses",
+            "memory-xds-responses",
+            args.memory_xds_responses
+                .or(file.xds_responses.map(|b| b.0)),
+            defaults.xds_responses,
+        )?,
     };
     if memory.partial_xds_requests < max_message.saturating_mul(2) {
         return Err(ConfigError::Invalid(format!(

@@ -70,6 +70,9 @@ pub struct MemoryBudgets {
     pub route_tables: usize,
     /// xDS requests still arriving, shared between client addresses.
     pub partial_xds_requests: usize,
+    /// ADS responses built and not yet written, shared between client addresses: real
+    /// bytes, not an estimate, and held up to twice this (`xds::responses`).
+    pub xds_responses: usize,
 }
 
 impl Default for MemoryBudgets {
@@ -78,6 +81,7 @@ impl Default for MemoryBudgets {
             dashboards: DASHBOARDS_BUDGET_BYTES,
             route_tables: ROUTE_TABLES_BUDGET_BYTES,
             partial_xds_requests: crate::xds::codec::PARTIAL_REQUESTS_BUDGET_BYTES,
+            xds_responses: crate::xds::responses::RESPONSE_BYTES_BOUND,
         }
     }
 }
@@ -866,13 +870,14 @@ mod tests {
         let c = load("source: { file: { path: a.yaml } }\n").unwrap();
         assert_eq!(c.memory, MemoryBudgets::default());
         assert_eq!(c.memory.dashboards, 64 << 20);
-        let c = load("memory: { dashboards: 128Mi, route_tables: 8388608, partial_xds_requests: 1Gi }\nsource: { file: { path: a.yaml } }\n").unwrap();
+        let c = load("memory: { dashboards: 128Mi, route_tables: 8388608, partial_xds_requests: 1Gi, xds_responses: 2Mi }\nsource: { file: { path: a.yaml } }\n").unwrap();
         assert_eq!(
             c.memory,
             MemoryBudgets {
                 dashboards: 128 << 20,
                 route_tables: 8 << 20,
                 partial_xds_requests: 1 << 30,
+                xds_responses: 2 << 20,
             }
         );
         for (field, bad) in [
@@ -881,6 +886,8 @@ mod tests {
             ("route_tables", "17Gi"),
             ("route_tables", "18446744073709551615"),
             ("partial_xds_requests", "1Mi"), // under twice the 4 MiB message
+            ("xds_responses", "1023Ki"),
+            ("xds_responses", "17Gi"),
             ("dashboards", "lots"),
             ("dashboards", "1.5"),
             ("dashboards", "-1"),

@@ -75,7 +75,10 @@ impl Starter<'_> {
             clients.clone(),
             self.shutdown.clone(),
         )
-        .with_max_streams(config.xds_max_streams);
+        .with_max_streams(config.xds_max_streams)
+        .with_response_bytes(config.memory.xds_responses);
+        self.metrics
+            .count_responses_of(ads.response_bytes().clone());
         let limits = config.xds_limits;
         let partial =
             crate::xds::codec::PartialRequests::with_limit(config.memory.partial_xds_requests);

@@ -35,15 +35,27 @@ pub fn open_files_shortfall(limit: u64, config: &Config) -> Option<u64> {
 }
 
 /// What ray-xds may need in memory at most, roughly: twice the sum of the memory budgets
-/// (what they count is an estimate; real RSS runs above it, most for many small values)
-/// and [`MEMORY_BASE_BYTES`] for the rest (streams, probes, snapshots of a large fleet).
+/// (what most of them count is an estimate, and real RSS runs above it for many small
+/// values; the response bytes are real, and may reach twice their bound),
+/// [`STREAM_BYTES`] for every ADS stream `xds.max_streams` allows, and
+/// [`MEMORY_BASE_BYTES`] for the rest (probes, snapshots of a large fleet).
 pub fn memory_needed(config: &Config) -> u64 {
     let m = config.memory;
     let budgets = (m.dashboards as u64)
         .saturating_add(m.route_tables as u64)
-        .saturating_add(m.partial_xds_requests as u64);
-    budgets.saturating_mul(2).saturating_add(MEMORY_BASE_BYTES)
+        .saturating_add(m.partial_xds_requests as u64)
+        .saturating_add(m.xds_responses as u64);
+    let streams = (config.xds_max_streams as u64).saturating_mul(STREAM_BYTES);
+    budgets
+        .saturating_mul(2)
+        .saturating_add(streams)
+        .saturating_add(MEMORY_BASE_BYTES)
 }
+
+/// What one ADS stream holds while its Envoy is in sync: 16 KiB (10-11 KiB measured at
+/// 10,000 streams, docs/benchmarks.md; what it holds while a response is being written
+/// is counted by `memory.xds_responses`).
+pub const STREAM_BYTES: u64 = 16 << 10;
 
 /// What ray-xds holds beside its budgets, roughly: 64 MiB.
 pub const MEMORY_BASE_BYTES: u64 = 64 << 20;

@@ -1171,6 +1171,23 @@ fn ray_xds_config_in_the_config_map_loads() {
     .unwrap_or_else(|e| panic!("deploy/ray-xds-config.yaml: {e}"));
     assert_eq!(config.xds_listen, "0.0.0.0:18000".parse().unwrap());
     assert_eq!(config.admin_listen, "0.0.0.0:19000".parse().unwrap());
+    // The Deployment's memory limit holds what this configuration may need.
+    let limit = only_container(deployment(&all, "ray-xds"))
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.as_ref())
+        .and_then(|l| l.get("memory"))
+        .expect("a memory limit");
+    let limit: u64 = match limit.0.split_at(limit.0.len() - 2) {
+        (mib, "Mi") => mib.parse::<u64>().unwrap() << 20,
+        (gib, "Gi") => gib.parse::<u64>().unwrap() << 30,
+        _ => panic!("a memory limit in Mi or Gi: {}", limit.0),
+    };
+    let needed = ray_xds::runtime::memory_needed(&config);
+    assert!(
+        ray_xds::runtime::memory_shortfall(limit, &config).is_none(),
+        "the Deployment's memory limit {limit} is below what its configuration may need, {needed}"
+    );
     // /debug/* only on loopback, in the pod (kubectl port-forward), on no port of the pod's.
     let debug = config.admin_debug_listen.expect("admin.debug_listen");
     assert!(debug.ip().is_loopback(), "{debug}");

@@ -508,3 +508,62 @@ async fn streams_over_the_limit_are_refused_and_places_come_back() {
     drop((tx2, rx2));
     running.stop().await.unwrap();
 }
+
+/// With a bound on response bytes far below what the streams' first responses need at
+/// once (`memory.xds_responses`), streams wait their turn and every one syncs; once they
+/// have, nothing is held and nobody waits.
+#[tokio::test]
+async fn streams_over_the_response_bound_wait_their_turn_and_every_one_syncs() {
+    let s = server_with(&[NodeType::Head, NodeType::Worker], |config| {
+        config.memory.xds_responses = 2048;
+    })
+    .await;
+    let eds = "default/demo/demo-a".to_string();
+    let mut clients = Vec::new();
+    for i in 0..40 {
+        let addr = s.running.xds_addr;
+        let eds = eds.clone();
+        clients.push(tokio::spawn(async move {
+            let (tx, mut rx) = sotw_stream(addr).await;
+            let mut request = DiscoveryRequest {
+                node: node(&format!("bounded-{i}")),
+                type_url: CLUSTER_TYPE_URL.into(),
+                ..Default::default()
+            };
+            for ty in [CLUSTER_TYPE_URL, ENDPOINTS_TYPE_URL] {
+                request.type_url = ty.into();
+                request.resource_names = match ty {
+                    ENDPOINTS_TYPE_URL => vec![eds.clone()],
+                    _ => vec![],
+                };
+                tx.send(request.clone()).await.unwrap();
+                let response = next(&mut rx).await;
+                assert_eq!(response.type_url, ty);
+                assert_eq!(response.resources.len(), 1);
+                request.version_info = response.version_info;
+                request.response_nonce = response.nonce;
+                request.node = None;
+                tx.send(request.clone()).await.unwrap();
+                request.version_info.clear();
+                request.response_nonce.clear();
+            }
+            (tx, rx)
+        }));
+    }
+    let mut streams = Vec::new();
+    for client in clients {
+        streams.push(
+            tokio::time::timeout(DEADLINE, client)
+                .await
+                .expect("every stream syncs under the bound")
+                .unwrap(),
+        );
+    }
+    eventually("the responses' room is given back", DEADLINE, || async {
+        let metrics = admin_get(s.running.admin_addr, "/metrics").await;
+        (metric(&metrics, "ray_xds_xds_response_bytes") == 0.0
+            && metric(&metrics, "ray_xds_xds_responses_waiting") == 0.0)
+            .then_some(())
+    })
+    .await;
+}

@@ -82,12 +82,12 @@ impl tower::Service<http::Request<tonic::body::Body>> for AdsService {
             SOTW_PATH => {
                 let inbound = self.decode::<super::sotw::WireRequest>(body, peer);
                 self.server
-                    .spawn_stream::<SotwStream>(SotwStream::new(), inbound, tx);
+                    .spawn_stream::<SotwStream>(SotwStream::new(), inbound, tx, peer);
             }
             DELTA_PATH => {
                 let inbound = self.decode::<DeltaDiscoveryRequest>(body, peer);
                 self.server
-                    .spawn_stream::<DeltaStream>(DeltaStream::new(), inbound, tx);
+                    .spawn_stream::<DeltaStream>(DeltaStream::new(), inbound, tx, peer);
             }
             _ => {
                 let _ = tx.try_send(Err(Status::unimplemented(format!("no method {path}"))));

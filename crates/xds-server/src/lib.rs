@@ -24,7 +24,9 @@
 //!   own, so a flood of them cannot starve the probes;
 //! - [`lrs`]: Envoy's Load Reporting Service, what each Envoy's requests to each cluster
 //!   came to, summed per tracked cluster over a window;
-//! - [`budget`]: a memory bound shared fairly between owners.
+//! - [`budget`]: a memory bound shared fairly between owners;
+//! - [`responses`]: the bound on response bytes built and not yet written, across every
+//!   stream.
 //!
 //! This layer knows Envoy and the xDS protocol, not Ray: it serves whatever consistent
 //! [`Snapshot`] it is given, and reports through [`Observer`] and [`Clients`] instead of
@@ -48,6 +50,7 @@ pub mod listener;
 pub mod lrs;
 pub mod names;
 pub mod ordering;
+pub mod responses;
 pub mod server;
 pub mod snapshot;
 pub mod sotw;

@@ -4,9 +4,12 @@
 //! state machine and sends what it returns; it registers the stream with [`Clients`] and
 //! reports what happens to an [`Observer`] (metrics, in ray-xds). Snapshots come from a `watch` channel, so a
 //! stream that falls behind skips straight to the latest; a client that stops reading
-//! blocks only its own task, and holds at most one response per type. A client error
+//! blocks only its own task, and holds at most one response per type. Responses built
+//! and not yet written share one bound across streams ([`super::responses`]), reserved
+//! before a stream builds them. A client error
 //! (undecodable or oversized message, unknown type) ends that stream only.
 
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -15,7 +18,8 @@ use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 use super::clients::{lock, Clients};
-use super::codec::{frame, RequestStream};
+use super::codec::RequestStream;
+use super::responses::ResponseBytes;
 use super::{AdsProtocol, Event, Observer, ResourceType, Snapshot};
 
 /// Responses buffered per stream: enough for one of each type (the state machines keep
@@ -43,6 +47,8 @@ pub struct AdsServer {
     /// One permit per stream served; a stream over the limit is refused with
     /// RESOURCE_EXHAUSTED before it costs anything.
     streams: Arc<tokio::sync::Semaphore>,
+    /// What responses built and not yet written hold, across every stream.
+    responses: ResponseBytes,
 }
 
 impl AdsServer {
@@ -58,7 +64,20 @@ impl AdsServer {
             clients,
             shutdown,
             streams: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_STREAMS)),
+            responses: ResponseBytes::default(),
         }
+    }
+
+    /// Response bytes built and not yet written bounded by `bound` (instead of
+    /// [`RESPONSE_BYTES_BOUND`](super::responses::RESPONSE_BYTES_BOUND)).
+    pub fn with_response_bytes(mut self, bound: usize) -> AdsServer {
+        self.responses = ResponseBytes::new(bound);
+        self
+    }
+
+    /// The bound on response bytes every stream shares.
+    pub fn response_bytes(&self) -> &ResponseBytes {
+        &self.responses
     }
 
     /// At most `max` streams at once (instead of [`DEFAULT_MAX_STREAMS`]).
@@ -69,13 +88,14 @@ impl AdsServer {
         self
     }
 
-    /// Starts the task that serves one stream: requests from `inbound`, framed
-    /// responses (then at most one error) into `tx`.
+    /// Starts the task that serves one stream of a client at `peer`: requests from
+    /// `inbound`, framed responses (then at most one error) into `tx`.
     pub(crate) fn spawn_stream<P>(
         &self,
         machine: P,
         inbound: RequestStream<P::Wire>,
         tx: mpsc::Sender<Result<Bytes, Status>>,
+        peer: Option<IpAddr>,
     ) where
         P: AdsProtocol,
     {
@@ -96,7 +116,8 @@ impl AdsServer {
         let machine = Arc::new(Mutex::new(machine));
         let inbound = Box::new(inbound);
         tokio::spawn(async move {
-            this.run_stream(machine, inbound, tx).await;
+            let peer = peer.unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+            this.run_stream(machine, inbound, tx, peer).await;
             drop(permit);
         });
     }
@@ -106,6 +127,7 @@ impl AdsServer {
         machine: Arc<Mutex<P>>,
         mut inbound: Box<RequestStream<P::Wire>>,
         tx: mpsc::Sender<Result<Bytes, Status>>,
+        peer: IpAddr,
     ) where
         P: AdsProtocol,
     {
@@ -132,14 +154,23 @@ impl AdsServer {
                 reconnect = Some(Box::pin(tokio::time::sleep_until(reconnect_deadline)));
             }
             let snapshot = snapshots.borrow_and_update().clone();
+            // Room before the responses are built: when every Envoy reconnects at once,
+            // they are built only as fast as earlier ones leave.
+            let mut room = tokio::select! {
+                room = self.responses.reserve(peer, snapshot.response_room()) => room,
+                _ = self.shutdown.cancelled() => return,
+            };
             let responses = lock(&machine).poll(&snapshot);
             for (ty, count, response) in responses {
                 self.observer.pushed(protocol, ty, count);
+                let framed = room.frame(&response);
+                drop(response);
                 tokio::select! {
-                    sent = tx.send(Ok(frame(&response))) => if sent.is_err() { return },
+                    sent = tx.send(Ok(framed)) => if sent.is_err() { return },
                     _ = self.shutdown.cancelled() => return,
                 }
             }
+            drop(room);
             tokio::select! {
                 _ = self.shutdown.cancelled() => return,
                 _ = futures::future::OptionFuture::from(reconnect.as_mut()), if awaiting_reconnect => {

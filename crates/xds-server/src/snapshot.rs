@@ -507,6 +507,14 @@ impl Resource {
 
 pub(crate) type ResourceMap = BTreeMap<Arc<str>, Arc<Resource>>;
 
+/// A resource's bytes in a response beside its body and its name and version: the type
+/// URL, field tags and lengths (`Any`, and delta's `Resource`).
+const RESOURCE_FRAMING: usize = 96;
+
+/// A response's bytes beside its resources: versions, nonce, type URL, the control
+/// plane's identity, the gRPC frame.
+const RESPONSE_FRAMING: usize = 256;
+
 /// Whether a stand-in pattern covers the cluster `name`: a pattern without `*` is a
 /// prefix; one `*` stands for one non-empty segment without `/` (so `a/b/*` covers
 /// `a/b/c` but not `a/b/c/d`, and `a/b/*/d` covers that one), which keeps clusters of
@@ -532,6 +540,9 @@ pub struct Snapshot {
     by_type: [Arc<ResourceMap>; 4],
     type_versions: [Arc<str>; 4],
     stand_ins: Arc<BTreeMap<String, Arc<str>>>,
+    /// What one stream's responses to this snapshot may come to, about: every type's
+    /// encoded resources with their names and versions, at most four response budgets.
+    response_room: usize,
 }
 
 impl Snapshot {
@@ -648,12 +659,31 @@ impl Snapshot {
             hash.update(ty.type_url().as_bytes());
             hash.update(v.as_bytes());
         }
+        let response_room = by_type
+            .iter()
+            .map(|resources| {
+                resources
+                    .values()
+                    .map(|r| r.body.value.len() + r.name.len() + r.version.len() + RESOURCE_FRAMING)
+                    .sum::<usize>()
+                    + RESPONSE_FRAMING
+            })
+            .sum::<usize>()
+            .min(4 * crate::ordering::RESPONSE_BUDGET_BYTES);
         Snapshot {
             version: short_hex(&hash.finalize()),
             by_type: by_type.map(Arc::new),
             type_versions,
             stand_ins: Arc::default(),
+            response_room,
         }
+    }
+
+    /// The room a stream reserves before it builds its responses to this snapshot
+    /// ([`crate::responses`]): what they may come to, about (a stand-in or a resource
+    /// over the budget can take more; the framed bytes are what is held).
+    pub fn response_room(&self) -> usize {
+        self.response_room
     }
 
     pub fn version(&self) -> &str {
