@@ -238,8 +238,16 @@ fn target_port(resources: impl Iterator<Item = (String, Vec<u8>)>) -> Option<u32
     None
 }
 
+/// A cluster load assignment's name, read alone (prost skips every other field by its
+/// length): a client looks for one assignment among hundreds, and decoding each whole
+/// would make the clients' work, not the server's, what the benchmark measures.
 fn cla_name(bytes: &[u8]) -> String {
-    ClusterLoadAssignment::decode(bytes)
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct NameOnly {
+        #[prost(string, tag = "1")]
+        cluster_name: String,
+    }
+    NameOnly::decode(bytes)
         .map(|c| c.cluster_name)
         .unwrap_or_default()
 }
@@ -330,6 +338,26 @@ const TYPES: [&str; 4] = [
 /// Set once by `main`: not `--node-id-per-stream`.
 static SHARED_NODE_ID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Responses every client has received, and their bytes (encoded), since the last reset.
+static RECEIVED: [std::sync::atomic::AtomicU64; 2] =
+    [std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0)];
+
+fn count_received<M: prost::Message>(response: &M) {
+    RECEIVED[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    RECEIVED[1].fetch_add(
+        response.encoded_len() as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+/// What [`RECEIVED`] counts, reset to zero.
+fn take_received() -> (u64, u64) {
+    (
+        RECEIVED[0].swap(0, std::sync::atomic::Ordering::Relaxed),
+        RECEIVED[1].swap(0, std::sync::atomic::Ordering::Relaxed),
+    )
+}
+
 fn node_id(protocol: &str, id: usize) -> String {
     if SHARED_NODE_ID.load(std::sync::atomic::Ordering::Relaxed) {
         "fanout".into()
@@ -390,6 +418,7 @@ async fn sotw_client(
     let mut seen = [false; 4];
     let mut synced = Some(synced);
     while let Ok(Some(r)) = inbound.message().await {
+        count_received(&r);
         let Some(idx) = TYPES.iter().position(|t| *t == r.type_url) else {
             return;
         };
@@ -468,6 +497,7 @@ async fn delta_client(
     let mut seen = [false; 4];
     let mut synced = Some(synced);
     while let Ok(Some(r)) = inbound.message().await {
+        count_received(&r);
         let Some(idx) = TYPES.iter().position(|t| *t == r.type_url) else {
             return;
         };
@@ -920,6 +950,9 @@ struct StormResult {
     /// ... until the first one did, and half of them.
     first: Duration,
     half: Duration,
+    /// What the clients received meanwhile: responses, and their bytes.
+    responses: u64,
+    received_bytes: u64,
     /// The new process's highest RSS sampled during the storm.
     peak_rss_kib: u64,
     /// The old process's RSS with every stream connected, before the restart.
@@ -1001,6 +1034,7 @@ async fn storm(
     drop(server);
     while whole_rx.try_recv().is_ok() {}
     let t0 = Instant::now();
+    take_received();
     let server = arm.start(args, &path, port, admin, streams);
     let pid = server.0.id();
     let peak = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -1015,6 +1049,7 @@ async fn storm(
     };
     let whole = wait_whole(&mut whole_rx, streams, 1, deadline).await;
     let whole_time = t0.elapsed();
+    let (responses, received_bytes) = take_received();
     let since = |i: usize| match &whole {
         Ok(when) => when.get(i).map(|t| t.duration_since(t0)).unwrap_or_default(),
         Err(_) => Duration::ZERO,
@@ -1026,6 +1061,8 @@ async fn storm(
     drop(server);
     whole?;
     Ok(StormResult {
+        responses,
+        received_bytes,
         whole: whole_time,
         first,
         half,
@@ -1183,12 +1220,14 @@ async fn main() {
                         panic!("floor storm, {} {streams} streams: {e}", protocol.name())
                     });
                 println!(
-                    "storm-floor protocol={} streams={streams} whole_s={:.2} peak_rss_mib={:.0} first_whole_s={:.2} half_whole_s={:.2}",
+                    "storm-floor protocol={} streams={streams} whole_s={:.2} peak_rss_mib={:.0} first_whole_s={:.2} half_whole_s={:.2} responses={} received_mib={:.0}",
                     protocol.name(),
                     r.whole.as_secs_f64(),
                     r.peak_rss_kib as f64 / 1024.0,
                     r.first.as_secs_f64(),
                     r.half.as_secs_f64(),
+                    r.responses,
+                    r.received_bytes as f64 / 1048576.0,
                 );
                 Some(r.whole)
             } else {
@@ -1210,13 +1249,15 @@ async fn main() {
                 })
                 .unwrap_or_default();
             println!(
-                "storm protocol={} streams={streams} whole_s={:.2} peak_rss_mib={:.0} before_rss_mib={:.0} first_whole_s={:.2} half_whole_s={:.2}{beside_floor}",
+                "storm protocol={} streams={streams} whole_s={:.2} peak_rss_mib={:.0} before_rss_mib={:.0} first_whole_s={:.2} half_whole_s={:.2} responses={} received_mib={:.0}{beside_floor}",
                 protocol.name(),
                 r.whole.as_secs_f64(),
                 r.peak_rss_kib as f64 / 1024.0,
                 r.before_rss_kib as f64 / 1024.0,
                 r.first.as_secs_f64(),
                 r.half.as_secs_f64(),
+                r.responses,
+                r.received_bytes as f64 / 1048576.0,
             );
         }
         return;

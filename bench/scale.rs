@@ -541,10 +541,16 @@ async fn main() {
                 panic!("{address}: the client ACKed the change before the responder gave {threshold} answers of it: {answers:?}");
             };
             let took = at - decisive;
+            // The deciding answer's wall-clock time, to read beside ray-xds's log.
+            let decided_at = std::time::SystemTime::now() - decisive.elapsed();
             println!(
-                "change {address} {}: {:.1} ms from the deciding answer to the ACK",
+                "change {address} {}: {:.1} ms from the deciding answer (at {:.6} s since the epoch) to the ACK",
                 if fail { "unhealthy" } else { "healthy" },
-                ms(took)
+                ms(took),
+                decided_at
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_secs_f64(),
             );
             change_times.push(took);
         }
