@@ -339,8 +339,10 @@ const TYPES: [&str; 4] = [
 static SHARED_NODE_ID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Responses every client has received, and their bytes (encoded), since the last reset.
-static RECEIVED: [std::sync::atomic::AtomicU64; 2] =
-    [std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0)];
+static RECEIVED: [std::sync::atomic::AtomicU64; 2] = [
+    std::sync::atomic::AtomicU64::new(0),
+    std::sync::atomic::AtomicU64::new(0),
+];
 
 fn count_received<M: prost::Message>(response: &M) {
     RECEIVED[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -1051,7 +1053,10 @@ async fn storm(
     let whole_time = t0.elapsed();
     let (responses, received_bytes) = take_received();
     let since = |i: usize| match &whole {
-        Ok(when) => when.get(i).map(|t| t.duration_since(t0)).unwrap_or_default(),
+        Ok(when) => when
+            .get(i)
+            .map(|t| t.duration_since(t0))
+            .unwrap_or_default(),
         Err(_) => Duration::ZERO,
     };
     let (first, half) = (since(0), since(streams / 2));

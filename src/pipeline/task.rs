@@ -122,6 +122,12 @@ pub async fn run(
         // them (proxies flapping, the first probes of thousands) costs the pipeline at
         // most a quarter of a core. A change that comes alone is built at once.
         let pause = spent.saturating_mul(PACE_FACTOR).min(MAX_PACE);
+        tracing::debug!(
+            build_ms = spent.as_secs_f64() * 1e3,
+            pause_ms = pause.as_secs_f64() * 1e3,
+            version = out.snapshot.version(),
+            "pipeline built"
+        );
         if !pause.is_zero() {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -292,10 +298,17 @@ async fn next_change(
             _ = check.tick() => if prober_wedged(sources) == next.wedged { continue },
             changed = sources.models.changed() => {
                 if changed.is_err() { return false }
+                tracing::debug!(cause = "model", "pipeline wakes");
                 if !first_probes_of_new_proxies(pipeline, sources, shutdown).await { return false }
             }
-            changed = sources.probes.changed() => if changed.is_err() { return false },
-            changed = sources.dashboards.changed() => if changed.is_err() { return false },
+            changed = sources.probes.changed() => {
+                if changed.is_err() { return false }
+                tracing::debug!(cause = "probes", "pipeline wakes");
+            }
+            changed = sources.dashboards.changed() => {
+                if changed.is_err() { return false }
+                tracing::debug!(cause = "dashboards", "pipeline wakes");
+            }
             // A peer's view changes only a switch in progress and what drains.
             changed = sources.peers.changed(), if *peers_open => {
                 // No peers (their poller ended): nothing more to hear.
@@ -303,8 +316,10 @@ async fn next_change(
                 let departed = !sources.peers.borrow().departed.is_empty();
                 if !next.switch_in_progress && !departed { continue }
             }
-            _ = clients.acked(), if next.wake_on_ack => {}
-            _ = tokio::time::sleep_until(next.wake.unwrap_or_else(tokio::time::Instant::now)), if next.wake.is_some() => {}
+            _ = clients.acked(), if next.wake_on_ack => tracing::debug!(cause = "ack", "pipeline wakes"),
+            _ = tokio::time::sleep_until(next.wake.unwrap_or_else(tokio::time::Instant::now)), if next.wake.is_some() => {
+                tracing::debug!(cause = "time", "pipeline wakes");
+            }
         }
         return true;
     }

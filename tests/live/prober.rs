@@ -100,7 +100,7 @@ async fn probe_outcomes_on_real_sockets() {
     );
     assert_eq!(
         read_routes(&client, addr, TIMEOUT).await,
-        Some(["/".to_string()].into())
+        Ok(Some(["/".to_string()].into()))
     );
 
     c.set_mode(0, ProxyMode::Draining);
@@ -196,7 +196,8 @@ async fn an_endless_body_is_a_failure_read_no_further_than_the_cap() {
     let client = probe_client(Duration::from_secs(5));
     assert_eq!(
         read_routes(&client, addr, Duration::from_secs(5)).await,
-        None
+        Ok(None),
+        "an answer over the cap is an answer: routes unknown"
     );
     let read = sent.load(std::sync::atomic::Ordering::Relaxed);
     assert!(read < 32 * 1024 * 1024, "read {read} bytes");
@@ -228,7 +229,7 @@ async fn a_big_routes_body_streams_through_the_small_read_buffer() {
     let client = probe_client(Duration::from_secs(5));
     for _ in 0..2 {
         let read = read_routes(&client, addr, Duration::from_secs(5)).await;
-        assert_eq!(read.map(|r| r.len()), Some(900));
+        assert_eq!(read.map(|r| r.map(|r| r.len())), Ok(Some(900)));
     }
 }
 
@@ -259,15 +260,21 @@ impl Drop for Running {
 
 fn run_prober(cluster: &SimCluster) -> Running {
     let text = services_yaml_with("c", &[cluster], "    head_proxy: include\n");
-    let model = ray_xds::source::file::parse(std::path::Path::new("s.yaml"), &text).unwrap();
+    run_prober_on(
+        &text,
+        ProbePolicy {
+            interval: Duration::from_millis(100),
+            ..Default::default()
+        },
+    )
+}
+
+fn run_prober_on(text: &str, policy: ProbePolicy) -> Running {
+    let model = ray_xds::source::file::parse(std::path::Path::new("s.yaml"), text).unwrap();
     let (models_tx, models_rx) = watch::channel(Arc::new(model));
     let (tx, rx) = watch::channel(Arc::new(ProbeStates::default()));
     let metrics = Arc::new(Metrics::new());
     let shutdown = CancellationToken::new();
-    let policy = ProbePolicy {
-        interval: Duration::from_millis(100),
-        ..Default::default()
-    };
     let prober = Prober {
         routes_budget: ray_xds::live::route_tables::MEMORY_BUDGET_BYTES,
         policy,
@@ -298,6 +305,93 @@ async fn wait_state(r: &Running, addr: std::net::SocketAddr, want: ProbeState) -
     })
     .unwrap();
     s.proxies[&addr].reason.to_string()
+}
+
+/// A proxy whose `/-/routes` does not answer in time (a busy proxy) keeps the table it
+/// last answered: a read that got no answer says nothing of its routes, and dropping the
+/// table would drain a healthy proxy wherever routes are enforced. One that answers
+/// something that is not a table has unknown routes.
+#[tokio::test]
+async fn a_routes_read_without_an_answer_keeps_the_last_table() {
+    use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+    const TABLE: u8 = 0;
+    const STALL: u8 = 1;
+    const GARBAGE: u8 = 2;
+    let mode = Arc::new(AtomicU8::new(TABLE));
+    let reads = Arc::new(AtomicUsize::new(0));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new()
+        .route("/-/healthz", axum::routing::get(|| async { "success" }))
+        .route(
+            "/-/routes",
+            axum::routing::get({
+                let (mode, reads) = (mode.clone(), reads.clone());
+                move || {
+                    let (mode, reads) = (mode.clone(), reads.clone());
+                    async move {
+                        reads.fetch_add(1, Ordering::Relaxed);
+                        match mode.load(Ordering::Relaxed) {
+                            STALL => {
+                                tokio::time::sleep(Duration::from_secs(3600)).await;
+                                String::new()
+                            }
+                            GARBAGE => "not a table".to_string(),
+                            _ => r#"{"/a": "app"}"#.to_string(),
+                        }
+                    }
+                }
+            }),
+        );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let text = format!(
+        "rayservices:\n  - name: c\n    namespace: default\n    active_cluster: c\n    clusters:\n      - name: c\n        proxies:\n          - {{ address: \"{addr}\", node_type: worker }}\n"
+    );
+    let r = run_prober_on(
+        &text,
+        ProbePolicy {
+            interval: Duration::from_millis(100),
+            timeout: Duration::from_millis(250),
+            routes_interval: Duration::from_millis(100),
+            ..Default::default()
+        },
+    );
+    let table = |r: &Running| {
+        r.states.borrow().proxies.get(&addr).and_then(|p| {
+            p.routes
+                .as_ref()
+                .map(|t| t.iter().cloned().collect::<Vec<_>>())
+        })
+    };
+    wait_state(&r, addr, ProbeState::Healthy).await;
+    eventually("the table read", Duration::from_secs(20), || async {
+        (table(&r) == Some(vec!["/a".to_string()])).then_some(())
+    })
+    .await;
+
+    mode.store(STALL, Ordering::Relaxed);
+    let before = reads.load(Ordering::Relaxed);
+    eventually(
+        "reads that get no answer",
+        Duration::from_secs(20),
+        || async { (reads.load(Ordering::Relaxed) >= before + 3).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        table(&r),
+        Some(vec!["/a".to_string()]),
+        "the last table stays"
+    );
+    assert_eq!(r.states.borrow().proxies[&addr].state, ProbeState::Healthy);
+
+    mode.store(GARBAGE, Ordering::Relaxed);
+    eventually(
+        "an answer that is no table",
+        Duration::from_secs(20),
+        || async { table(&r).is_none().then_some(()) },
+    )
+    .await;
+    assert_eq!(r.states.borrow().proxies[&addr].state, ProbeState::Healthy);
 }
 
 #[tokio::test]

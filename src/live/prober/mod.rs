@@ -38,7 +38,9 @@
 //! over all proxies, each body at most [`MAX_ROUTES_BODY_BYTES`]. At most [`MAX_ROUTES`]
 //! route prefixes of at most [`MAX_ROUTE_PREFIX_BYTES`] each are kept per proxy; an
 //! answer over either is read
-//! as a malformed one (routes unknown), which never touches the probe state.
+//! as a malformed one (routes unknown), which never touches the probe state. A read that
+//! gets no whole answer in time (a busy proxy) says nothing of the routes: the last table
+//! stays.
 //!
 //! Freshness: a proxy whose last probe result is older than [`stale_after`] (a probe task
 //! that died or is starved) goes back to `unknown`, so a result nobody renews is never
@@ -224,8 +226,13 @@ impl Prober {
                     }
                 }
                 Some(report) = rx.recv() => {
+                    let started = std::time::Instant::now();
                     if self.apply_waiting(&mut p, report, &mut rx) {
                         states.send_replace(Arc::new(p.current.clone()));
+                        tracing::debug!(
+                            took_ms = started.elapsed().as_secs_f64() * 1e3,
+                            "probe states published"
+                        );
                     }
                 }
             }

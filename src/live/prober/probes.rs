@@ -20,12 +20,41 @@ pub(super) async fn get(
     timeout: Duration,
     max_body: usize,
 ) -> Result<(u16, Bytes), Outcome> {
+    get_answer(client, address, path, timeout, max_body)
+        .await
+        .map_err(|failure| match failure {
+            GetFailure::NoAnswer(outcome) | GetFailure::BodyOverCap(outcome) => outcome,
+        })
+}
+
+/// Why a `GET` gave no status and body.
+enum GetFailure {
+    /// No whole answer: refused, reset, or not within the timeout.
+    NoAnswer(Outcome),
+    /// An answer whose body is over the cap.
+    BodyOverCap(Outcome),
+}
+
+async fn get_answer(
+    client: &HttpClient,
+    address: SocketAddr,
+    path: &str,
+    timeout: Duration,
+    max_body: usize,
+) -> Result<(u16, Bytes), GetFailure> {
     let uri: hyper::Uri = match format!("http://{address}{path}").parse() {
         Ok(u) => u,
-        Err(e) => return Err(Outcome::Failed(format!("bad address: {e}"))),
+        Err(e) => {
+            return Err(GetFailure::NoAnswer(Outcome::Failed(format!(
+                "bad address: {e}"
+            ))))
+        }
     };
     let request = async {
-        let response = client.get(uri).await.map_err(classify)?;
+        let response = client
+            .get(uri)
+            .await
+            .map_err(|e| GetFailure::NoAnswer(classify(e)))?;
         let status = response.status().as_u16();
         // A proxy that answers an endless or huge body is not healthy, and must not
         // take ray-xds's memory with it.
@@ -34,9 +63,12 @@ pub(super) async fn get(
             .await
             .map_err(|e| {
                 if e.is::<http_body_util::LengthLimitError>() {
-                    Outcome::Failed(format!("answered a body over {} KiB", max_body >> 10))
+                    GetFailure::BodyOverCap(Outcome::Failed(format!(
+                        "answered a body over {} KiB",
+                        max_body >> 10
+                    )))
                 } else {
-                    Outcome::Failed(format!("reading the body: {e}"))
+                    GetFailure::NoAnswer(Outcome::Failed(format!("reading the body: {e}")))
                 }
             })?
             .to_bytes();
@@ -44,7 +76,9 @@ pub(super) async fn get(
     };
     match tokio::time::timeout(timeout, request).await {
         Ok(result) => result,
-        Err(_) => Err(Outcome::Failed(format!("no answer within {timeout:?}"))),
+        Err(_) => Err(GetFailure::NoAnswer(Outcome::Failed(format!(
+            "no answer within {timeout:?}"
+        )))),
     }
 }
 
@@ -155,20 +189,30 @@ pub(super) fn refused(status: &tonic::Status) -> bool {
     false
 }
 
-/// `GET /-/routes`: the route prefixes the proxy serves; `None` if it cannot say.
+/// `GET /-/routes`: `Ok(Some(prefixes))`, the route prefixes the proxy serves;
+/// `Ok(None)` when it answered something else (another status, not a table, over a cap:
+/// its routes are unknown); `Err(NoRoutesAnswer)` when it did not answer whole in time (a
+/// busy proxy): that says nothing of its routes, so whoever holds its last table keeps it.
 pub async fn read_routes(
     client: &HttpClient,
     address: SocketAddr,
     timeout: Duration,
-) -> Option<BTreeSet<String>> {
-    let (status, body) = get(client, address, "/-/routes", timeout, MAX_ROUTES_BODY_BYTES)
-        .await
-        .ok()?;
+) -> Result<Option<BTreeSet<String>>, NoRoutesAnswer> {
+    let (status, body) =
+        match get_answer(client, address, "/-/routes", timeout, MAX_ROUTES_BODY_BYTES).await {
+            Ok(answer) => answer,
+            Err(GetFailure::BodyOverCap(_)) => return Ok(None),
+            Err(GetFailure::NoAnswer(_)) => return Err(NoRoutesAnswer),
+        };
     if status != 200 {
-        return None;
+        return Ok(None);
     }
-    parse_routes(&body)
+    Ok(parse_routes(&body))
 }
+
+/// A `/-/routes` read that got no whole answer in time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NoRoutesAnswer;
 
 /// The most route prefixes kept from one proxy's `/-/routes` (Ray lists one per
 /// application with a route; real clusters have tens). A 1 MiB body listed ~87,000

@@ -132,10 +132,14 @@ impl ProbeTask {
                     match turns.take(self.address, self.settings.timeout).await {
                         Some(turn) => {
                             routes_read = Some(Instant::now());
-                            let table =
-                                read_routes(&self.client, self.address, self.settings.timeout)
-                                    .await;
-                            (Some(table), Some(turn))
+                            match read_routes(&self.client, self.address, self.settings.timeout)
+                                .await
+                            {
+                                Ok(table) => (Some(table), Some(turn)),
+                                // No answer in time (a busy proxy): not read this time
+                                // (its last table stays).
+                                Err(_) => (None, None),
+                            }
                         }
                         // No turn (its cluster holds its share, or none freed in time):
                         // not read this time (its last table stays).
