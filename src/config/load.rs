@@ -339,6 +339,7 @@ fn xds(args: &ServeArgs, file: XdsSection, base_dir: &Path) -> Result<XdsSetting
         )?,
         handshake_timeout: listener_defaults.handshake_timeout,
         idle_timeout: listener_defaults.idle_timeout,
+        write_deadline: listener_defaults.write_deadline,
         handshakes_per_peer_per_second: bounded(
             "xds.handshakes_per_peer_per_second",
             "xds-handshakes-per-peer-per-second",

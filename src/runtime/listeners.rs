@@ -76,7 +76,8 @@ impl Starter<'_> {
             self.shutdown.clone(),
         )
         .with_max_streams(config.xds_max_streams)
-        .with_response_bytes(config.memory.xds_responses);
+        .with_response_bytes(config.memory.xds_responses)
+        .with_write_deadline(config.xds_limits.write_deadline);
         self.metrics
             .count_responses_of(ads.response_bytes().clone());
         let limits = config.xds_limits;

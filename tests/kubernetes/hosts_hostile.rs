@@ -406,7 +406,7 @@ fn hosts_one_bad_entry_in_the_hosts_annotation_does_not_unroute_the_rayservice()
 /// tens of thousands of log lines (measured: 255 KiB of hosts, 30,361 problems, 8.5 MiB
 /// in one copy; ten such RayServices make every later rebuild, on any pod event of any
 /// namespace, take ~100 ms in a debug build); a tenant with a few dozen such RayServices takes
-/// ray-xds past the Deployment's 512 MiB limit, and every gateway loses its control plane.
+/// ray-xds past the Deployment's memory limit, and every gateway loses its control plane.
 /// Safe: what one RayService's problems hold is bounded (the first few refused hosts
 /// and a count), well below the object's own size.
 #[test]

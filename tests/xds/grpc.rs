@@ -567,3 +567,70 @@ async fn streams_over_the_response_bound_wait_their_turn_and_every_one_syncs() {
     })
     .await;
 }
+
+/// A client that reads none of a response (its HTTP/2 window stays shut, as when an
+/// application stops reading its stream) holds its room of the shared response bound
+/// only until the write deadline: then its connection is closed, what it held comes
+/// back, and other clients are served meanwhile and after.
+#[tokio::test]
+async fn a_client_that_reads_nothing_loses_its_connection_and_gives_its_room_back() {
+    use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+    let s = server_with(&[NodeType::Head, NodeType::Worker], |config| {
+        config.xds_limits.write_deadline = Duration::from_millis(500);
+    })
+    .await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", s.running.xds_addr))
+        .unwrap()
+        .initial_stream_window_size(Some(1))
+        .connect()
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(DiscoveryRequest {
+        node: node("reads-nothing"),
+        type_url: CLUSTER_TYPE_URL.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut unread = AggregatedDiscoveryServiceClient::new(channel)
+        .stream_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    eventually(
+        "its connection closed for not reading",
+        DEADLINE,
+        || async {
+            let metrics = admin_get(s.running.admin_addr, "/metrics").await;
+            (metric(
+                &metrics,
+                "ray_xds_xds_stream_errors_total{protocol=\"sotw\",reason=\"not_reading\"}",
+            ) == 1.0
+                && metric(&metrics, "ray_xds_xds_response_bytes") == 0.0)
+                .then_some(())
+        },
+    )
+    .await;
+    let ended = tokio::time::timeout(DEADLINE, async {
+        loop {
+            match unread.message().await {
+                Ok(Some(_)) => continue, // what had arrived before the close
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the unread stream ends");
+    assert!(matches!(ended, Err(_) | Ok(None)), "{ended:?}");
+    // Another client is served as before.
+    let (tx, mut rx) = sotw_stream(s.running.xds_addr).await;
+    tx.send(DiscoveryRequest {
+        node: node("reads"),
+        type_url: CLUSTER_TYPE_URL.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(next(&mut rx).await.type_url, CLUSTER_TYPE_URL);
+}

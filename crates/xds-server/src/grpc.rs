@@ -77,17 +77,28 @@ impl tower::Service<http::Request<tonic::body::Body>> for AdsService {
         let path = request.uri().path().to_owned();
         // The connection counts the stream while its response lives.
         let (open, peer) = super::listener::XdsConnectInfo::of(&request);
+        let connection = open.as_ref().map(|o| o.connection());
         let body = request.into_body();
         match path.as_str() {
             SOTW_PATH => {
                 let inbound = self.decode::<super::sotw::WireRequest>(body, peer);
-                self.server
-                    .spawn_stream::<SotwStream>(SotwStream::new(), inbound, tx, peer);
+                self.server.spawn_stream::<SotwStream>(
+                    SotwStream::new(),
+                    inbound,
+                    tx,
+                    peer,
+                    connection,
+                );
             }
             DELTA_PATH => {
                 let inbound = self.decode::<DeltaDiscoveryRequest>(body, peer);
-                self.server
-                    .spawn_stream::<DeltaStream>(DeltaStream::new(), inbound, tx, peer);
+                self.server.spawn_stream::<DeltaStream>(
+                    DeltaStream::new(),
+                    inbound,
+                    tx,
+                    peer,
+                    connection,
+                );
             }
             _ => {
                 let _ = tx.try_send(Err(Status::unimplemented(format!("no method {path}"))));

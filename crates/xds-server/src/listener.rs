@@ -40,6 +40,9 @@ pub struct Limits {
     pub handshake_timeout: Duration,
     /// How long a connection may stay without a stream once its preface arrived.
     pub idle_timeout: Duration,
+    /// How long a response may wait unwritten (its client reading none of it) before
+    /// its connection is closed (`server::WRITE_DEADLINE`).
+    pub write_deadline: Duration,
     /// TLS handshakes one address may begin a second, after a burst of as many; the
     /// rest are closed before any handshake work (0: no limit). Plain connections cost
     /// no handshake and are not metered.
@@ -53,6 +56,7 @@ impl Default for Limits {
             max_connections_per_peer: 256,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
+            write_deadline: crate::server::WRITE_DEADLINE,
             handshakes_per_peer_per_second: 20,
         }
     }
@@ -62,15 +66,33 @@ impl Default for Limits {
 const PREFACE_BYTES: usize = 24;
 
 /// The streams open on one connection, counted by the ADS service through the
-/// connection's [`XdsConnectInfo`].
+/// connection's [`XdsConnectInfo`]; and a way for a stream to close the connection.
 #[derive(Debug, Default)]
-pub struct ConnectionStreams(AtomicUsize);
+pub struct ConnectionStreams(AtomicUsize, Closing);
+
+/// A request to close a connection, and the waker of its reads.
+#[derive(Debug, Default)]
+struct Closing {
+    requested: std::sync::atomic::AtomicBool,
+    reader: futures::task::AtomicWaker,
+}
 
 impl ConnectionStreams {
     /// Counts one stream open until the returned guard is dropped.
     pub(crate) fn open(self: &Arc<Self>) -> OpenStream {
         self.0.fetch_add(1, Ordering::Relaxed);
         OpenStream(self.clone())
+    }
+
+    /// Closes the connection: its next read fails, so HTTP/2 ends every stream on it
+    /// and drops what it had buffered for them.
+    pub(crate) fn close(&self) {
+        self.1.requested.store(true, Ordering::Relaxed);
+        self.1.reader.wake();
+    }
+
+    fn closing(&self) -> bool {
+        self.1.requested.load(Ordering::Relaxed)
     }
 
     fn any(&self) -> bool {
@@ -81,6 +103,13 @@ impl ConnectionStreams {
 /// One stream of a connection, counted while it lives.
 #[derive(Debug)]
 pub(crate) struct OpenStream(Arc<ConnectionStreams>);
+
+impl OpenStream {
+    /// What closes this stream's connection.
+    pub(crate) fn connection(&self) -> Arc<ConnectionStreams> {
+        self.0.clone()
+    }
+}
 
 impl Drop for OpenStream {
     fn drop(&mut self) {
@@ -448,6 +477,13 @@ impl AsyncRead for BoundedConnection {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let this = &mut *self;
+        this.streams.1.reader.register(cx.waker());
+        if this.streams.closing() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "closed: a stream's client read none of a response in time",
+            )));
+        }
         match Pin::new(&mut this.inner).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 let read = buf.filled().len() - before;

@@ -1,10 +1,12 @@
 //! The bytes of ADS responses built and not yet written out, across every stream, and
 //! their bound (`memory.xds_responses`).
 //!
-//! A stream reserves room ([`ResponseBytes::reserve`]) before it builds responses
-//! (the snapshot's size, at most four response budgets), then keeps what its framed
+//! A stream reserves room ([`ResponseBytes::reserve`]) before it builds responses (the
+//! most one poll can send, `Snapshot::response_room`), then keeps what its framed
 //! responses take ([`Room::frame`]): each framed response owns its share, given back
 //! when the transport drops its last byte (written to the socket, or the stream gone).
+//! A response its client reads none of for `server::WRITE_DEADLINE` closes its
+//! connection, which drops it.
 //! So when every Envoy reconnects at once, responses are built only as fast as they
 //! leave, and memory follows the bound, not the number of streams.
 //!
@@ -14,11 +16,12 @@
 //! by the peers holding anything), is still admitted up to twice the bound. Otherwise it
 //! waits, in order behind its own peer's earlier reservations. Invariants:
 //!
-//! - the total held never passes twice the bound (a response larger than the whole
-//!   bound counts as the bound, and is admitted only when nothing else is held);
+//! - admission never takes the total past twice the bound (a reservation larger than
+//!   the whole bound counts as the bound); only a response larger than its reservation
+//!   (a stand-in) adds to it unchecked, by its excess;
 //! - a client that stops reading holds at most the responses already framed for it
-//!   (one per type in flight) until HTTP/2 keepalive closes its connection; other
-//!   peers' streams go on within the second half of the bound;
+//!   (one per type in flight), for at most the write deadline; meanwhile other peers'
+//!   streams go on within the second half of the bound;
 //! - room is given back exactly once, however a stream ends (a dropped waiter that was
 //!   admitted gives its room back).
 
@@ -209,10 +212,10 @@ impl ResponseBytes {
     }
 
     /// Admits, peer by peer in the order they first waited, each queue's head while it
-    /// fits.
+    /// fits; stops at once when nothing can be admitted (the total at twice the bound).
     fn admit_waiting(&self, shared: &mut Shared, orphans: &mut Vec<Room>) {
         let mut peers = shared.order.len();
-        while peers > 0 {
+        while peers > 0 && shared.ledger.total() < shared.ledger.bound().saturating_mul(2) {
             peers -= 1;
             let Some(peer) = shared.order.pop_front() else {
                 break;
@@ -253,8 +256,9 @@ pub struct Room {
 impl Room {
     /// `message` framed for gRPC (compression flag 0, big-endian length, the message),
     /// holding its size of this room for as long as the returned bytes live; a message
-    /// larger than the room left takes more (it is already built).
-    pub fn frame<M: prost::Message>(&mut self, message: &M) -> Bytes {
+    /// larger than the room left takes more (it is already built). When the bytes are
+    /// dropped (written out, or their stream gone), `written` counts one more.
+    pub fn frame<M: prost::Message>(&mut self, message: &M, written: &Written) -> Bytes {
         let len = message.encoded_len();
         let size = 5 + len;
         let share = self.split(size);
@@ -263,7 +267,11 @@ impl Room {
         buf.put_u32(len as u32);
         // Cannot fail: the buffer has room for `encoded_len` bytes.
         let _ = message.encode(&mut buf);
-        Bytes::from_owner(Framed { buf, _room: share })
+        Bytes::from_owner(Framed {
+            buf,
+            _room: share,
+            written: written.clone(),
+        })
     }
 
     /// Bytes held.
@@ -294,10 +302,22 @@ impl Drop for Room {
     }
 }
 
+/// How many of a stream's framed responses are written out: each counts when the
+/// transport drops its last byte, in the order they were sent.
+pub type Written = Arc<std::sync::atomic::AtomicU64>;
+
 /// A framed response and the room it holds.
 struct Framed {
     buf: BytesMut,
     _room: Room,
+    written: Written,
+}
+
+impl Drop for Framed {
+    fn drop(&mut self) {
+        self.written
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl AsRef<[u8]> for Framed {
@@ -326,9 +346,10 @@ mod tests {
     #[tokio::test]
     async fn a_framed_response_holds_its_room_until_its_last_byte_is_dropped() {
         let bound = ResponseBytes::new(1 << 20);
+        let written = Written::default();
         let mut room = bound.reserve(peer(1), 4096).await;
         assert_eq!(bound.total(), 4096);
-        let framed = room.frame(&message(1000));
+        let framed = room.frame(&message(1000), &written);
         assert_eq!(framed[0], 0);
         assert_eq!(
             u32::from_be_bytes(framed[1..5].try_into().unwrap()) as usize,
@@ -344,15 +365,22 @@ mod tests {
         drop(framed);
         drop(head);
         assert_eq!(bound.total(), tail.len() + 10);
+        assert_eq!(written.load(std::sync::atomic::Ordering::Relaxed), 0);
         drop(tail);
         assert_eq!(bound.total(), 0);
+        assert_eq!(
+            written.load(std::sync::atomic::Ordering::Relaxed),
+            1,
+            "written once its last byte is dropped"
+        );
     }
 
     #[tokio::test]
     async fn a_message_larger_than_its_room_takes_more() {
         let bound = ResponseBytes::new(1 << 20);
+        let written = Written::default();
         let mut room = bound.reserve(peer(1), 10).await;
-        let framed = room.frame(&message(5000));
+        let framed = room.frame(&message(5000), &written);
         drop(room);
         assert_eq!(bound.total(), framed.len());
         drop(framed);
@@ -421,7 +449,7 @@ mod tests {
     async fn a_peer_s_reservations_are_admitted_in_the_order_they_came() {
         let bound = ResponseBytes::new(1000);
         let mut first = bound.reserve(peer(1), 1000).await;
-        let framed = first.frame(&message(500));
+        let framed = first.frame(&message(500), &Written::default());
         drop(first);
         let big = tokio::spawn({
             let bound = bound.clone();
@@ -494,7 +522,7 @@ mod tests {
                             if let Some(r) = rooms.get_mut(room) {
                                 let size = 5 + prost::Message::encoded_len(&message(bytes));
                                 framed_past_reservation += size.saturating_sub(r.bytes());
-                                frames.push(r.frame(&message(bytes)));
+                                frames.push(r.frame(&message(bytes), &Written::default()));
                             }
                         }
                         Op::DropRoom(i) => {

@@ -4,9 +4,10 @@
 //! state machine and sends what it returns; it registers the stream with [`Clients`] and
 //! reports what happens to an [`Observer`] (metrics, in ray-xds). Snapshots come from a `watch` channel, so a
 //! stream that falls behind skips straight to the latest; a client that stops reading
-//! blocks only its own task, and holds at most one response per type. Responses built
-//! and not yet written share one bound across streams ([`super::responses`]), reserved
-//! before a stream builds them. A client error
+//! blocks only its own task, and holds at most one response per type, for at most
+//! [`WRITE_DEADLINE`]: then its connection is closed. Responses built and not yet
+//! written share one bound across streams ([`super::responses`]), reserved before a
+//! stream builds them. A client error
 //! (undecodable or oversized message, unknown type) ends that stream only.
 
 use std::net::IpAddr;
@@ -19,7 +20,8 @@ use tonic::Status;
 
 use super::clients::{lock, Clients};
 use super::codec::RequestStream;
-use super::responses::ResponseBytes;
+use super::listener::ConnectionStreams;
+use super::responses::{ResponseBytes, Written};
 use super::{AdsProtocol, Event, Observer, ResourceType, Snapshot};
 
 /// Responses buffered per stream: enough for one of each type (the state machines keep
@@ -37,6 +39,11 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 100;
 /// How many ADS streams are served at once by default, over every connection.
 pub const DEFAULT_MAX_STREAMS: usize = 20_000;
 
+/// How long a response may wait to be written out (its client reading none of it)
+/// before the stream's connection is closed: what it holds of the shared response bound
+/// comes back, and a client that stops reading holds it no longer than this.
+pub const WRITE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The ADS service. Cheap to clone: everything inside is shared.
 #[derive(Clone)]
 pub struct AdsServer {
@@ -49,6 +56,7 @@ pub struct AdsServer {
     streams: Arc<tokio::sync::Semaphore>,
     /// What responses built and not yet written hold, across every stream.
     responses: ResponseBytes,
+    write_deadline: std::time::Duration,
 }
 
 impl AdsServer {
@@ -65,7 +73,15 @@ impl AdsServer {
             shutdown,
             streams: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_STREAMS)),
             responses: ResponseBytes::default(),
+            write_deadline: WRITE_DEADLINE,
         }
+    }
+
+    /// A response unwritten for `deadline` closes its connection (instead of
+    /// [`WRITE_DEADLINE`]).
+    pub fn with_write_deadline(mut self, deadline: std::time::Duration) -> AdsServer {
+        self.write_deadline = deadline;
+        self
     }
 
     /// Response bytes built and not yet written bounded by `bound` (instead of
@@ -88,14 +104,15 @@ impl AdsServer {
         self
     }
 
-    /// Starts the task that serves one stream of a client at `peer`: requests from
-    /// `inbound`, framed responses (then at most one error) into `tx`.
+    /// Starts the task that serves one stream of a client at `peer` on `connection`:
+    /// requests from `inbound`, framed responses (then at most one error) into `tx`.
     pub(crate) fn spawn_stream<P>(
         &self,
         machine: P,
         inbound: RequestStream<P::Wire>,
         tx: mpsc::Sender<Result<Bytes, Status>>,
         peer: Option<IpAddr>,
+        connection: Option<Arc<ConnectionStreams>>,
     ) where
         P: AdsProtocol,
     {
@@ -117,7 +134,8 @@ impl AdsServer {
         let inbound = Box::new(inbound);
         tokio::spawn(async move {
             let peer = peer.unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
-            this.run_stream(machine, inbound, tx, peer).await;
+            this.run_stream(machine, inbound, tx, peer, connection)
+                .await;
             drop(permit);
         });
     }
@@ -128,6 +146,7 @@ impl AdsServer {
         mut inbound: Box<RequestStream<P::Wire>>,
         tx: mpsc::Sender<Result<Bytes, Status>>,
         peer: IpAddr,
+        connection: Option<Arc<ConnectionStreams>>,
     ) where
         P: AdsProtocol,
     {
@@ -146,6 +165,11 @@ impl AdsServer {
         // does not keep a timer's room in its task.
         let reconnect_deadline = tokio::time::Instant::now() + RECONNECT_WAIT;
         let mut reconnect: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+        // When each response sent and not known written was sent (they are written in
+        // order), and how many of them `written` had counted.
+        let written = Written::default();
+        let mut unwritten: std::collections::VecDeque<tokio::time::Instant> = Default::default();
+        let mut counted = 0u64;
         loop {
             let awaiting_reconnect = lock(&machine).awaiting_reconnect();
             if !awaiting_reconnect {
@@ -163,16 +187,33 @@ impl AdsServer {
             let responses = lock(&machine).poll(&snapshot);
             for (ty, count, response) in responses {
                 self.observer.pushed(protocol, ty, count);
-                let framed = room.frame(&response);
+                let framed = room.frame(&response, &written);
                 drop(response);
                 tokio::select! {
                     sent = tx.send(Ok(framed)) => if sent.is_err() { return },
                     _ = self.shutdown.cancelled() => return,
                 }
+                unwritten.push_back(tokio::time::Instant::now());
             }
             drop(room);
+            let done = written.load(std::sync::atomic::Ordering::Relaxed);
+            while counted < done && unwritten.pop_front().is_some() {
+                counted += 1;
+            }
+            let write_by = unwritten.front().map(|sent| *sent + self.write_deadline);
             tokio::select! {
                 _ = self.shutdown.cancelled() => return,
+                _ = tokio::time::sleep_until(write_by.unwrap_or_else(tokio::time::Instant::now)), if write_by.is_some() => {
+                    if written.load(std::sync::atomic::Ordering::Relaxed) > counted {
+                        continue; // written meanwhile
+                    }
+                    tracing::warn!(stream = id, protocol, peer = %peer, deadline = ?self.write_deadline, "the client read none of a response in time; closing its connection");
+                    self.observer.stream_error(protocol, "not_reading");
+                    if let Some(connection) = &connection {
+                        connection.close();
+                    }
+                    return;
+                }
                 _ = futures::future::OptionFuture::from(reconnect.as_mut()), if awaiting_reconnect => {
                     tracing::debug!(stream = id, protocol, "reconnected Envoy did not declare all it holds in time; going ahead");
                     lock(&machine).settle_reconnect();

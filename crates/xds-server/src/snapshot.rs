@@ -540,8 +540,8 @@ pub struct Snapshot {
     by_type: [Arc<ResourceMap>; 4],
     type_versions: [Arc<str>; 4],
     stand_ins: Arc<BTreeMap<String, Arc<str>>>,
-    /// What one stream's responses to this snapshot may come to, about: every type's
-    /// encoded resources with their names and versions, at most four response budgets.
+    /// What one stream's responses to this snapshot may come to (see
+    /// [`Snapshot::response_room`]).
     response_room: usize,
 }
 
@@ -659,17 +659,24 @@ impl Snapshot {
             hash.update(ty.type_url().as_bytes());
             hash.update(v.as_bytes());
         }
-        let response_room = by_type
+        let response_room = ResourceType::ALL
             .iter()
-            .map(|resources| {
-                resources
-                    .values()
-                    .map(|r| r.body.value.len() + r.name.len() + r.version.len() + RESOURCE_FRAMING)
-                    .sum::<usize>()
-                    + RESPONSE_FRAMING
+            .map(|ty| {
+                let sizes = by_type[ty.index()].values().map(|r| {
+                    r.body.value.len() + r.name.len() + r.version.len() + RESOURCE_FRAMING
+                });
+                let (all, largest) = sizes.fold((0usize, 0usize), |(all, largest), size| {
+                    (all + size, largest.max(size))
+                });
+                let whole = all + RESPONSE_FRAMING;
+                if ty.is_full_state() {
+                    whole // state of the world sends the whole set at once
+                } else {
+                    // One response takes resources up to the budget, and always one.
+                    whole.min(crate::ordering::RESPONSE_BUDGET_BYTES + largest + RESPONSE_FRAMING)
+                }
             })
-            .sum::<usize>()
-            .min(4 * crate::ordering::RESPONSE_BUDGET_BYTES);
+            .sum::<usize>();
         Snapshot {
             version: short_hex(&hash.finalize()),
             by_type: by_type.map(Arc::new),
@@ -680,8 +687,10 @@ impl Snapshot {
     }
 
     /// The room a stream reserves before it builds its responses to this snapshot
-    /// ([`crate::responses`]): what they may come to, about (a stand-in or a resource
-    /// over the budget can take more; the framed bytes are what is held).
+    /// ([`crate::responses`]): the most one poll can send, about: for each type, the
+    /// whole set where state of the world sends it whole (clusters, listeners), else a
+    /// response budget and the largest resource. Only a stand-in (a renamed copy, after
+    /// a reconnect) can come to more; the framed bytes are what is held.
     pub fn response_room(&self) -> usize {
         self.response_room
     }

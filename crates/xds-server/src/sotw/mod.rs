@@ -924,6 +924,51 @@ mod tests {
         );
     }
 
+    /// What one poll sends never passes the room a stream reserves for it
+    /// (`Snapshot::response_room`): the whole cluster set at once, and the endpoints a
+    /// budget at a time.
+    #[test]
+    fn every_poll_fits_the_snapshot_s_response_room() {
+        let snap = snapshot_of(many_services(300, 20));
+        let names: Vec<String> = snap
+            .resources(ResourceType::Endpoints)
+            .keys()
+            .map(|n| n.to_string())
+            .collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut s = SotwStream::new();
+        s.on_request(request(ResourceType::Cluster, &[], "", ""))
+            .unwrap();
+        s.on_request(request(ResourceType::Endpoints, &refs, "", ""))
+            .unwrap();
+        let mut polls = 0;
+        loop {
+            let out = s.poll(&snap);
+            if out.is_empty() {
+                break;
+            }
+            polls += 1;
+            let framed: usize = out
+                .iter()
+                .map(|(_, _, r)| 5 + prost::Message::encoded_len(r))
+                .sum();
+            assert!(
+                framed <= snap.response_room(),
+                "{framed} bytes framed in one poll, room {}",
+                snap.response_room()
+            );
+            for (ty, _, r) in &out {
+                let names: &[&str] = if *ty == ResourceType::Endpoints {
+                    &refs
+                } else {
+                    &[]
+                };
+                s.on_request(ack(r, names)).unwrap();
+            }
+        }
+        assert!(polls > 2, "{polls}");
+    }
+
     #[test]
     fn an_in_sync_stream_only_answers_the_type_that_changed() {
         let before = snapshot_of(many_services(3, 2));
