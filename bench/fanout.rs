@@ -722,16 +722,9 @@ async fn run(
     let opening = (args.opening > 0).then(|| Arc::new(tokio::sync::Semaphore::new(args.opening)));
     let opening_deadline = tokio::time::Instant::now() + deadline;
     for i in 0..streams {
-        if i % args.streams_per_connection == 0 {
-            channel = Some(
-                Channel::from_shared(endpoint.clone())
-                    .unwrap()
-                    .connect()
-                    .await
-                    .unwrap(),
-            );
-        }
-        let ch = channel.clone().unwrap();
+        let ch = channel_for(i, args.streams_per_connection, &endpoint, &mut channel)
+            .await
+            .unwrap();
         let place = match &opening {
             Some(o) => {
                 let acquire = o.clone().acquire_owned();
@@ -945,6 +938,24 @@ async fn wait_whole(
     Ok(when)
 }
 
+/// The channel stream `i` rides: a new connection every `per_connection` streams.
+async fn channel_for(
+    i: usize,
+    per_connection: usize,
+    endpoint: &str,
+    current: &mut Option<Channel>,
+) -> Result<Channel, String> {
+    if i.is_multiple_of(per_connection) || current.is_none() {
+        let channel = Channel::from_shared(endpoint.to_string())
+            .map_err(|e| e.to_string())?
+            .connect()
+            .await
+            .map_err(|e| e.to_string())?;
+        *current = Some(channel);
+    }
+    Ok(current.clone().expect("made above"))
+}
+
 /// What a reconnect storm took.
 struct StormResult {
     /// From the new process's start until every stream held every type again.
@@ -994,16 +1005,7 @@ async fn storm(
     let mut tasks = Aborting(Vec::new());
     let mut channel = None;
     for i in 0..streams {
-        if i % args.streams_per_connection == 0 {
-            channel = Some(
-                Channel::from_shared(endpoint.clone())
-                    .unwrap()
-                    .connect()
-                    .await
-                    .map_err(|e| e.to_string())?,
-            );
-        }
-        let ch = channel.clone().unwrap();
+        let ch = channel_for(i, args.streams_per_connection, &endpoint, &mut channel).await?;
         let (names, whole) = (eds_names.clone(), whole_tx.clone());
         tasks.0.push(tokio::spawn(async move {
             for generation in 0.. {

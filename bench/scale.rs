@@ -224,6 +224,31 @@ async fn responder(listener: tokio::net::TcpListener, close: bool, faults: Arc<F
 /// What the endpoints client saw: (when its ACK was sent, cluster, addresses listed).
 type Acked = (Instant, String, std::collections::HashSet<String>);
 
+/// A state-of-the-world ADS stream to ray-xds on `xds_port` (connecting until it
+/// listens): requests go in through the sender.
+async fn ads_stream(
+    xds_port: u16,
+) -> (
+    mpsc::Sender<DiscoveryRequest>,
+    tonic::Streaming<envoy_types::pb::envoy::service::discovery::v3::DiscoveryResponse>,
+) {
+    let mut client = loop {
+        match AggregatedDiscoveryServiceClient::connect(format!("http://127.0.0.1:{xds_port}"))
+            .await
+        {
+            Ok(c) => break c.max_decoding_message_size(256 << 20),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    let (tx, rx) = mpsc::channel(16);
+    let responses = client
+        .stream_aggregated_resources(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (tx, responses)
+}
+
 /// A state-of-the-world client of `clusters`' endpoints that ACKs each response and
 /// reports, per assignment, the addresses it lists, timed at its ACK.
 async fn endpoints_client(xds_port: u16, clusters: Vec<String>) -> mpsc::UnboundedReceiver<Acked> {
@@ -232,17 +257,7 @@ async fn endpoints_client(xds_port: u16, clusters: Vec<String>) -> mpsc::Unbound
         lb_endpoint::HostIdentifier, ClusterLoadAssignment,
     };
     use ray_xds::xds::snapshot::ENDPOINTS_TYPE_URL;
-    let mut client =
-        AggregatedDiscoveryServiceClient::connect(format!("http://127.0.0.1:{xds_port}"))
-            .await
-            .unwrap()
-            .max_decoding_message_size(256 << 20);
-    let (tx, rx) = mpsc::channel(16);
-    let mut responses = client
-        .stream_aggregated_resources(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (tx, mut responses) = ads_stream(xds_port).await;
     tx.send(DiscoveryRequest {
         node: Some(Node {
             id: "scale-endpoints".into(),
@@ -407,20 +422,7 @@ async fn main() {
     println!("start: every proxy's route table read after {routes_s:.1} s");
 
     // Steady: an ADS client follows the clusters; edits add a RayService each.
-    let mut client = loop {
-        match AggregatedDiscoveryServiceClient::connect(format!("http://127.0.0.1:{xds_port}"))
-            .await
-        {
-            Ok(c) => break c.max_decoding_message_size(256 << 20),
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    };
-    let (tx, rx) = mpsc::channel(16);
-    let mut responses = client
-        .stream_aggregated_resources(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (tx, mut responses) = ads_stream(xds_port).await;
     let node = Some(Node {
         id: "scale".into(),
         cluster: "scale".into(),

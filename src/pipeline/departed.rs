@@ -37,12 +37,11 @@ impl Departed {
         defaults: &SwitchoverPolicy,
         now: SystemTime,
     ) -> Model {
-        self.note_departures(previous, current, defaults, now);
-        self.forget_gone(current, now);
-        if self.clusters.is_empty() && self.services.is_empty() {
-            return current.clone();
+        if self.advance(Some(previous), current, defaults, now) {
+            self.with_departed(current)
+        } else {
+            current.clone()
         }
-        self.with_departed(current)
     }
 
     /// As [`Departed::update`], sharing `current` when nothing drains, and not comparing
@@ -55,14 +54,28 @@ impl Departed {
         defaults: &SwitchoverPolicy,
         now: SystemTime,
     ) -> Arc<Model> {
-        if !Arc::ptr_eq(previous, current) {
+        let previous = (!Arc::ptr_eq(previous, current)).then_some(&**previous);
+        if self.advance(previous, current, defaults, now) {
+            Arc::new(self.with_departed(current))
+        } else {
+            current.clone()
+        }
+    }
+
+    /// Notes what left since `previous` (none when it is `current` itself) and forgets
+    /// what is gone for good; true while something drains.
+    fn advance(
+        &mut self,
+        previous: Option<&Model>,
+        current: &Model,
+        defaults: &SwitchoverPolicy,
+        now: SystemTime,
+    ) -> bool {
+        if let Some(previous) = previous {
             self.note_departures(previous, current, defaults, now);
         }
         self.forget_gone(current, now);
-        if self.clusters.is_empty() && self.services.is_empty() {
-            return current.clone();
-        }
-        Arc::new(self.with_departed(current))
+        !(self.clusters.is_empty() && self.services.is_empty())
     }
 
     /// Notes the clusters and RayServices `previous` had and `current` lacks.

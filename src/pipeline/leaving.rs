@@ -46,18 +46,30 @@ impl Leaving {
         if Arc::ptr_eq(previous, current) && self.held.is_empty() {
             return current.clone();
         }
-        let next = self.update(previous, current, now);
+        self.note(previous, current, now);
         if self.held.is_empty() {
             current.clone()
         } else {
-            Arc::new(next)
+            Arc::new(self.with_held(current))
         }
     }
 
     /// Notes the replicas `previous` had and `current` lacks (their application still
     /// listed), forgets expired ones and any that came back, and returns `current` with
-    /// those still held added back to their application.
+    /// those still held added back to their application (the unit tests' form of
+    /// [`Leaving::update_shared`]).
+    #[cfg(test)]
     pub fn update(&mut self, previous: &Model, current: &Model, now: SystemTime) -> Model {
+        self.note(previous, current, now);
+        if self.held.is_empty() {
+            return current.clone();
+        }
+        self.with_held(current)
+    }
+
+    /// Notes the replicas `previous` had and `current` lacks, and forgets expired ones
+    /// and any that came back.
+    fn note(&mut self, previous: &Model, current: &Model, now: SystemTime) {
         let replicas = |m: &Model| -> BTreeMap<(String, SocketAddr), Protocol> {
             let mut out = BTreeMap::new();
             for s in m.services() {
@@ -80,9 +92,10 @@ impl Leaving {
         }
         self.held
             .retain(|key, until| *until > now && !after.contains_key(key));
-        if self.held.is_empty() {
-            return current.clone();
-        }
+    }
+
+    /// `current` with the replicas held added back to their application.
+    fn with_held(&self, current: &Model) -> Model {
         // A held address that is an endpoint again (another application's replica, a
         // proxy) stays that alone: only what keeps the model valid is added back, each
         // address once, so one conflict never drops the others.

@@ -882,14 +882,18 @@ mod tests {
             .collect()
     }
 
+    /// The names of every assignment of `snap`.
+    fn endpoint_names(snap: &Snapshot) -> Vec<String> {
+        snap.resources(ResourceType::Endpoints)
+            .keys()
+            .map(|n| n.to_string())
+            .collect()
+    }
+
     #[test]
     fn a_large_endpoint_set_is_split_and_ends_whole() {
         let snap = snapshot_of(many_services(300, 20));
-        let names: Vec<String> = snap
-            .resources(ResourceType::Endpoints)
-            .keys()
-            .map(|n| n.to_string())
-            .collect();
+        let names = endpoint_names(&snap);
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let mut s = SotwStream::new();
         s.on_request(request(ResourceType::Endpoints, &refs, "", ""))
@@ -930,11 +934,7 @@ mod tests {
     #[test]
     fn every_poll_fits_the_snapshot_s_response_room() {
         let snap = snapshot_of(many_services(300, 20));
-        let names: Vec<String> = snap
-            .resources(ResourceType::Endpoints)
-            .keys()
-            .map(|n| n.to_string())
-            .collect();
+        let names = endpoint_names(&snap);
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let mut s = SotwStream::new();
         s.on_request(request(ResourceType::Cluster, &[], "", ""))
