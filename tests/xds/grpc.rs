@@ -571,12 +571,15 @@ async fn streams_over_the_response_bound_wait_their_turn_and_every_one_syncs() {
 /// A client that reads none of a response (its HTTP/2 window stays shut, as when an
 /// application stops reading its stream) holds its room of the shared response bound
 /// only until the write deadline: then its connection is closed, what it held comes
-/// back, and other clients are served meanwhile and after.
+/// back, and other clients are served after. It is closed even while its stream waits
+/// for room that its own unwritten response keeps taken (a second request makes it
+/// try to build again, under a bound its first response fills).
 #[tokio::test]
 async fn a_client_that_reads_nothing_loses_its_connection_and_gives_its_room_back() {
     use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
     let s = server_with(&[NodeType::Head, NodeType::Worker], |config| {
         config.xds_limits.write_deadline = Duration::from_millis(500);
+        config.memory.xds_responses = 2048;
     })
     .await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", s.running.xds_addr))
@@ -589,6 +592,13 @@ async fn a_client_that_reads_nothing_loses_its_connection_and_gives_its_room_bac
     tx.send(DiscoveryRequest {
         node: node("reads-nothing"),
         type_url: CLUSTER_TYPE_URL.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    tx.send(DiscoveryRequest {
+        type_url: ENDPOINTS_TYPE_URL.into(),
+        resource_names: vec!["default/demo/demo-a".into()],
         ..Default::default()
     })
     .await

@@ -40,7 +40,7 @@ pub struct Limits {
     pub handshake_timeout: Duration,
     /// How long a connection may stay without a stream once its preface arrived.
     pub idle_timeout: Duration,
-    /// How long a response may wait unwritten (its client reading none of it) before
+    /// How long a response may wait at the head of its stream's queue unwritten before
     /// its connection is closed (`server::WRITE_DEADLINE`).
     pub write_deadline: Duration,
     /// TLS handshakes one address may begin a second, after a burst of as many; the

@@ -5,8 +5,8 @@
 //! most one poll can send, `Snapshot::response_room`), then keeps what its framed
 //! responses take ([`Room::frame`]): each framed response owns its share, given back
 //! when the transport drops its last byte (written to the socket, or the stream gone).
-//! A response its client reads none of for `server::WRITE_DEADLINE` closes its
-//! connection, which drops it.
+//! A response not written within `server::WRITE_DEADLINE` of reaching the head of its
+//! stream's queue closes its connection, which drops it.
 //! So when every Envoy reconnects at once, responses are built only as fast as they
 //! leave, and memory follows the bound, not the number of streams.
 //!
@@ -20,7 +20,7 @@
 //!   the whole bound counts as the bound); only a response larger than its reservation
 //!   (a stand-in) adds to it unchecked, by its excess;
 //! - a client that stops reading holds at most the responses already framed for it
-//!   (one per type in flight), for at most the write deadline; meanwhile other peers'
+//!   (one per type in flight), for about the write deadline; meanwhile other peers'
 //!   streams go on within the second half of the bound;
 //! - room is given back exactly once, however a stream ends (a dropped waiter that was
 //!   admitted gives its room back).

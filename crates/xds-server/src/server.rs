@@ -4,8 +4,9 @@
 //! state machine and sends what it returns; it registers the stream with [`Clients`] and
 //! reports what happens to an [`Observer`] (metrics, in ray-xds). Snapshots come from a `watch` channel, so a
 //! stream that falls behind skips straight to the latest; a client that stops reading
-//! blocks only its own task, and holds at most one response per type, for at most
-//! [`WRITE_DEADLINE`]: then its connection is closed. Responses built and not yet
+//! blocks only its own task, and holds at most one response per type; a response not
+//! written within [`WRITE_DEADLINE`] of reaching the head of its stream's queue closes
+//! the connection (and every stream on it). Responses built and not yet
 //! written share one bound across streams ([`super::responses`]), reserved before a
 //! stream builds them. A client error
 //! (undecodable or oversized message, unknown type) ends that stream only.
@@ -39,9 +40,10 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 100;
 /// How many ADS streams are served at once by default, over every connection.
 pub const DEFAULT_MAX_STREAMS: usize = 20_000;
 
-/// How long a response may wait to be written out (its client reading none of it)
-/// before the stream's connection is closed: what it holds of the shared response bound
-/// comes back, and a client that stops reading holds it no longer than this.
+/// How long a response may wait at the head of its stream's queue without being written
+/// out (its client making no progress) before the stream's connection is closed: what
+/// it holds of the shared response bound comes back, and a client that stops reading
+/// holds it about this long at most.
 pub const WRITE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The ADS service. Cheap to clone: everything inside is shared.
@@ -165,11 +167,10 @@ impl AdsServer {
         // does not keep a timer's room in its task.
         let reconnect_deadline = tokio::time::Instant::now() + RECONNECT_WAIT;
         let mut reconnect: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
-        // When each response sent and not known written was sent (they are written in
-        // order), and how many of them `written` had counted.
-        let written = Written::default();
-        let mut unwritten: std::collections::VecDeque<tokio::time::Instant> = Default::default();
-        let mut counted = 0u64;
+        let mut watch = WriteWatch::new(self.write_deadline);
+        // Whether something may have changed what the stream sends (anything but the
+        // write deadline's check).
+        let mut poll_needed = true;
         loop {
             let awaiting_reconnect = lock(&machine).awaiting_reconnect();
             if !awaiting_reconnect {
@@ -177,42 +178,39 @@ impl AdsServer {
             } else if reconnect.is_none() {
                 reconnect = Some(Box::pin(tokio::time::sleep_until(reconnect_deadline)));
             }
-            let snapshot = snapshots.borrow_and_update().clone();
-            // Room before the responses are built: when every Envoy reconnects at once,
-            // they are built only as fast as earlier ones leave.
-            let mut room = tokio::select! {
-                room = self.responses.reserve(peer, snapshot.response_room()) => room,
-                _ = self.shutdown.cancelled() => return,
-            };
-            let responses = lock(&machine).poll(&snapshot);
-            for (ty, count, response) in responses {
-                self.observer.pushed(protocol, ty, count);
-                let framed = room.frame(&response, &written);
-                drop(response);
-                tokio::select! {
-                    sent = tx.send(Ok(framed)) => if sent.is_err() { return },
-                    _ = self.shutdown.cancelled() => return,
+            if std::mem::replace(&mut poll_needed, true) {
+                let snapshot = snapshots.borrow_and_update().clone();
+                // Room before the responses are built: when every Envoy reconnects at
+                // once, they are built only as fast as earlier ones leave.
+                let room = self.room_for(
+                    &snapshot,
+                    &mut watch,
+                    (id, protocol, peer),
+                    connection.as_deref(),
+                );
+                let Some(mut room) = room.await else { return };
+                let responses = lock(&machine).poll(&snapshot);
+                for (ty, count, response) in responses {
+                    self.observer.pushed(protocol, ty, count);
+                    let framed = room.frame(&response, &watch.written);
+                    drop(response);
+                    tokio::select! {
+                        sent = tx.send(Ok(framed)) => if sent.is_err() { return },
+                        _ = self.shutdown.cancelled() => return,
+                    }
+                    watch.sent();
                 }
-                unwritten.push_back(tokio::time::Instant::now());
             }
-            drop(room);
-            let done = written.load(std::sync::atomic::Ordering::Relaxed);
-            while counted < done && unwritten.pop_front().is_some() {
-                counted += 1;
-            }
-            let write_by = unwritten.front().map(|sent| *sent + self.write_deadline);
+            watch.refresh();
+            let write_by = watch.write_by();
             tokio::select! {
                 _ = self.shutdown.cancelled() => return,
                 _ = tokio::time::sleep_until(write_by.unwrap_or_else(tokio::time::Instant::now)), if write_by.is_some() => {
-                    if written.load(std::sync::atomic::Ordering::Relaxed) > counted {
-                        continue; // written meanwhile
+                    if watch.stalled() {
+                        self.close_stalled(id, protocol, peer, connection.as_deref());
+                        return;
                     }
-                    tracing::warn!(stream = id, protocol, peer = %peer, deadline = ?self.write_deadline, "the client read none of a response in time; closing its connection");
-                    self.observer.stream_error(protocol, "not_reading");
-                    if let Some(connection) = &connection {
-                        connection.close();
-                    }
-                    return;
+                    poll_needed = false; // written meanwhile: nothing else changed
                 }
                 _ = futures::future::OptionFuture::from(reconnect.as_mut()), if awaiting_reconnect => {
                     tracing::debug!(stream = id, protocol, "reconnected Envoy did not declare all it holds in time; going ahead");
@@ -254,6 +252,50 @@ impl AdsServer {
         }
     }
 
+    /// Room in the response bound for what a round on `snapshot` may send; `None` when
+    /// the server stops or the stream stalls meanwhile. The write deadline is watched
+    /// while it waits: a stream whose own unwritten responses keep the bound full must
+    /// not wait for ever.
+    async fn room_for(
+        &self,
+        snapshot: &Snapshot,
+        watch: &mut WriteWatch,
+        (id, protocol, peer): (u64, &'static str, IpAddr),
+        connection: Option<&ConnectionStreams>,
+    ) -> Option<super::responses::Room> {
+        let reserve = self.responses.reserve(peer, snapshot.response_room());
+        tokio::pin!(reserve);
+        loop {
+            let write_by = watch.write_by();
+            tokio::select! {
+                room = &mut reserve => return Some(room),
+                _ = self.shutdown.cancelled() => return None,
+                _ = tokio::time::sleep_until(write_by.unwrap_or_else(tokio::time::Instant::now)), if write_by.is_some() => {
+                    if watch.stalled() {
+                        self.close_stalled(id, protocol, peer, connection);
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Closes the connection of a stream whose client reads none of a response in time
+    /// (every stream on it ends; what they held of the response bound comes back).
+    fn close_stalled(
+        &self,
+        id: u64,
+        protocol: &'static str,
+        peer: IpAddr,
+        connection: Option<&ConnectionStreams>,
+    ) {
+        tracing::warn!(stream = id, protocol, peer = %peer, deadline = ?self.write_deadline, "the client read none of a response in time; closing its connection");
+        self.observer.stream_error(protocol, "not_reading");
+        if let Some(connection) = connection {
+            connection.close();
+        }
+    }
+
     fn record(&self, id: u64, protocol: &'static str, event: &Event, stream: &mut StreamGuard) {
         match event {
             Event::Subscribed(ty) => {
@@ -290,6 +332,63 @@ impl AdsServer {
     }
 }
 
+/// Whether a stream's client reads its responses: they are written in the order they
+/// were sent, and each counts in `written` when its last byte is dropped. A response's
+/// clock starts when it is sent or when the one before it is seen written, whichever is
+/// later, so a slow client that makes progress is never cut off; one whose oldest
+/// response waits out the deadline is stalled.
+struct WriteWatch {
+    written: Written,
+    /// When each response not known written became the oldest (or was sent).
+    unwritten: std::collections::VecDeque<tokio::time::Instant>,
+    /// How many of `written`'s counts have been taken off `unwritten`.
+    counted: u64,
+    deadline: std::time::Duration,
+}
+
+impl WriteWatch {
+    fn new(deadline: std::time::Duration) -> WriteWatch {
+        WriteWatch {
+            written: Written::default(),
+            unwritten: Default::default(),
+            counted: 0,
+            deadline,
+        }
+    }
+
+    fn sent(&mut self) {
+        self.unwritten.push_back(tokio::time::Instant::now());
+    }
+
+    /// Takes what was written off the front; the new front's clock starts now if it
+    /// started before.
+    fn refresh(&mut self) {
+        let done = self.written.load(std::sync::atomic::Ordering::Relaxed);
+        let mut progressed = false;
+        while self.counted < done && self.unwritten.pop_front().is_some() {
+            self.counted += 1;
+            progressed = true;
+        }
+        if progressed {
+            if let Some(front) = self.unwritten.front_mut() {
+                *front = (*front).max(tokio::time::Instant::now());
+            }
+        }
+    }
+
+    /// When the oldest unwritten response must be written by.
+    fn write_by(&self) -> Option<tokio::time::Instant> {
+        self.unwritten.front().map(|since| *since + self.deadline)
+    }
+
+    /// Whether the oldest response has waited out the deadline (after a refresh).
+    fn stalled(&mut self) -> bool {
+        self.refresh();
+        self.write_by()
+            .is_some_and(|by| by <= tokio::time::Instant::now())
+    }
+}
+
 /// Unregisters a stream and reports it closed (with the types it subscribed to) however
 /// its task ends.
 struct StreamGuard {
@@ -309,5 +408,39 @@ impl Drop for StreamGuard {
             }
         }
         self.observer.stream_closed(self.protocol);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WriteWatch;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    /// A client that reads none of its oldest response for the deadline is stalled; one
+    /// that finishes a response gives the next one a deadline of its own, counted from
+    /// then.
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_is_stalled_only_when_its_oldest_response_waits_out_the_deadline() {
+        let mut watch = WriteWatch::new(Duration::from_secs(30));
+        assert!(!watch.stalled(), "nothing sent");
+        watch.sent();
+        watch.sent();
+        tokio::time::advance(Duration::from_secs(20)).await;
+        assert!(!watch.stalled());
+        // The first is written at 20 s, and seen: the second's clock starts there.
+        watch.written.fetch_add(1, Ordering::Relaxed);
+        watch.refresh();
+        tokio::time::advance(Duration::from_secs(20)).await;
+        assert!(
+            !watch.stalled(),
+            "40 s after it was sent, 20 s after it became the oldest"
+        );
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(watch.stalled(), "30 s at the head without being written");
+        // Written after all: nothing left to wait for.
+        watch.written.fetch_add(1, Ordering::Relaxed);
+        assert!(!watch.stalled());
+        assert_eq!(watch.write_by(), None);
     }
 }
