@@ -29,7 +29,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::sync::oneshot;
 
 /// What responses built and not yet written may hold in all by default: 64 MiB, about
@@ -102,10 +102,6 @@ impl Ledger {
 
     pub fn bound(&self) -> usize {
         self.bound
-    }
-
-    pub fn held_by(&self, peer: IpAddr) -> usize {
-        self.held.get(&peer).copied().unwrap_or(0)
     }
 }
 
@@ -259,16 +255,9 @@ impl Room {
     /// larger than the room left takes more (it is already built). When the bytes are
     /// dropped (written out, or their stream gone), `written` counts one more.
     pub fn frame<M: prost::Message>(&mut self, message: &M, written: &Written) -> Bytes {
-        let len = message.encoded_len();
-        let size = 5 + len;
-        let share = self.split(size);
-        let mut buf = BytesMut::with_capacity(size);
-        buf.put_u8(0);
-        buf.put_u32(len as u32);
-        // Cannot fail: the buffer has room for `encoded_len` bytes.
-        let _ = message.encode(&mut buf);
+        let share = self.split(5 + message.encoded_len());
         Bytes::from_owner(Framed {
-            buf,
+            buf: crate::codec::frame(message),
             _room: share,
             written: written.clone(),
         })
@@ -308,7 +297,7 @@ pub type Written = Arc<std::sync::atomic::AtomicU64>;
 
 /// A framed response and the room it holds.
 struct Framed {
-    buf: BytesMut,
+    buf: Bytes,
     _room: Room,
     written: Written,
 }
