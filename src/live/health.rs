@@ -41,14 +41,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 
 use serde::Serialize;
 
-use super::dashboard::ProxyStatus;
+use super::dashboard::{ProxyStatus, ServeStatus};
 use super::dashboards::DashboardStates;
-use super::probe::ProbeState;
+use super::probe::{ProbeState, ProxyProbe};
 use super::prober::ProbeStates;
-use crate::model::{HeadProxy, Model, NodeType, Protocol, RayCluster, RayService};
+use crate::model::{HeadProxy, Model, NodeType, Protocol, Proxy, RayCluster, RayService};
 
 /// What Envoy is told about an endpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -158,7 +159,7 @@ impl HealthMap {
 
     /// The verdicts of one Envoy cluster's endpoints.
     pub fn of_cluster(&self, cluster: &str) -> ClusterVerdicts<'_> {
-        ClusterVerdicts(self.endpoints.0.get(cluster))
+        ClusterVerdicts(self.endpoints.0.get(cluster).map(|m| &**m))
     }
 
     pub fn cluster(&self, cluster: &str) -> ClusterHealth {
@@ -178,22 +179,22 @@ impl HealthMap {
 /// Every endpoint's verdict, by (Envoy cluster, address): a map per cluster, so that a
 /// cluster's endpoints are found, and added, without a key of their own per endpoint.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct EndpointVerdicts(BTreeMap<String, BTreeMap<SocketAddr, Verdict>>);
+pub struct EndpointVerdicts(BTreeMap<String, Arc<BTreeMap<SocketAddr, Verdict>>>);
 
 impl EndpointVerdicts {
     pub fn insert(&mut self, (cluster, address): (String, SocketAddr), verdict: Verdict) {
-        self.0.entry(cluster).or_default().insert(address, verdict);
+        Arc::make_mut(self.0.entry(cluster).or_default()).insert(address, verdict);
     }
 
     /// As `insert`, without giving up a cluster name per endpoint.
     fn insert_in(&mut self, cluster: &str, address: SocketAddr, verdict: Verdict) {
-        self.of_cluster_mut(cluster).insert(address, verdict);
+        Arc::make_mut(self.of_cluster_mut(cluster)).insert(address, verdict);
     }
 
     /// One cluster's verdicts, to add to.
-    fn of_cluster_mut(&mut self, cluster: &str) -> &mut BTreeMap<SocketAddr, Verdict> {
+    fn of_cluster_mut(&mut self, cluster: &str) -> &mut Arc<BTreeMap<SocketAddr, Verdict>> {
         if !self.0.contains_key(cluster) {
-            self.0.insert(cluster.to_string(), BTreeMap::new());
+            self.0.insert(cluster.to_string(), Default::default());
         }
         self.0.get_mut(cluster).expect("just inserted")
     }
@@ -254,28 +255,191 @@ pub fn assess(
     dashboards: &DashboardStates,
     facts: Facts<'_>,
 ) -> HealthMap {
-    let withheld = |a: &SocketAddr| facts.withheld.is_some_and(|w| w.contains(a));
-    let mut out = HealthMap::default();
-    for service in model.services() {
-        for cluster in &service.clusters {
-            for protocol in [Protocol::Http, Protocol::Grpc] {
-                if protocol == Protocol::Grpc && !cluster.serves_grpc() {
-                    continue;
-                }
-                let judge = ProxyJudge {
-                    service,
-                    cluster,
-                    protocol,
-                    probes,
-                    dashboards,
-                    withheld: &withheld,
-                };
-                judge.assess(facts, &mut out);
-            }
-            assess_replicas(service, cluster, probes, &withheld, facts, &mut out);
+    Assessor::default().assess(model, probes, dashboards, facts)
+}
+
+/// [`assess`] across builds, in proportion to the change: an Envoy cluster of proxies is
+/// judged again only when something its verdicts are made from changed (an endpoint's
+/// probe, source or withheld facts, the cluster's dashboard status, head policy or
+/// departure); otherwise its last verdicts and counts are kept, shared. It always gives
+/// what [`assess`] gives from the same inputs (a property test holds them equal).
+#[derive(Default)]
+pub struct Assessor {
+    kept: BTreeMap<String, Judged>,
+    /// How many assessments it made.
+    round: u64,
+}
+
+/// One Envoy cluster of proxies as last judged.
+struct Judged {
+    from: JudgedFrom,
+    verdicts: Arc<BTreeMap<SocketAddr, Verdict>>,
+    summary: ClusterHealth,
+    /// The assessment that last asked for it (to forget a cluster that went).
+    round: u64,
+}
+
+/// Everything one Envoy cluster's proxy verdicts are made from, besides the rules.
+struct JudgedFrom {
+    head_proxy: HeadProxy,
+    departed: bool,
+    dashboard: Option<Arc<ServeStatus>>,
+    endpoints: Vec<JudgedEndpoint>,
+}
+
+/// What one endpoint's verdict is made from: the model's proxy, withheld or not, and its
+/// probe (shared parts held, so that a pointer compared is never a freed one reused).
+struct JudgedEndpoint {
+    address: SocketAddr,
+    proxy: Proxy,
+    withheld: bool,
+    probe: Option<(ProbeState, Arc<str>, Option<RouteTable>)>,
+}
+
+/// A proxy's route prefixes, shared (`ProxyProbe::routes`).
+type RouteTable = Arc<BTreeSet<String>>;
+
+impl JudgedEndpoint {
+    fn of(address: SocketAddr, proxy: &Proxy, withheld: bool, probe: Option<&ProxyProbe>) -> Self {
+        JudgedEndpoint {
+            address,
+            proxy: proxy.clone(),
+            withheld,
+            probe: probe.map(|p| (p.state, p.reason.clone(), p.routes.clone())),
         }
     }
-    out
+
+    fn is(
+        &self,
+        address: SocketAddr,
+        proxy: &Proxy,
+        withheld: bool,
+        probe: Option<&ProxyProbe>,
+    ) -> bool {
+        fn same<T: ?Sized + PartialEq>(a: &Arc<T>, b: &Arc<T>) -> bool {
+            Arc::ptr_eq(a, b) || a == b
+        }
+        self.address == address
+            && self.proxy == *proxy
+            && self.withheld == withheld
+            && match (&self.probe, probe) {
+                (None, None) => true,
+                (Some((state, reason, routes)), Some(p)) => {
+                    *state == p.state
+                        && same(reason, &p.reason)
+                        && match (routes, &p.routes) {
+                            (None, None) => true,
+                            (Some(a), Some(b)) => same(a, b),
+                            _ => false,
+                        }
+                }
+                _ => false,
+            }
+    }
+}
+
+impl Assessor {
+    /// As [`assess`], judging again only the Envoy clusters whose inputs changed since
+    /// the last call.
+    pub fn assess(
+        &mut self,
+        model: &Model,
+        probes: &ProbeStates,
+        dashboards: &DashboardStates,
+        facts: Facts<'_>,
+    ) -> HealthMap {
+        self.round += 1;
+        let round = self.round;
+        let withheld = |a: &SocketAddr| facts.withheld.is_some_and(|w| w.contains(a));
+        let mut out = HealthMap::default();
+        for service in model.services() {
+            for cluster in &service.clusters {
+                for protocol in [Protocol::Http, Protocol::Grpc] {
+                    if protocol == Protocol::Grpc && !cluster.serves_grpc() {
+                        continue;
+                    }
+                    let judge = ProxyJudge {
+                        service,
+                        cluster,
+                        protocol,
+                        dashboards,
+                        withheld: &withheld,
+                    };
+                    let name = service.envoy_cluster_name_for(&cluster.name, protocol);
+                    let judged = self.judged(&name, &judge, probes, facts, round);
+                    out.endpoints
+                        .0
+                        .insert(name.clone(), judged.verdicts.clone());
+                    out.clusters.insert(name, judged.summary);
+                }
+                assess_replicas(service, cluster, probes, &withheld, facts, &mut out);
+            }
+        }
+        self.kept.retain(|_, j| j.round == round);
+        out
+    }
+
+    /// Envoy cluster `name` judged by `judge`: as kept when its inputs are the same.
+    fn judged(
+        &mut self,
+        name: &str,
+        judge: &ProxyJudge<'_>,
+        probes: &ProbeStates,
+        facts: Facts<'_>,
+        round: u64,
+    ) -> &Judged {
+        let (service, cluster) = (judge.service, judge.cluster);
+        let departed = facts
+            .departed
+            .is_some_and(|d| d.contains(&service.envoy_cluster_name(&cluster.name)));
+        let dashboard = judge.dashboard();
+        // Each endpoint's probe, looked up once.
+        let endpoints: Vec<_> = cluster
+            .endpoints(judge.protocol)
+            .map(|(address, proxy)| (address, proxy, probes.proxies.get(&address)))
+            .collect();
+        let unchanged = self.kept.get(name).is_some_and(|kept| {
+            kept.from.head_proxy == service.policy.head_proxy
+                && kept.from.departed == departed
+                && match (&kept.from.dashboard, dashboard) {
+                    (None, None) => true,
+                    (Some(a), Some(b)) => Arc::ptr_eq(a, b) || **a == **b,
+                    _ => false,
+                }
+                && kept.from.endpoints.len() == endpoints.len()
+                && kept.from.endpoints.iter().zip(&endpoints).all(
+                    |(kept, (address, proxy, probe))| {
+                        kept.is(*address, proxy, (judge.withheld)(address), *probe)
+                    },
+                )
+        });
+        if !unchanged {
+            let from = JudgedFrom {
+                head_proxy: service.policy.head_proxy,
+                departed,
+                dashboard: dashboard.cloned(),
+                endpoints: endpoints
+                    .iter()
+                    .map(|(address, proxy, probe)| {
+                        JudgedEndpoint::of(*address, proxy, (judge.withheld)(address), *probe)
+                    })
+                    .collect(),
+            };
+            let (verdicts, summary) = judge.judge(dashboard.map(|d| &**d), endpoints, departed);
+            self.kept.insert(
+                name.to_string(),
+                Judged {
+                    from,
+                    verdicts: Arc::new(verdicts),
+                    summary,
+                    round,
+                },
+            );
+        }
+        let kept = self.kept.get_mut(name).expect("kept or just judged");
+        kept.round = round;
+        kept
+    }
 }
 
 /// What judging one RayCluster's proxies for one protocol reads.
@@ -283,22 +447,29 @@ struct ProxyJudge<'a> {
     service: &'a RayService,
     cluster: &'a RayCluster,
     protocol: Protocol,
-    probes: &'a ProbeStates,
     dashboards: &'a DashboardStates,
     withheld: &'a dyn Fn(&SocketAddr) -> bool,
 }
 
 impl ProxyJudge<'_> {
-    /// The proxies' verdicts in their Envoy cluster: probe, withheld, draining (source or
-    /// dashboard), missing routes, fail-open, the head policy, a departed cluster.
-    fn assess(&self, facts: Facts<'_>, out: &mut HealthMap) {
-        let (service, cluster, protocol) = (self.service, self.cluster, self.protocol);
-        // The dashboard is the RayCluster's, whichever protocol.
-        let dashboard = self
-            .dashboards
+    /// The RayCluster's dashboard status (whichever protocol).
+    fn dashboard(&self) -> Option<&Arc<ServeStatus>> {
+        self.dashboards
             .clusters
-            .get(&service.envoy_cluster_name(&cluster.name))
-            .and_then(|d| d.status.as_ref());
+            .get(&self.service.envoy_cluster_name(&self.cluster.name))
+            .and_then(|d| d.status.as_ref())
+    }
+
+    /// The verdicts of `endpoints` (each with its probe) in their Envoy cluster, and its
+    /// counts: probe, withheld, draining (source or dashboard), missing routes,
+    /// fail-open, the head policy, a departed cluster.
+    fn judge(
+        &self,
+        dashboard: Option<&ServeStatus>,
+        endpoints: Vec<(SocketAddr, &Proxy, Option<&ProxyProbe>)>,
+        departed: bool,
+    ) -> (BTreeMap<SocketAddr, Verdict>, ClusterHealth) {
+        let (service, protocol) = (self.service, self.protocol);
         // Route prefixes of the applications the dashboard says serve (RUNNING, or
         // only resizing: `Application::serves`); route
         // prefixes are HTTP's only (the gRPC proxy picks the application from the call's
@@ -313,8 +484,8 @@ impl ProxyJudge<'_> {
                     .collect()
             })
             .unwrap_or_default();
-        let serves_all = |address: &SocketAddr| {
-            self.probes.proxies.get(address).is_some_and(|probe| {
+        let serves_all = |probe: Option<&ProxyProbe>| {
+            probe.is_some_and(|probe| {
                 probe.state == ProbeState::Healthy
                     && (required.is_empty()
                         || probe.routes.as_ref().is_some_and(|r| required.is_subset(r)))
@@ -322,14 +493,13 @@ impl ProxyJudge<'_> {
         };
         // Enforced only while some healthy proxy serves them all, so that a new
         // application (or routes not re-read yet) never drains the whole cluster.
-        let enforce_routes = !required.is_empty()
-            && cluster
-                .endpoints(protocol)
-                .any(|(address, _)| serves_all(&address));
+        let enforce_routes =
+            !required.is_empty() && endpoints.iter().any(|(_, _, probe)| serves_all(*probe));
         let mut summary = ClusterHealth::default();
-        let mut verdicts: Vec<(SocketAddr, NodeType, Verdict)> = Vec::new();
-        for (address, proxy) in cluster.endpoints(protocol) {
-            let mut v = probe_verdict(self.probes, &address);
+        let mut verdicts: Vec<(SocketAddr, NodeType, Verdict)> =
+            Vec::with_capacity(endpoints.len());
+        for (address, proxy, probe) in endpoints {
+            let mut v = probe_verdict(probe);
             if v.health == EndpointHealth::Unknown && (self.withheld)(&address) {
                 v = verdict(EndpointHealth::Withheld, Reason::AwaitingFirstProbe);
             }
@@ -342,16 +512,12 @@ impl ProxyJudge<'_> {
                 v = verdict(EndpointHealth::Draining, Reason::DashboardDraining);
             }
             if v.health == EndpointHealth::Healthy && enforce_routes {
-                let routes = self
-                    .probes
-                    .proxies
-                    .get(&address)
-                    .and_then(|p| p.routes.as_deref());
+                let routes = probe.and_then(|p| p.routes.as_deref());
                 if let Some(missing) = missing_routes(&required, routes) {
                     v = missing;
                 }
             }
-            if v.health == EndpointHealth::Healthy && serves_all(&address) {
+            if v.health == EndpointHealth::Healthy && serves_all(probe) {
                 summary.ready += 1;
             }
             verdicts.push((address, proxy.node_type, v));
@@ -359,12 +525,10 @@ impl ProxyJudge<'_> {
         // Fail-open: every proxy that could serve fails its probe.
         fail_open(verdicts.iter_mut().map(|(_, _, v)| v), &mut summary);
         apply_head_policy(service.policy.head_proxy, &mut verdicts);
-        let departed = facts
-            .departed
-            .is_some_and(|d| d.contains(&service.envoy_cluster_name(&cluster.name)));
-        let name = service.envoy_cluster_name_for(&cluster.name, protocol);
         let verdicts = verdicts.into_iter().map(|(address, _, v)| (address, v));
-        publish_cluster(name, verdicts, departed, summary, out);
+        let mut out = BTreeMap::new();
+        let summary = publish_verdicts(verdicts, departed, summary, &mut out);
+        (out, summary)
     }
 }
 
@@ -414,27 +578,31 @@ fn apply_head_policy(head_proxy: HeadProxy, verdicts: &mut [(SocketAddr, NodeTyp
     }
 }
 
-/// One Envoy cluster's verdicts and counts into `out`; in a cluster the source dropped,
-/// every endpoint but a withheld one drains and none counts ready.
-fn publish_cluster(
-    name: String,
+/// One Envoy cluster's verdicts into `of_cluster`, and its counts; in a cluster the
+/// source dropped, every endpoint but a withheld one drains and none counts ready.
+fn publish_verdicts(
     verdicts: impl IntoIterator<Item = (SocketAddr, Verdict)>,
     departed: bool,
     mut summary: ClusterHealth,
-    out: &mut HealthMap,
-) {
-    let of_cluster = out.endpoints.of_cluster_mut(&name);
-    for (address, mut v) in verdicts {
+    of_cluster: &mut BTreeMap<SocketAddr, Verdict>,
+) -> ClusterHealth {
+    let verdicts = verdicts.into_iter().map(|(address, mut v)| {
         if departed && v.health != EndpointHealth::Withheld {
             v = verdict(EndpointHealth::Draining, Reason::ClusterDeparted);
         }
         count(&v, &mut summary);
-        of_cluster.insert(address, v);
+        (address, v)
+    });
+    if of_cluster.is_empty() {
+        // Built whole (sorted once), not an insert per endpoint.
+        *of_cluster = verdicts.collect();
+    } else {
+        of_cluster.extend(verdicts);
     }
     if departed {
         summary.ready = 0;
     }
-    out.clusters.insert(name, summary);
+    summary
 }
 
 /// The ingress replicas of each application of `cluster` (Ray's direct ingress), each
@@ -475,7 +643,7 @@ fn assess_replicas(
                 .iter()
                 .filter(|address| !left.contains(address))
                 .map(|address| {
-                    let v = probe_verdict(probes, address);
+                    let v = probe_verdict(probes.proxies.get(address));
                     let v = match v.health {
                         EndpointHealth::Unknown if withheld(address) => {
                             verdict(EndpointHealth::Withheld, Reason::AwaitingFirstProbe)
@@ -499,7 +667,7 @@ fn assess_replicas(
                 matches!(v.health, EndpointHealth::Healthy | EndpointHealth::Unknown)
             });
             for address in replicas.iter().filter(|a| left.contains(a)) {
-                let v = match probe_verdict(probes, address) {
+                let v = match probe_verdict(probes.proxies.get(address)) {
                     v if v.health == EndpointHealth::Unhealthy => v,
                     _ if route_moves && !departed => {
                         verdict(EndpointHealth::Healthy, Reason::LeftTargetGroup)
@@ -508,14 +676,15 @@ fn assess_replicas(
                 };
                 out.endpoints.insert_in(&name, *address, v);
             }
-            publish_cluster(name, verdicts, departed, summary, out);
+            let of_cluster = Arc::make_mut(out.endpoints.of_cluster_mut(&name));
+            let summary = publish_verdicts(verdicts, departed, summary, of_cluster);
+            out.clusters.insert(name, summary);
         }
     }
 }
 
 /// What an endpoint's probe alone says.
-fn probe_verdict(probes: &ProbeStates, address: &SocketAddr) -> Verdict {
-    let probe = probes.proxies.get(address);
+fn probe_verdict(probe: Option<&ProxyProbe>) -> Verdict {
     match probe.map_or(ProbeState::Unknown, |p| p.state) {
         ProbeState::Unknown => verdict(EndpointHealth::Unknown, Reason::NotProbedYet),
         ProbeState::Healthy => verdict(EndpointHealth::Healthy, Reason::ProbeHealthy),
@@ -1005,5 +1174,344 @@ mod tests {
         );
         assert_eq!(m.health(WORK, addr(30000)), Draining);
         assert_eq!(m.cluster(WORK).ready, 0);
+    }
+
+    mod incremental {
+        //! The [`Assessor`] across builds gives what a fresh [`assess`] gives from the
+        //! same inputs, whatever changed between them.
+
+        use super::*;
+        use proptest::prelude::*;
+
+        /// One build's inputs, as small numbers.
+        #[derive(Clone, Debug)]
+        struct Step {
+            head: u8,
+            grpc: bool,
+            /// Which of `a`'s three proxies the source says are going away (bits).
+            draining: u8,
+            /// `a`'s direct ingress replicas of `work` (bits), and which left (bits).
+            replicas: Option<(u8, u8)>,
+            /// RayService `b` is there.
+            b: bool,
+            /// Each endpoint's probe by index (wrapping): `None` not probed; state,
+            /// reason, routes (indices into the case's shared pools).
+            probes: Vec<Option<(u8, u8, u8)>>,
+            /// Index into the case's dashboard statuses (0: none).
+            dashboard: u8,
+            /// Withheld endpoints (bits, by index).
+            withheld: u16,
+            departed: bool,
+        }
+
+        fn step() -> impl Strategy<Value = Step> {
+            (
+                (0u8..3, any::<bool>(), 0u8..8),
+                proptest::option::of((0u8..8, 0u8..8)),
+                any::<bool>(),
+                proptest::collection::vec(
+                    proptest::option::weighted(0.9, (0u8..4, 0u8..3, 0u8..4)),
+                    1..12,
+                ),
+                0u8..5,
+                proptest::bool::weighted(0.3).prop_flat_map(|w| {
+                    if w {
+                        (0u16..4096).boxed()
+                    } else {
+                        Just(0u16).boxed()
+                    }
+                }),
+                proptest::bool::weighted(0.2),
+            )
+                .prop_map(
+                    |(
+                        (head, grpc, draining),
+                        replicas,
+                        b,
+                        probes,
+                        dashboard,
+                        withheld,
+                        departed,
+                    )| Step {
+                        head,
+                        grpc,
+                        draining,
+                        replicas,
+                        b,
+                        probes,
+                        dashboard,
+                        withheld,
+                        departed,
+                    },
+                )
+        }
+
+        /// One input changed between two builds (or all of them).
+        #[derive(Clone, Debug)]
+        enum Edit {
+            Head(u8),
+            Grpc(bool),
+            Draining(u8),
+            Replicas(Option<(u8, u8)>),
+            B(bool),
+            Probe(usize, Option<(u8, u8, u8)>),
+            /// One endpoint's route table alone (when probed).
+            Routes(usize, u8),
+            /// One endpoint's probe reason alone (when probed).
+            Reason(usize, u8),
+            Dashboard(u8),
+            Withheld(u16),
+            Departed(bool),
+            Whole(Step),
+        }
+
+        fn edit() -> impl Strategy<Value = Edit> {
+            prop_oneof![
+                1 => (0u8..3).prop_map(Edit::Head),
+                1 => any::<bool>().prop_map(Edit::Grpc),
+                1 => (0u8..8).prop_map(Edit::Draining),
+                1 => proptest::option::of((0u8..8, 0u8..8)).prop_map(Edit::Replicas),
+                1 => any::<bool>().prop_map(Edit::B),
+                4 => (0usize..12, proptest::option::weighted(0.9, (0u8..4, 0u8..3, 0u8..4)))
+                    .prop_map(|(i, p)| Edit::Probe(i, p)),
+                2 => (0usize..12, 0u8..4).prop_map(|(i, r)| Edit::Routes(i, r)),
+                1 => (0usize..12, 0u8..3).prop_map(|(i, r)| Edit::Reason(i, r)),
+                2 => (0u8..5).prop_map(Edit::Dashboard),
+                1 => (0u16..4096).prop_map(Edit::Withheld),
+                1 => any::<bool>().prop_map(Edit::Departed),
+                1 => step().prop_map(Edit::Whole),
+            ]
+        }
+
+        impl Step {
+            fn apply(&mut self, edit: &Edit) {
+                match edit.clone() {
+                    Edit::Head(h) => self.head = h,
+                    Edit::Grpc(g) => self.grpc = g,
+                    Edit::Draining(d) => self.draining = d,
+                    Edit::Replicas(r) => self.replicas = r,
+                    Edit::B(b) => self.b = b,
+                    Edit::Probe(i, p) => {
+                        let n = self.probes.len();
+                        self.probes[i % n] = p;
+                    }
+                    Edit::Routes(i, r) => {
+                        let n = self.probes.len();
+                        if let Some(p) = &mut self.probes[i % n] {
+                            p.2 = r;
+                        }
+                    }
+                    Edit::Reason(i, r) => {
+                        let n = self.probes.len();
+                        if let Some(p) = &mut self.probes[i % n] {
+                            p.1 = r;
+                        }
+                    }
+                    Edit::Dashboard(d) => self.dashboard = d,
+                    Edit::Withheld(w) => self.withheld = w,
+                    Edit::Departed(d) => self.departed = d,
+                    Edit::Whole(s) => *self = s,
+                }
+            }
+        }
+
+        /// What every step of a case shares, so that unchanged inputs are the same
+        /// allocations (as between builds) and equal ones sometimes are not.
+        struct Pools {
+            reasons: Vec<Arc<str>>,
+            routes: Vec<Option<Arc<BTreeSet<String>>>>,
+            dashboards: Vec<Option<Arc<ServeStatus>>>,
+        }
+
+        fn pools() -> Pools {
+            let fixture = std::fs::read(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/fixtures/ray-serve-2.60/02-running.json"
+            ))
+            .unwrap();
+            let running = parse(&fixture).unwrap();
+            let mut ours = running.clone();
+            let proxy = ours.proxies.values_mut().next().unwrap();
+            proxy.node_ip = "127.0.0.1".into();
+            proxy.status = ProxyStatus::Draining;
+            let mut elsewhere = running.clone();
+            for a in elsewhere.applications.values_mut() {
+                a.route_prefix = Some("/work".into());
+            }
+            let root: Arc<BTreeSet<String>> = Arc::new(["/".to_string()].into());
+            Pools {
+                reasons: vec!["timeout".into(), "HTTP 500".into(), "timeout".into()],
+                routes: vec![
+                    None,
+                    Some(root.clone()),
+                    Some(Arc::new(["/".to_string(), "/work".to_string()].into())),
+                    Some(Arc::new((*root).clone())),
+                ],
+                dashboards: vec![
+                    None,
+                    Some(Arc::new(running.clone())),
+                    Some(Arc::new(ours)),
+                    Some(Arc::new(elsewhere)),
+                    Some(Arc::new(running)),
+                ],
+            }
+        }
+
+        fn model_of(s: &Step) -> Model {
+            let mut a = service("a", "a1", &[8000, 8001, 8002]);
+            a.policy.head_proxy =
+                [HeadProxy::Exclude, HeadProxy::Include, HeadProxy::Fallback][usize::from(s.head)];
+            for (i, p) in a.clusters[0].proxies.iter_mut().enumerate() {
+                p.draining = s.draining & (1 << i) != 0;
+                if s.grpc {
+                    p.grpc = Some(addr(p.address.port() + 1000));
+                }
+            }
+            if let Some((bits, _)) = s.replicas {
+                let ports: Vec<u16> = (0..3)
+                    .filter(|i| bits & (1 << i) != 0)
+                    .map(|i| 30000 + i)
+                    .collect();
+                a.clusters[0].direct_ingress = true;
+                a.clusters[0].applications = vec![crate::model::test_support::app(
+                    "work",
+                    Some("/work"),
+                    &ports,
+                )];
+            }
+            let mut services = vec![a];
+            if s.b {
+                services.push(service("b", "b1", &[8500, 8501]));
+            }
+            Model::new(services).unwrap()
+        }
+
+        /// Every endpoint the model has, in a fixed order (probes and withheld bits
+        /// index it).
+        fn endpoints(m: &Model) -> Vec<SocketAddr> {
+            let mut out: Vec<SocketAddr> = m.endpoints().map(|(a, _)| a).collect();
+            for svc in m.services() {
+                for c in &svc.clusters {
+                    out.extend(c.replica_endpoints().map(|(a, _)| a));
+                }
+            }
+            out.sort();
+            out.dedup();
+            out
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+            #[test]
+            fn an_assessment_across_builds_equals_a_fresh_one(
+                first in step(),
+                edits in proptest::collection::vec(edit(), 0..24),
+            ) {
+                let pools = pools();
+                let mut assessor = Assessor::default();
+                let mut s = first;
+                for edit in std::iter::once(None).chain(edits.iter().map(Some)) {
+                    if let Some(edit) = edit {
+                        s.apply(edit);
+                    }
+                    let s = &s;
+                    let model = model_of(s);
+                    let all = endpoints(&model);
+                    let mut probes = ProbeStates::default();
+                    for (i, address) in all.iter().enumerate() {
+                        let Some((state, reason, routes)) = s.probes[i % s.probes.len()] else { continue };
+                        let mut p = ProxyProbe::new(SystemTime::UNIX_EPOCH);
+                        p.state = [P::Unknown, P::Healthy, P::Unhealthy, P::Draining][usize::from(state)];
+                        p.reason = pools.reasons[usize::from(reason)].clone();
+                        p.routes = pools.routes[usize::from(routes)].clone();
+                        probes.proxies.insert(*address, p);
+                    }
+                    let mut dashboards = DashboardStates::default();
+                    if let Some(status) = &pools.dashboards[usize::from(s.dashboard)] {
+                        dashboards.clusters.insert(
+                            CLUSTER.to_string(),
+                            ClusterDashboard {
+                                status: Some(status.clone()),
+                                ..ClusterDashboard::new("http://x".into())
+                            },
+                        );
+                    }
+                    let withheld: BTreeSet<SocketAddr> = all
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| s.withheld & (1 << (i % 12)) != 0)
+                        .map(|(_, a)| *a)
+                        .collect();
+                    let departed: BTreeSet<String> =
+                        s.departed.then(|| CLUSTER.to_string()).into_iter().collect();
+                    let leaving: BTreeMap<String, Vec<SocketAddr>> = s
+                        .replicas
+                        .map(|(_, left)| {
+                            let ports = (0..3).filter(|i| left & (1 << i) != 0).map(|i| addr(30000 + i));
+                            (WORK.to_string(), ports.collect())
+                        })
+                        .into_iter()
+                        .collect();
+                    let facts = Facts {
+                        withheld: Some(&withheld),
+                        departed: Some(&departed),
+                        leaving: Some(&leaving),
+                    };
+                    let kept = assessor.assess(&model, &probes, &dashboards, facts);
+                    let fresh = assess(&model, &probes, &dashboards, facts);
+                    prop_assert_eq!(kept, fresh);
+                }
+            }
+        }
+
+        #[test]
+        fn a_route_table_that_changed_alone_is_judged_again() {
+            let pools = pools();
+            let m = model(HeadProxy::Include);
+            let mut dashboards = DashboardStates::default();
+            dashboards.clusters.insert(
+                CLUSTER.to_string(),
+                ClusterDashboard {
+                    status: pools.dashboards[3].clone(),
+                    ..ClusterDashboard::new("http://x".into())
+                },
+            );
+            let mut up = probes(&[(8000, P::Healthy), (8001, P::Healthy), (8002, P::Healthy)]);
+            up.proxies.get_mut(&addr(8000)).unwrap().routes = pools.routes[2].clone();
+            let mut assessor = Assessor::default();
+            let before = assessor.assess(&m, &up, &dashboards, Facts::default());
+            assert_eq!(health(&before, 8001), Draining, "{before:?}");
+            up.proxies.get_mut(&addr(8001)).unwrap().routes = pools.routes[2].clone();
+            let after = assessor.assess(&m, &up, &dashboards, Facts::default());
+            assert_eq!(health(&after, 8001), Healthy);
+            assert_eq!(after, assess(&m, &up, &dashboards, Facts::default()));
+        }
+
+        #[test]
+        fn an_unchanged_cluster_keeps_its_verdicts_and_a_changed_one_is_judged_again() {
+            let m = Model::new(vec![
+                service("a", "a1", &[8000, 8001]),
+                service("b", "b1", &[9000]),
+            ])
+            .unwrap();
+            let none = DashboardStates::default();
+            let mut assessor = Assessor::default();
+            let up = probes(&[(8000, P::Healthy), (8001, P::Healthy), (9000, P::Healthy)]);
+            let first = assessor.assess(&m, &up, &none, Facts::default());
+            let mut down = up.clone();
+            down.proxies.get_mut(&addr(9000)).unwrap().state = P::Unhealthy;
+            down.proxies.get_mut(&addr(9000)).unwrap().reason = "HTTP 500".into();
+            let second = assessor.assess(&m, &down, &none, Facts::default());
+            let shared = |h: &HealthMap, c: &str| h.endpoints.0[c].clone();
+            assert!(Arc::ptr_eq(
+                &shared(&first, CLUSTER),
+                &shared(&second, CLUSTER)
+            ));
+            assert!(!Arc::ptr_eq(
+                &shared(&first, "default/b/b1"),
+                &shared(&second, "default/b/b1")
+            ));
+            assert_eq!(second, assess(&m, &down, &none, Facts::default()));
+        }
     }
 }

@@ -35,7 +35,7 @@ use std::time::SystemTime;
 
 use crate::config::GatewaySettings;
 use crate::live::dashboards::DashboardStates;
-use crate::live::health::{assess, Facts, HealthMap};
+use crate::live::health::{Assessor, Facts, HealthMap};
 use crate::live::probe::ProbeState;
 use crate::live::prober::ProbeStates;
 use crate::model::Model;
@@ -96,6 +96,8 @@ pub struct Pipeline {
     /// The model `published` was taken from, when nothing was withheld from it.
     published_of: Option<Arc<Model>>,
     last_source: Arc<Model>,
+    /// Health, judged again only where its inputs changed.
+    assessor: Assessor,
     fail_open: BTreeSet<String>,
     last: Option<Arc<Snapshot>>,
     /// What the other replicas say (departed clusters they keep).
@@ -117,6 +119,7 @@ impl Pipeline {
             published: BTreeSet::new(),
             published_of: None,
             last_source: Arc::new(Model::default()),
+            assessor: Assessor::default(),
             fail_open: BTreeSet::new(),
             last: None,
             peers: Arc::default(),
@@ -177,9 +180,19 @@ impl Pipeline {
         now: SystemTime,
     ) -> impl Iterator<Item = (SocketAddr, SystemTime)> + 'a {
         let wait = self.policies.probe.first_probe_wait();
+        // The model the last build published whole: every endpoint is published, none
+        // new (the common build, after a probe changed: no walk of every endpoint).
+        let all_published = self
+            .published_of
+            .as_ref()
+            .is_some_and(|m| std::ptr::eq(Arc::as_ptr(m), model));
         // A departed cluster's proxies are not probed: they only drain. (Adopted ones
         // never share an address with the source: `Departed::adopt`.)
-        let mut departed = self.departed.addresses();
+        let mut departed = if all_published {
+            BTreeSet::new()
+        } else {
+            self.departed.addresses()
+        };
         if !departed.is_empty() {
             let source: BTreeSet<SocketAddr> =
                 self.last_source.endpoints().map(|(a, _)| a).collect();
@@ -187,6 +200,7 @@ impl Pipeline {
         }
         model
             .endpoints()
+            .take(if all_published { 0 } else { usize::MAX })
             .map(|(address, _)| address)
             .filter(move |a| !self.published.contains(a) && !departed.contains(a))
             .filter_map(move |address| {
@@ -242,7 +256,7 @@ impl Pipeline {
         let withheld: BTreeSet<SocketAddr> = awaiting.iter().map(|(a, _)| *a).collect();
         let departed = self.departed.envoy_cluster_names();
         let leaving = self.leaving.held();
-        let health = assess(
+        let health = self.assessor.assess(
             &model,
             inputs.probes,
             inputs.dashboards,
