@@ -255,6 +255,7 @@ impl Prober {
             tables: RouteTables::new(self.routes_budget),
             owners: owners(model),
             warned: BTreeMap::new(),
+            replaced: false,
         };
         for (address, probe) in current.proxies.iter_mut() {
             let owner = routes.owners.get(address);
@@ -339,9 +340,13 @@ impl Prober {
             }
         }
         if changed {
-            p.routes.collect();
-            self.metrics
-                .set_held_bytes("routes", p.routes.tables.total_bytes());
+            // Only a proxy's new table can leave its old one unused (a proxy that went is
+            // `follow`'s to collect).
+            if std::mem::take(&mut p.routes.replaced) {
+                p.routes.collect();
+                self.metrics
+                    .set_held_bytes("routes", p.routes.tables.total_bytes());
+            }
             self.update_complete(&mut p.current);
         }
         changed
@@ -462,6 +467,7 @@ impl Prober {
         if let Some(table) = table {
             if probe.routes != table {
                 probe.routes = table;
+                routes.replaced = true;
                 changed = true;
             }
         }
@@ -505,6 +511,7 @@ impl Prober {
                             probe.routes = None;
                         }
                     }
+                    routes.replaced = true;
                 }
                 Some(shared)
             }
@@ -527,6 +534,8 @@ struct Routes {
     /// When each cluster's refusals were last logged (at most once a minute: a hog's
     /// tables come and go with the budget, and each refusal is counted anyway).
     warned: BTreeMap<String, Instant>,
+    /// A proxy's table was replaced since the last [`Routes::collect`].
+    replaced: bool,
 }
 
 impl Routes {
@@ -779,6 +788,7 @@ mod tests {
             tables: RouteTables::new(budget),
             owners: owners.map(|(a, c)| (a, c.to_string())).into(),
             warned: BTreeMap::new(),
+            replaced: false,
         }
     }
 
