@@ -6,6 +6,7 @@
 //! that exist: the pipeline removes a series when its cluster goes.
 
 use std::sync::Mutex;
+use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -617,4 +618,11 @@ impl crate::xds::Observer for Metrics {
             .get_or_create(&ResultLabels { result })
             .inc();
     }
+}
+
+/// The CPU time the calling thread has used: for debug logs that tell a step's own work
+/// from its wait for a core.
+pub(crate) fn thread_cpu_time() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec.max(0) as u64, t.tv_nsec.clamp(0, 999_999_999) as u32)
 }

@@ -97,7 +97,7 @@ pub async fn run(
     loop {
         let wedged = prober_wedged(&sources);
         let started = std::time::Instant::now();
-        let Some((back, out)) = build(pipeline, &mut sources, &clients, wedged).await else {
+        let Some((back, out, cpu)) = build(pipeline, &mut sources, &clients, wedged).await else {
             return; // the runtime is shutting down
         };
         pipeline = back;
@@ -124,6 +124,7 @@ pub async fn run(
         let pause = spent.saturating_mul(PACE_FACTOR).min(MAX_PACE);
         tracing::debug!(
             build_ms = spent.as_secs_f64() * 1e3,
+            build_cpu_ms = cpu.as_secs_f64() * 1e3,
             pause_ms = pause.as_secs_f64() * 1e3,
             version = out.snapshot.version(),
             "pipeline built"
@@ -185,7 +186,7 @@ async fn build(
     sources: &mut Sources,
     clients: &Arc<Clients>,
     wedged: bool,
-) -> Option<(Pipeline, Output)> {
+) -> Option<(Pipeline, Output, Duration)> {
     sources.peers.mark_unchanged();
     pipeline.set_peers(sources.peers.borrow().clone());
     pipeline.set_loads(
@@ -208,6 +209,7 @@ async fn build(
     }
     let envoys = clients.clone();
     let built = tokio::task::spawn_blocking(move || {
+        let cpu_before = crate::metrics::thread_cpu_time();
         let out = pipeline.build(
             &Inputs {
                 model: &model,
@@ -217,7 +219,8 @@ async fn build(
             },
             SystemTime::now(),
         );
-        (pipeline, out)
+        let cpu = crate::metrics::thread_cpu_time().saturating_sub(cpu_before);
+        (pipeline, out, cpu)
     })
     .await;
     match built {

@@ -227,10 +227,13 @@ impl Prober {
                 }
                 Some(report) = rx.recv() => {
                     let started = std::time::Instant::now();
+                    let cpu_before = crate::metrics::thread_cpu_time();
                     if self.apply_waiting(&mut p, report, &mut rx) {
                         states.send_replace(Arc::new(p.current.clone()));
+                        let cpu = crate::metrics::thread_cpu_time().saturating_sub(cpu_before);
                         tracing::debug!(
                             took_ms = started.elapsed().as_secs_f64() * 1e3,
+                            cpu_ms = cpu.as_secs_f64() * 1e3,
                             "probe states published"
                         );
                     }
