@@ -162,6 +162,12 @@ impl HealthMap {
         ClusterVerdicts(self.endpoints.0.get(cluster).map(|m| &**m))
     }
 
+    /// The shared map of one Envoy cluster's verdicts, whose pointer says "the very
+    /// verdicts an earlier build published" (never changed in place while shared).
+    pub(crate) fn shared_of_cluster(&self, cluster: &str) -> Option<&SharedVerdicts> {
+        self.endpoints.0.get(cluster)
+    }
+
     pub fn cluster(&self, cluster: &str) -> ClusterHealth {
         self.clusters.get(cluster).copied().unwrap_or_default()
     }
@@ -179,7 +185,10 @@ impl HealthMap {
 /// Every endpoint's verdict, by (Envoy cluster, address): a map per cluster, so that a
 /// cluster's endpoints are found, and added, without a key of their own per endpoint.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct EndpointVerdicts(BTreeMap<String, Arc<BTreeMap<SocketAddr, Verdict>>>);
+pub struct EndpointVerdicts(BTreeMap<String, SharedVerdicts>);
+
+/// One Envoy cluster's verdicts, shared between the builds that judged them the same.
+pub(crate) type SharedVerdicts = Arc<BTreeMap<SocketAddr, Verdict>>;
 
 impl EndpointVerdicts {
     pub fn insert(&mut self, (cluster, address): (String, SocketAddr), verdict: Verdict) {
@@ -197,6 +206,17 @@ impl EndpointVerdicts {
             self.0.insert(cluster.to_string(), Default::default());
         }
         self.0.get_mut(cluster).expect("just inserted")
+    }
+
+    /// Each cluster's verdicts that equal `earlier`'s, replaced by `earlier`'s shared
+    /// map: as [`Assessor`] hands on the verdicts of a cluster it did not judge again.
+    #[cfg(test)]
+    pub(crate) fn share_equal(&mut self, earlier: &EndpointVerdicts) {
+        for (cluster, verdicts) in &mut self.0 {
+            if let Some(e) = earlier.0.get(cluster).filter(|e| **e == *verdicts) {
+                *verdicts = e.clone();
+            }
+        }
     }
 
     pub fn get(&self, (cluster, address): &(String, SocketAddr)) -> Option<&Verdict> {

@@ -7,13 +7,14 @@
 //! application).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3 as core;
 use envoy_types::pb::envoy::config::endpoint::v3 as endpoint;
 use envoy_types::pb::google::protobuf;
 
 use super::{socket_address, METADATA_NAMESPACE};
-use crate::live::health::{EndpointHealth, HealthMap};
+use crate::live::health::{EndpointHealth, HealthMap, SharedVerdicts};
 
 /// One endpoint as its assignment lists it: address, metadata fact, health.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,24 +109,45 @@ pub(super) fn load_assignment(
     }
 }
 
-/// What an assignment was made from, kept between builds ([`Listed`], owned).
+/// What an assignment was made from, kept between builds: what it lists ([`Listed`],
+/// owned), and the very verdicts it was last found to list (held, so that a pointer
+/// equal to them is never a freed map's reused address).
 #[derive(Debug)]
-pub(super) struct KeptListing(Vec<(SocketAddr, &'static str, Box<str>, core::HealthStatus)>);
+pub(super) struct KeptListing {
+    listed: Vec<(SocketAddr, &'static str, Box<str>, core::HealthStatus)>,
+    verdicts: Option<SharedVerdicts>,
+}
 
 impl KeptListing {
-    pub(super) fn of(listed: &[Listed<'_>]) -> KeptListing {
-        KeptListing(
-            listed
+    pub(super) fn of(listed: &[Listed<'_>], verdicts: Option<&SharedVerdicts>) -> KeptListing {
+        KeptListing {
+            listed: listed
                 .iter()
                 .map(|l| (l.address, l.fact.0, Box::from(l.fact.1), l.health))
                 .collect(),
-        )
+            verdicts: verdicts.cloned(),
+        }
+    }
+
+    /// True when these are the verdicts the listing was last found to list (both none,
+    /// or the same shared map): with the same endpoints, the listing is the same.
+    pub(super) fn made_from(&self, verdicts: Option<&SharedVerdicts>) -> bool {
+        match (&self.verdicts, verdicts) {
+            (None, None) => true,
+            (Some(kept), Some(now)) => Arc::ptr_eq(kept, now),
+            _ => false,
+        }
+    }
+
+    /// Notes that the listing is also what `verdicts` list.
+    pub(super) fn also_from(&mut self, verdicts: Option<&SharedVerdicts>) {
+        self.verdicts = verdicts.cloned();
     }
 
     pub(super) fn is(&self, listed: &[Listed<'_>]) -> bool {
-        self.0.len() == listed.len()
+        self.listed.len() == listed.len()
             && self
-                .0
+                .listed
                 .iter()
                 .zip(listed)
                 .all(|((address, key, value, health), l)| {

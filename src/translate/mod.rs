@@ -17,7 +17,9 @@
 //! Routes go to the active cluster through `weighted_clusters`, so that a later
 //! switchover only changes weights; the gRPC route carries the same weights as HTTP.
 
+use std::cell::{Cell, OnceCell};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3 as core;
@@ -25,7 +27,7 @@ use envoy_types::pb::envoy::config::route::v3 as route;
 use envoy_types::pb::google::protobuf;
 
 use crate::config::GatewaySettings;
-use crate::live::health::HealthMap;
+use crate::live::health::{HealthMap, SharedVerdicts};
 use crate::model::{Model, Protocol};
 use crate::policy::traffic::TrafficPolicy;
 use crate::xds::snapshot::Resource;
@@ -94,8 +96,15 @@ pub fn translate(
 /// every other resource only when its typed message changed. What it gives equals what
 /// [`translate`] and encoding would give from the same inputs, resource for resource:
 /// versions stay content hashes, and a restart (an empty memo) changes nothing.
+///
+/// An assignment whose Envoy cluster has the very verdicts (the same shared map) and the
+/// very model (the same `Arc`) it was last made or found the same from lists the same
+/// endpoints, so it is taken as kept without listing them: a health change costs the
+/// clusters it touched, not a walk of every endpoint.
 #[derive(Default)]
 pub struct Incremental {
+    /// The model of the last build, held so that a pointer equal to it is that model.
+    model: Option<Arc<Model>>,
     clusters: Memo<envoy_types::pb::envoy::config::cluster::v3::Cluster>,
     assignments: Memo<KeptListing>,
     listeners: Memo<envoy_types::pb::envoy::config::listener::v3::Listener>,
@@ -105,14 +114,17 @@ pub struct Incremental {
 impl Incremental {
     pub fn translate(
         &mut self,
-        model: &Model,
+        model: &Arc<Model>,
         health: &HealthMap,
         all_weights: &Weights,
         gateway: &GatewaySettings,
         traffic: &TrafficPolicy,
     ) -> Encoded {
+        let same_model = self.model.as_ref().is_some_and(|m| Arc::ptr_eq(m, model));
+        self.model = Some(model.clone());
         let mut out = Kept {
             memo: self,
+            same_model,
             encoded: Encoded::default(),
         };
         emit(model, health, all_weights, gateway, traffic, &mut out);
@@ -129,7 +141,14 @@ impl Incremental {
 /// kept across builds ([`Incremental`]).
 trait Sink {
     fn cluster(&mut self, cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster);
-    fn assignment(&mut self, name: &str, listed: &[Listed<'_>]);
+    /// The assignment of Envoy cluster `name`, whose endpoints are `listed()` as
+    /// `verdicts` (its verdicts in the health map) judge them.
+    fn assignment<'a>(
+        &mut self,
+        name: &str,
+        verdicts: Option<&SharedVerdicts>,
+        listed: impl FnOnce() -> Vec<Listed<'a>>,
+    );
     fn listener(&mut self, listener: envoy_types::pb::envoy::config::listener::v3::Listener);
     fn route(&mut self, config: route::RouteConfiguration);
     fn stand_in(&mut self, pattern: String, cluster: String);
@@ -139,8 +158,13 @@ impl Sink for Resources {
     fn cluster(&mut self, cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster) {
         self.clusters.push(cluster);
     }
-    fn assignment(&mut self, name: &str, listed: &[Listed<'_>]) {
-        self.endpoints.push(load_assignment(name, listed));
+    fn assignment<'a>(
+        &mut self,
+        name: &str,
+        _: Option<&SharedVerdicts>,
+        listed: impl FnOnce() -> Vec<Listed<'a>>,
+    ) {
+        self.endpoints.push(load_assignment(name, &listed()));
     }
     fn listener(&mut self, listener: envoy_types::pb::envoy::config::listener::v3::Listener) {
         self.listeners.push(listener);
@@ -156,6 +180,8 @@ impl Sink for Resources {
 /// The [`Sink`] of an [`Incremental`] build.
 struct Kept<'m> {
     memo: &'m mut Incremental,
+    /// The model is the very one of the last build.
+    same_model: bool,
     encoded: Encoded,
 }
 
@@ -164,13 +190,35 @@ impl Sink for Kept<'_> {
         let r = self.memo.clusters.message(cluster);
         self.encoded.push(ResourceType::Cluster, r);
     }
-    fn assignment(&mut self, name: &str, listed: &[Listed<'_>]) {
+    fn assignment<'a>(
+        &mut self,
+        name: &str,
+        verdicts: Option<&SharedVerdicts>,
+        listed: impl FnOnce() -> Vec<Listed<'a>>,
+    ) {
+        // Listed at most once, and only when the verdicts or the model are new.
+        let listed = Cell::new(Some(listed));
+        let listing = OnceCell::new();
+        let listing = || listing.get_or_init(|| listed.take().expect("listed once")());
+        let same_model = self.same_model;
         let r = self.memo.assignments.get_or_make(
             name,
-            |kept| kept.is(listed),
+            |kept| {
+                if same_model && kept.made_from(verdicts) {
+                    return true;
+                }
+                let same = kept.is(listing());
+                if same {
+                    kept.also_from(verdicts);
+                }
+                same
+            },
             || {
-                let assignment = load_assignment(name, listed);
-                (KeptListing::of(listed), Resource::of(&assignment))
+                let assignment = load_assignment(name, listing());
+                (
+                    KeptListing::of(listing(), verdicts),
+                    Resource::of(&assignment),
+                )
             },
         );
         self.encoded.push(ResourceType::Endpoints, r);
@@ -211,11 +259,15 @@ fn emit(
                 let proxies = ray_cluster
                     .endpoints(protocol)
                     .map(|(address, proxy)| (address, ("node_type", proxy.node_type.as_str())));
-                out.assignment(&name, &listed(&name, proxies, health));
+                out.assignment(&name, health.shared_of_cluster(&name), || {
+                    listed(&name, proxies, health)
+                });
             }
             for (name, protocol, replicas) in applications::clusters(service, ray_cluster) {
                 out.cluster(eds_cluster(&name, gateway, &policy, protocol));
-                out.assignment(&name, &listed(&name, replicas, health));
+                out.assignment(&name, health.shared_of_cluster(&name), || {
+                    listed(&name, replicas, health)
+                });
             }
         }
         let active = [(service.active_cluster.clone(), 100)];
@@ -632,6 +684,12 @@ mod incremental_tests {
         other_policy: bool,
         /// Per RayService: its own `retries`.
         retries: [Option<u8>; 2],
+        /// The model of the step before (the same `Arc`): only health, weights or
+        /// policy change.
+        same_model: bool,
+        /// The health picks of the step before: a cluster whose verdicts come out the
+        /// same shares the step before's map (as the `Assessor` hands it on).
+        same_health: bool,
     }
 
     fn step() -> impl Strategy<Value = Step> {
@@ -650,9 +708,11 @@ mod incremental_tests {
                 proptest::option::weighted(0.2, 0u8..5),
                 proptest::option::weighted(0.2, 0u8..5),
             ],
+            proptest::bool::weighted(0.4),
+            proptest::bool::weighted(0.4),
         )
             .prop_map(
-                |(proxies, second, grpc, replicas, health, weight, other_policy, retries)| Step {
+                |(
                     proxies,
                     second,
                     grpc,
@@ -661,6 +721,19 @@ mod incremental_tests {
                     weight,
                     other_policy,
                     retries,
+                    same_model,
+                    same_health,
+                )| Step {
+                    proxies,
+                    second,
+                    grpc,
+                    replicas,
+                    health,
+                    weight,
+                    other_policy,
+                    retries,
+                    same_model,
+                    same_health,
                 },
             )
     }
@@ -775,8 +848,27 @@ mod incremental_tests {
             let gateway = GatewaySettings::default();
             let mut incremental = Incremental::default();
             let mut previous: Option<Snapshot> = None;
+            let mut before: Option<(Step, Arc<Model>, HealthMap)> = None;
             for s in &steps {
-                let Some((model, health, weights, traffic)) = inputs(s) else { continue };
+                let mut s = s.clone();
+                if let Some((b, _, _)) = &before {
+                    if s.same_model {
+                        (s.proxies, s.second, s.grpc, s.replicas, s.retries) =
+                            (b.proxies, b.second, b.grpc, b.replicas, b.retries);
+                    }
+                    if s.same_health {
+                        s.health = b.health.clone();
+                    }
+                }
+                let Some((model, mut health, weights, traffic)) = inputs(&s) else { continue };
+                let model = match &before {
+                    Some((_, m, _)) if **m == model => m.clone(),
+                    _ => Arc::new(model),
+                };
+                if let Some((_, _, h)) = &before {
+                    health.endpoints.share_equal(&h.endpoints);
+                }
+                before = Some((s.clone(), model.clone(), health.clone()));
                 let whole = Snapshot::build(&translate(&model, &health, &weights, &gateway, &traffic), None);
                 let kept = Snapshot::build_encoded(
                     &incremental.translate(&model, &health, &weights, &gateway, &traffic),
@@ -802,6 +894,7 @@ mod incremental_tests {
             TrafficPolicy::default(),
             Weights::default(),
         );
+        let model = Arc::new(model);
         let mut incremental = Incremental::default();
         let before = incremental.translate(&model, &HealthMap::default(), &w, &g, &t);
         let mut health = HealthMap::default();

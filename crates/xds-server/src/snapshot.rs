@@ -256,17 +256,18 @@ impl<K> Default for Memo<K> {
 }
 
 impl<K> Memo<K> {
-    /// Resource `name`: the kept one when `same(kept input)` holds, else `make()`'s
-    /// input and resource, kept for the next build.
+    /// Resource `name`: the kept one when `same(kept input)` holds (`same` may note in
+    /// the kept input what it was found the same as), else `make()`'s input and
+    /// resource, kept for the next build.
     pub fn get_or_make(
         &mut self,
         name: &str,
-        same: impl FnOnce(&K) -> bool,
+        same: impl FnOnce(&mut K) -> bool,
         make: impl FnOnce() -> (K, Resource),
     ) -> Arc<Resource> {
         let round = self.round;
         if let Some(kept) = self.kept.get_mut(name) {
-            if same(&kept.input) {
+            if same(&mut kept.input) {
                 kept.round = round;
                 return kept.resource.clone();
             }
