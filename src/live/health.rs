@@ -283,11 +283,62 @@ pub fn assess(
 /// probe, source or withheld facts, the cluster's dashboard status, head policy or
 /// departure); otherwise its last verdicts and counts are kept, shared. It always gives
 /// what [`assess`] gives from the same inputs (a property test holds them equal).
+///
+/// Given the very model of its last call ([`Assessor::assess_shared`]), it does not even
+/// look at an unchanged cluster's endpoints: which proxies' probes changed comes from a
+/// diff of the two probe maps, which skips the parts they share, so a health change
+/// costs the clusters it touched.
 #[derive(Default)]
 pub struct Assessor {
     kept: BTreeMap<String, Judged>,
     /// How many assessments it made.
     round: u64,
+    /// What the last [`Assessor::assess_shared`] read.
+    last: Option<LastRead>,
+}
+
+/// What an assessment read that tells the next one what changed.
+struct LastRead {
+    /// Held, so that a pointer equal to it is this model.
+    model: Arc<Model>,
+    probes: imbl::OrdMap<SocketAddr, ProxyProbe>,
+    withheld: BTreeSet<SocketAddr>,
+    /// Each proxy endpoint of `model` with the Envoy cluster that lists it (its place in
+    /// the order `assess` visits them), sorted.
+    listed_in: Vec<(SocketAddr, usize)>,
+}
+
+impl LastRead {
+    /// The Envoy clusters of proxies (by place) with an endpoint whose probe changed
+    /// since, when nothing else an endpoint is judged on can have: the very same
+    /// model and the same withheld proxies. `None`: look at every cluster.
+    fn touched(
+        &self,
+        model: &Arc<Model>,
+        probes: &ProbeStates,
+        withheld: Option<&BTreeSet<SocketAddr>>,
+    ) -> Option<BTreeSet<usize>> {
+        if !Arc::ptr_eq(&self.model, model)
+            || self.withheld != *withheld.unwrap_or(&BTreeSet::new())
+        {
+            return None;
+        }
+        let mut touched = BTreeSet::new();
+        for change in self.probes.diff(&probes.proxies) {
+            let address = match change {
+                imbl::ordmap::DiffItem::Add(a, _) | imbl::ordmap::DiffItem::Remove(a, _) => a,
+                imbl::ordmap::DiffItem::Update { new: (a, _), .. } => a,
+            };
+            let first = self.listed_in.partition_point(|(b, _)| b < address);
+            touched.extend(
+                self.listed_in[first..]
+                    .iter()
+                    .take_while(|(b, _)| b == address)
+                    .map(|(_, place)| *place),
+            );
+        }
+        Some(touched)
+    }
 }
 
 /// One Envoy cluster of proxies as last judged.
@@ -368,30 +419,72 @@ impl Assessor {
         dashboards: &DashboardStates,
         facts: Facts<'_>,
     ) -> HealthMap {
+        self.last = None;
+        self.assess_touched(model, None, probes, dashboards, facts)
+    }
+
+    /// As [`Assessor::assess`], for a model shared between builds: when it is the very
+    /// model of the last call and the same proxies are withheld, only the Envoy clusters
+    /// with an endpoint whose probe changed since, or whose dashboard status or departure
+    /// did, are looked at.
+    pub fn assess_shared(
+        &mut self,
+        model: &Arc<Model>,
+        probes: &ProbeStates,
+        dashboards: &DashboardStates,
+        facts: Facts<'_>,
+    ) -> HealthMap {
+        let last = self.last.take();
+        let touched = last
+            .as_ref()
+            .and_then(|last| last.touched(model, probes, facts.withheld));
+        let out = self.assess_touched(model, touched.as_ref(), probes, dashboards, facts);
+        let listed_in = match last {
+            Some(last) if Arc::ptr_eq(&last.model, model) => last.listed_in,
+            _ => listed_in(model),
+        };
+        self.last = Some(LastRead {
+            model: model.clone(),
+            probes: probes.proxies.clone(),
+            withheld: facts.withheld.cloned().unwrap_or_default(),
+            listed_in,
+        });
+        out
+    }
+
+    /// One assessment; `touched`, when given, names (by place) every Envoy cluster of
+    /// proxies whose endpoints may be judged differently from last time: any other
+    /// cluster's endpoints are not looked at.
+    fn assess_touched(
+        &mut self,
+        model: &Model,
+        touched: Option<&BTreeSet<usize>>,
+        probes: &ProbeStates,
+        dashboards: &DashboardStates,
+        facts: Facts<'_>,
+    ) -> HealthMap {
         self.round += 1;
         let round = self.round;
         let withheld = |a: &SocketAddr| facts.withheld.is_some_and(|w| w.contains(a));
         let mut out = HealthMap::default();
+        for (place, (service, cluster, protocol)) in proxy_clusters(model).enumerate() {
+            let judge = ProxyJudge {
+                service,
+                cluster,
+                protocol,
+                dashboards,
+                withheld: &withheld,
+            };
+            let name = service.envoy_cluster_name_for(&cluster.name, protocol);
+            let endpoints_same = touched.is_some_and(|t| !t.contains(&place));
+            let judged = self.judged(&name, &judge, endpoints_same, probes, facts, round);
+            out.endpoints
+                .0
+                .insert(name.clone(), judged.verdicts.clone());
+            out.clusters.insert(name, judged.summary);
+        }
         for service in model.services() {
             for cluster in &service.clusters {
-                for protocol in [Protocol::Http, Protocol::Grpc] {
-                    if protocol == Protocol::Grpc && !cluster.serves_grpc() {
-                        continue;
-                    }
-                    let judge = ProxyJudge {
-                        service,
-                        cluster,
-                        protocol,
-                        dashboards,
-                        withheld: &withheld,
-                    };
-                    let name = service.envoy_cluster_name_for(&cluster.name, protocol);
-                    let judged = self.judged(&name, &judge, probes, facts, round);
-                    out.endpoints
-                        .0
-                        .insert(name.clone(), judged.verdicts.clone());
-                    out.clusters.insert(name, judged.summary);
-                }
                 assess_replicas(service, cluster, probes, &withheld, facts, &mut out);
             }
         }
@@ -399,11 +492,13 @@ impl Assessor {
         out
     }
 
-    /// Envoy cluster `name` judged by `judge`: as kept when its inputs are the same.
+    /// Envoy cluster `name` judged by `judge`: as kept when its inputs are the same
+    /// (its endpoints' without a look when `endpoints_same`).
     fn judged(
         &mut self,
         name: &str,
         judge: &ProxyJudge<'_>,
+        endpoints_same: bool,
         probes: &ProbeStates,
         facts: Facts<'_>,
         round: u64,
@@ -413,12 +508,7 @@ impl Assessor {
             .departed
             .is_some_and(|d| d.contains(&service.envoy_cluster_name(&cluster.name)));
         let dashboard = judge.dashboard();
-        // Each endpoint's probe, looked up once.
-        let endpoints: Vec<_> = cluster
-            .endpoints(judge.protocol)
-            .map(|(address, proxy)| (address, proxy, probes.proxies.get(&address)))
-            .collect();
-        let unchanged = self.kept.get(name).is_some_and(|kept| {
+        let kept = self.kept.get(name).filter(|kept| {
             kept.from.head_proxy == service.policy.head_proxy
                 && kept.from.departed == departed
                 && match (&kept.from.dashboard, dashboard) {
@@ -426,7 +516,19 @@ impl Assessor {
                     (Some(a), Some(b)) => Arc::ptr_eq(a, b) || **a == **b,
                     _ => false,
                 }
-                && kept.from.endpoints.len() == endpoints.len()
+        });
+        if endpoints_same && kept.is_some() {
+            let kept = self.kept.get_mut(name).expect("just found");
+            kept.round = round;
+            return kept;
+        }
+        // Each endpoint's probe, looked up once.
+        let endpoints: Vec<_> = cluster
+            .endpoints(judge.protocol)
+            .map(|(address, proxy)| (address, proxy, probes.proxies.get(&address)))
+            .collect();
+        let unchanged = kept.is_some_and(|kept| {
+            kept.from.endpoints.len() == endpoints.len()
                 && kept.from.endpoints.iter().zip(&endpoints).all(
                     |(kept, (address, proxy, probe))| {
                         kept.is(*address, proxy, (judge.withheld)(address), *probe)
@@ -460,6 +562,32 @@ impl Assessor {
         kept.round = round;
         kept
     }
+}
+
+/// Each proxy endpoint of `model` with the place of the Envoy cluster that lists it, in
+/// the order [`Assessor`] visits them, sorted ([`LastRead::listed_in`]).
+fn listed_in(model: &Model) -> Vec<(SocketAddr, usize)> {
+    let mut out: Vec<_> = proxy_clusters(model)
+        .enumerate()
+        .flat_map(|(place, (_, cluster, protocol))| {
+            cluster.endpoints(protocol).map(move |(a, _)| (a, place))
+        })
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+/// Every Envoy cluster of proxies: each RayCluster's HTTP one, then its gRPC one when
+/// it serves gRPC.
+fn proxy_clusters(model: &Model) -> impl Iterator<Item = (&RayService, &RayCluster, Protocol)> {
+    model.services().iter().flat_map(|service| {
+        service.clusters.iter().flat_map(move |cluster| {
+            [Protocol::Http, Protocol::Grpc]
+                .into_iter()
+                .filter(|p| *p == Protocol::Http || cluster.serves_grpc())
+                .map(move |protocol| (service, cluster, protocol))
+        })
+    })
 }
 
 /// What judging one RayCluster's proxies for one protocol reads.
@@ -1010,8 +1138,9 @@ mod tests {
         );
         assert_eq!(health(&m, 8001), Healthy);
         let mut serving = up.clone();
-        for p in serving.proxies.values_mut() {
-            p.routes = Some(std::sync::Arc::new(["/hello".to_string()].into()));
+        for port in [8000, 8001, 8002] {
+            serving.proxies.get_mut(&addr(port)).unwrap().routes =
+                Some(std::sync::Arc::new(["/hello".to_string()].into()));
         }
         let m = assess(
             &model(HeadProxy::Include),
@@ -1430,21 +1559,40 @@ mod tests {
                 let pools = pools();
                 let mut assessor = Assessor::default();
                 let mut s = first;
+                // As the pipeline gives them: the model of the build before when equal
+                // (the very `Arc`), and the probes as the prober publishes them, sharing
+                // every proxy's state that did not change.
+                let mut model: Option<Arc<Model>> = None;
+                let mut probes = ProbeStates::default();
                 for edit in std::iter::once(None).chain(edits.iter().map(Some)) {
                     if let Some(edit) = edit {
                         s.apply(edit);
                     }
                     let s = &s;
-                    let model = model_of(s);
+                    let next = model_of(s);
+                    let model = match model.take() {
+                        Some(m) if *m == next => model.insert(m).clone(),
+                        _ => model.insert(Arc::new(next)).clone(),
+                    };
                     let all = endpoints(&model);
-                    let mut probes = ProbeStates::default();
+                    let mut wanted = BTreeMap::new();
                     for (i, address) in all.iter().enumerate() {
                         let Some((state, reason, routes)) = s.probes[i % s.probes.len()] else { continue };
                         let mut p = ProxyProbe::new(SystemTime::UNIX_EPOCH);
                         p.state = [P::Unknown, P::Healthy, P::Unhealthy, P::Draining][usize::from(state)];
                         p.reason = pools.reasons[usize::from(reason)].clone();
                         p.routes = pools.routes[usize::from(routes)].clone();
-                        probes.proxies.insert(*address, p);
+                        wanted.insert(*address, p);
+                    }
+                    let gone: Vec<SocketAddr> =
+                        probes.proxies.keys().filter(|a| !wanted.contains_key(a)).copied().collect();
+                    for a in gone {
+                        probes.proxies.remove(&a);
+                    }
+                    for (a, p) in wanted {
+                        if probes.proxies.get(&a) != Some(&p) {
+                            probes.proxies.insert(a, p);
+                        }
                     }
                     let mut dashboards = DashboardStates::default();
                     if let Some(status) = &pools.dashboards[usize::from(s.dashboard)] {
@@ -1477,7 +1625,7 @@ mod tests {
                         departed: Some(&departed),
                         leaving: Some(&leaving),
                     };
-                    let kept = assessor.assess(&model, &probes, &dashboards, facts);
+                    let kept = assessor.assess_shared(&model, &probes, &dashboards, facts);
                     let fresh = assess(&model, &probes, &dashboards, facts);
                     prop_assert_eq!(kept, fresh);
                 }

@@ -58,18 +58,19 @@ pub(crate) struct Transition {
     pub reason: String,
 }
 
-/// The probe state of one proxy.
-#[derive(Clone, Debug, Serialize)]
+/// The probe state of one proxy, as the prober publishes it: it changes only when the
+/// proxy's health or routes do (the run of like outcomes that decides when is the
+/// prober's own [`Streak`]), so consecutive publications share all but what changed.
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ProxyProbe {
     pub state: ProbeState,
     /// When `state` was entered.
     #[serde(serialize_with = "unix_seconds")]
     pub since: SystemTime,
-    /// Why: the outcome that caused the last transition (shared: a publication of the
-    /// prober's states copies every proxy's).
+    /// Why: the outcome that caused the last transition (shared: the verdicts that quote
+    /// it, and the tree nodes of the prober's states that a change copies, hold the one
+    /// string).
     pub reason: Arc<str>,
-    pub consecutive_successes: u32,
-    pub consecutive_failures: u32,
     /// Route prefixes the proxy serves (`GET /-/routes`), once read; shared with the
     /// other proxies of its cluster that list the same (`live::route_tables`). Shown in
     /// `/debug/state` up to [`ROUTES_SHOWN`], then how many more.
@@ -113,60 +114,88 @@ impl ProxyProbe {
             state: ProbeState::Unknown,
             since: now,
             reason: "not probed yet".into(),
-            consecutive_successes: 0,
-            consecutive_failures: 0,
             routes: None,
         }
     }
 
-    /// Feeds one outcome; returns the transition it caused, if any.
+    /// Feeds one outcome, counted in `streak`; returns the transition it caused, if any
+    /// (the prober does the same in two steps, writing the state only when it changes).
+    #[cfg(test)]
     pub(crate) fn observe(
         &mut self,
+        streak: &mut Streak,
         outcome: &Outcome,
         settings: &ProbePolicy,
         now: SystemTime,
     ) -> Option<Transition> {
+        let next = streak.observe(self.state, outcome, settings)?;
+        Some(self.enter(next, now))
+    }
+
+    /// Enters `to` for `reason` (a state other than the present one, as
+    /// [`Streak::observe`] gives).
+    pub(crate) fn enter(
+        &mut self,
+        (to, reason): (ProbeState, String),
+        now: SystemTime,
+    ) -> Transition {
+        let from = std::mem::replace(&mut self.state, to);
+        self.since = now;
+        self.reason = reason.as_str().into();
+        Transition { from, to, reason }
+    }
+}
+
+/// A proxy's run of like outcomes: the prober's own, never published (it changes with
+/// every probe; what is published changes only with health).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Streak {
+    pub successes: u32,
+    pub failures: u32,
+}
+
+impl Streak {
+    /// Feeds one outcome of a proxy in `state`: the state it enters and why, when other
+    /// than `state`.
+    pub(crate) fn observe(
+        &mut self,
+        state: ProbeState,
+        outcome: &Outcome,
+        settings: &ProbePolicy,
+    ) -> Option<(ProbeState, String)> {
         let (next, reason) = match outcome {
             Outcome::Healthy => {
-                self.consecutive_successes += 1;
-                self.consecutive_failures = 0;
-                let enough = self.state == ProbeState::Unknown
-                    || self.consecutive_successes >= settings.healthy_threshold;
+                self.successes = self.successes.saturating_add(1);
+                self.failures = 0;
+                let enough =
+                    state == ProbeState::Unknown || self.successes >= settings.healthy_threshold;
                 (
                     enough.then_some(ProbeState::Healthy),
                     "answered success (HTTP 200 or gRPC OK)".to_string(),
                 )
             }
             Outcome::Draining => {
-                self.consecutive_successes = 0;
-                self.consecutive_failures = 0;
+                self.successes = 0;
+                self.failures = 0;
                 (
                     Some(ProbeState::Draining),
                     "answered: this node is being drained (HTTP 503 or gRPC UNAVAILABLE)".into(),
                 )
             }
             Outcome::Refused => {
-                self.consecutive_successes = 0;
-                self.consecutive_failures += 1;
+                self.successes = 0;
+                self.failures = self.failures.saturating_add(1);
                 (Some(ProbeState::Unhealthy), "connection refused".into())
             }
             Outcome::Failed(why) => {
-                self.consecutive_successes = 0;
-                self.consecutive_failures += 1;
-                let enough = self.state == ProbeState::Unknown
-                    || self.consecutive_failures >= settings.unhealthy_threshold;
+                self.successes = 0;
+                self.failures = self.failures.saturating_add(1);
+                let enough =
+                    state == ProbeState::Unknown || self.failures >= settings.unhealthy_threshold;
                 (enough.then_some(ProbeState::Unhealthy), why.clone())
             }
         };
-        match next {
-            Some(to) if to != self.state => {
-                let from = std::mem::replace(&mut self.state, to);
-                self.since = now;
-                self.reason = reason.as_str().into();
-                Some(Transition { from, to, reason })
-            }
-            _ => None,
-        }
+        next.filter(|to| *to != state).map(|to| (to, reason))
     }
 }
 
@@ -174,9 +203,18 @@ impl ProxyProbe {
 mod tests {
     use super::*;
 
-    fn probe() -> (ProxyProbe, ProbePolicy, SystemTime) {
+    /// A proxy's probe and its streak, fed together.
+    struct Fed(ProxyProbe, Streak);
+
+    impl Fed {
+        fn observe(&mut self, o: &Outcome, s: &ProbePolicy, t: SystemTime) -> Option<Transition> {
+            self.0.observe(&mut self.1, o, s, t)
+        }
+    }
+
+    fn probe() -> (Fed, ProbePolicy, SystemTime) {
         (
-            ProxyProbe::new(SystemTime::UNIX_EPOCH),
+            Fed(ProxyProbe::new(SystemTime::UNIX_EPOCH), Streak::default()),
             ProbePolicy::default(),
             SystemTime::UNIX_EPOCH,
         )
@@ -209,7 +247,7 @@ mod tests {
             assert!(p.observe(&failed(), &s, t).is_none());
             assert!(p.observe(&Outcome::Healthy, &s, t).is_none());
         }
-        assert_eq!(p.state, ProbeState::Healthy);
+        assert_eq!(p.0.state, ProbeState::Healthy);
         assert!(p.observe(&failed(), &s, t).is_none());
         let tr = p.observe(&failed(), &s, t).unwrap();
         assert_eq!(

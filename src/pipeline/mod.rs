@@ -256,7 +256,7 @@ impl Pipeline {
         let withheld: BTreeSet<SocketAddr> = awaiting.iter().map(|(a, _)| *a).collect();
         let departed = self.departed.envoy_cluster_names();
         let leaving = self.leaving.held();
-        let health = self.assessor.assess(
+        let health = self.assessor.assess_shared(
             &model,
             inputs.probes,
             inputs.dashboards,

@@ -67,7 +67,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::probe::{Outcome, ProbeState, ProxyProbe};
+use super::probe::{Outcome, ProbeState, ProxyProbe, Streak};
 use super::route_tables::RouteTables;
 use super::route_turns::{RouteTurn, RouteTurns};
 use crate::metrics::Metrics;
@@ -77,7 +77,8 @@ use crate::policy::probe::ProbePolicy;
 /// The probe state of every proxy, published by the prober.
 #[derive(Clone, Debug, Default)]
 pub struct ProbeStates {
-    pub proxies: BTreeMap<SocketAddr, ProxyProbe>,
+    /// Persistent (shared between publications): publishing one is not a copy.
+    pub proxies: imbl::OrdMap<SocketAddr, ProxyProbe>,
     /// Every proxy has been probed at least once.
     pub complete: bool,
 }
@@ -99,18 +100,24 @@ pub(super) struct Report {
 impl ProbeStates {
     /// These states with every proxy's probe `unknown` for `reason` (routes kept).
     pub(crate) fn all_unknown(&self, reason: &str, now: SystemTime) -> ProbeStates {
-        let mut out = self.clone();
-        for probe in out.proxies.values_mut() {
-            if probe.state != ProbeState::Unknown {
-                probe.state = ProbeState::Unknown;
-                probe.since = now;
-            }
-            probe.reason = reason.into();
-            probe.consecutive_successes = 0;
-            probe.consecutive_failures = 0;
+        let reason: Arc<str> = reason.into();
+        let proxies = self
+            .proxies
+            .iter()
+            .map(|(address, probe)| {
+                let mut probe = probe.clone();
+                if probe.state != ProbeState::Unknown {
+                    probe.state = ProbeState::Unknown;
+                    probe.since = now;
+                }
+                probe.reason = reason.clone();
+                (*address, probe)
+            })
+            .collect();
+        ProbeStates {
+            complete: self.proxies.is_empty(),
+            proxies,
         }
-        out.complete = out.proxies.is_empty();
-        out
     }
 }
 
@@ -186,6 +193,8 @@ struct Probing {
     reports: mpsc::Sender<Report>,
     tasks: BTreeMap<SocketAddr, (Target, JoinHandle<()>)>,
     current: ProbeStates,
+    /// Each proxy's run of like outcomes (not published: see [`Streak`]).
+    streaks: BTreeMap<SocketAddr, Streak>,
     fresh: BTreeMap<SocketAddr, Instant>,
     routes: Routes,
 }
@@ -220,7 +229,7 @@ impl Prober {
                 _ = tick.tick() => {
                     self.heartbeat.beat();
                     self.restart_ended(&mut p.tasks, &p.client, &p.permits, &p.reports);
-                    if self.expire(&mut p.current, &p.tasks, &p.fresh) {
+                    if self.expire(&mut p.current, &mut p.streaks, &p.tasks, &p.fresh) {
                         self.update_complete(&mut p.current);
                         states.send_replace(Arc::new(p.current.clone()));
                     }
@@ -260,23 +269,30 @@ impl Prober {
             warned: BTreeMap::new(),
             replaced: false,
         };
-        for (address, probe) in current.proxies.iter_mut() {
-            let owner = routes.owners.get(address);
-            probe.routes = match (probe.routes.take(), owner) {
-                (Some(table), Some(cluster)) => routes
-                    .tables
-                    .intern(cluster, (*table).clone())
-                    .ok()
-                    .map(|(shared, _)| shared),
-                _ => None,
-            };
-        }
+        current.proxies = current
+            .proxies
+            .iter()
+            .map(|(address, probe)| {
+                let mut probe = probe.clone();
+                let owner = routes.owners.get(address);
+                probe.routes = match (probe.routes.take(), owner) {
+                    (Some(table), Some(cluster)) => routes
+                        .tables
+                        .intern(cluster, (*table).clone())
+                        .ok()
+                        .map(|(shared, _)| shared),
+                    _ => None,
+                };
+                (*address, probe)
+            })
+            .collect();
         Probing {
             client: probe_client(self.policy.timeout),
             permits: ProbePermits::new(self.policy.max_concurrent),
             reports,
             tasks: BTreeMap::new(),
             current,
+            streaks: BTreeMap::new(),
             fresh,
             routes,
         }
@@ -303,10 +319,18 @@ impl Prober {
             }
         }
         let before = p.current.proxies.len();
-        p.current
+        let gone: Vec<SocketAddr> = p
+            .current
             .proxies
-            .retain(|addr, _| wanted.contains_key(addr));
+            .keys()
+            .filter(|addr| !wanted.contains_key(addr))
+            .copied()
+            .collect();
+        for addr in &gone {
+            p.current.proxies.remove(addr);
+        }
         p.fresh.retain(|addr, _| wanted.contains_key(addr));
+        p.streaks.retain(|addr, _| wanted.contains_key(addr));
         let now = SystemTime::now();
         for addr in wanted.keys() {
             p.current
@@ -321,10 +345,12 @@ impl Prober {
         before != p.current.proxies.len() || self.update_complete(&mut p.current)
     }
 
-    /// Applies `first` and every report already waiting before one publication: a burst
-    /// (thousands of first probes) is published a few times, not once per proxy (each
-    /// publication copies every proxy's state). True when something worth publishing
-    /// changed.
+    /// Applies `first` and the reports already waiting before one publication: once every
+    /// proxy has a result, up to the first that changes something (published at once: a
+    /// publication shares the persistent map, it copies nothing); while first results come
+    /// in, every one waiting, so that a burst (thousands of first probes) is published a
+    /// few times, not once per proxy (each publication checks every proxy for
+    /// completeness). True when something worth publishing changed.
     fn apply_waiting(
         &self,
         p: &mut Probing,
@@ -336,9 +362,15 @@ impl Prober {
         let mut taken = 0;
         while let Some(report) = next.take() {
             p.fresh.insert(report.address, Instant::now());
-            changed |= self.apply(&mut p.current, &p.tasks, &mut p.routes, report);
+            changed |= self.apply(
+                &mut p.current,
+                &mut p.streaks,
+                &p.tasks,
+                &mut p.routes,
+                report,
+            );
             taken += 1;
-            if taken < MAX_REPORTS_PER_PUBLICATION {
+            if taken < MAX_REPORTS_PER_PUBLICATION && !(changed && p.current.complete) {
                 next = waiting.try_recv().ok();
             }
         }
@@ -350,7 +382,10 @@ impl Prober {
                 self.metrics
                     .set_held_bytes("routes", p.routes.tables.total_bytes());
             }
-            self.update_complete(&mut p.current);
+            // A report never makes a proxy unknown: once complete, still complete.
+            if !p.current.complete {
+                self.update_complete(&mut p.current);
+            }
         }
         changed
     }
@@ -407,12 +442,14 @@ impl Prober {
     fn expire(
         &self,
         current: &mut ProbeStates,
+        streaks: &mut BTreeMap<SocketAddr, Streak>,
         tasks: &BTreeMap<SocketAddr, (Target, JoinHandle<()>)>,
         fresh: &BTreeMap<SocketAddr, Instant>,
     ) -> bool {
         let mut changed = false;
         let n = tasks.len();
-        for (addr, probe) in current.proxies.iter_mut() {
+        let mut stale = Vec::new();
+        for (addr, probe) in current.proxies.iter() {
             let (Some((Target { settings, .. }, _)), Some(at)) = (tasks.get(addr), fresh.get(addr))
             else {
                 continue;
@@ -421,12 +458,16 @@ impl Prober {
             if probe.state != ProbeState::Unknown
                 && age > stale_after(settings, n, self.policy.max_concurrent)
             {
+                stale.push((*addr, age));
+            }
+        }
+        for (addr, age) in stale {
+            if let Some(probe) = current.proxies.get_mut(&addr) {
                 tracing::warn!(proxy = %addr, age = ?age, "no probe result for too long: its health is unknown again");
                 probe.state = ProbeState::Unknown;
                 probe.since = SystemTime::now();
                 probe.reason = format!("stale: no probe result for {}s", age.as_secs()).into();
-                probe.consecutive_successes = 0;
-                probe.consecutive_failures = 0;
+                streaks.remove(&addr);
                 changed = true;
             }
         }
@@ -445,6 +486,7 @@ impl Prober {
     fn apply(
         &self,
         current: &mut ProbeStates,
+        streaks: &mut BTreeMap<SocketAddr, Streak>,
         tasks: &BTreeMap<SocketAddr, (Target, JoinHandle<()>)>,
         routes: &mut Routes,
         report: Report,
@@ -459,7 +501,7 @@ impl Prober {
         // The table is kept or refused: its read turn goes back.
         drop(report.route_read_turn);
         let (Some(probe), Some((Target { settings, .. }, _))) = (
-            current.proxies.get_mut(&report.address),
+            current.proxies.get(&report.address),
             tasks.get(&report.address),
         ) else {
             return false;
@@ -467,14 +509,27 @@ impl Prober {
         self.metrics
             .probe_seconds
             .observe(report.latency.as_secs_f64());
-        if let Some(table) = table {
-            if probe.routes != table {
-                probe.routes = table;
-                routes.replaced = true;
-                changed = true;
-            }
+        // The published state is written only when it changes, so that a publication
+        // shares every proxy's that did not.
+        let table = table.filter(|t| probe.routes != *t);
+        let next = streaks.entry(report.address).or_default().observe(
+            probe.state,
+            &report.outcome,
+            settings,
+        );
+        if table.is_none() && next.is_none() {
+            return false;
         }
-        if let Some(t) = probe.observe(&report.outcome, settings, SystemTime::now()) {
+        let probe = current
+            .proxies
+            .get_mut(&report.address)
+            .expect("looked up above");
+        if let Some(table) = table {
+            probe.routes = table;
+            routes.replaced = true;
+            changed = true;
+        }
+        if let Some(t) = next.map(|next| probe.enter(next, SystemTime::now())) {
             self.metrics
                 .health_transitions
                 .get_or_create(&crate::metrics::StateLabels {
@@ -509,8 +564,14 @@ impl Prober {
                     if routes.warn_now(&hog) {
                         tracing::warn!(cluster = hog, "route tables dropped: over their cluster's fair share of the memory budget; its proxies' routes are unknown (logged once a minute per cluster; ray_xds_probe_routes_refused_total counts each)");
                     }
-                    for (a, probe) in current.proxies.iter_mut() {
-                        if routes.owners.get(a) == Some(&hog) {
+                    let owned: Vec<SocketAddr> = current
+                        .proxies
+                        .keys()
+                        .filter(|a| routes.owners.get(a) == Some(&hog))
+                        .copied()
+                        .collect();
+                    for a in owned {
+                        if let Some(probe) = current.proxies.get_mut(&a) {
                             probe.routes = None;
                         }
                     }
@@ -698,12 +759,12 @@ mod tests {
             .checked_sub(Duration::from_secs(60))
             .expect("the machine has been up a minute");
         let fresh = BTreeMap::from([(old, long_ago), (new, Instant::now())]);
-        assert!(p.expire(&mut current, &tasks, &fresh));
+        assert!(p.expire(&mut current, &mut BTreeMap::new(), &tasks, &fresh));
         assert_eq!(current.proxies[&old].state, ProbeState::Unknown);
         assert!(current.proxies[&old].reason.starts_with("stale"));
         assert_eq!(current.proxies[&new].state, ProbeState::Healthy);
         // Nothing more to expire.
-        assert!(!p.expire(&mut current, &tasks, &fresh));
+        assert!(!p.expire(&mut current, &mut BTreeMap::new(), &tasks, &fresh));
     }
 
     /// A probe task that ended (a panic) is started again and counted.
@@ -771,6 +832,7 @@ mod tests {
         probe.state = ProbeState::Healthy;
         probe.routes = Some(std::sync::Arc::new(["/".to_string()].into()));
         let mut current = ProbeStates::default();
+        let mut streaks = BTreeMap::new();
         current.proxies.insert(addr, probe);
         let tasks = BTreeMap::from([(addr, (http_target(&p.policy), tokio::spawn(async {})))]);
         let report = Report {
@@ -781,9 +843,75 @@ mod tests {
             route_read_turn: None,
         };
         let mut routes = routes_of([(addr, "c")], 1 << 20);
-        assert!(p.apply(&mut current, &tasks, &mut routes, report));
+        assert!(p.apply(&mut current, &mut streaks, &tasks, &mut routes, report));
         assert_eq!(current.proxies[&addr].state, ProbeState::Healthy);
         assert_eq!(current.proxies[&addr].routes, None);
+    }
+
+    /// A result that changes neither health nor routes writes nothing that is
+    /// published: the states published before stay the very map (what the pipeline's
+    /// diff of two publications relies on to find what changed without a walk). The
+    /// result that changes health writes that proxy alone.
+    #[tokio::test]
+    async fn only_a_change_of_health_or_routes_touches_the_published_states() {
+        let p = prober();
+        let (a, b) = (
+            SocketAddr::from(([127, 0, 0, 1], 1)),
+            SocketAddr::from(([127, 0, 0, 1], 2)),
+        );
+        let mut current = ProbeStates::default();
+        let mut streaks = BTreeMap::new();
+        let mut tasks = BTreeMap::new();
+        for addr in [a, b] {
+            let mut probe = ProxyProbe::new(SystemTime::now());
+            probe.state = ProbeState::Healthy;
+            current.proxies.insert(addr, probe);
+            tasks.insert(addr, (http_target(&p.policy), tokio::spawn(async {})));
+        }
+        let report = |address, outcome| Report {
+            address,
+            outcome,
+            latency: Duration::ZERO,
+            routes: None,
+            route_read_turn: None,
+        };
+        let mut routes = routes_of([(a, "c"), (b, "c")], 1 << 20);
+        let published = current.clone();
+        let steady = [
+            Outcome::Healthy,
+            Outcome::Failed("timeout".into()),
+            Outcome::Healthy,
+        ];
+        for outcome in steady {
+            assert!(!p.apply(
+                &mut current,
+                &mut streaks,
+                &tasks,
+                &mut routes,
+                report(a, outcome)
+            ));
+        }
+        assert!(current.proxies.ptr_eq(&published.proxies));
+        assert_eq!(p.policy.unhealthy_threshold, 2);
+        for _ in 0..2 {
+            p.apply(
+                &mut current,
+                &mut streaks,
+                &tasks,
+                &mut routes,
+                report(a, Outcome::Failed("timeout".into())),
+            );
+        }
+        let changed: Vec<SocketAddr> = published
+            .proxies
+            .diff(&current.proxies)
+            .map(|d| match d {
+                imbl::ordmap::DiffItem::Update { new: (k, _), .. } => *k,
+                other => panic!("only an update: {other:?}"),
+            })
+            .collect();
+        assert_eq!(changed, [a]);
+        assert_eq!(current.proxies[&a].state, ProbeState::Unhealthy);
     }
 
     fn routes_of<const N: usize>(owners: [(SocketAddr, &str); N], budget: usize) -> Routes {
@@ -821,6 +949,7 @@ mod tests {
             budget,
         );
         let mut current = ProbeStates::default();
+        let mut streaks = BTreeMap::new();
         let mut tasks = BTreeMap::new();
         for a in [hog1, hog2, mine1, mine2] {
             current
@@ -835,19 +964,33 @@ mod tests {
             routes: Some(Some(table)),
             route_read_turn: None,
         };
-        assert!(p.apply(&mut current, &tasks, &mut routes, report(hog1, big("a"))));
-        assert!(p.apply(&mut current, &tasks, &mut routes, report(hog2, big("b"))));
+        assert!(p.apply(
+            &mut current,
+            &mut streaks,
+            &tasks,
+            &mut routes,
+            report(hog1, big("a"))
+        ));
+        assert!(p.apply(
+            &mut current,
+            &mut streaks,
+            &tasks,
+            &mut routes,
+            report(hog2, big("b"))
+        ));
         routes.collect();
         assert_eq!(routes.tables.total_bytes(), 2 * bytes(&big("a")));
         // Mine is within its share: in, the hog's tables dropped.
         assert!(p.apply(
             &mut current,
+            &mut streaks,
             &tasks,
             &mut routes,
             report(mine1, small.clone())
         ));
         assert!(p.apply(
             &mut current,
+            &mut streaks,
             &tasks,
             &mut routes,
             report(mine2, small.clone())
@@ -862,8 +1005,20 @@ mod tests {
         assert_eq!(routes.tables.total_bytes(), bytes(&small));
         // The hog's next big table fits the budget alone, not beside mine: it gets one
         // (the budget is not full), the second is refused.
-        p.apply(&mut current, &tasks, &mut routes, report(hog1, big("a")));
-        p.apply(&mut current, &tasks, &mut routes, report(hog2, big("b")));
+        p.apply(
+            &mut current,
+            &mut streaks,
+            &tasks,
+            &mut routes,
+            report(hog1, big("a")),
+        );
+        p.apply(
+            &mut current,
+            &mut streaks,
+            &tasks,
+            &mut routes,
+            report(hog2, big("b")),
+        );
         routes.collect();
         assert!(table(&current, hog1).is_some());
         assert_eq!(table(&current, hog2), None);
@@ -1122,6 +1277,7 @@ mod tests {
     struct HedgeRun {
         reports: mpsc::Receiver<Report>,
         probe: ProxyProbe,
+        streak: Streak,
         settings: ProbePolicy,
         task: JoinHandle<()>,
     }
@@ -1149,6 +1305,7 @@ mod tests {
             HedgeRun {
                 reports: rx,
                 probe: ProxyProbe::new(SystemTime::now()),
+                streak: Streak::default(),
                 settings,
                 task: tokio::spawn(task.run()),
             }
@@ -1160,8 +1317,12 @@ mod tests {
                 .await
                 .expect("a report within a minute")
                 .unwrap();
-            self.probe
-                .observe(&report.outcome, &self.settings, SystemTime::now());
+            self.probe.observe(
+                &mut self.streak,
+                &report.outcome,
+                &self.settings,
+                SystemTime::now(),
+            );
             report.outcome
         }
     }
@@ -1176,7 +1337,7 @@ mod tests {
         let fake = Hanging::default();
         let address = fake.start().await;
         let mut run = HedgeRun::start(address);
-        while run.probe.state != ProbeState::Healthy || run.probe.consecutive_successes < 2 {
+        while run.probe.state != ProbeState::Healthy || run.streak.successes < 2 {
             assert_eq!(run.next().await, Outcome::Healthy);
         }
         fake.hang_all
@@ -1205,7 +1366,7 @@ mod tests {
         let second = run.next().await;
         assert!(matches!(second, Outcome::Failed(_)), "{second:?}");
         assert_eq!(run.probe.state, ProbeState::Unhealthy);
-        assert_eq!(run.probe.consecutive_failures, 2);
+        assert_eq!(run.streak.failures, 2);
         run.task.abort();
     }
 
@@ -1217,7 +1378,7 @@ mod tests {
         let fake = Hanging::default();
         let address = fake.start().await;
         let mut run = HedgeRun::start_with(address, 8);
-        while run.probe.state != ProbeState::Healthy || run.probe.consecutive_successes < 2 {
+        while run.probe.state != ProbeState::Healthy || run.streak.successes < 2 {
             assert_eq!(run.next().await, Outcome::Healthy);
         }
         fake.hang_all
@@ -1249,7 +1410,7 @@ mod tests {
         let fake = Hanging::default();
         let address = fake.start().await;
         let mut run = HedgeRun::start(address);
-        while run.probe.state != ProbeState::Healthy || run.probe.consecutive_successes < 2 {
+        while run.probe.state != ProbeState::Healthy || run.streak.successes < 2 {
             assert_eq!(run.next().await, Outcome::Healthy);
         }
         fake.hang_next.store(1, std::sync::atomic::Ordering::SeqCst);
@@ -1261,7 +1422,7 @@ mod tests {
             seen += 1;
         }
         assert_eq!(fake.unanswered(), 1);
-        assert_eq!(run.probe.consecutive_failures, 0);
+        assert_eq!(run.streak.failures, 0);
         run.task.abort();
     }
 
