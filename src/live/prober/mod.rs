@@ -33,7 +33,11 @@
 //!
 //! Each outcome goes to the manager, the single writer of the [`ProbeStates`] channel, which
 //! feeds each proxy's [`ProxyProbe`] and publishes only when a state (or a proxy's route
-//! list) changes. A proxy's `/-/routes` is read when it answers healthy after not doing so,
+//! list) changes. The published states are a persistent map in which a proxy's entry is
+//! written only when its health or routes change (the run of like outcomes that decides
+//! when is the manager's own [`Streak`]): a publication is not a copy, and two
+//! publications share every entry that did not change, so a reader finds what changed
+//! by a diff that skips what they share (`live::health::Assessor`). A proxy's `/-/routes` is read when it answers healthy after not doing so,
 //! and every `routes_interval` while healthy, at most [`ROUTE_READS_AT_ONCE`] at a time
 //! over all proxies, each body at most [`MAX_ROUTES_BODY_BYTES`]. At most [`MAX_ROUTES`]
 //! route prefixes of at most [`MAX_ROUTE_PREFIX_BYTES`] each are kept per proxy; an
@@ -229,6 +233,7 @@ impl Prober {
                 _ = tick.tick() => {
                     self.heartbeat.beat();
                     self.restart_ended(&mut p.tasks, &p.client, &p.permits, &p.reports);
+                    self.collect_replaced_routes(&mut p);
                     if self.expire(&mut p.current, &mut p.streaks, &p.tasks, &p.fresh) {
                         self.update_complete(&mut p.current);
                         states.send_replace(Arc::new(p.current.clone()));
@@ -256,6 +261,8 @@ impl Prober {
 
     /// Where a (re)started prober begins: from what the last one published, each result
     /// fresh from now, and the route tables its states refer to kept (and counted) again.
+    /// Each proxy's run of like outcomes starts anew (it is not published): after a
+    /// restart, a change of health can take up to its threshold less one more probes.
     fn resume(&self, last: &ProbeStates, model: &Model, reports: mpsc::Sender<Report>) -> Probing {
         let mut current = last.clone();
         let fresh = current
@@ -342,52 +349,64 @@ impl Prober {
         p.routes.collect();
         self.metrics
             .set_held_bytes("routes", p.routes.tables.total_bytes());
-        before != p.current.proxies.len() || self.update_complete(&mut p.current)
+        // Both, always: a proxy that came is unknown, so the states are not complete.
+        let complete_changed = self.update_complete(&mut p.current);
+        before != p.current.proxies.len() || complete_changed
     }
 
     /// Applies `first` and the reports already waiting before one publication: once every
-    /// proxy has a result, up to the first that changes something (published at once: a
-    /// publication shares the persistent map, it copies nothing); while first results come
-    /// in, every one waiting, so that a burst (thousands of first probes) is published a
-    /// few times, not once per proxy (each publication checks every proxy for
-    /// completeness). True when something worth publishing changed.
+    /// proxy has a result, up to the first that changes a proxy's health (published at
+    /// once: a publication shares the persistent map, it copies nothing); while first
+    /// results come in, every one waiting, so that a burst (thousands of first probes) is
+    /// published a few times, not once per proxy (each publication checks every proxy
+    /// for completeness). A change of routes alone does not end the batch: a new
+    /// application changes every proxy's table within a routes interval. True when
+    /// something worth publishing changed.
     fn apply_waiting(
         &self,
         p: &mut Probing,
         first: Report,
         waiting: &mut mpsc::Receiver<Report>,
     ) -> bool {
-        let mut changed = false;
+        let mut changed = Applied::default();
         let mut next = Some(first);
         let mut taken = 0;
         while let Some(report) = next.take() {
             p.fresh.insert(report.address, Instant::now());
-            changed |= self.apply(
+            let applied = self.apply(
                 &mut p.current,
                 &mut p.streaks,
                 &p.tasks,
                 &mut p.routes,
                 report,
             );
+            changed.health |= applied.health;
+            changed.routes |= applied.routes;
             taken += 1;
-            if taken < MAX_REPORTS_PER_PUBLICATION && !(changed && p.current.complete) {
+            if taken < MAX_REPORTS_PER_PUBLICATION && !(changed.health && p.current.complete) {
                 next = waiting.try_recv().ok();
             }
         }
-        if changed {
-            // Only a proxy's new table can leave its old one unused (a proxy that went is
-            // `follow`'s to collect).
-            if std::mem::take(&mut p.routes.replaced) {
-                p.routes.collect();
-                self.metrics
-                    .set_held_bytes("routes", p.routes.tables.total_bytes());
-            }
-            // A report never makes a proxy unknown: once complete, still complete.
+        if changed.any() {
+            // A report never makes a proxy unknown: once complete, still complete (a
+            // proxy that came since is `follow`'s to count).
             if !p.current.complete {
                 self.update_complete(&mut p.current);
             }
         }
-        changed
+        changed.any()
+    }
+
+    /// Forgets the route tables no proxy holds any more, if a proxy's table was replaced
+    /// since the last time (only a new table can leave an old one unused; a proxy that
+    /// went is `follow`'s to collect). A walk of every proxy: at most once a second,
+    /// not with every publication.
+    fn collect_replaced_routes(&self, p: &mut Probing) {
+        if std::mem::take(&mut p.routes.replaced) {
+            p.routes.collect();
+            self.metrics
+                .set_held_bytes("routes", p.routes.tables.total_bytes());
+        }
     }
 
     /// The probe task of one target.
@@ -482,7 +501,7 @@ impl Prober {
         std::mem::replace(&mut current.complete, complete) != complete
     }
 
-    /// Applies one report; true when something worth publishing changed.
+    /// Applies one report: what it changed of the published states.
     fn apply(
         &self,
         current: &mut ProbeStates,
@@ -490,11 +509,11 @@ impl Prober {
         tasks: &BTreeMap<SocketAddr, (Target, JoinHandle<()>)>,
         routes: &mut Routes,
         report: Report,
-    ) -> bool {
+    ) -> Applied {
+        let mut changed = Applied::default();
         if !current.proxies.contains_key(&report.address) || !tasks.contains_key(&report.address) {
-            return false; // a proxy removed since
+            return changed; // a proxy removed since
         }
-        let mut changed = false;
         let table = report
             .routes
             .map(|read| read.and_then(|t| self.keep_routes(current, routes, report.address, t)));
@@ -504,7 +523,7 @@ impl Prober {
             current.proxies.get(&report.address),
             tasks.get(&report.address),
         ) else {
-            return false;
+            return changed;
         };
         self.metrics
             .probe_seconds
@@ -518,7 +537,7 @@ impl Prober {
             settings,
         );
         if table.is_none() && next.is_none() {
-            return false;
+            return changed;
         }
         let probe = current
             .proxies
@@ -527,7 +546,7 @@ impl Prober {
         if let Some(table) = table {
             probe.routes = table;
             routes.replaced = true;
-            changed = true;
+            changed.routes = true;
         }
         if let Some(t) = next.map(|next| probe.enter(next, SystemTime::now())) {
             self.metrics
@@ -541,7 +560,7 @@ impl Prober {
             } else {
                 tracing::warn!(proxy = %report.address, from = t.from.as_str(), to = t.to.as_str(), reason = %t.reason, "proxy health changed");
             }
-            changed = true;
+            changed.health = true;
         }
         changed
     }
@@ -587,6 +606,21 @@ impl Prober {
                 None
             }
         }
+    }
+}
+
+/// What one report changed of the published states.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Applied {
+    /// The proxy's health state.
+    health: bool,
+    /// The proxy's route table (and, to make room for it, maybe a hog cluster's).
+    routes: bool,
+}
+
+impl Applied {
+    fn any(self) -> bool {
+        self.health || self.routes
     }
 }
 
@@ -843,7 +877,9 @@ mod tests {
             route_read_turn: None,
         };
         let mut routes = routes_of([(addr, "c")], 1 << 20);
-        assert!(p.apply(&mut current, &mut streaks, &tasks, &mut routes, report));
+        assert!(p
+            .apply(&mut current, &mut streaks, &tasks, &mut routes, report)
+            .any());
         assert_eq!(current.proxies[&addr].state, ProbeState::Healthy);
         assert_eq!(current.proxies[&addr].routes, None);
     }
@@ -883,13 +919,15 @@ mod tests {
             Outcome::Healthy,
         ];
         for outcome in steady {
-            assert!(!p.apply(
-                &mut current,
-                &mut streaks,
-                &tasks,
-                &mut routes,
-                report(a, outcome)
-            ));
+            assert!(!p
+                .apply(
+                    &mut current,
+                    &mut streaks,
+                    &tasks,
+                    &mut routes,
+                    report(a, outcome)
+                )
+                .any());
         }
         assert!(current.proxies.ptr_eq(&published.proxies));
         assert_eq!(p.policy.unhealthy_threshold, 2);
@@ -912,6 +950,89 @@ mod tests {
             .collect();
         assert_eq!(changed, [a]);
         assert_eq!(current.proxies[&a].state, ProbeState::Unhealthy);
+    }
+
+    /// A proxy that came since every proxy had a result makes the states incomplete
+    /// again, published with the proxy (a report never recounts while complete).
+    #[tokio::test]
+    async fn states_are_not_complete_while_a_proxy_added_since_is_unprobed() {
+        let p = prober();
+        let (a, b) = (
+            SocketAddr::from(([127, 0, 0, 1], 1)),
+            SocketAddr::from(([127, 0, 0, 1], 2)),
+        );
+        let one = Model::new(vec![crate::model::test_support::service("s", "c", &[1])]).unwrap();
+        let two = Model::new(vec![crate::model::test_support::service("s", "c", &[1, 2])]).unwrap();
+        let report = |address, outcome| Report {
+            address,
+            outcome,
+            latency: Duration::ZERO,
+            routes: None,
+            route_read_turn: None,
+        };
+        let (tx, _reports) = mpsc::channel(64);
+        let (_w, mut waiting) = mpsc::channel(1);
+        let mut probing = p.resume(&ProbeStates::default(), &one, tx);
+        assert!(p.follow(&mut probing, &one));
+        assert!(p.apply_waiting(&mut probing, report(a, Outcome::Healthy), &mut waiting));
+        assert!(probing.current.complete);
+        assert!(p.follow(&mut probing, &two));
+        assert!(!probing.current.complete, "b has not been probed");
+        assert!(p.apply_waiting(&mut probing, report(a, Outcome::Refused), &mut waiting));
+        assert!(!probing.current.complete, "b has not been probed");
+        assert!(p.apply_waiting(&mut probing, report(b, Outcome::Healthy), &mut waiting));
+        assert!(probing.current.complete);
+        for (_, (_, t)) in std::mem::take(&mut probing.tasks) {
+            t.abort();
+        }
+    }
+
+    /// Once complete, a batch ends at the first change of health (published at once),
+    /// not at a change of routes alone (a new application changes every proxy's table).
+    #[tokio::test]
+    async fn a_batch_ends_at_a_change_of_health_not_of_routes_alone() {
+        let p = prober();
+        let (a, b) = (
+            SocketAddr::from(([127, 0, 0, 1], 1)),
+            SocketAddr::from(([127, 0, 0, 1], 2)),
+        );
+        let model =
+            Model::new(vec![crate::model::test_support::service("s", "c", &[1, 2])]).unwrap();
+        let report = |address, outcome, routes: Option<&str>| Report {
+            address,
+            outcome,
+            latency: Duration::ZERO,
+            routes: routes.map(|r| Some([r.to_string()].into())),
+            route_read_turn: None,
+        };
+        let (tx, _reports) = mpsc::channel(64);
+        let (more, mut waiting) = mpsc::channel(8);
+        let mut probing = p.resume(&ProbeStates::default(), &model, tx);
+        p.follow(&mut probing, &model);
+        for address in [a, b] {
+            p.apply_waiting(
+                &mut probing,
+                report(address, Outcome::Healthy, None),
+                &mut waiting,
+            );
+        }
+        assert!(probing.current.complete);
+        // Routes alone, then health, then more health: one batch takes the first two and
+        // ends at the change of health; the third waits for the next batch.
+        more.try_send(report(b, Outcome::Refused, None)).unwrap();
+        more.try_send(report(a, Outcome::Refused, None)).unwrap();
+        let first = report(a, Outcome::Healthy, Some("/x"));
+        assert!(p.apply_waiting(&mut probing, first, &mut waiting));
+        let routes = probing.current.proxies[&a].routes.clone();
+        assert_eq!(routes.map(|r| r.len()), Some(1));
+        assert_eq!(probing.current.proxies[&b].state, ProbeState::Unhealthy);
+        assert_eq!(probing.current.proxies[&a].state, ProbeState::Healthy);
+        let third = waiting.try_recv().expect("left for the next batch");
+        assert!(p.apply_waiting(&mut probing, third, &mut waiting));
+        assert_eq!(probing.current.proxies[&a].state, ProbeState::Unhealthy);
+        for (_, (_, t)) in std::mem::take(&mut probing.tasks) {
+            t.abort();
+        }
     }
 
     fn routes_of<const N: usize>(owners: [(SocketAddr, &str); N], budget: usize) -> Routes {
@@ -964,34 +1085,21 @@ mod tests {
             routes: Some(Some(table)),
             route_read_turn: None,
         };
-        assert!(p.apply(
-            &mut current,
-            &mut streaks,
-            &tasks,
-            &mut routes,
-            report(hog1, big("a"))
-        ));
-        assert!(p.apply(
-            &mut current,
-            &mut streaks,
-            &tasks,
-            &mut routes,
-            report(hog2, big("b"))
-        ));
+        let mut apply = |current: &mut ProbeStates, routes: &mut Routes, report| {
+            p.apply(current, &mut streaks, &tasks, routes, report).any()
+        };
+        assert!(apply(&mut current, &mut routes, report(hog1, big("a"))));
+        assert!(apply(&mut current, &mut routes, report(hog2, big("b"))));
         routes.collect();
         assert_eq!(routes.tables.total_bytes(), 2 * bytes(&big("a")));
         // Mine is within its share: in, the hog's tables dropped.
-        assert!(p.apply(
+        assert!(apply(
             &mut current,
-            &mut streaks,
-            &tasks,
             &mut routes,
             report(mine1, small.clone())
         ));
-        assert!(p.apply(
+        assert!(apply(
             &mut current,
-            &mut streaks,
-            &tasks,
             &mut routes,
             report(mine2, small.clone())
         ));
@@ -1005,20 +1113,8 @@ mod tests {
         assert_eq!(routes.tables.total_bytes(), bytes(&small));
         // The hog's next big table fits the budget alone, not beside mine: it gets one
         // (the budget is not full), the second is refused.
-        p.apply(
-            &mut current,
-            &mut streaks,
-            &tasks,
-            &mut routes,
-            report(hog1, big("a")),
-        );
-        p.apply(
-            &mut current,
-            &mut streaks,
-            &tasks,
-            &mut routes,
-            report(hog2, big("b")),
-        );
+        apply(&mut current, &mut routes, report(hog1, big("a")));
+        apply(&mut current, &mut routes, report(hog2, big("b")));
         routes.collect();
         assert!(table(&current, hog1).is_some());
         assert_eq!(table(&current, hog2), None);
