@@ -17,7 +17,7 @@
 //! Routes go to the active cluster through `weighted_clusters`, so that a later
 //! switchover only changes weights; the gRPC route carries the same weights as HTTP.
 
-use std::cell::{Cell, OnceCell};
+use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -101,10 +101,16 @@ pub fn translate(
 /// very model (the same `Arc`) it was last made or found the same from lists the same
 /// endpoints, so it is taken as kept without listing them: a health change costs the
 /// clusters it touched, not a walk of every endpoint.
+///
+/// An Envoy cluster is made only from the model, the gateway settings and the traffic
+/// policy: with the very model and equal settings and policy, each is taken as kept
+/// without being made again.
 #[derive(Default)]
 pub struct Incremental {
     /// The model of the last build, held so that a pointer equal to it is that model.
     model: Option<Arc<Model>>,
+    /// The gateway settings and traffic policy of the last build.
+    settings: Option<(GatewaySettings, TrafficPolicy)>,
     clusters: Memo<envoy_types::pb::envoy::config::cluster::v3::Cluster>,
     assignments: Memo<KeptListing>,
     listeners: Memo<envoy_types::pb::envoy::config::listener::v3::Listener>,
@@ -122,9 +128,17 @@ impl Incremental {
     ) -> Encoded {
         let same_model = self.model.as_ref().is_some_and(|m| Arc::ptr_eq(m, model));
         self.model = Some(model.clone());
+        let same_settings = self
+            .settings
+            .as_ref()
+            .is_some_and(|(g, t)| g == gateway && t == traffic);
+        if !same_settings {
+            self.settings = Some((gateway.clone(), traffic.clone()));
+        }
         let mut out = Kept {
             memo: self,
             same_model,
+            same_cluster_inputs: same_model && same_settings,
             encoded: Encoded::default(),
         };
         emit(model, health, all_weights, gateway, traffic, &mut out);
@@ -140,7 +154,12 @@ impl Incremental {
 /// Where translation puts what it makes: typed resources ([`translate`]), or encoded ones
 /// kept across builds ([`Incremental`]).
 trait Sink {
-    fn cluster(&mut self, cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster);
+    /// Envoy cluster `name`, as `make()` makes it.
+    fn cluster(
+        &mut self,
+        name: &str,
+        make: impl FnOnce() -> envoy_types::pb::envoy::config::cluster::v3::Cluster,
+    );
     /// The assignment of Envoy cluster `name`, whose endpoints are `listed()` as
     /// `verdicts` (its verdicts in the health map) judge them.
     fn assignment<'a>(
@@ -155,8 +174,12 @@ trait Sink {
 }
 
 impl Sink for Resources {
-    fn cluster(&mut self, cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster) {
-        self.clusters.push(cluster);
+    fn cluster(
+        &mut self,
+        _: &str,
+        make: impl FnOnce() -> envoy_types::pb::envoy::config::cluster::v3::Cluster,
+    ) {
+        self.clusters.push(make());
     }
     fn assignment<'a>(
         &mut self,
@@ -182,12 +205,39 @@ struct Kept<'m> {
     memo: &'m mut Incremental,
     /// The model is the very one of the last build.
     same_model: bool,
+    /// And the gateway settings and traffic policy are equal to the last build's: every
+    /// Envoy cluster is as kept.
+    same_cluster_inputs: bool,
     encoded: Encoded,
 }
 
 impl Sink for Kept<'_> {
-    fn cluster(&mut self, cluster: envoy_types::pb::envoy::config::cluster::v3::Cluster) {
-        let r = self.memo.clusters.message(cluster);
+    fn cluster(
+        &mut self,
+        name: &str,
+        make: impl FnOnce() -> envoy_types::pb::envoy::config::cluster::v3::Cluster,
+    ) {
+        // Made at most once, and only when an input may have changed.
+        let make = Cell::new(Some(make));
+        let made = RefCell::new(None);
+        let same_inputs = self.same_cluster_inputs;
+        let r = self.memo.clusters.get_or_make(
+            name,
+            |kept| {
+                same_inputs || {
+                    let mut made = made.borrow_mut();
+                    *kept == *made.get_or_insert_with(|| make.take().expect("made once")())
+                }
+            },
+            || {
+                let cluster = made
+                    .borrow_mut()
+                    .take()
+                    .unwrap_or_else(|| make.take().expect("made once")());
+                let resource = Resource::of(&cluster);
+                (cluster, resource)
+            },
+        );
         self.encoded.push(ResourceType::Cluster, r);
     }
     fn assignment<'a>(
@@ -255,7 +305,7 @@ fn emit(
                     continue;
                 }
                 let name = service.envoy_cluster_name_for(&ray_cluster.name, protocol);
-                out.cluster(eds_cluster(&name, gateway, &policy, protocol));
+                out.cluster(&name, || eds_cluster(&name, gateway, &policy, protocol));
                 let proxies = ray_cluster
                     .endpoints(protocol)
                     .map(|(address, proxy)| (address, ("node_type", proxy.node_type.as_str())));
@@ -264,7 +314,7 @@ fn emit(
                 });
             }
             for (name, protocol, replicas) in applications::clusters(service, ray_cluster) {
-                out.cluster(eds_cluster(&name, gateway, &policy, protocol));
+                out.cluster(&name, || eds_cluster(&name, gateway, &policy, protocol));
                 out.assignment(&name, health.shared_of_cluster(&name), || {
                     listed(&name, replicas, health)
                 });
@@ -682,6 +732,8 @@ mod incremental_tests {
         weight: u8,
         /// A second traffic policy (every cluster changes).
         other_policy: bool,
+        /// Other gateway settings (every cluster and the listener change).
+        other_gateway: bool,
         /// Per RayService: its own `retries`.
         retries: [Option<u8>; 2],
         /// The model of the step before (the same `Arc`): only health, weights or
@@ -708,8 +760,11 @@ mod incremental_tests {
                 proptest::option::weighted(0.2, 0u8..5),
                 proptest::option::weighted(0.2, 0u8..5),
             ],
-            proptest::bool::weighted(0.4),
-            proptest::bool::weighted(0.4),
+            (
+                proptest::bool::weighted(0.4),
+                proptest::bool::weighted(0.4),
+                proptest::bool::weighted(0.2),
+            ),
         )
             .prop_map(
                 |(
@@ -721,8 +776,7 @@ mod incremental_tests {
                     weight,
                     other_policy,
                     retries,
-                    same_model,
-                    same_health,
+                    (same_model, same_health, other_gateway),
                 )| Step {
                     proxies,
                     second,
@@ -734,6 +788,7 @@ mod incremental_tests {
                     retries,
                     same_model,
                     same_health,
+                    other_gateway,
                 },
             )
     }
@@ -774,6 +829,9 @@ mod incremental_tests {
             }
         }
         svc.policy.overrides.traffic.retries = s.retries[i].map(u32::from);
+        // A setting of the RayService's Envoy clusters too: a model change that changes
+        // a cluster of the same name.
+        svc.policy.overrides.traffic.max_connections = s.retries[i].map(|r| 100 + u32::from(r));
         Some(svc)
     }
 
@@ -837,6 +895,7 @@ mod incremental_tests {
         let mut traffic = TrafficPolicy::default();
         if s.other_policy {
             traffic.retry_back_off = Duration::from_millis(100);
+            traffic.consecutive_local_origin_failure = 5;
         }
         Some((model, health, weights, traffic))
     }
@@ -845,7 +904,10 @@ mod incremental_tests {
         #![proptest_config(ProptestConfig::with_cases(256))]
         #[test]
         fn an_incremental_build_equals_a_whole_rebuild(steps in proptest::collection::vec(step(), 1..10)) {
-            let gateway = GatewaySettings::default();
+            let other_gateway = GatewaySettings {
+                connect_timeout: Duration::from_millis(250),
+                ..GatewaySettings::default()
+            };
             let mut incremental = Incremental::default();
             let mut previous: Option<Snapshot> = None;
             let mut before: Option<(Step, Arc<Model>, HealthMap)> = None;
@@ -869,6 +931,7 @@ mod incremental_tests {
                     health.endpoints.share_equal(&h.endpoints);
                 }
                 before = Some((s.clone(), model.clone(), health.clone()));
+                let gateway = if s.other_gateway { other_gateway.clone() } else { GatewaySettings::default() };
                 let whole = Snapshot::build(&translate(&model, &health, &weights, &gateway, &traffic), None);
                 let kept = Snapshot::build_encoded(
                     &incremental.translate(&model, &health, &weights, &gateway, &traffic),
