@@ -37,9 +37,10 @@
 //! written only when its health or routes change (the run of like outcomes that decides
 //! when is the manager's own [`Streak`]): a publication is not a copy, and two
 //! publications share every entry that did not change, so a reader finds what changed
-//! by a diff that skips what they share (`live::health::Assessor`). A proxy's `/-/routes` is read when it answers healthy after not doing so,
-//! and every `routes_interval` while healthy, at most [`ROUTE_READS_AT_ONCE`] at a time
-//! over all proxies, each body at most [`MAX_ROUTES_BODY_BYTES`]. At most [`MAX_ROUTES`]
+//! by a diff that skips what they share (`live::health::Assessor`). A proxy's
+//! `/-/routes` is read when it answers healthy after not doing so, and every
+//! `routes_interval` while healthy, at most [`ROUTE_READS_AT_ONCE`] at a time over all
+//! proxies, each body at most [`MAX_ROUTES_BODY_BYTES`]. At most [`MAX_ROUTES`]
 //! route prefixes of at most [`MAX_ROUTE_PREFIX_BYTES`] each are kept per proxy; an
 //! answer over either is read
 //! as a malformed one (routes unknown), which never touches the probe state. A read that
@@ -777,18 +778,8 @@ mod tests {
     #[tokio::test]
     async fn a_result_nobody_renews_goes_back_to_unknown() {
         let p = prober();
-        let (old, new) = (
-            SocketAddr::from(([127, 0, 0, 1], 1)),
-            SocketAddr::from(([127, 0, 0, 1], 2)),
-        );
-        let mut current = ProbeStates::default();
-        let mut tasks = BTreeMap::new();
-        for a in [old, new] {
-            let mut probe = ProxyProbe::new(SystemTime::now());
-            probe.state = ProbeState::Healthy;
-            current.proxies.insert(a, probe);
-            tasks.insert(a, (http_target(&p.policy), tokio::spawn(async {})));
-        }
+        let (old, new) = (local(1), local(2));
+        let (mut current, tasks) = healthy_pair(&p, old, new);
         let long_ago = Instant::now()
             .checked_sub(Duration::from_secs(60))
             .expect("the machine has been up a minute");
@@ -891,26 +882,9 @@ mod tests {
     #[tokio::test]
     async fn only_a_change_of_health_or_routes_touches_the_published_states() {
         let p = prober();
-        let (a, b) = (
-            SocketAddr::from(([127, 0, 0, 1], 1)),
-            SocketAddr::from(([127, 0, 0, 1], 2)),
-        );
-        let mut current = ProbeStates::default();
+        let (a, b) = (local(1), local(2));
+        let (mut current, tasks) = healthy_pair(&p, a, b);
         let mut streaks = BTreeMap::new();
-        let mut tasks = BTreeMap::new();
-        for addr in [a, b] {
-            let mut probe = ProxyProbe::new(SystemTime::now());
-            probe.state = ProbeState::Healthy;
-            current.proxies.insert(addr, probe);
-            tasks.insert(addr, (http_target(&p.policy), tokio::spawn(async {})));
-        }
-        let report = |address, outcome| Report {
-            address,
-            outcome,
-            latency: Duration::ZERO,
-            routes: None,
-            route_read_turn: None,
-        };
         let mut routes = routes_of([(a, "c"), (b, "c")], 1 << 20);
         let published = current.clone();
         let steady = [
@@ -957,19 +931,9 @@ mod tests {
     #[tokio::test]
     async fn states_are_not_complete_while_a_proxy_added_since_is_unprobed() {
         let p = prober();
-        let (a, b) = (
-            SocketAddr::from(([127, 0, 0, 1], 1)),
-            SocketAddr::from(([127, 0, 0, 1], 2)),
-        );
+        let (a, b) = (local(1), local(2));
         let one = Model::new(vec![crate::model::test_support::service("s", "c", &[1])]).unwrap();
         let two = Model::new(vec![crate::model::test_support::service("s", "c", &[1, 2])]).unwrap();
-        let report = |address, outcome| Report {
-            address,
-            outcome,
-            latency: Duration::ZERO,
-            routes: None,
-            route_read_turn: None,
-        };
         let (tx, _reports) = mpsc::channel(64);
         let (_w, mut waiting) = mpsc::channel(1);
         let mut probing = p.resume(&ProbeStates::default(), &one, tx);
@@ -1032,6 +996,38 @@ mod tests {
         assert_eq!(probing.current.proxies[&a].state, ProbeState::Unhealthy);
         for (_, (_, t)) in std::mem::take(&mut probing.tasks) {
             t.abort();
+        }
+    }
+
+    fn local(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    /// Two proxies probed healthy, each with a (finished) task.
+    fn healthy_pair(
+        p: &Prober,
+        a: SocketAddr,
+        b: SocketAddr,
+    ) -> (ProbeStates, BTreeMap<SocketAddr, (Target, JoinHandle<()>)>) {
+        let mut current = ProbeStates::default();
+        let mut tasks = BTreeMap::new();
+        for addr in [a, b] {
+            let mut probe = ProxyProbe::new(SystemTime::now());
+            probe.state = ProbeState::Healthy;
+            current.proxies.insert(addr, probe);
+            tasks.insert(addr, (http_target(&p.policy), tokio::spawn(async {})));
+        }
+        (current, tasks)
+    }
+
+    /// A report of `outcome` from `address`, without a route read.
+    fn report(address: SocketAddr, outcome: Outcome) -> Report {
+        Report {
+            address,
+            outcome,
+            latency: Duration::ZERO,
+            routes: None,
+            route_read_turn: None,
         }
     }
 
