@@ -176,6 +176,47 @@ pub(crate) fn changed_from(wanted: &ResourceMap, held: &Holding) -> ResourceMap 
         .collect()
 }
 
+/// When `held` names nothing outside `current`, the resources of `current` the stream
+/// wants (every one, or those among `names`) at a version `held` lacks, and whether it
+/// wants every one; `None` when `held` has a name `current` lacks. One walk of both.
+///
+/// Then nothing is kept for the Envoy's sake beyond the snapshot (no route it holds can
+/// name a resource the snapshot lacks) and nothing it holds is to be removed: what it
+/// should hold is exactly what it wants of the snapshot. This is every round of a sync
+/// from nothing (and of a reconnect that declared only current names).
+pub(crate) fn change_within(
+    held: &Holding,
+    current: &ResourceMap,
+    names: Option<&BTreeSet<Arc<str>>>,
+) -> Option<(ResourceMap, bool)> {
+    let mut held = held.iter().peekable();
+    let mut names = names.map(|n| n.iter().peekable());
+    let mut changed = ResourceMap::new();
+    let mut wants_every_one = true;
+    for (name, r) in current {
+        if held.next_if(|(h, _, _)| ***h < **name).is_some() {
+            return None;
+        }
+        let held_version = held.next_if(|(h, _, _)| ***h == **name).map(|(_, v, _)| v);
+        let wanted = match &mut names {
+            None => true,
+            Some(names) => {
+                while names.next_if(|n| ***n < **name).is_some() {}
+                names.peek().is_some_and(|n| ***n == **name)
+            }
+        };
+        if !wanted {
+            wants_every_one = false;
+        } else if held_version.is_none_or(|v| !Arc::ptr_eq(v, &r.version) && **v != *r.version) {
+            changed.insert(name.clone(), r.clone());
+        }
+    }
+    if held.next().is_some() {
+        return None;
+    }
+    Some((changed, wants_every_one))
+}
+
 /// When `held` is a whole snapshot set with the same names as `current`'s set of `ty`,
 /// the resources that changed; `None` otherwise. The common case after a health or
 /// endpoint change, answered by pointer comparisons alone (snapshots share unchanged

@@ -150,11 +150,14 @@ fn drop_cold_unweighted(
 /// Fills in the bodies of resources `held` knows only by version (declared on a
 /// reconnect) where `wanted` has the same version: versions are content hashes, so the
 /// Envoy holds exactly that body, and what it names can be known.
-pub(crate) fn learn_bodies(held: &mut Holding, wanted: &ResourceMap) {
+pub(crate) fn learn_bodies<'a>(
+    held: &mut Holding,
+    wanted: impl Fn(&str) -> Option<&'a Arc<Resource>>,
+) {
     let Holding::Own(map) = held else { return };
     for (name, h) in map.iter_mut() {
         if h.resource.is_none() {
-            if let Some(r) = wanted.get(name).filter(|r| r.version == h.version) {
+            if let Some(r) = wanted(name).filter(|r| r.version == h.version) {
                 h.resource = Some(r.clone());
             }
         }

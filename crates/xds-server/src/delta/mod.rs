@@ -17,7 +17,9 @@ use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource as DeltaResource,
 };
 
-use super::holding::{changed_from, retain_names, same_names_change, Held, Holding, TypeLedger};
+use super::holding::{
+    change_within, changed_from, retain_names, same_names_change, Held, Holding, TypeLedger,
+};
 use super::names::{intern, NameSet};
 use super::ordering::{
     desired, is_whole_set, learn_bodies, take_budget, ClientHolds, Desired, RESPONSE_BUDGET_BYTES,
@@ -28,6 +30,10 @@ use super::{AdsProtocol, Event, NodeInfo, ProtocolError, TypeStatus};
 mod type_state;
 
 use type_state::{content_key, InFlight, TypeState};
+
+/// What one round sends of a type, what it tells removed, and whether the Envoy then
+/// holds the snapshot's whole set of it.
+type Plan = (ResourceMap, Vec<Arc<str>>, bool);
 
 #[derive(Debug, Default)]
 pub struct DeltaStream {
@@ -79,6 +85,68 @@ impl DeltaStream {
                 return self.respond(ty, snapshot, sent, removed, whole);
             }
         }
+        let planned = match self.plan_within_snapshot(ty, snapshot, warming_gone) {
+            Some(planned) => {
+                #[cfg(test)]
+                self.check_plan(ty, snapshot, &planned);
+                planned
+            }
+            None => self.plan(ty, snapshot),
+        };
+        let (changed, removed, whole) = planned;
+        self.respond(ty, snapshot, changed, removed, whole)
+    }
+
+    /// What to send and remove, when the Envoy holds nothing of `ty` outside the
+    /// snapshot, rejected nothing of it, and no cluster it warms has left the snapshot
+    /// (see [`change_within`]): one walk, where [`DeltaStream::plan`] builds and filters
+    /// the desired set. `None` otherwise, and for routes (merged per Envoy).
+    fn plan_within_snapshot(
+        &mut self,
+        ty: ResourceType,
+        snapshot: &Snapshot,
+        warming_gone: bool,
+    ) -> Option<Plan> {
+        let current = snapshot.resources(ty);
+        let st = &mut self.types[ty.index()];
+        if ty == ResourceType::Route || warming_gone || !st.ledger.rejected.is_empty() {
+            return None;
+        }
+        let names = (!st.wildcard).then_some(&*st.names);
+        let (changed, whole) = change_within(&st.ledger.held, current, names)?;
+        let wants = |name: &str| st.wildcard || st.names.contains(name);
+        learn_bodies(&mut st.ledger.held, |name| {
+            current.get(name).filter(|_| wants(name))
+        });
+        let removed = st
+            .names
+            .iter()
+            .filter(|n| !current.contains_key(*n) && !st.told_absent.contains(*n))
+            .cloned()
+            .collect();
+        Some((changed, removed, whole))
+    }
+
+    /// Test builds: the one-walk plan equals the general one.
+    #[cfg(test)]
+    fn check_plan(&mut self, ty: ResourceType, snapshot: &Snapshot, planned: &Plan) {
+        let general = self.plan(ty, snapshot);
+        let versions = |m: &ResourceMap| -> Vec<(Arc<str>, Arc<str>)> {
+            m.iter()
+                .map(|(n, r)| (n.clone(), r.version.clone()))
+                .collect()
+        };
+        assert_eq!(versions(&planned.0), versions(&general.0), "{ty:?} changed");
+        assert_eq!(planned.1, general.1, "{ty:?} removed");
+        assert_eq!(planned.2, general.2, "{ty:?} whole");
+    }
+
+    /// What to send and remove, in general: the desired set (what the Envoy should hold,
+    /// kept where make-before-break or a rejection says so), its subscribed part, and the
+    /// difference from what it holds.
+    fn plan(&mut self, ty: ResourceType, snapshot: &Snapshot) -> Plan {
+        let current = snapshot.resources(ty);
+        let st = &self.types[ty.index()];
         let holds = ClientHolds {
             acked: [
                 &self.types[0].ledger.held,
@@ -131,7 +199,9 @@ impl DeltaStream {
             .iter()
             .filter_map(|(n, d)| d.resource().map(|r| (n.clone(), r.clone())))
             .collect();
-        learn_bodies(&mut self.types[ty.index()].ledger.held, &wanted_bodies);
+        learn_bodies(&mut self.types[ty.index()].ledger.held, |n| {
+            wanted_bodies.get(n)
+        });
         let st = &self.types[ty.index()];
         let whole =
             wanted_bodies.len() == wanted.len() && is_whole_set(&wanted_bodies, snapshot, ty);
@@ -156,7 +226,7 @@ impl DeltaStream {
         );
         removed.sort();
         removed.dedup();
-        self.respond(ty, snapshot, changed, removed, whole)
+        (changed, removed, whole)
     }
 
     /// Sends `changed` (within the response budget) and `removed`, skipping resources
@@ -171,19 +241,23 @@ impl DeltaStream {
         mut whole: bool,
     ) -> Option<(ResourceType, usize, DeltaDiscoveryResponse)> {
         let st = &mut self.types[ty.index()];
-        let changed: ResourceMap = changed
-            .into_iter()
-            .filter(|(name, r)| {
-                let rejected = st.ledger.rejected.holds_back(
-                    name,
-                    &r.version,
-                    st.ledger.held.version_of(name),
-                );
-                // The Envoy keeps its old version of a rejected resource.
-                whole &= !rejected;
-                !rejected
-            })
-            .collect();
+        let changed: ResourceMap = if st.ledger.rejected.is_empty() {
+            changed
+        } else {
+            changed
+                .into_iter()
+                .filter(|(name, r)| {
+                    let rejected = st.ledger.rejected.holds_back(
+                        name,
+                        &r.version,
+                        st.ledger.held.version_of(name),
+                    );
+                    // The Envoy keeps its old version of a rejected resource.
+                    whole &= !rejected;
+                    !rejected
+                })
+                .collect()
+        };
         if changed.is_empty() && removed.is_empty() {
             if whole {
                 st.ledger.held = Holding::whole(snapshot, ty);

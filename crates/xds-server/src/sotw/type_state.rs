@@ -242,7 +242,7 @@ impl TypeState {
         version: String,
         whole: bool,
     ) -> Option<(ResourceMap, String, Option<Holding>)> {
-        learn_bodies(&mut self.ledger.held, &wanted);
+        learn_bodies(&mut self.ledger.held, |n| wanted.get(n));
         let changed = changed_from(&wanted, &self.ledger.held);
         if changed.is_empty() {
             self.acked_version = version;
