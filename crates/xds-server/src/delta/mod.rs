@@ -775,8 +775,8 @@ mod tests {
 
     #[test]
     fn a_large_initial_sync_is_split_and_ends_whole() {
-        // About 600 KB of endpoints: several times the response budget.
-        let services: Vec<_> = (0..300)
+        // About 2.4 MB of endpoints: several times the response budget.
+        let services: Vec<_> = (0..1200)
             .map(|i| {
                 let mut s = service(&format!("s{i}"), "c", &(8000..8020).collect::<Vec<u16>>());
                 s.hosts = vec![format!("s{i}.example")];
@@ -804,8 +804,8 @@ mod tests {
             responses += 1;
             s.on_request(ack(&r)).unwrap();
         }
-        assert_eq!(received, 300);
-        assert!(responses > 1);
+        assert_eq!(received, 1200);
+        assert!(responses > 2, "{responses}");
         assert!(s.types[1]
             .ledger
             .held
