@@ -326,7 +326,6 @@ impl Prober {
                     .insert(*addr, (target.clone(), tokio::spawn(task.run())));
             }
         }
-        let before = p.current.proxies.len();
         let gone: Vec<SocketAddr> = p
             .current
             .proxies
@@ -340,11 +339,12 @@ impl Prober {
         p.fresh.retain(|addr, _| wanted.contains_key(addr));
         p.streaks.retain(|addr, _| wanted.contains_key(addr));
         let now = SystemTime::now();
+        let mut came = false;
         for addr in wanted.keys() {
-            p.current
-                .proxies
-                .entry(*addr)
-                .or_insert_with(|| ProxyProbe::new(now));
+            if !p.current.proxies.contains_key(addr) {
+                p.current.proxies.insert(*addr, ProxyProbe::new(now));
+                came = true;
+            }
             p.fresh.entry(*addr).or_insert_with(Instant::now);
         }
         p.routes.collect();
@@ -352,7 +352,7 @@ impl Prober {
             .set_held_bytes("routes", p.routes.tables.total_bytes());
         // Both, always: a proxy that came is unknown, so the states are not complete.
         let complete_changed = self.update_complete(&mut p.current);
-        before != p.current.proxies.len() || complete_changed
+        came || !gone.is_empty() || complete_changed
     }
 
     /// Applies `first` and the reports already waiting before one publication: once every
@@ -381,8 +381,7 @@ impl Prober {
                 &mut p.routes,
                 report,
             );
-            changed.health |= applied.health;
-            changed.routes |= applied.routes;
+            changed |= applied;
             taken += 1;
             if taken < MAX_REPORTS_PER_PUBLICATION && !(changed.health && p.current.complete) {
                 next = waiting.try_recv().ok();
@@ -622,6 +621,13 @@ struct Applied {
 impl Applied {
     fn any(self) -> bool {
         self.health || self.routes
+    }
+}
+
+impl std::ops::BitOrAssign for Applied {
+    fn bitor_assign(&mut self, other: Applied) {
+        self.health |= other.health;
+        self.routes |= other.routes;
     }
 }
 
@@ -946,6 +952,32 @@ mod tests {
         assert!(!probing.current.complete, "b has not been probed");
         assert!(p.apply_waiting(&mut probing, report(b, Outcome::Healthy), &mut waiting));
         assert!(probing.current.complete);
+        for (_, (_, t)) in std::mem::take(&mut probing.tasks) {
+            t.abort();
+        }
+    }
+
+    /// A proxy replaced by another in one model change is published at once, though the
+    /// number of proxies and the completeness (not yet complete) are the same.
+    #[tokio::test]
+    async fn a_proxy_replaced_by_another_is_published() {
+        let p = prober();
+        let (a, b, c) = (local(1), local(2), local(3));
+        let before =
+            Model::new(vec![crate::model::test_support::service("s", "c", &[1, 2])]).unwrap();
+        let after =
+            Model::new(vec![crate::model::test_support::service("s", "c", &[1, 3])]).unwrap();
+        let (tx, _reports) = mpsc::channel(64);
+        let (_w, mut waiting) = mpsc::channel(1);
+        let mut probing = p.resume(&ProbeStates::default(), &before, tx);
+        assert!(p.follow(&mut probing, &before));
+        assert!(p.apply_waiting(&mut probing, report(a, Outcome::Healthy), &mut waiting));
+        assert!(!probing.current.complete, "b has not been probed");
+        assert!(!p.follow(&mut probing, &before), "nothing changed");
+        assert!(p.follow(&mut probing, &after), "b went and c came");
+        assert!(!probing.current.proxies.contains_key(&b));
+        assert!(probing.current.proxies.contains_key(&c));
+        assert!(!probing.current.complete, "c has not been probed");
         for (_, (_, t)) in std::mem::take(&mut probing.tasks) {
             t.abort();
         }
