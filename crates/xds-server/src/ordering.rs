@@ -179,6 +179,9 @@ pub(crate) fn is_whole_set(wanted: &ResourceMap, snapshot: &Snapshot, ty: Resour
 /// freed once written (`codec`), so the budget bounds what a stream holds at once while
 /// thousands sync together; each part costs the stream a round trip.
 pub(crate) fn take_budget(changed: ResourceMap, budget: usize) -> (ResourceMap, bool) {
+    if changed.values().map(|r| r.body.value.len()).sum::<usize>() <= budget {
+        return (changed, true); // (The common case: all of it, without a new map.)
+    }
     let mut taken = ResourceMap::new();
     let mut size = 0;
     let total = changed.len();
