@@ -140,10 +140,19 @@ fn prepare(now: &[Held; 4], before: Option<&[Held; 4]>, change: u64) -> Prepared
 pub async fn serve(listen: SocketAddr, path: PathBuf) {
     let first = read(&path).expect("the floor's resources file");
     let (tx, rx) = watch::channel(Arc::new(prepare(&first, None, 0)));
-    // Replaced by a rename: watch the directory, read the file on any event.
+    // Replaced by a rename: watch the directory, read the file when an event other than
+    // an access names it, as ray-xds's file source does. (Reading on any event read it
+    // forever: each read's own open and close are events. The floor spent about a core
+    // on that throughout every run, beside the clients.)
     let (events_tx, mut events) = mpsc::unbounded_channel();
-    let mut watcher = notify::recommended_watcher(move |_: notify::Result<notify::Event>| {
-        let _ = events_tx.send(());
+    let file = path.clone();
+    let mut watcher = notify::recommended_watcher(move |e: notify::Result<notify::Event>| {
+        let changed = e.map_or(true, |e| {
+            !matches!(e.kind, notify::EventKind::Access(_)) && e.paths.contains(&file)
+        });
+        if changed {
+            let _ = events_tx.send(());
+        }
     })
     .expect("a file watcher");
     use notify::Watcher;
