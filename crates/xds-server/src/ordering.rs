@@ -174,22 +174,28 @@ pub(crate) fn is_whole_set(wanted: &ResourceMap, snapshot: &Snapshot, ty: Resour
             .all(|((n1, r1), (n2, r2))| n1 == n2 && Arc::ptr_eq(r1, r2))
 }
 
-/// Takes resources from `changed`, in name order, until their encoded size passes
-/// `budget` bytes (at least one). Each response is framed in a buffer of its own and
-/// freed once written (`codec`), so the budget bounds what a stream holds at once while
-/// thousands sync together; each part costs the stream a round trip.
+/// Takes resources from `changed`, in name order, until their size in the response
+/// ([`Resource::size_in_response`]) passes `budget` bytes (at least one). Each response
+/// is framed in a buffer of its own and freed once written (`codec`), so the budget
+/// bounds what a stream holds at once while thousands sync together; each part costs
+/// the stream a round trip.
 pub(crate) fn take_budget(changed: ResourceMap, budget: usize) -> (ResourceMap, bool) {
-    if changed.values().map(|r| r.body.value.len()).sum::<usize>() <= budget {
+    if changed
+        .values()
+        .map(|r| r.size_in_response())
+        .sum::<usize>()
+        <= budget
+    {
         return (changed, true); // (The common case: all of it, without a new map.)
     }
     let mut taken = ResourceMap::new();
     let mut size = 0;
     let total = changed.len();
     for (name, r) in changed {
-        if !taken.is_empty() && size + r.body.value.len() > budget {
+        if !taken.is_empty() && size + r.size_in_response() > budget {
             break;
         }
-        size += r.body.value.len();
+        size += r.size_in_response();
         taken.insert(name, r);
     }
     let complete = taken.len() == total;

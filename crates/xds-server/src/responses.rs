@@ -18,7 +18,8 @@
 //!
 //! - admission never takes the total past twice the bound (a reservation larger than
 //!   the whole bound counts as the bound); only a response larger than its reservation
-//!   (a stand-in) adds to it unchecked, by its excess;
+//!   (a stand-in, or a long list of names told removed) adds to it unchecked, by its
+//!   excess;
 //! - a client that stops reading holds at most the responses already framed for it
 //!   (one per type in flight), for about the write deadline; meanwhile other peers'
 //!   streams go on within the second half of the bound;

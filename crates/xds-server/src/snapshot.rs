@@ -504,6 +504,13 @@ impl Resource {
     pub fn to_json(&self) -> serde_json::Value {
         super::json::any_to_json(&self.body)
     }
+
+    /// What the resource takes of a response, at most: its body, name and version, and
+    /// their framing. The one measure of both a response's budget and the room a stream
+    /// reserves for it ([`Snapshot::response_room`]).
+    pub(crate) fn size_in_response(&self) -> usize {
+        self.body.value.len() + self.name.len() + self.version.len() + RESOURCE_FRAMING
+    }
 }
 
 pub(crate) type ResourceMap = BTreeMap<Arc<str>, Arc<Resource>>;
@@ -663,9 +670,7 @@ impl Snapshot {
         let response_room = ResourceType::ALL
             .iter()
             .map(|ty| {
-                let sizes = by_type[ty.index()].values().map(|r| {
-                    r.body.value.len() + r.name.len() + r.version.len() + RESOURCE_FRAMING
-                });
+                let sizes = by_type[ty.index()].values().map(|r| r.size_in_response());
                 let (all, largest) = sizes.fold((0usize, 0usize), |(all, largest), size| {
                     (all + size, largest.max(size))
                 });
@@ -691,7 +696,8 @@ impl Snapshot {
     /// ([`crate::responses`]): the most one poll can send, about: for each type, the
     /// whole set where state of the world sends it whole (clusters, listeners), else a
     /// response budget and the largest resource. Only a stand-in (a renamed copy, after
-    /// a reconnect) can come to more; the framed bytes are what is held.
+    /// a reconnect) or a long list of names told removed (at most the names a stream may
+    /// subscribe to) can come to more; the framed bytes are what is held.
     pub fn response_room(&self) -> usize {
         self.response_room
     }

@@ -33,6 +33,10 @@ pub(super) struct TypeState {
     /// Subscribed names that do not exist and that the client was told so (in
     /// `removed_resources`), once each.
     pub(super) told_absent: BTreeSet<Arc<str>>,
+    /// Names were subscribed (or a response telling some absent was NACKed) since a
+    /// plan last looked for subscribed names that do not exist: until one looks, the
+    /// stream is not in sync, even holding the snapshot's whole set.
+    pub(super) absent_unchecked: bool,
     /// What the Envoy holds and rejected, the counts; the content of the response last
     /// NACKed is not sent again until the Envoy ACKs something of this type (a NACK of
     /// a removal alone would otherwise loop).
@@ -111,6 +115,7 @@ impl TypeState {
         for name in &subscribed {
             self.told_absent.remove(name);
         }
+        self.absent_unchecked |= !subscribed.is_empty();
         let unsubscribed = || unsubscribe.iter().filter(|n| *n != "*").map(String::as_str);
         if subscribed.iter().any(|n| !self.names.contains(n))
             || unsubscribed().any(|n| self.names.contains(n))
@@ -133,6 +138,19 @@ impl TypeState {
             if self.ledger.held.contains(name) {
                 self.ledger.held.own().remove(name.as_str());
             }
+        }
+        // What came only through the wildcard gets no more updates: forgotten, as an
+        // unsubscribed name is (sent again if subscribed again). So everything held is
+        // wanted, which the plans' shortcuts rely on.
+        if !self.wildcard
+            && self
+                .ledger
+                .held
+                .iter()
+                .any(|(n, _, _)| !self.names.contains(n))
+        {
+            let names = &self.names;
+            self.ledger.held.own().retain(|n, _| names.contains(n));
         }
     }
 }
