@@ -196,3 +196,34 @@ pub(crate) fn resources_of(services: &[Service]) -> Resources {
 pub(crate) fn snapshot_of(services: Vec<Service>) -> Snapshot {
     Snapshot::build(&resources_of(&services), None).expect("fixtures are consistent")
 }
+
+/// Polls `stream` until it has nothing more to send, answering each response with
+/// `answer`, and holds that no poll frames more than the room a stream reserves for it
+/// (`Snapshot::response_room`). How many polls it took.
+pub(crate) fn assert_every_poll_fits_the_room<P: super::AdsProtocol>(
+    stream: &mut P,
+    snap: &Snapshot,
+    answer: impl Fn(super::snapshot::ResourceType, &P::Response) -> P::Request,
+) -> usize {
+    let mut polls = 0;
+    loop {
+        let out = stream.poll(snap);
+        if out.is_empty() {
+            return polls;
+        }
+        polls += 1;
+        let framed: usize = out
+            .iter()
+            .map(|(_, _, r)| 5 + prost::Message::encoded_len(r))
+            .sum();
+        assert!(
+            framed <= snap.response_room(),
+            "{framed} bytes framed in one poll, room {}",
+            snap.response_room()
+        );
+        for (ty, _, r) in &out {
+            stream.on_request(answer(*ty, r)).unwrap();
+        }
+        assert!(polls < 100, "still answering after {polls} polls");
+    }
+}

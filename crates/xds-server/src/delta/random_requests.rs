@@ -252,40 +252,25 @@ fn every_poll_fits_the_response_room_with_many_small_assignments() {
             .collect();
         let snap = snapshot_of(services);
         let mut s = DeltaStream::new();
-        let mut r = request(ResourceType::Cluster);
-        r.resource_names_subscribe = vec!["*".into()];
-        s.on_request(r).unwrap();
-        let mut r = request(ResourceType::Endpoints);
-        r.resource_names_subscribe = snap
+        subscribe(&mut s, ResourceType::Cluster, &["*"]);
+        let names: Vec<&str> = snap
             .resources(ResourceType::Endpoints)
             .keys()
-            .map(|n| n.to_string())
+            .map(|n| &**n)
             .collect();
-        s.on_request(r).unwrap();
-        let mut polls = 0;
-        loop {
-            let out = s.poll(&snap);
-            if out.is_empty() {
-                break;
-            }
-            polls += 1;
-            let framed: usize = out
-                .iter()
-                .map(|(_, _, r)| 5 + prost::Message::encoded_len(r))
-                .sum();
-            assert!(
-                framed <= snap.response_room(),
-                "{framed} bytes framed in one poll, room {}",
-                snap.response_room()
-            );
-            for (ty, _, r) in out {
-                let mut ack = request(ty);
-                ack.response_nonce = r.nonce;
-                s.on_request(ack).unwrap();
-            }
-            assert!(polls < 50, "still answering");
-        }
+        subscribe(&mut s, ResourceType::Endpoints, &names);
+        crate::fixtures::assert_every_poll_fits_the_room(&mut s, &snap, |ty, r| {
+            let mut ack = request(ty);
+            ack.response_nonce = r.nonce.clone();
+            ack
+        });
     }
+}
+
+fn subscribe(s: &mut DeltaStream, ty: ResourceType, names: &[&str]) {
+    let mut r = request(ty);
+    r.resource_names_subscribe = names.iter().map(|n| n.to_string()).collect();
+    s.on_request(r).unwrap();
 }
 
 /// A name subscribed later that does not exist is told removed at once, though the
@@ -295,17 +280,13 @@ fn every_poll_fits_the_response_room_with_many_small_assignments() {
 fn an_absent_name_subscribed_while_in_sync_is_told_removed() {
     let snap = snapshot_of(vec![service("a", "a1", &[8000])]);
     let mut s = DeltaStream::new();
-    let mut r = request(ResourceType::Endpoints);
-    r.resource_names_subscribe = vec!["default/a/a1".into()];
-    s.on_request(r).unwrap();
+    subscribe(&mut s, ResourceType::Endpoints, &["default/a/a1"]);
     ack_until_quiet(&mut s, &snap);
     assert!(s.types[1]
         .ledger
         .held
         .is_whole(&snap, ResourceType::Endpoints));
-    let mut r = request(ResourceType::Endpoints);
-    r.resource_names_subscribe = vec!["default/nope/x".into()];
-    s.on_request(r).unwrap();
+    subscribe(&mut s, ResourceType::Endpoints, &["default/nope/x"]);
     let out = s.poll(&snap);
     assert_eq!(out.len(), 1);
     assert!(out[0].2.resources.is_empty());
@@ -321,9 +302,7 @@ fn an_absent_name_subscribed_while_in_sync_is_told_removed() {
 fn what_came_through_an_unsubscribed_wildcard_gets_no_updates() {
     let before = snapshot_of(vec![service("a", "a1", &[8000])]);
     let mut s = DeltaStream::new();
-    let mut r = request(ResourceType::Endpoints);
-    r.resource_names_subscribe = vec!["*".into()];
-    s.on_request(r).unwrap();
+    subscribe(&mut s, ResourceType::Endpoints, &["*"]);
     ack_until_quiet(&mut s, &before);
     let mut r = request(ResourceType::Endpoints);
     r.resource_names_unsubscribe = vec!["*".into()];
@@ -341,9 +320,7 @@ fn an_absent_name_subscribed_as_the_wildcard_goes_is_told_removed() {
         service("b", "b1", &[9000]),
     ]);
     let mut s = DeltaStream::new();
-    let mut r = request(ResourceType::Endpoints);
-    r.resource_names_subscribe = vec!["*".into()];
-    s.on_request(r).unwrap();
+    subscribe(&mut s, ResourceType::Endpoints, &["*"]);
     ack_until_quiet(&mut s, &before);
     let mut r = request(ResourceType::Endpoints);
     r.resource_names_subscribe = vec!["default/nope/x".into()];

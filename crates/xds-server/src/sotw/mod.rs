@@ -941,31 +941,14 @@ mod tests {
             .unwrap();
         s.on_request(request(ResourceType::Endpoints, &refs, "", ""))
             .unwrap();
-        let mut polls = 0;
-        loop {
-            let out = s.poll(&snap);
-            if out.is_empty() {
-                break;
-            }
-            polls += 1;
-            let framed: usize = out
-                .iter()
-                .map(|(_, _, r)| 5 + prost::Message::encoded_len(r))
-                .sum();
-            assert!(
-                framed <= snap.response_room(),
-                "{framed} bytes framed in one poll, room {}",
-                snap.response_room()
-            );
-            for (ty, _, r) in &out {
-                let names: &[&str] = if *ty == ResourceType::Endpoints {
-                    &refs
-                } else {
-                    &[]
-                };
-                s.on_request(ack(r, names)).unwrap();
-            }
-        }
+        let polls = crate::fixtures::assert_every_poll_fits_the_room(&mut s, &snap, |ty, r| {
+            let names: &[&str] = if ty == ResourceType::Endpoints {
+                &refs
+            } else {
+                &[]
+            };
+            ack(r, names)
+        });
         assert!(polls > 2, "{polls}");
     }
 
