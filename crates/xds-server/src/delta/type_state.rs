@@ -152,5 +152,12 @@ impl TypeState {
             let names = &self.names;
             self.ledger.held.own().retain(|n, _| names.contains(n));
         }
+        // A response on its way that would leave the Envoy holding a whole set: with
+        // less wanted now, its ACK records only what is still wanted of what it carried.
+        if !unsubscribe.is_empty() {
+            if let Some(f) = &mut self.in_flight {
+                f.then_whole = None;
+            }
+        }
     }
 }
