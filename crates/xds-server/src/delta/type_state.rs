@@ -141,8 +141,10 @@ impl TypeState {
         }
         // What came only through the wildcard gets no more updates: forgotten, as an
         // unsubscribed name is (sent again if subscribed again). So everything held is
-        // wanted, which the plans' shortcuts rely on.
-        if !self.wildcard
+        // wanted, which the plans' shortcuts rely on. Looked at only when `*` goes: not on
+        // every request (each ACK comes through here).
+        let wildcard_gone = !self.wildcard && unsubscribe.iter().any(|n| n == "*");
+        if wildcard_gone
             && self
                 .ledger
                 .held
